@@ -1,0 +1,7 @@
+"""Elastic Orchestrator: elastic training of PyTorch models on Ray actors."""
+from orchestrator.config import JobConfig
+from orchestrator.errors import ConfigError, TrainingError
+from orchestrator.result import TrainResult
+from orchestrator.trainer import ElasticTrainer
+
+__all__ = ["ElasticTrainer", "JobConfig", "TrainResult", "ConfigError", "TrainingError"]

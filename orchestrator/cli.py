@@ -1,0 +1,61 @@
+"""`python -m orchestrator run CONFIG.yaml [--set k=v ...] [--result-json PATH]`."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Optional, Sequence
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orchestrator", description="Elastic training of PyTorch models on Ray.")
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train a job described by a YAML config")
+    run.add_argument("config", help="path to the job's YAML config")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override one config field (repeatable), e.g. --set optimizer.lr=0.1")
+    run.add_argument("--result-json", metavar="PATH", help="write the result as JSON to PATH")
+    run.add_argument("--no-progress", action="store_true", help="no progress display, only the final line")
+    return p
+
+
+def _terminate(signum, frame):  # SIGTERM (e.g. `ray job stop`) ends the run like Ctrl-C
+    raise KeyboardInterrupt
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from orchestrator.config import JobConfig
+    from orchestrator.errors import ConfigError, TrainingError
+
+    try:
+        config = JobConfig.from_yaml(args.config, args.overrides)
+        if args.result_json:
+            parent = os.path.dirname(os.path.abspath(args.result_json))
+            if not os.path.isdir(parent):
+                os.makedirs(parent, exist_ok=True)
+        from orchestrator.trainer import ElasticTrainer
+
+        trainer = ElasticTrainer(config, show_progress=not args.no_progress)
+        trainer.check()  # bad input stops here, before Ray or MLflow start
+    except ConfigError as exc:
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if hasattr(signal, "SIGTERM"):
+        signal.signal(signal.SIGTERM, _terminate)
+    try:
+        result = trainer.fit()
+    except TrainingError as exc:
+        print(f"orchestrator: training failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("orchestrator: interrupted; the MLflow run is marked KILLED", file=sys.stderr)
+        return 130
+    if args.result_json:
+        with open(args.result_json, "w", encoding="utf-8") as f:
+            f.write(result.to_json())
+    return 0

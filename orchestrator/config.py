@@ -1,0 +1,209 @@
+"""The job config: typed, validated, documented; YAML is a view of these models.
+
+Every field carries a one-line description (shown in docs/config.md). Unknown keys are errors.
+`JobConfig.from_yaml(path, overrides)` is the one way in from the outside world; it raises
+`ConfigError` with a single line naming the field or file on bad input.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from orchestrator.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    factory: str = Field(
+        "examples.models:mnist_cnn",
+        description="'module:function' returning a torch.nn.Module; importable on every Ray worker.",
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments passed to the factory."
+    )
+
+    @field_validator("factory")
+    @classmethod
+    def _module_colon_function(cls, v: str) -> str:
+        module, sep, func = v.partition(":")
+        if not sep or not module or not func:
+            raise ValueError(f"must look like 'module:function', got {v!r}")
+        return v
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        "builtin:mnist5k",
+        description="Dataset: builtin:mnist5k (5,000 real MNIST digits), builtin:digits "
+        "(scikit-learn 8x8 digits) or builtin:synthetic (separable Gaussian blobs).",
+    )
+    batch_size: int = Field(64, gt=0, description="Samples per step per replica.")
+    seed: int = Field(0, description="Seed for the split, partition order and shuffling.")
+    partitions: Optional[int] = Field(
+        None, gt=0, description="Partitions the train split is cut into; default 4 x replicas."
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _known_source(cls, v: str) -> str:
+        from orchestrator.data import BUILTIN_SOURCES
+
+        if v.startswith("builtin:") and v.removeprefix("builtin:") not in BUILTIN_SOURCES:
+            names = ", ".join(f"builtin:{n}" for n in BUILTIN_SOURCES)
+            raise ValueError(f"unknown builtin dataset {v!r}; choose one of {names}")
+        if not v.startswith("builtin:"):
+            raise ValueError(f"unsupported source {v!r}; this version reads builtin:<name> sources")
+        return v
+
+
+class OptimizerConfig(_Section):
+    name: Literal["sgd", "adam", "adagrad"] = Field("sgd", description="Optimizer every replica applies.")
+    lr: float = Field(0.05, gt=0, description="Learning rate (per step, for the global batch).")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only).")
+    weight_decay: float = Field(0.0, ge=0, description="L2 penalty added to the gradient.")
+
+
+class StrategyConfig(_Section):
+    mode: Literal["allreduce"] = Field(
+        "allreduce", description="Synchronization mode: allreduce (synchronous data parallel)."
+    )
+    timeout_s: float = Field(
+        60.0, gt=0, description="Timeout of every collective and of a replica that makes no progress."
+    )
+    bucket_mb: float = Field(
+        25.0, gt=0, description="Gradients are all-reduced in flat buckets of at most this size."
+    )
+
+
+class ScalingConfig(_Section):
+    replicas: int = Field(2, ge=1, description="Number of ModelReplica actors.")
+    cpus_per_replica: float = Field(1.0, gt=0, description="Logical CPUs per replica (also its torch threads).")
+    gpus_per_replica: float = Field(0.0, ge=0, description="GPUs per replica; > 0 selects the NCCL backend.")
+
+
+class StopConfig(_Section):
+    epochs: int = Field(5, ge=1, description="Stop after this many epochs.")
+    target_accuracy: Optional[float] = Field(
+        None, gt=0, le=1, description="Stop once the test accuracy reaches this (0..1]."
+    )
+    at_target: bool = Field(
+        True, description="End the run at target_accuracy; false only records time_to_target_s."
+    )
+    max_wall_s: Optional[float] = Field(None, gt=0, description="Stop after this many seconds of training.")
+
+
+class TrackingConfig(_Section):
+    experiment: str = Field("elastic-orchestrator", min_length=1, description="MLflow experiment name.")
+    tracking_uri: Optional[str] = Field(
+        None, description="MLflow tracking URI; default: MLflow's own default (MLFLOW_TRACKING_URI or local)."
+    )
+    run_name: Optional[str] = Field(None, description="MLflow run name; default: MLflow picks one.")
+    log_every_steps: int = Field(10, ge=1, description="Log train loss and samples/s every this many steps.")
+
+
+class CheckpointConfig(_Section):
+    storage: str = Field(
+        "runs/checkpoints",
+        description="Where checkpoints go: a local path or any pyarrow.fs URI (file://, s3://, gs://, hdfs://).",
+    )
+    every_epochs: int = Field(0, ge=0, description="Also checkpoint every N epochs; 0 = only the final model.")
+
+
+class JobConfig(_Section):
+    """A whole job. Build it in Python, or load it from YAML with `JobConfig.from_yaml`."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="What to train.")
+    data: DataConfig = Field(default_factory=DataConfig, description="What to train on.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="How to step.")
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="How replicas synchronize.")
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="How many replicas, how big.")
+    stop: StopConfig = Field(default_factory=StopConfig, description="When to stop.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> "JobConfig":
+        """Validate a nested dict plus `section.key=value` overrides; ConfigError on bad input."""
+        raw = apply_overrides(raw, overrides)
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> "JobConfig":
+        """Load a YAML file (a missing or malformed file is a ConfigError naming the file)."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+        return cls.from_dict(raw, overrides)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """The config as `section.key -> value` (MLflow params)."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict) and value:
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = value
+
+        walk("", self.model_dump(mode="json"))
+        return out
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Return a copy of `raw` with each `a.b.c=value` set; values are parsed as YAML scalars
+    (so `0.1` is a float, `[1, 28, 28]` a list) and then coerced by the field's type."""
+    import copy
+
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line naming the first bad field: `optimizer.lr: Input should be greater than 0 (got -1)`."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "config"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return f"config error: unknown key {loc}"
+    given = err.get("input")
+    shown = "" if isinstance(given, (dict, list)) or given is None else f" (got {given!r})"
+    return f"config error: {loc}: {msg}{shown}"

@@ -1,0 +1,236 @@
+"""The controller: an explicit state machine that turns decisions into actions.
+
+States: STARTING -> RUNNING (one epoch per step()) -> FINISHING -> FINISHED, or ERRORED.
+Policies decide (policies/stop.py, policies/allreduce.py); the controller starts actors,
+moves data into the object store, waits with timeouts, logs to MLflow and checkpoints.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import ray
+
+from orchestrator.checkpoint import save_checkpoint
+from orchestrator.config import JobConfig
+from orchestrator.data import Dataset, assign_partitions, eval_slices, partition
+from orchestrator.errors import TrainingError
+from orchestrator.progress import ProgressDisplay
+from orchestrator.result import FinalMetrics, TrainResult
+from orchestrator.tracking import Tracker
+from policies.allreduce import steps_per_epoch
+from policies.stop import EpochSnapshot, StopPolicy
+
+POLL_INTERVAL_S = 0.5
+CONTROL_CALL_TIMEOUT_S = 30.0
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    FINISHING = "finishing"
+    FINISHED = "finished"
+    ERRORED = "errored"
+
+
+@dataclass
+class RunTotals:
+    epochs: int = 0
+    steps: int = 0
+    samples: int = 0
+    epoch_wall_s: float = 0.0  # whole epochs: training + evaluation + logging
+    train_s: float = 0.0  # inside the replicas' step loops (slowest replica per epoch)
+    comm_s: float = 0.0
+    startup_s: float = 0.0
+    time_to_target_s: Optional[float] = None
+    test_accuracy: float = float("nan")
+    test_loss: float = float("nan")
+    train_loss: float = float("nan")
+    stop_reason: str = ""
+    checkpoint: Optional[str] = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Controller:
+    def __init__(self, config: JobConfig, dataset: Dataset, tracker: Tracker, t0: float,
+                 display: Optional[ProgressDisplay] = None, trace_ids: bool = False) -> None:
+        self.cfg = config
+        self.dataset = dataset
+        self.tracker = tracker
+        self.t0 = t0
+        self.display = display
+        self.trace_ids = trace_ids
+        self.state = State.STARTING
+        self.replicas: list[Any] = []
+        self.totals = RunTotals()
+        self.consumed: list[list[list[int]]] = []  # [epoch][rank] -> row ids (trace_ids only)
+        s = config.stop
+        self.stop_policy = StopPolicy(s.epochs, s.target_accuracy, s.at_target, s.max_wall_s)
+        self.steps_per_epoch = 0
+        self._train_started = 0.0
+
+    # ---- the state machine ---------------------------------------------------------------
+    def step(self) -> State:
+        try:
+            if self.state is State.STARTING:
+                self._start()
+                self.state = State.RUNNING
+            elif self.state is State.RUNNING:
+                if self._run_epoch():
+                    self.state = State.FINISHING
+            elif self.state is State.FINISHING:
+                self._finish()
+                self.state = State.FINISHED
+        except BaseException:
+            self.state = State.ERRORED
+            raise
+        return self.state
+
+    def run(self) -> RunTotals:
+        while self.step() not in (State.FINISHED, State.ERRORED):
+            pass
+        return self.totals
+
+    # ---- STARTING: data into the object store, actors, process group -----------------------
+    def _start(self) -> None:
+        from actors.replica import ModelReplica
+
+        cfg, n = self.cfg, self.cfg.scaling.replicas
+        parts = partition(self.dataset.train, cfg.data.partitions or 4 * n, cfg.data.seed)
+        refs = [ray.put({"x": p.x, "y": p.y, "ids": p.ids}) for p in parts]
+        test_ref = ray.put({"x": self.dataset.test.x, "y": self.dataset.test.y})
+        assignment = assign_partitions(len(parts), n)
+        rows = [sum(len(parts[i]) for i in a) for a in assignment]
+        self.steps_per_epoch = steps_per_epoch(rows, cfg.data.batch_size)
+
+        raw = cfg.model_dump(mode="json")
+        self.replicas = [
+            ModelReplica.options(num_cpus=cfg.scaling.cpus_per_replica, num_gpus=cfg.scaling.gpus_per_replica,
+                                 name=None, max_restarts=0).remote(rank, n, raw)
+            for rank in range(n)
+        ]
+        timeout = cfg.strategy.timeout_s
+        addr, port = self._get(self.replicas[0].rendezvous_address.remote(), "rendezvous", timeout + 60)
+        self._get([r.join_group.remote(addr, port, timeout) for r in self.replicas], "process group", timeout + 60)
+        slices = eval_slices(len(self.dataset.test), n)
+        self._get([r.load_data.remote([refs[i] for i in assignment[k]], [test_ref], slices[k])
+                   for k, r in enumerate(self.replicas)], "data load", timeout)
+        self.totals.startup_s = time.perf_counter() - self.t0
+        self._train_started = time.perf_counter()
+        self.tracker.event("started", self.t0, replicas=n, steps_per_epoch=self.steps_per_epoch,
+                           partitions=len(parts), rows_per_replica=rows, startup_s=round(self.totals.startup_s, 3))
+        self._say(f"started {n} replicas ({self.steps_per_epoch} steps/epoch, {len(parts)} partitions) "
+                  f"in {self.totals.startup_s:.1f}s")
+
+    # ---- RUNNING: one epoch, evaluation, logging, the stop decision ------------------------
+    def _run_epoch(self) -> bool:
+        cfg, tot = self.cfg, self.totals
+        epoch = tot.epochs + 1
+        t_epoch = time.perf_counter()
+        refs = [r.run_epoch.remote(epoch, self.steps_per_epoch, cfg.tracking.log_every_steps, self.trace_ids)
+                for r in self.replicas]
+        stats = self._await_epoch(refs, epoch)
+        correct, loss_sum, rows = map(sum, zip(*self._get([r.evaluate.remote() for r in self.replicas],
+                                                           "evaluation", cfg.strategy.timeout_s)))
+        acc, test_loss = correct / rows, loss_sum / rows
+
+        tot.epochs = epoch
+        tot.steps += self.steps_per_epoch
+        tot.samples += sum(s["samples"] for s in stats)
+        tot.train_s += max(s["train_s"] for s in stats)
+        tot.comm_s += max(s["comm_s"] for s in stats)
+        tot.train_loss = stats[0]["log"][-1]["loss"]
+        tot.test_accuracy, tot.test_loss = acc, test_loss
+        if self.trace_ids:
+            self.consumed.append([s["consumed"] for s in sorted(stats, key=lambda s: s["rank"])])
+        elapsed = time.perf_counter() - self.t0
+        target = cfg.stop.target_accuracy
+        if target is not None and tot.time_to_target_s is None and acc >= target:
+            tot.time_to_target_s = elapsed
+            self.tracker.event("target_reached", self.t0, epoch=epoch, test_accuracy=acc, target=target)
+
+        rows_out = [(k, row[k], row["step"]) for row in stats[0]["log"] for k in ("loss", "samples_per_s")]
+        rows_out = [("train_loss" if k == "loss" else k, v, s) for k, v, s in rows_out]
+        rows_out += [("test_accuracy", acc, tot.steps), ("test_loss", test_loss, tot.steps), ("epoch", epoch, tot.steps),
+                     ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
+        self.tracker.log_metrics(rows_out)
+        tot.epoch_wall_s += time.perf_counter() - t_epoch
+        tot.history.append({"epoch": epoch, "test_accuracy": acc, "test_loss": test_loss, "t": round(elapsed, 3)})
+        self.tracker.event("epoch_end", self.t0, epoch=epoch, step=tot.steps, test_accuracy=round(acc, 4),
+                           test_loss=round(test_loss, 4), train_loss=round(tot.train_loss, 4))
+        self._say(f"epoch {epoch}: test_accuracy {acc:.4f}  test_loss {test_loss:.4f}  "
+                  f"train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
+
+        decision = self.stop_policy.decide(EpochSnapshot(epoch, acc, time.perf_counter() - self._train_started))
+        if decision.stop:
+            tot.stop_reason = decision.reason
+            self.tracker.event("stop", self.t0, reason=decision.reason)
+        return decision.stop
+
+    def _await_epoch(self, refs: list, epoch: int) -> list[dict[str, Any]]:
+        """Wait for every replica's epoch, showing progress; a dead replica or one that makes no
+        progress for strategy.timeout_s surfaces as a TrainingError, never a hang."""
+        timeout = self.cfg.strategy.timeout_s
+        pending, last_step, last_change = list(refs), -1, time.perf_counter()
+        first_step = self.totals.steps
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_INTERVAL_S)
+            for rank, ref in enumerate(refs):
+                if ref not in pending:
+                    self._get(ref, f"replica {rank} epoch {epoch}", timeout)  # raises if it died
+            if not pending:
+                break
+            prog = self._get(self.replicas[0].progress.remote(), "progress", CONTROL_CALL_TIMEOUT_S)
+            if self.display is not None:
+                self.display.steps(epoch, prog["step"] - first_step, prog["loss"])
+            now = time.perf_counter()
+            if prog["step"] != last_step:
+                last_step, last_change = prog["step"], now
+            elif now - last_change > timeout:
+                raise TrainingError(f"no progress for {timeout:.0f}s in epoch {epoch} (strategy.timeout_s)")
+        return [ray.get(r) for r in refs]
+
+    # ---- FINISHING: final checkpoint and artifacts -----------------------------------------
+    def _finish(self) -> None:
+        state = self._get(self.replicas[0].state.remote(), "final state", CONTROL_CALL_TIMEOUT_S)
+        state.update(epoch=self.totals.epochs, mlflow_run_id=self.tracker.run_id,
+                     config=self.cfg.model_dump(mode="json"))
+        self.totals.checkpoint = save_checkpoint(self.cfg.checkpoint.storage, self.tracker.run_id, "model.pt", state)
+        with tempfile.TemporaryDirectory() as tmp:
+            import torch
+
+            path = os.path.join(tmp, "model.pt")
+            torch.save(state["model"], path)
+            self.tracker.log_file(path)
+        self.tracker.event("checkpoint", self.t0, path=self.totals.checkpoint)
+
+    def shutdown(self) -> None:
+        """Leave the process group and stop every actor this controller started."""
+        for r in self.replicas:
+            try:
+                ray.kill(r, no_restart=True)
+            except Exception:
+                pass
+        self.replicas = []
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _get(self, refs, what: str, timeout: float):
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TrainingError(f"{what}: no answer within {timeout:.0f}s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise TrainingError(f"{what}: a replica died ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise TrainingError(f"{what}: {exc.cause if hasattr(exc, 'cause') else exc}") from None
+
+    def _say(self, text: str) -> None:
+        if self.display is not None:
+            self.display.line(text)

