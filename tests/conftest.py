@@ -1,0 +1,93 @@
+"""Shared fixtures. One real Ray head per session (token auth on, 127.0.0.1), one real
+`mlflow server` for end-to-end tests; every test's MLflow default points at a temp dir."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import secrets
+
+import pytest
+
+# Ray reads its auth token once per process: fix this session's token before anything imports ray.
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(16)
+os.environ.pop("RAY_ADDRESS", None)
+
+from tests.ray_head import RayHead, free_port  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_in_tmp(tmp_path, monkeypatch):
+    """No test writes MLflow data into the repo: the default store is a temp sqlite file."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    head = RayHead.start(num_cpus=4)
+    yield head
+    head.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(ray_head):
+    """This process connected to the session's Ray head (shared by all Ray tests)."""
+    import ray
+
+    ray.init(address=ray_head.address, logging_level="WARNING")
+    yield ray_head
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1 with a sqlite store and a local artifact root."""
+    root = tmp_path_factory.mktemp("mlflow_server")
+    port = free_port()
+    log = open(root / "server.log", "w")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "mlflow"), "server", "--host", "127.0.0.1",
+           "--port", str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+           "--artifacts-destination", str(root / "artifacts")]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited; see {root}/server.log")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except Exception:
+            time.sleep(0.5)
+    else:
+        raise RuntimeError(f"mlflow server not up in 90s; see {root}/server.log")
+    yield url
+    os.killpg(os.getpgid(proc.pid), 15)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(os.getpgid(proc.pid), 9)
+
+
+def job_config(**sections) -> "JobConfig":
+    """A small, fast job (synthetic blobs, tiny MLP) with per-section overrides."""
+    from orchestrator.config import JobConfig
+
+    raw = {
+        "model": {"factory": "examples.models:tiny_mlp"},
+        "data": {"source": "builtin:synthetic", "batch_size": 32},
+        "optimizer": {"lr": 0.05},
+        "scaling": {"replicas": 2, "cpus_per_replica": 1},
+        "stop": {"epochs": 2},
+        "strategy": {"timeout_s": 30},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return JobConfig.from_dict(raw)

@@ -1,0 +1,38 @@
+import numpy as np
+import pytest
+
+from orchestrator.data import assign_partitions, eval_slices, load_source, partition
+from policies.stop import EpochSnapshot, StopPolicy
+
+
+def test_mnist5k_fixed_stratified_split():
+    d = load_source("builtin:mnist5k")
+    assert len(d.train) == 4000 and len(d.test) == 1000
+    assert d.train.x.shape[1:] == (1, 28, 28) and d.train.x.dtype == np.float32
+    assert np.bincount(d.test.y).tolist() == [100] * 10
+    assert not set(d.train.ids) & set(d.test.ids)
+    again = load_source("builtin:mnist5k", seed=7)
+    assert np.array_equal(again.test.ids, d.test.ids)  # fixed split
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_partitions_cover_train_once(replicas):
+    d = load_source("builtin:digits")
+    parts = partition(d.train, 4 * replicas, seed=3)
+    ids = np.concatenate([p.ids for p in parts])
+    assert sorted(ids) == sorted(d.train.ids)
+    owned = assign_partitions(len(parts), replicas)
+    assert sorted(i for a in owned for i in a) == list(range(len(parts)))
+    slices = eval_slices(len(d.test), replicas)
+    assert slices[0][0] == 0 and slices[-1][1] == len(d.test)
+
+
+def test_stop_policy_says_why():
+    pol = StopPolicy(epochs=3, target_accuracy=0.9, max_wall_s=100)
+    assert not pol.decide(EpochSnapshot(1, 0.5, 10)).stop
+    d = pol.decide(EpochSnapshot(1, 0.95, 10))
+    assert d.stop and "target" in d.reason and "0.9500" in d.reason
+    assert "epochs: 3 >= stop.epochs (3)" in pol.decide(EpochSnapshot(3, 0.5, 10)).reason
+    assert "wall" in pol.decide(EpochSnapshot(1, 0.5, 100)).reason
+    keep_going = StopPolicy(epochs=3, target_accuracy=0.9, at_target=False)
+    assert not keep_going.decide(EpochSnapshot(1, 0.95, 1)).stop
