@@ -81,7 +81,8 @@ class ModelReplica:
 
     # ---- training ------------------------------------------------------------------------
     def run_epoch(self, epoch: int, steps: int, log_every: int, trace_ids: bool = False) -> dict[str, Any]:
-        """Take `steps` synchronous steps over this replica's rows in this epoch's order."""
+        """Take `steps` synchronous steps over this replica's rows in this epoch's order, then
+        evaluate this replica's slice of the test split (in the same call: one round trip)."""
         self.model.train()
         bs = self.cfg["data"]["batch_size"]
         order = torch.from_numpy(epoch_order(len(self.y), self.cfg["data"]["seed"], epoch, self.rank))
@@ -105,12 +106,14 @@ class ModelReplica:
                 t_window = now
         train_s = time.perf_counter() - t_epoch
         return {"rank": self.rank, "steps": steps, "samples": steps * bs, "train_s": train_s,
-                "comm_s": comm_s, "log": log, "consumed": consumed}
+                "comm_s": comm_s, "log": log, "consumed": consumed, "eval": self.evaluate()}
 
-    @torch.no_grad()
-    def evaluate(self, batch: int = 500) -> tuple[int, float, int]:
-        """(correct, summed loss, rows) on this replica's slice of the test split."""
+    @torch.inference_mode()
+    def evaluate(self) -> tuple[int, float, int]:
+        """(correct, summed loss, rows) on this replica's slice of the test split. Batches of
+        data.batch_size: small batches stay in cache and run ~2x faster than one big one on CPU."""
         self.model.eval()
+        batch = self.cfg["data"]["batch_size"]
         correct, loss_sum = 0, 0.0
         for lo in range(0, len(self.test_y), batch):
             x = self.test_x[lo : lo + batch].to(self.device)

@@ -59,7 +59,7 @@ class RunTotals:
 
 
 class Controller:
-    def __init__(self, config: JobConfig, dataset: Dataset, tracker: Tracker, t0: float,
+    def __init__(self, config: JobConfig, dataset: Dataset, tracker: Optional[Tracker], t0: float,
                  display: Optional[ProgressDisplay] = None, trace_ids: bool = False) -> None:
         self.cfg = config
         self.dataset = dataset
@@ -99,9 +99,22 @@ class Controller:
         return self.totals
 
     # ---- STARTING: data into the object store, actors, process group -----------------------
-    def _start(self) -> None:
+    def launch(self) -> None:
+        """Ask Ray for the replica actors and return at once: their worker processes boot
+        (import torch, build the model) while the caller does other start-up work."""
         from actors.replica import ModelReplica
 
+        cfg, n = self.cfg, self.cfg.scaling.replicas
+        raw = cfg.model_dump(mode="json")
+        self.replicas = [
+            ModelReplica.options(num_cpus=cfg.scaling.cpus_per_replica, num_gpus=cfg.scaling.gpus_per_replica,
+                                 max_restarts=0).remote(rank, n, raw)
+            for rank in range(n)
+        ]
+
+    def _start(self) -> None:
+        if not self.replicas:
+            self.launch()
         cfg, n = self.cfg, self.cfg.scaling.replicas
         parts = partition(self.dataset.train, cfg.data.partitions or 4 * n, cfg.data.seed)
         refs = [ray.put({"x": p.x, "y": p.y, "ids": p.ids}) for p in parts]
@@ -109,13 +122,6 @@ class Controller:
         assignment = assign_partitions(len(parts), n)
         rows = [sum(len(parts[i]) for i in a) for a in assignment]
         self.steps_per_epoch = steps_per_epoch(rows, cfg.data.batch_size)
-
-        raw = cfg.model_dump(mode="json")
-        self.replicas = [
-            ModelReplica.options(num_cpus=cfg.scaling.cpus_per_replica, num_gpus=cfg.scaling.gpus_per_replica,
-                                 name=None, max_restarts=0).remote(rank, n, raw)
-            for rank in range(n)
-        ]
         timeout = cfg.strategy.timeout_s
         addr, port = self._get(self.replicas[0].rendezvous_address.remote(), "rendezvous", timeout + 60)
         self._get([r.join_group.remote(addr, port, timeout) for r in self.replicas], "process group", timeout + 60)
@@ -137,8 +143,7 @@ class Controller:
         refs = [r.run_epoch.remote(epoch, self.steps_per_epoch, cfg.tracking.log_every_steps, self.trace_ids)
                 for r in self.replicas]
         stats = self._await_epoch(refs, epoch)
-        correct, loss_sum, rows = map(sum, zip(*self._get([r.evaluate.remote() for r in self.replicas],
-                                                           "evaluation", cfg.strategy.timeout_s)))
+        correct, loss_sum, rows = map(sum, zip(*(s["eval"] for s in stats)))
         acc, test_loss = correct / rows, loss_sum / rows
 
         tot.epochs = epoch

@@ -1,7 +1,6 @@
 """ElasticTrainer: the Python API. `ElasticTrainer(JobConfig(...)).fit()` -> TrainResult."""
 from __future__ import annotations
 
-import json
 import time
 from typing import Optional
 
@@ -59,21 +58,18 @@ class ElasticTrainer:
         from orchestrator import cluster
         from orchestrator.controller import Controller
         from orchestrator.progress import ProgressDisplay
-        from orchestrator.tracking import Tracker, environment_tags
 
         t0 = time.perf_counter()
         cfg = self.config
         dataset = self.check()
         started_ray = cluster.connect(cfg.scaling.replicas * cfg.scaling.cpus_per_replica)
-        tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.tracking.run_name)
-        tracker.log_params(cfg.flat())
-        tracker.set_tags({"mode": cfg.strategy.mode, "replicas": cfg.scaling.replicas, **environment_tags()})
-        tracker.log_text(cfg.to_yaml(), "config.yaml")
         display = ProgressDisplay(cfg.stop.epochs, 0, enabled=self.show_progress)
-        display.line(f"tracking to {tracker.where()}")
-        self.controller = ctl = Controller(cfg, dataset, tracker, t0, display, trace_ids=self._trace_ids)
-        status = "FAILED"
+        self.controller = ctl = Controller(cfg, dataset, None, t0, display, trace_ids=self._trace_ids)
+        tracker, status = None, "FAILED"
         try:
+            ctl.launch()  # replica processes boot while MLflow opens its store
+            ctl.tracker = tracker = _open_tracking(cfg)
+            display.line(f"tracking to {tracker.where()}")
             totals = ctl.run()
             status = "FINISHED"
         except KeyboardInterrupt:
@@ -82,29 +78,43 @@ class ElasticTrainer:
         finally:
             display.close()
             ctl.shutdown()
-            if status != "FINISHED":
+            if tracker is not None and status != "FINISHED":
                 tracker.event("ended", t0, status=status)
                 tracker.finish(status)
             if started_ray:
                 ray.shutdown()
-        result = TrainResult(
-            mlflow_run_id=tracker.run_id, mode=cfg.strategy.mode, replicas=cfg.scaling.replicas,
-            epochs=totals.epochs, steps=totals.steps, samples=totals.samples,
-            wall_s=time.perf_counter() - t0,
-            samples_per_s=totals.samples / max(totals.epoch_wall_s, 1e-9),
-            steady_samples_per_s=totals.samples / max(totals.train_s, 1e-9),
-            startup_s=totals.startup_s, time_to_target_s=totals.time_to_target_s,
-            final=FinalMetrics(totals.test_accuracy, totals.test_loss, totals.train_loss),
-            stop_reason=totals.stop_reason, checkpoint=totals.checkpoint,
-            tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id,
-            events=tracker.events,
-        )
+        result = _result(cfg, totals, tracker, time.perf_counter() - t0)
         tracker.event("finished", t0, wall_s=round(result.wall_s, 3))
-        tracker.log_metrics([("wall_s", result.wall_s, totals.steps), ("samples_per_s_whole", result.samples_per_s, totals.steps),
+        tracker.log_metrics([("wall_s", result.wall_s, totals.steps),
+                             ("samples_per_s_whole", result.samples_per_s, totals.steps),
                              ("steady_samples_per_s", result.steady_samples_per_s, totals.steps)])
         tracker.log_text(result.to_json(), "result.json")
         tracker.finish("FINISHED")
         if self.show_progress:
-            print(f"done: {result.stop_reason}; test_accuracy {result.final.test_accuracy:.4f}; "
-                  f"{tracker.where()}; checkpoint {result.checkpoint}", flush=True)
+            print(f"done: {result.stop_reason}; test_accuracy {result.final.test_accuracy:.4f}\n"
+                  f"{tracker.where()}\n  view it: mlflow ui --backend-store-uri {tracker.tracking_uri}\n"
+                  f"checkpoint: {result.checkpoint}", flush=True)
         return result
+
+
+def _open_tracking(cfg: JobConfig):
+    from orchestrator.tracking import Tracker, environment_tags
+
+    tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.tracking.run_name)
+    tracker.log_params(cfg.flat())
+    tracker.set_tags({"mode": cfg.strategy.mode, "replicas": cfg.scaling.replicas, **environment_tags()})
+    tracker.log_text(cfg.to_yaml(), "config.yaml")
+    return tracker
+
+
+def _result(cfg: JobConfig, totals, tracker, wall_s: float) -> TrainResult:
+    return TrainResult(
+        mlflow_run_id=tracker.run_id, mode=cfg.strategy.mode, replicas=cfg.scaling.replicas,
+        epochs=totals.epochs, steps=totals.steps, samples=totals.samples, wall_s=wall_s,
+        samples_per_s=totals.samples / max(totals.epoch_wall_s, 1e-9),
+        steady_samples_per_s=totals.samples / max(totals.train_s, 1e-9),
+        startup_s=totals.startup_s, time_to_target_s=totals.time_to_target_s,
+        final=FinalMetrics(totals.test_accuracy, totals.test_loss, totals.train_loss),
+        stop_reason=totals.stop_reason, checkpoint=totals.checkpoint,
+        tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id, events=tracker.events,
+    )
