@@ -1,16 +1,17 @@
 """ModelReplica: one model copy in a Ray actor. It holds state and moves tensors; the update
 rule it runs lives in policies/ (allreduce_step), the decisions in the driver.
 
-A replica runs a whole epoch on its own (`run_epoch`) and is never called per step; the
-driver reads `progress()` from a separate concurrency group while the epoch runs.
+A replica runs a whole epoch on its own (`run_epoch`) and is never called per step; it streams
+progress rows back to the driver as a Ray streaming generator while the epoch runs. (A second
+concurrency group for polling was tried first: running the step loop off the actor's main
+thread cost ~10% of step throughput.)
 """
 from __future__ import annotations
 
 import os
-import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import ray
@@ -30,7 +31,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@ray.remote(concurrency_groups={"control": 1})
+class ProcessGroupReducer:
+    """Sums a bucket across replicas with an asynchronous torch.distributed all-reduce (the
+    process group's timeout bounds every wait)."""
+
+    def start(self, tensor: torch.Tensor):
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+
+    def wait(self, handle) -> None:
+        handle.wait()
+
+
+@ray.remote
 class ModelReplica:
     def __init__(self, rank: int, world_size: int, config: dict[str, Any]) -> None:
         self.rank, self.world_size = rank, world_size
@@ -43,8 +55,7 @@ class ModelReplica:
         self.optimizer = make_optimizer(opt["name"], self.model.parameters(), opt["lr"], opt["momentum"], opt["weight_decay"])
         bucket_bytes = int(config["strategy"]["bucket_mb"] * 2**20)
         self.buckets = GradientBuckets.attach([p for p in self.model.parameters() if p.requires_grad], bucket_bytes)
-        self._progress = {"rank": rank, "epoch": 0, "step": 0, "loss": float("nan"), "samples": 0}
-        self._lock = threading.Lock()
+        self.reducer = ProcessGroupReducer()
         self.step = 0
 
     # ---- process group -------------------------------------------------------------------
@@ -60,10 +71,6 @@ class ModelReplica:
         )
         return self.rank
 
-    def _reduce_sum_(self, tensors) -> None:
-        works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in tensors]
-        for w in works:
-            w.wait()
 
     # ---- data ----------------------------------------------------------------------------
     def load_data(self, train_parts: list, test_part: list, test_slice: tuple[int, int]) -> int:
@@ -80,33 +87,33 @@ class ModelReplica:
         return len(self.y)
 
     # ---- training ------------------------------------------------------------------------
-    def run_epoch(self, epoch: int, steps: int, log_every: int, trace_ids: bool = False) -> dict[str, Any]:
+    def run_epoch(self, epoch: int, steps: int, log_every: int, trace_ids: bool = False) -> Iterator[dict[str, Any]]:
         """Take `steps` synchronous steps over this replica's rows in this epoch's order, then
-        evaluate this replica's slice of the test split (in the same call: one round trip)."""
+        evaluate this replica's slice of the test split. A Ray streaming generator: yields a
+        progress row every `log_every` steps (the driver's display, step metrics and stall
+        check), and last the epoch's totals with the evaluation (one call per epoch)."""
         self.model.train()
         bs = self.cfg["data"]["batch_size"]
         order = torch.from_numpy(epoch_order(len(self.y), self.cfg["data"]["seed"], epoch, self.rank))
-        log, consumed = [], []
-        comm_s = 0.0
+        consumed, comm_s = [], 0.0
         t_epoch = t_window = time.perf_counter()
         for i in range(steps):
             idx = order[i * bs : (i + 1) * bs]
             x, y = self.x[idx].to(self.device, non_blocking=True), self.y[idx].to(self.device, non_blocking=True)
-            loss, c = allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.world_size, self._reduce_sum_)
+            loss, c = allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.world_size, self.reducer)
             comm_s += c
             self.step += 1
             if trace_ids:
                 consumed.append(self.ids[idx.numpy()].tolist())
-            with self._lock:
-                self._progress.update(epoch=epoch, step=self.step, loss=loss, samples=self._progress["samples"] + bs)
             if (i + 1) % log_every == 0 or i + 1 == steps:
                 now = time.perf_counter()
                 n_steps = (i + 1) % log_every or log_every
-                log.append({"step": self.step, "loss": loss, "samples_per_s": n_steps * bs * self.world_size / (now - t_window)})
+                yield {"kind": "progress", "rank": self.rank, "epoch": epoch, "step": self.step, "step_in_epoch": i + 1,
+                       "loss": loss, "samples_per_s": n_steps * bs * self.world_size / (now - t_window)}
                 t_window = now
         train_s = time.perf_counter() - t_epoch
-        return {"rank": self.rank, "steps": steps, "samples": steps * bs, "train_s": train_s,
-                "comm_s": comm_s, "log": log, "consumed": consumed, "eval": self.evaluate()}
+        yield {"kind": "epoch", "rank": self.rank, "steps": steps, "samples": steps * bs, "train_s": train_s,
+               "comm_s": comm_s, "consumed": consumed, "eval": self.evaluate(), "loss": loss}
 
     @torch.inference_mode()
     def evaluate(self) -> tuple[int, float, int]:
@@ -124,11 +131,6 @@ class ModelReplica:
         return correct, loss_sum, len(self.test_y)
 
     # ---- state ---------------------------------------------------------------------------
-    @ray.method(concurrency_group="control")
-    def progress(self) -> dict[str, Any]:
-        with self._lock:
-            return dict(self._progress)
-
     def flat_parameters(self) -> np.ndarray:
         return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters()]).numpy()
 

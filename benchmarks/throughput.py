@@ -141,7 +141,7 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     import ray
 
-    reps, epochs = (1, 6) if args.quick else (3, 8)
+    reps, epochs = (2, 6) if args.quick else (3, 8)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     runs: dict[str, list] = {"single_process_steady": [], "ours": [], "ray_train": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="override one config field (repeatable), e.g. --set optimizer.lr=0.1")
     run.add_argument("--result-json", metavar="PATH", help="write the result as JSON to PATH")
     run.add_argument("--no-progress", action="store_true", help="no progress display, only the final line")
+    sub.add_parser("config-reference", help="print the config reference (docs/config.md)")
     return p
 
 
@@ -29,7 +30,11 @@ def _terminate(signum, frame):  # SIGTERM (e.g. `ray job stop`) ends the run lik
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    from orchestrator.config import JobConfig
+    from orchestrator.config import JobConfig, reference_markdown
+
+    if args.command == "config-reference":
+        print(reference_markdown())
+        return 0
     from orchestrator.errors import ConfigError, TrainingError
 
     try:

@@ -28,7 +28,6 @@ from orchestrator.tracking import Tracker
 from policies.allreduce import steps_per_epoch
 from policies.stop import EpochSnapshot, StopPolicy
 
-POLL_INTERVAL_S = 0.5
 CONTROL_CALL_TIMEOUT_S = 30.0
 
 
@@ -140,9 +139,9 @@ class Controller:
         cfg, tot = self.cfg, self.totals
         epoch = tot.epochs + 1
         t_epoch = time.perf_counter()
-        refs = [r.run_epoch.remote(epoch, self.steps_per_epoch, cfg.tracking.log_every_steps, self.trace_ids)
-                for r in self.replicas]
-        stats = self._await_epoch(refs, epoch)
+        streams = [r.run_epoch.remote(epoch, self.steps_per_epoch, cfg.tracking.log_every_steps, self.trace_ids)
+                   for r in self.replicas]
+        stats, progress = self._drain(streams, epoch)
         correct, loss_sum, rows = map(sum, zip(*(s["eval"] for s in stats)))
         acc, test_loss = correct / rows, loss_sum / rows
 
@@ -151,18 +150,18 @@ class Controller:
         tot.samples += sum(s["samples"] for s in stats)
         tot.train_s += max(s["train_s"] for s in stats)
         tot.comm_s += max(s["comm_s"] for s in stats)
-        tot.train_loss = stats[0]["log"][-1]["loss"]
+        tot.train_loss = stats[0]["loss"]
         tot.test_accuracy, tot.test_loss = acc, test_loss
         if self.trace_ids:
-            self.consumed.append([s["consumed"] for s in sorted(stats, key=lambda s: s["rank"])])
+            self.consumed.append([s["consumed"] for s in stats])
         elapsed = time.perf_counter() - self.t0
         target = cfg.stop.target_accuracy
         if target is not None and tot.time_to_target_s is None and acc >= target:
             tot.time_to_target_s = elapsed
             self.tracker.event("target_reached", self.t0, epoch=epoch, test_accuracy=acc, target=target)
 
-        rows_out = [(k, row[k], row["step"]) for row in stats[0]["log"] for k in ("loss", "samples_per_s")]
-        rows_out = [("train_loss" if k == "loss" else k, v, s) for k, v, s in rows_out]
+        rows_out = [(key, p[field], p["step"]) for p in progress
+                    for key, field in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"))]
         rows_out += [("test_accuracy", acc, tot.steps), ("test_loss", test_loss, tot.steps), ("epoch", epoch, tot.steps),
                      ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
         self.tracker.log_metrics(rows_out)
@@ -179,28 +178,34 @@ class Controller:
             self.tracker.event("stop", self.t0, reason=decision.reason)
         return decision.stop
 
-    def _await_epoch(self, refs: list, epoch: int) -> list[dict[str, Any]]:
-        """Wait for every replica's epoch, showing progress; a dead replica or one that makes no
-        progress for strategy.timeout_s surfaces as a TrainingError, never a hang."""
+    def _drain(self, streams: list, epoch: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Read every replica's epoch stream to its end. Returns (epoch totals by rank, rank 0's
+        progress rows). A dead replica, or no word from any replica for strategy.timeout_s,
+        surfaces as a TrainingError: never a hang."""
         timeout = self.cfg.strategy.timeout_s
-        pending, last_step, last_change = list(refs), -1, time.perf_counter()
-        first_step = self.totals.steps
-        while pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_INTERVAL_S)
-            for rank, ref in enumerate(refs):
-                if ref not in pending:
-                    self._get(ref, f"replica {rank} epoch {epoch}", timeout)  # raises if it died
-            if not pending:
-                break
-            prog = self._get(self.replicas[0].progress.remote(), "progress", CONTROL_CALL_TIMEOUT_S)
-            if self.display is not None:
-                self.display.steps(epoch, prog["step"] - first_step, prog["loss"])
-            now = time.perf_counter()
-            if prog["step"] != last_step:
-                last_step, last_change = prog["step"], now
-            elif now - last_change > timeout:
-                raise TrainingError(f"no progress for {timeout:.0f}s in epoch {epoch} (strategy.timeout_s)")
-        return [ray.get(r) for r in refs]
+        finals: dict[int, dict[str, Any]] = {}
+        progress: list[dict[str, Any]] = []
+        active = dict(enumerate(streams))
+        while active:
+            ready, _ = ray.wait(list(active.values()), num_returns=1, timeout=timeout)
+            if not ready:
+                raise TrainingError(f"no progress from any replica for {timeout:.0f}s in epoch {epoch} (strategy.timeout_s)")
+            for rank, stream in list(active.items()):
+                if stream not in ready:
+                    continue
+                try:
+                    ref = next(stream)
+                except StopIteration:
+                    del active[rank]
+                    continue
+                item = self._get(ref, f"replica {rank} epoch {epoch}", timeout)
+                if item["kind"] == "epoch":
+                    finals[rank] = item
+                elif rank == 0:
+                    progress.append(item)
+                    if self.display is not None:
+                        self.display.steps(epoch, item["step_in_epoch"], item["loss"], self.steps_per_epoch)
+        return [finals[r] for r in sorted(finals)], progress
 
     # ---- FINISHING: final checkpoint and artifacts -----------------------------------------
     def _finish(self) -> None:

@@ -9,25 +9,28 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class ProgressDisplay:
-    def __init__(self, total_epochs: int, steps_per_epoch: int, enabled: bool = True) -> None:
+    def __init__(self, total_epochs: int, enabled: bool = True) -> None:
         self.console = Console(stderr=False)
+        self.enabled = enabled
         self.live = enabled and self.console.is_terminal
-        self.steps_per_epoch = steps_per_epoch
+        self.total_epochs = total_epochs
         self._bar: Optional[Progress] = None
         if self.live:
             self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=self.console)
-            self._task = self._bar.add_task("epoch 1", total=steps_per_epoch, info="")
+            self._task = self._bar.add_task("starting", total=None, info="")
             self._bar.start()
 
-    def steps(self, epoch: int, step_in_epoch: int, loss: float) -> None:
+    def steps(self, epoch: int, step_in_epoch: int, loss: float, total: int) -> None:
         if self._bar is not None:
-            self._bar.update(self._task, description=f"epoch {epoch}", completed=step_in_epoch,
-                             info=f"loss {loss:.4f}")
+            self._bar.update(self._task, description=f"epoch {epoch}/{self.total_epochs}", completed=step_in_epoch,
+                             total=total, info=f"loss {loss:.4f}")
 
     def line(self, text: str) -> None:
+        if not self.enabled:
+            return
         if self._bar is not None:
-            self._bar.console.log(text)
+            self._bar.console.print(text)
         else:
             print(text, flush=True)
 

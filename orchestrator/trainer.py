@@ -63,7 +63,7 @@ class ElasticTrainer:
         cfg = self.config
         dataset = self.check()
         started_ray = cluster.connect(cfg.scaling.replicas * cfg.scaling.cpus_per_replica)
-        display = ProgressDisplay(cfg.stop.epochs, 0, enabled=self.show_progress)
+        display = ProgressDisplay(cfg.stop.epochs, enabled=self.show_progress)
         self.controller = ctl = Controller(cfg, dataset, None, t0, display, trace_ids=self._trace_ids)
         tracker, status = None, "FAILED"
         try:

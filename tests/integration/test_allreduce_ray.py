@@ -21,10 +21,23 @@ from tests.conftest import job_config
 pytestmark = pytest.mark.ray
 
 
-def _controller(cfg, trace_ids=True):
+class StepWatch:
+    """Stands in for the progress display: records the steps the controller hears about."""
+
+    def __init__(self):
+        self.step = 0
+
+    def steps(self, epoch, step_in_epoch, loss, total):
+        self.step = max(self.step, step_in_epoch)
+
+    def line(self, text):
+        pass
+
+
+def _controller(cfg, trace_ids=True, display=None):
     dataset = load_source(cfg.data.source, cfg.data.seed)
     tracker = Tracker(None, "tests", None)
-    return Controller(cfg, dataset, tracker, time.perf_counter(), display=None, trace_ids=trace_ids), dataset
+    return Controller(cfg, dataset, tracker, time.perf_counter(), display=display, trace_ids=trace_ids), dataset
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
@@ -97,13 +110,15 @@ def test_fit_uses_the_callers_cluster_and_tracks_everything(ray_cluster, tmp_pat
 
 def test_a_killed_replica_surfaces_in_seconds(ray_cluster):
     cfg = job_config(data={"batch_size": 1}, stop={"epochs": 50}, strategy={"timeout_s": 60},
+                     tracking={"log_every_steps": 5},
                      scaling={"replicas": 2, "cpus_per_replica": 0.5})
-    ctl, _ = _controller(cfg, trace_ids=False)
+    watch = StepWatch()
+    ctl, _ = _controller(cfg, trace_ids=False, display=watch)
     killed_at = []
 
     def kill_when_training():
-        while ray.get(ctl.replicas[0].progress.remote(), timeout=10)["step"] < 20:
-            time.sleep(0.1)
+        while watch.step < 20:
+            time.sleep(0.05)
         killed_at.append(time.perf_counter())
         ray.kill(ctl.replicas[1], no_restart=True)
 

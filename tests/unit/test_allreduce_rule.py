@@ -18,14 +18,20 @@ class ThreadSum:
         self.p, self.barrier, self.slots = p, threading.Barrier(p), {}
 
     def for_rank(self, rank):
-        def reduce_sum_(buffers):
-            self.slots[rank] = [b.clone() for b in buffers]
-            self.barrier.wait()
-            total = [sum(self.slots[r][i] for r in range(self.p)) for i in range(len(buffers))]
-            self.barrier.wait()
-            for b, t in zip(buffers, total):
-                b.copy_(t)
-        return reduce_sum_
+        outer = self
+
+        class Reducer:  # buckets start in the same order on every rank, so a barrier pairs them
+            def start(self, tensor):
+                outer.slots[rank] = tensor.clone()
+                outer.barrier.wait()
+                total = sum(outer.slots[r] for r in range(outer.p))
+                outer.barrier.wait()
+                tensor.copy_(total)
+
+            def wait(self, handle):
+                pass
+
+        return Reducer()
 
 
 def make(seed=0, momentum=0.9):
@@ -34,14 +40,37 @@ def make(seed=0, momentum=0.9):
     return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum)
 
 
-def test_buckets_are_views_and_split_by_size():
+def test_buckets_are_views_in_backward_order_and_split_by_size():
     m, _ = make()
     params = list(m.parameters())
     b = GradientBuckets.attach(params, bucket_bytes=200)
     assert len(b.buffers) > 1
     assert b.numel == sum(p.numel() for p in params)
     b.buffers[0].fill_(3.0)
-    assert torch.all(params[0].grad == 3.0)  # writing the bucket writes the grad
+    assert torch.all(params[-1].grad == 3.0)  # the first bucket holds the last layer's grads
+    assert sum(b.members) == len(params)
+
+
+def test_a_bucket_starts_during_backward_once_its_grads_are_in():
+    from examples.models import mnist_cnn
+
+    model = mnist_cnn()
+    buckets = GradientBuckets.attach(list(model.parameters()), bucket_bytes=25 * 2**20)
+    assert len(buckets.buffers) == 2  # [fc2, fc1] closes at 1 MiB; the convs follow
+    started = []
+
+    class Recorder:
+        def start(self, tensor):
+            # conv1's grad is still unset when the fc bucket leaves: it overlaps the conv backward
+            started.append(float(model[0].weight.grad.abs().sum()))
+
+        def wait(self, handle):
+            pass
+
+    buckets.begin_step(Recorder())
+    F.cross_entropy(model(torch.randn(4, 1, 28, 28)), torch.tensor([0, 1, 2, 3])).backward()
+    buckets.finish_step()
+    assert len(started) == 2 and started[0] == 0.0 and started[1] > 0.0
 
 
 @pytest.mark.parametrize("p", [1, 2, 3])

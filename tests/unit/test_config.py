@@ -59,3 +59,13 @@ def test_malformed_override_and_missing_file(tmp_path):
     bad.write_text("model: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         JobConfig.from_yaml(bad)
+
+
+def test_docs_config_reference_is_current():
+    import os
+
+    from orchestrator.config import reference_markdown
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "config.md")
+    with open(path) as f:
+        assert f.read().strip() == reference_markdown().strip(), "run: python -m orchestrator config-reference > docs/config.md"
