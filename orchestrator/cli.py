@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from typing import Optional, Sequence
 
@@ -22,10 +21,6 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress display, only the final line")
     sub.add_parser("config-reference", help="print the config reference (docs/config.md)")
     return p
-
-
-def _terminate(signum, frame):  # SIGTERM (e.g. `ray job stop`) ends the run like Ctrl-C
-    raise KeyboardInterrupt
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -50,8 +45,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if hasattr(signal, "SIGTERM"):
-        signal.signal(signal.SIGTERM, _terminate)
     try:
         result = trainer.fit()
     except TrainingError as exc:

@@ -7,8 +7,6 @@ moves data into the object store, waits with timeouts, logs to MLflow and checkp
 from __future__ import annotations
 
 import enum
-import json
-import math
 import os
 import tempfile
 import time
@@ -74,6 +72,7 @@ class Controller:
         self.stop_policy = StopPolicy(s.epochs, s.target_accuracy, s.at_target, s.max_wall_s)
         self.steps_per_epoch = 0
         self._train_started = 0.0
+        self._last_state: Optional[dict[str, Any]] = None
 
     # ---- the state machine ---------------------------------------------------------------
     def step(self) -> State:
@@ -172,6 +171,9 @@ class Controller:
         self._say(f"epoch {epoch}: test_accuracy {acc:.4f}  test_loss {test_loss:.4f}  "
                   f"train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
 
+        every = cfg.checkpoint.every_epochs
+        if every and epoch % every == 0:
+            tot.checkpoint = self.checkpoint(f"epoch_{epoch:04d}.pt", CONTROL_CALL_TIMEOUT_S)
         decision = self.stop_policy.decide(EpochSnapshot(epoch, acc, time.perf_counter() - self._train_started))
         if decision.stop:
             tot.stop_reason = decision.reason
@@ -209,17 +211,24 @@ class Controller:
 
     # ---- FINISHING: final checkpoint and artifacts -----------------------------------------
     def _finish(self) -> None:
-        state = self._get(self.replicas[0].state.remote(), "final state", CONTROL_CALL_TIMEOUT_S)
-        state.update(epoch=self.totals.epochs, mlflow_run_id=self.tracker.run_id,
-                     config=self.cfg.model_dump(mode="json"))
-        self.totals.checkpoint = save_checkpoint(self.cfg.checkpoint.storage, self.tracker.run_id, "model.pt", state)
+        self.totals.checkpoint = self.checkpoint("model.pt", CONTROL_CALL_TIMEOUT_S)
         with tempfile.TemporaryDirectory() as tmp:
             import torch
 
             path = os.path.join(tmp, "model.pt")
-            torch.save(state["model"], path)
+            torch.save(self._last_state["model"], path)
             self.tracker.log_file(path)
-        self.tracker.event("checkpoint", self.t0, path=self.totals.checkpoint)
+
+    def checkpoint(self, name: str, timeout_s: float) -> str:
+        """Rank 0's model and optimizer state (all replicas hold the same parameters) plus the
+        run's position, written to checkpoint.storage/<mlflow run id>/<name>."""
+        state = self._get(self.replicas[0].state.remote(), f"checkpoint {name}", timeout_s)
+        state.update(epoch=self.totals.epochs, mlflow_run_id=self.tracker.run_id,
+                     config=self.cfg.model_dump(mode="json"))
+        path = save_checkpoint(self.cfg.checkpoint.storage, self.tracker.run_id, name, state)
+        self._last_state = state
+        self.tracker.event("checkpoint", self.t0, path=path, epoch=self.totals.epochs)
+        return path
 
     def shutdown(self) -> None:
         """Leave the process group and stop every actor this controller started."""

@@ -1,6 +1,8 @@
 """ElasticTrainer: the Python API. `ElasticTrainer(JobConfig(...)).fit()` -> TrainResult."""
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from typing import Optional
 
@@ -63,6 +65,7 @@ class ElasticTrainer:
         cfg = self.config
         dataset = self.check()
         started_ray = cluster.connect(cfg.scaling.replicas * cfg.scaling.cpus_per_replica)
+        previous_sigterm = _sigterm_as_interrupt()  # after ray.init, which installs its own
         display = ProgressDisplay(cfg.stop.epochs, enabled=self.show_progress)
         self.controller = ctl = Controller(cfg, dataset, None, t0, display, trace_ids=self._trace_ids)
         tracker, status = None, "FAILED"
@@ -74,6 +77,7 @@ class ElasticTrainer:
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
+            _save_on_interrupt(ctl, display)
             raise
         finally:
             display.close()
@@ -83,6 +87,8 @@ class ElasticTrainer:
                 tracker.finish(status)
             if started_ray:
                 ray.shutdown()
+            if previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, previous_sigterm)
         result = _result(cfg, totals, tracker, time.perf_counter() - t0)
         tracker.event("finished", t0, wall_s=round(result.wall_s, 3))
         tracker.log_metrics([("wall_s", result.wall_s, totals.steps),
@@ -95,6 +101,33 @@ class ElasticTrainer:
                   f"{tracker.where()}\n  view it: mlflow ui --backend-store-uri {tracker.tracking_uri}\n"
                   f"checkpoint: {result.checkpoint}", flush=True)
         return result
+
+
+INTERRUPT_CHECKPOINT_TIMEOUT_S = 15.0
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM (`ray job stop`, a scheduler) ends the run like Ctrl-C: checkpoint, MLflow KILLED.
+    Only the main thread can set handlers; returns the previous handler to restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+def _save_on_interrupt(ctl, display) -> None:
+    """Ctrl-C / SIGTERM: keep what was learned. Replicas finish the step loop they are in, so
+    rank 0 answers once its current epoch ends; past the timeout the run ends without it."""
+    if ctl.tracker is None or not ctl.replicas or ctl.steps_per_epoch == 0:  # never got going
+        return
+    try:
+        path = ctl.checkpoint("interrupted.pt", INTERRUPT_CHECKPOINT_TIMEOUT_S)
+        display.line(f"interrupted: checkpoint written to {path}")
+    except Exception as exc:  # the run is ending either way; say why nothing was saved
+        display.line(f"interrupted: no checkpoint ({exc})")
 
 
 def _open_tracking(cfg: JobConfig):

@@ -69,3 +69,35 @@ def test_ray_job_submit_main_example_reaches_97(ray_head, mlflow_server, tmp_pat
     assert run.data.tags["mode"] == "allreduce"
     history = client.get_metric_history(result["mlflow_run_id"], "test_accuracy")
     assert max(m.value for m in history) >= 0.97
+
+
+def test_sigterm_marks_the_run_killed_and_keeps_a_checkpoint(ray_head, tmp_path):
+    """`ray job stop` and schedulers send SIGTERM: the run ends, KILLED in MLflow, state saved."""
+    import signal
+
+    store = f"sqlite:///{tmp_path}/mlflow.db"
+    env = dict(ray_head.env, RAY_ADDRESS=ray_head.address, PYTHONPATH=REPO)
+    cmd = [sys.executable, "-m", "orchestrator", "run", os.path.join(REPO, "examples", "mnist_allreduce.yaml"),
+           "--set", "model.factory=examples.models:tiny_mlp", "--set", "data.source=builtin:synthetic",
+           "--set", "stop.epochs=1000", "--set", "stop.target_accuracy=null", "--set", "data.batch_size=8",
+           "--set", f"tracking.tracking_uri={store}", "--set", f"checkpoint.storage={tmp_path}/ck",
+           "--set", "checkpoint.every_epochs=2"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("epoch 3:"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "KILLED" in err
+    client = MlflowClient(store)
+    run = client.search_runs([client.get_experiment_by_name("mnist-allreduce").experiment_id])[0]
+    assert run.info.status == "KILLED"
+    ck = tmp_path / "ck" / run.info.run_id
+    assert (ck / "epoch_0002.pt").exists() and (ck / "interrupted.pt").exists()
+    events = client.download_artifacts(run.info.run_id, "events.jsonl", str(tmp_path))
+    assert '"status": "KILLED"' in open(events).read()
