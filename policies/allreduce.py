@@ -156,3 +156,19 @@ def steps_per_epoch(rows_per_replica: Sequence[int], batch_size: int) -> int:
 def epoch_order(rows: int, seed: int, epoch: int, rank: int) -> np.ndarray:
     """The order a replica visits its rows in an epoch: reproducible from (seed, epoch, rank)."""
     return np.random.default_rng([seed, epoch, rank]).permutation(rows)
+
+
+class AllReduceWorker:
+    """The replica-side loop body for allreduce, in the shape every mode's worker has."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: int,
+                 world_size: int, reducer: Reducer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.buckets = GradientBuckets.attach([p for p in model.parameters() if p.requires_grad], bucket_bytes)
+        self.world_size, self.reducer = world_size, reducer
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        return allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.world_size, self.reducer)
+
+    def end_epoch(self) -> dict:
+        return {}

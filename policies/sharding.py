@@ -1,0 +1,134 @@
+"""Sharded parameters: how the flat parameter vector is cut, and what one shard does with it.
+
+The model's parameters are viewed as one flat float32 vector (`FlatParams`). Shards own
+contiguous, near-equal slices of it (`shard_bounds`): balanced by bytes, a large tensor is
+split across shards, small ones are packed together. `ShardState` is everything a shard holds
+(its slice, a version counter, the server-side optimizer, per-replica clocks) and every update
+it applies; the `ParameterShard` actor is a thin Ray wrapper around it, and tests use it
+directly without Ray.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+
+def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of the flat vector, one per shard, sizes differing by at most one."""
+    if shards < 1:
+        raise ValueError("shards must be >= 1")
+    if shards > numel:
+        raise ValueError(f"{shards} shards for {numel} parameters")
+    edges = np.linspace(0, numel, shards + 1).round().astype(np.int64)
+    return [(int(edges[i]), int(edges[i + 1])) for i in range(shards)]
+
+
+class FlatParams:
+    """Makes a model's parameters (and their grads) views into two flat tensors, so a whole
+    model moves as one buffer: pulls write straight into the parameters, pushes read straight
+    from the gradients, with no per-tensor work."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        params = [p for p in params if p.requires_grad]
+        if any(p.dtype != torch.float32 for p in params):
+            raise TypeError("parameter-server modes need float32 parameters")
+        n = sum(p.numel() for p in params)
+        self.params = torch.empty(n, dtype=torch.float32)
+        self.grads = torch.zeros(n, dtype=torch.float32)
+        offset = 0
+        for p in params:
+            k = p.numel()
+            self.params[offset : offset + k].copy_(p.detach().reshape(-1))
+            p.data = self.params[offset : offset + k].view_as(p)
+            p.grad = self.grads[offset : offset + k].view_as(p)
+            offset += k
+        self.numel = n
+
+
+@dataclass
+class ShardState:
+    """One shard: a slice of the reference parameters (Downpour's server copy, EASGD's center)."""
+
+    values: torch.Tensor  # float32 [hi - lo]
+    optimizer: str = "sgd"  # sgd | adagrad (Downpour's server-side rule)
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    version: int = 0  # updates applied so far
+    clocks: dict[int, int] = field(default_factory=dict)  # replica rank -> last step it reported
+    _opt: Optional[torch.optim.Optimizer] = None
+    _param: Optional[torch.nn.Parameter] = None
+    _sync: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # round -> contributions
+    _closed: dict[int, list] = field(default_factory=dict)  # round -> [center before, readers left]
+
+    def __post_init__(self) -> None:
+        self._param = torch.nn.Parameter(self.values, requires_grad=False)
+        self._param.grad = torch.zeros_like(self.values)
+        if self.optimizer == "sgd":
+            self._opt = torch.optim.SGD([self._param], lr=self.lr, momentum=self.momentum,
+                                        weight_decay=self.weight_decay)
+        elif self.optimizer == "adagrad":
+            # DistBelief's stabilizer: eta_i = gamma / sqrt(sum of squared updates of parameter i)
+            self._opt = torch.optim.Adagrad([self._param], lr=self.lr, weight_decay=self.weight_decay)
+        else:
+            raise ValueError(f"shard optimizer must be sgd or adagrad, got {self.optimizer!r}")
+
+    # ---- Downpour ------------------------------------------------------------------------
+    def apply_gradient(self, grad: np.ndarray | torch.Tensor, version_seen: int, staleness_lr: bool = False) -> int:
+        """Apply one pushed (accumulated) gradient; returns its staleness: the updates applied
+        since the version the gradient was computed from. With `staleness_lr` the step is
+        eta / staleness (eta when the gradient is fresh)."""
+        staleness = self.version - version_seen
+        self._param.grad.copy_(torch.as_tensor(grad))
+        for group in self._opt.param_groups:
+            group["lr"] = self.lr / max(1, staleness) if staleness_lr else self.lr
+        self._opt.step()
+        self.version += 1
+        return staleness
+
+    def init_clocks(self, replicas: int) -> None:
+        self.clocks = {r: 0 for r in range(replicas)}
+
+    def report_clock(self, rank: int, step: int) -> int:
+        """Record a replica's step; returns the slowest replica's step (for SSP)."""
+        self.clocks[rank] = max(step, self.clocks.get(rank, 0))
+        return min(self.clocks.values())
+
+    # ---- EASGD ---------------------------------------------------------------------------
+    def elastic_exchange(self, x: np.ndarray | torch.Tensor, alpha: float) -> tuple[torch.Tensor, float]:
+        """Asynchronous EASGD, atomically on this shard: d = alpha (x - c); c <- c + d.
+        Returns (d, ||x - c||^2) so the replica applies x <- x - d."""
+        diff = torch.as_tensor(x) - self.values
+        d = diff.mul_(alpha)
+        sq = float(d.pow(2).sum()) / (alpha * alpha) if alpha else 0.0
+        self.values.add_(d)
+        self.version += 1
+        return d, sq
+
+    def sync_contribute(self, round_id: int, x: np.ndarray | torch.Tensor, replicas: int, beta: float) -> bool:
+        """Synchronous EASGD: collect x_i for a round; when all `replicas` are in, set
+        c <- (1 - beta) c + beta mean_i x_i. Returns True when this call closed the round."""
+        bucket = self._sync.setdefault(round_id, [])
+        bucket.append(torch.as_tensor(x).clone())
+        if len(bucket) < replicas:
+            return False
+        mean = torch.stack(bucket).mean(0)
+        self._closed[round_id] = [self.values.clone(), replicas]
+        self.values.mul_(1 - beta).add_(mean, alpha=beta)
+        self.version += 1
+        del self._sync[round_id]
+        return True
+
+    def sync_center_before(self, round_id: int) -> Optional[torch.Tensor]:
+        """The center as it was when a closed round started (every replica's x_i moves toward
+        the same c), or None while the round is still open."""
+        entry = self._closed.get(round_id)
+        if entry is None:
+            return None
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._closed[round_id]
+        return entry[0]

@@ -1,0 +1,149 @@
+"""Downpour, EASGD and sharding against plain single-process references (no Ray)."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from examples.models import mnist_cnn, tiny_mlp
+from policies.downpour import DownpourWorker
+from policies.easgd import EasgdWorker, default_alpha
+from policies.sharding import FlatParams, ShardState, shard_bounds
+from tests.unit.local_shards import LocalShardClient
+
+
+def batches(n=12, bs=8, dim=8, classes=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(bs, dim, generator=g), torch.randint(0, classes, (bs,), generator=g)) for _ in range(n)]
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return tiny_mlp(in_features=8, hidden=16, num_classes=3)
+
+
+def flat_of(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 4, 5])
+def test_sharding_round_trips_bit_exactly(shards):
+    m = mnist_cnn()  # fc1.weight (401,408 floats) is larger than any shard when shards >= 2
+    before = flat_of(m).clone()
+    flat = FlatParams(list(m.parameters()))
+    assert torch.equal(flat.params, before)
+    bounds = shard_bounds(flat.numel, shards)
+    sizes = [hi - lo for lo, hi in bounds]
+    assert max(sizes) - min(sizes) <= 1 and bounds[0][0] == 0 and bounds[-1][1] == flat.numel
+    parts = [ShardState(flat.params[lo:hi].clone()) for lo, hi in bounds]
+    out = torch.empty_like(flat.params)
+    for (lo, hi), s in zip(bounds, parts):
+        out[lo:hi].copy_(s.values)
+    assert torch.equal(out, before)
+    flat.params.zero_()
+    flat.params.copy_(out)  # writing the flat vector writes the model's parameters
+    assert torch.equal(flat_of(m), before)
+
+
+@settings(max_examples=50, deadline=None)
+@given(numel=st.integers(1, 10_000), shards=st.integers(1, 8))
+def test_bounds_cover_everything_once(numel, shards):
+    if shards > numel:
+        with pytest.raises(ValueError):
+            shard_bounds(numel, shards)
+        return
+    b = shard_bounds(numel, shards)
+    assert [lo for lo, _ in b[1:]] == [hi for _, hi in b[:-1]]
+    assert b[0][0] == 0 and b[-1][1] == numel
+
+
+@pytest.mark.parametrize("shards, momentum", [(1, 0.0), (3, 0.9)])
+def test_downpour_one_replica_fetch_push_every_step_is_sgd(shards, momentum):
+    data = batches()
+    m = model()
+    flat = FlatParams(list(m.parameters()))
+    client = LocalShardClient(flat.params.clone(), shards, optimizer="sgd", lr=0.1, momentum=momentum)
+    worker = DownpourWorker(m, flat, client, rank=0, lr=0.1, n_fetch=1, n_push=1)
+    ref = model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=momentum)
+    for x, y in data:
+        worker.step(x, y)
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+        torch.testing.assert_close(client.values(), flat_of(ref), rtol=1e-6, atol=1e-7)
+    stats = worker.end_epoch()
+    assert stats["pushes"] == len(data) and stats["staleness_max"] == 0
+
+
+def test_downpour_accumulates_n_push_and_measures_staleness():
+    data = batches(n=8)
+    m = model()
+    flat = FlatParams(list(m.parameters()))
+    client = LocalShardClient(flat.params.clone(), 2, optimizer="sgd", lr=0.1)
+    worker = DownpourWorker(m, flat, client, rank=0, lr=0.1, n_fetch=4, n_push=2)
+    for x, y in data:
+        worker.step(x, y)
+    stats = worker.end_epoch()
+    assert stats["pushes"] == 4
+    # pushes 1 and 2 come from the same fetch: the second is one update stale (on each shard)
+    assert stats["staleness_max"] == 1 and 0 < stats["staleness_mean"] < 1
+
+
+def test_adagrad_shard_is_distbelief_rule():
+    s = ShardState(torch.ones(3), optimizer="adagrad", lr=0.5)
+    g1, g2 = torch.tensor([1.0, 2.0, 0.5]), torch.tensor([0.5, -1.0, 0.5])
+    s.apply_gradient(g1, 0)
+    s.apply_gradient(g2, 1)
+    acc1, acc2 = g1 ** 2, g1 ** 2 + g2 ** 2
+    expected = torch.ones(3) - 0.5 * g1 / (acc1.sqrt() + 1e-10) - 0.5 * g2 / (acc2.sqrt() + 1e-10)
+    torch.testing.assert_close(s.values, expected)
+
+
+def test_staleness_aware_lr_divides_by_staleness():
+    s = ShardState(torch.zeros(2), optimizer="sgd", lr=1.0)
+    s.apply_gradient(torch.ones(2), 0, staleness_lr=True)  # fresh: full step
+    assert s.apply_gradient(torch.ones(2), 0, staleness_lr=True) == 1
+    s.apply_gradient(torch.ones(2), 0, staleness_lr=True)  # 2 stale: half a step
+    torch.testing.assert_close(s.values, torch.full((2,), -2.5))
+
+
+@pytest.mark.parametrize("shards, tau", [(1, 1), (2, 3)])
+def test_easgd_one_replica_follows_the_paper(shards, tau):
+    data = batches()
+    eta, alpha = 0.1, default_alpha(1)
+    m = model()
+    flat = FlatParams(list(m.parameters()))
+    client = LocalShardClient(flat.params.clone() + 0.01, shards)  # the center starts elsewhere
+    worker = EasgdWorker(m, flat, torch.optim.SGD(m.parameters(), lr=eta), client, replicas=1, alpha=alpha, tau=tau)
+
+    ref = model()
+    x_i = flat_of(ref).clone()
+    c = x_i + 0.01
+    for t, (xb, yb) in enumerate(data):
+        worker.step(xb, yb)
+        # the paper, written out: gradient at x = x_i, elastic move every tau steps, then SGD
+        torch.nn.utils.vector_to_parameters(x_i, ref.parameters())
+        ref.zero_grad()
+        F.cross_entropy(ref(xb), yb).backward()
+        g = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+        x = x_i.clone()
+        if t % tau == 0:
+            x_i = x_i - alpha * (x - c)
+            c = c + alpha * (x - c)
+        x_i = x_i - eta * g
+        torch.testing.assert_close(flat.params, x_i, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(client.values(), c, rtol=1e-5, atol=1e-6)
+    assert worker.end_epoch()["exchanges"] == len(range(0, len(data), tau))
+
+
+def test_easgd_sync_round_moves_center_toward_the_mean():
+    c0 = torch.zeros(4)
+    s = ShardState(c0.clone())
+    xs = [torch.full((4,), 1.0), torch.full((4,), 3.0)]
+    assert not s.sync_contribute(0, xs[0], replicas=2, beta=0.9)
+    assert s.sync_center_before(0) is None  # round still open: nothing to read yet
+    assert s.sync_contribute(0, xs[1], replicas=2, beta=0.9)
+    torch.testing.assert_close(s.values, torch.full((4,), 0.9 * 2.0))
+    torch.testing.assert_close(s.sync_center_before(0), c0)
