@@ -8,10 +8,11 @@ thread cost ~10% of step throughput.)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import ray
@@ -19,8 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from actors.shard import RayShardClient
 from orchestrator.factory import build_model, make_optimizer
-from policies.allreduce import GradientBuckets, allreduce_step, epoch_order
+from policies.allreduce import AllReduceWorker, epoch_order
+from policies.downpour import DownpourWorker
+from policies.easgd import EasgdWorker, default_alpha
+from policies.sharding import FlatParams
 
 
 def free_port() -> int:
@@ -44,19 +49,37 @@ class ProcessGroupReducer:
 
 @ray.remote
 class ModelReplica:
-    def __init__(self, rank: int, world_size: int, config: dict[str, Any]) -> None:
+    def __init__(self, rank: int, world_size: int, config: dict[str, Any], shards: Optional[list] = None,
+                 bounds: Optional[list[tuple[int, int]]] = None) -> None:
         self.rank, self.world_size = rank, world_size
         self.cfg = config
-        threads = max(1, int(config["scaling"]["cpus_per_replica"]))
-        torch.set_num_threads(threads)
-        self.device = torch.device("cuda" if config["scaling"]["gpus_per_replica"] > 0 and torch.cuda.is_available() else "cpu")
+        torch.set_num_threads(max(1, int(config["scaling"]["cpus_per_replica"])))
+        use_cuda = config["scaling"]["gpus_per_replica"] > 0 and torch.cuda.is_available()
+        self.device = torch.device("cuda" if use_cuda else "cpu")
         self.model = build_model(config["model"]["factory"], config["model"]["kwargs"], config["data"]["seed"]).to(self.device)
-        opt = config["optimizer"]
-        self.optimizer = make_optimizer(opt["name"], self.model.parameters(), opt["lr"], opt["momentum"], opt["weight_decay"])
-        bucket_bytes = int(config["strategy"]["bucket_mb"] * 2**20)
-        self.buckets = GradientBuckets.attach([p for p in self.model.parameters() if p.requires_grad], bucket_bytes)
-        self.reducer = ProcessGroupReducer()
+        self.flat: Optional[FlatParams] = None
+        self.client: Optional[RayShardClient] = None
+        self.worker = self._make_worker(config, shards, bounds)
+        self.step_delay_s = float(config["faults"]["slow_replicas"].get(rank, 0.0))
         self.step = 0
+
+    def _make_worker(self, config: dict[str, Any], shards, bounds):
+        """The mode's update rule (policies/<mode>.py) wired to this replica's transport."""
+        s, opt = config["strategy"], config["optimizer"]
+        if s["mode"] == "allreduce":
+            optimizer = make_optimizer(opt["name"], self.model.parameters(), opt["lr"], opt["momentum"], opt["weight_decay"])
+            return AllReduceWorker(self.model, optimizer, int(s["bucket_mb"] * 2**20), self.world_size,
+                                   ProcessGroupReducer())
+        self.flat = FlatParams(list(self.model.parameters()))
+        self.client = RayShardClient(shards, bounds, s["max_in_flight"], s["timeout_s"])
+        if s["mode"] == "downpour":
+            return DownpourWorker(self.model, self.flat, self.client, self.rank, lr=opt["lr"], n_fetch=s["n_fetch"],
+                                  n_push=s["n_push"], max_staleness=s["max_staleness"], staleness_lr=s["staleness_lr"],
+                                  warmstart_steps=s["warmstart_steps"], timeout_s=s["timeout_s"])
+        local = torch.optim.SGD(self.model.parameters(), lr=opt["lr"], momentum=s["momentum"],
+                                nesterov=s["momentum"] > 0, weight_decay=opt["weight_decay"])
+        alpha = s["alpha"] if s["alpha"] is not None else default_alpha(self.world_size)
+        return EasgdWorker(self.model, self.flat, local, self.client, self.world_size, alpha, s["tau"], s["variant"])
 
     # ---- process group -------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -88,8 +111,8 @@ class ModelReplica:
 
     # ---- training ------------------------------------------------------------------------
     def run_epoch(self, epoch: int, steps: int, log_every: int, trace_ids: bool = False) -> Iterator[dict[str, Any]]:
-        """Take `steps` synchronous steps over this replica's rows in this epoch's order, then
-        evaluate this replica's slice of the test split. A Ray streaming generator: yields a
+        """Take `steps` steps of the mode's rule over this replica's rows in this epoch's order,
+        then (allreduce) evaluate this replica's slice of the test split. A Ray streaming generator: yields a
         progress row every `log_every` steps (the driver's display, step metrics and stall
         check), and last the epoch's totals with the evaluation (one call per epoch)."""
         self.model.train()
@@ -100,7 +123,9 @@ class ModelReplica:
         for i in range(steps):
             idx = order[i * bs : (i + 1) * bs]
             x, y = self.x[idx].to(self.device, non_blocking=True), self.y[idx].to(self.device, non_blocking=True)
-            loss, c = allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.world_size, self.reducer)
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)  # faults.slow_replicas: a deliberate straggler
+            loss, c = self.worker.step(x, y)
             comm_s += c
             self.step += 1
             if trace_ids:
@@ -112,8 +137,10 @@ class ModelReplica:
                        "loss": loss, "samples_per_s": n_steps * bs * self.world_size / (now - t_window)}
                 t_window = now
         train_s = time.perf_counter() - t_epoch
+        mode_stats = self.worker.end_epoch()  # e.g. waits for this epoch's pushes
+        evaluation = self.evaluate() if self.flat is None else None  # sharded modes: see evaluate_reference
         yield {"kind": "epoch", "rank": self.rank, "steps": steps, "samples": steps * bs, "train_s": train_s,
-               "comm_s": comm_s, "consumed": consumed, "eval": self.evaluate(), "loss": loss}
+               "comm_s": comm_s, "consumed": consumed, "eval": evaluation, "loss": loss, "mode": mode_stats}
 
     @torch.inference_mode()
     def evaluate(self) -> tuple[int, float, int]:
@@ -134,10 +161,30 @@ class ModelReplica:
     def flat_parameters(self) -> np.ndarray:
         return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters()]).numpy()
 
+    def evaluate_reference(self) -> tuple[int, float, int]:
+        """Sharded modes: evaluate the mode's reference parameters (Downpour's server copy,
+        EASGD's center) on this replica's test slice, then put the local parameters back."""
+        with self._reference_loaded():
+            return self.evaluate()
+
     def state(self) -> dict[str, Any]:
-        """Model and optimizer state for a checkpoint (tensors on CPU)."""
-        to_cpu = lambda sd: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in sd.items()}
-        return {"model": to_cpu(self.model.state_dict()), "optimizer": self.optimizer.state_dict(), "step": self.step}
+        """The mode's reference model (plus this replica's optimizer) for a checkpoint."""
+        with self._reference_loaded():
+            model = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        opt = getattr(self.worker, "optimizer", None)
+        return {"model": model, "optimizer": opt.state_dict() if opt is not None else None, "step": self.step}
+
+    @contextlib.contextmanager
+    def _reference_loaded(self):
+        if self.flat is None:  # allreduce: every replica already holds the reference
+            yield
+            return
+        local = self.flat.params.clone()
+        self.client.pull(self.flat.params)
+        try:
+            yield
+        finally:
+            self.flat.params.copy_(local)
 
     def leave_group(self) -> None:
         if dist.is_initialized():

@@ -10,7 +10,7 @@ import os
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import ConfigError
 
@@ -70,8 +70,9 @@ class OptimizerConfig(_Section):
 
 
 class StrategyConfig(_Section):
-    mode: Literal["allreduce"] = Field(
-        "allreduce", description="Synchronization mode: allreduce (synchronous data parallel)."
+    mode: Literal["allreduce", "downpour", "easgd"] = Field(
+        "allreduce", description="Synchronization mode: allreduce (synchronous data parallel), downpour "
+        "(asynchronous SGD via parameter shards) or easgd (elastic averaging); see docs/modes.md."
     )
     timeout_s: float = Field(
         60.0, gt=0, description="Timeout of every collective and of a replica that makes no progress."
@@ -80,12 +81,42 @@ class StrategyConfig(_Section):
         25.0, gt=0, description="Bucket size (MiB) for gradient all-reduce; the first bucket closes at "
         "1 MiB so the last layers' all-reduce overlaps the rest of the backward pass."
     )
+    n_fetch: int = Field(1, ge=1, description="downpour: pull parameters from the shards every n_fetch steps.")
+    n_push: int = Field(1, ge=1, description="downpour: push the accumulated gradient every n_push steps.")
+    max_in_flight: int = Field(2, ge=1, description="downpour: pushes outstanding before a replica waits.")
+    max_staleness: Optional[int] = Field(
+        None, ge=0, description="downpour: a replica more than this many steps ahead of the slowest waits (SSP); "
+        "none = unbounded."
+    )
+    staleness_lr: bool = Field(False, description="downpour: shards step eta / staleness for stale gradients.")
+    warmstart_steps: int = Field(0, ge=0, description="downpour: rank 0 trains alone for this many steps first.")
+    tau: int = Field(4, ge=1, description="easgd: elastic exchange with the center every tau steps.")
+    alpha: Optional[float] = Field(
+        None, gt=0, le=1, description="easgd: elastic coefficient; default 0.9 / replicas (beta = 0.9)."
+    )
+    variant: Literal["async", "sync"] = Field("async", description="easgd: asynchronous, or synchronous at a barrier.")
+    momentum: float = Field(0.0, ge=0, lt=1, description="easgd: local Nesterov momentum (EAMSGD) when > 0.")
 
 
 class ScalingConfig(_Section):
     replicas: int = Field(2, ge=1, description="Number of ModelReplica actors.")
     cpus_per_replica: float = Field(1.0, gt=0, description="Logical CPUs per replica (also its torch threads).")
     gpus_per_replica: float = Field(0.0, ge=0, description="GPUs per replica; > 0 selects the NCCL backend.")
+    shards: int = Field(1, ge=1, description="ParameterShard actors (downpour, easgd); they reserve no CPU.")
+
+
+class FaultsConfig(_Section):
+    slow_replicas: dict[int, float] = Field(
+        default_factory=dict, description="Straggler experiments: replica rank -> seconds of delay added to each step."
+    )
+
+    @field_validator("slow_replicas")
+    @classmethod
+    def _non_negative(cls, v: dict[int, float]) -> dict[int, float]:
+        for rank, delay in v.items():
+            if rank < 0 or delay < 0:
+                raise ValueError(f"ranks and delays must be >= 0, got {rank}: {delay}")
+        return v
 
 
 class StopConfig(_Section):
@@ -127,6 +158,13 @@ class JobConfig(_Section):
     stop: StopConfig = Field(default_factory=StopConfig, description="When to stop.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    faults: FaultsConfig = Field(default_factory=FaultsConfig, description="Fault injection for experiments.")
+
+    @model_validator(mode="after")
+    def _mode_fits(self) -> "JobConfig":
+        if self.strategy.mode == "downpour" and self.optimizer.name not in ("sgd", "adagrad"):
+            raise ValueError(f"optimizer.name: downpour shards apply sgd or adagrad, not {self.optimizer.name}")
+        return self
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> "JobConfig":
@@ -201,8 +239,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
 def describe_validation_error(exc: ValidationError) -> str:
     """One line naming the first bad field: `optimizer.lr: Input should be greater than 0 (got -1)`."""
     err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "config"
+    loc = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a rule across fields: the message names them
+        return f"config error: {msg}"
     if err["type"] == "extra_forbidden":
         return f"config error: unknown key {loc}"
     given = err.get("input")

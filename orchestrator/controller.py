@@ -24,6 +24,7 @@ from orchestrator.progress import ProgressDisplay
 from orchestrator.result import FinalMetrics, TrainResult
 from orchestrator.tracking import Tracker
 from policies.allreduce import steps_per_epoch
+from policies.modes import needs_shards
 from policies.stop import EpochSnapshot, StopPolicy
 
 CONTROL_CALL_TIMEOUT_S = 30.0
@@ -55,6 +56,21 @@ class RunTotals:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+def mode_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """Each mode's own per-epoch figures, combined across replicas."""
+    modes = [s["mode"] for s in stats]
+    if not modes or not modes[0]:
+        return {}
+    slowest = max(s["train_s"] for s in stats)
+    if "pushes" in modes[0]:  # downpour
+        pushes = sum(m["pushes"] for m in modes)
+        return {"staleness_mean": sum(m["staleness_mean"] * m["pushes"] for m in modes) / max(pushes, 1),
+                "staleness_max": max(m["staleness_max"] for m in modes),
+                "pushes_per_s": pushes / max(slowest, 1e-9), "max_lead": max(m["max_lead"] for m in modes)}
+    return {"elastic_distance": sum(m["elastic_distance"] for m in modes) / len(modes),
+            "exchanges_per_s": sum(m["exchanges"] for m in modes) / max(slowest, 1e-9)}
+
+
 class Controller:
     def __init__(self, config: JobConfig, dataset: Dataset, tracker: Optional[Tracker], t0: float,
                  display: Optional[ProgressDisplay] = None, trace_ids: bool = False) -> None:
@@ -66,6 +82,7 @@ class Controller:
         self.trace_ids = trace_ids
         self.state = State.STARTING
         self.replicas: list[Any] = []
+        self.shards: list[Any] = []
         self.totals = RunTotals()
         self.consumed: list[list[list[int]]] = []  # [epoch][rank] -> row ids (trace_ids only)
         s = config.stop
@@ -98,17 +115,37 @@ class Controller:
 
     # ---- STARTING: data into the object store, actors, process group -----------------------
     def launch(self) -> None:
-        """Ask Ray for the replica actors and return at once: their worker processes boot
+        """Ask Ray for the actors the mode needs and return at once: their worker processes boot
         (import torch, build the model) while the caller does other start-up work."""
         from actors.replica import ModelReplica
 
         cfg, n = self.cfg, self.cfg.scaling.replicas
-        raw = cfg.model_dump(mode="json")
+        shards, bounds = self._launch_shards() if needs_shards(cfg.strategy.mode) else (None, None)
+        raw = cfg.model_dump()
         self.replicas = [
             ModelReplica.options(num_cpus=cfg.scaling.cpus_per_replica, num_gpus=cfg.scaling.gpus_per_replica,
-                                 max_restarts=0).remote(rank, n, raw)
+                                 max_restarts=0).remote(rank, n, raw, shards, bounds)
             for rank in range(n)
         ]
+
+    def _launch_shards(self) -> tuple[list, list[tuple[int, int]]]:
+        """ParameterShards holding the initial parameters (the same factory and seed as every
+        replica), cut into balanced slices of the flat vector."""
+        import torch
+
+        from actors.shard import create_shards
+        from orchestrator.factory import build_model
+        from policies.sharding import shard_bounds
+
+        cfg = self.cfg
+        model = build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed)
+        initial = torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]).numpy()
+        bounds = shard_bounds(initial.size, cfg.scaling.shards)
+        opt = cfg.optimizer
+        server_opt = opt.name if cfg.strategy.mode == "downpour" else "sgd"  # easgd shards only hold the center
+        self.shards = create_shards(initial, bounds, server_opt, opt.lr, opt.momentum, opt.weight_decay,
+                                    cfg.scaling.replicas)
+        return self.shards, bounds
 
     def _start(self) -> None:
         if not self.replicas:
@@ -121,8 +158,9 @@ class Controller:
         rows = [sum(len(parts[i]) for i in a) for a in assignment]
         self.steps_per_epoch = steps_per_epoch(rows, cfg.data.batch_size)
         timeout = cfg.strategy.timeout_s
-        addr, port = self._get(self.replicas[0].rendezvous_address.remote(), "rendezvous", timeout + 60)
-        self._get([r.join_group.remote(addr, port, timeout) for r in self.replicas], "process group", timeout + 60)
+        if cfg.strategy.mode == "allreduce":
+            addr, port = self._get(self.replicas[0].rendezvous_address.remote(), "rendezvous", timeout + 60)
+            self._get([r.join_group.remote(addr, port, timeout) for r in self.replicas], "process group", timeout + 60)
         slices = eval_slices(len(self.dataset.test), n)
         self._get([r.load_data.remote([refs[i] for i in assignment[k]], [test_ref], slices[k])
                    for k, r in enumerate(self.replicas)], "data load", timeout)
@@ -141,7 +179,10 @@ class Controller:
         streams = [r.run_epoch.remote(epoch, self.steps_per_epoch, cfg.tracking.log_every_steps, self.trace_ids)
                    for r in self.replicas]
         stats, progress = self._drain(streams, epoch)
-        correct, loss_sum, rows = map(sum, zip(*(s["eval"] for s in stats)))
+        evals = [s["eval"] for s in stats]
+        if needs_shards(cfg.strategy.mode):  # evaluate the reference (server copy / center) once all are done
+            evals = self._get([r.evaluate_reference.remote() for r in self.replicas], "evaluation", cfg.strategy.timeout_s)
+        correct, loss_sum, rows = map(sum, zip(*evals))
         acc, test_loss = correct / rows, loss_sum / rows
 
         tot.epochs = epoch
@@ -163,11 +204,14 @@ class Controller:
                     for key, field in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"))]
         rows_out += [("test_accuracy", acc, tot.steps), ("test_loss", test_loss, tot.steps), ("epoch", epoch, tot.steps),
                      ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
+        extra = mode_metrics(stats)
+        rows_out += [(k, v, tot.steps) for k, v in extra.items()]
         self.tracker.log_metrics(rows_out)
         tot.epoch_wall_s += time.perf_counter() - t_epoch
         tot.history.append({"epoch": epoch, "test_accuracy": acc, "test_loss": test_loss, "t": round(elapsed, 3)})
         self.tracker.event("epoch_end", self.t0, epoch=epoch, step=tot.steps, test_accuracy=round(acc, 4),
-                           test_loss=round(test_loss, 4), train_loss=round(tot.train_loss, 4))
+                           test_loss=round(test_loss, 4), train_loss=round(tot.train_loss, 4),
+                           **{k: round(v, 4) for k, v in extra.items()})
         self._say(f"epoch {epoch}: test_accuracy {acc:.4f}  test_loss {test_loss:.4f}  "
                   f"train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
 
@@ -231,13 +275,13 @@ class Controller:
         return path
 
     def shutdown(self) -> None:
-        """Leave the process group and stop every actor this controller started."""
-        for r in self.replicas:
+        """Stop every actor this controller started (replicas and shards)."""
+        for r in self.replicas + self.shards:
             try:
                 ray.kill(r, no_restart=True)
             except Exception:
                 pass
-        self.replicas = []
+        self.replicas, self.shards = [], []
 
     # ---- helpers ---------------------------------------------------------------------------
     def _get(self, refs, what: str, timeout: float):
