@@ -211,6 +211,7 @@ class Controller:
         tot.history.append({"epoch": epoch, "test_accuracy": acc, "test_loss": test_loss, "t": round(elapsed, 3)})
         self.tracker.event("epoch_end", self.t0, epoch=epoch, step=tot.steps, test_accuracy=round(acc, 4),
                            test_loss=round(test_loss, 4), train_loss=round(tot.train_loss, 4),
+                           train_s_by_rank=[round(s["train_s"], 3) for s in stats],
                            **{k: round(v, 4) for k, v in extra.items()})
         self._say(f"epoch {epoch}: test_accuracy {acc:.4f}  test_loss {test_loss:.4f}  "
                   f"train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")

@@ -101,3 +101,19 @@ def test_sigterm_marks_the_run_killed_and_keeps_a_checkpoint(ray_head, tmp_path)
     assert (ck / "epoch_0002.pt").exists() and (ck / "interrupted.pt").exists()
     events = client.download_artifacts(run.info.run_id, "events.jsonl", str(tmp_path))
     assert '"status": "KILLED"' in open(events).read()
+
+
+@pytest.mark.parametrize("mode", ["downpour", "easgd"])
+def test_sharded_mode_examples_reach_97(ray_head, tmp_path, mode):
+    out = tmp_path / "result.json"
+    env = dict(ray_head.env, RAY_ADDRESS=ray_head.address, PYTHONPATH=REPO)
+    cmd = [sys.executable, "-m", "orchestrator", "run", os.path.join(REPO, "examples", f"mnist_{mode}.yaml"),
+           "--set", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+           "--set", f"checkpoint.storage={tmp_path}/ck", "--result-json", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["mode"] == mode and result["final"]["test_accuracy"] >= 0.97
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    metrics = client.get_run(result["mlflow_run_id"]).data.metrics
+    assert ("staleness_mean" in metrics) if mode == "downpour" else ("elastic_distance" in metrics)
