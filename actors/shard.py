@@ -20,8 +20,13 @@ import torch
 
 from policies.sharding import ShardState
 
-# Arrays arriving from the object store are read-only views; shards and replicas only read them.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+def _view(array: np.ndarray) -> torch.Tensor:
+    """A tensor over an array from the object store (read-only, zero-copy); we only read it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
 
 
 @ray.remote(num_cpus=0)
@@ -38,7 +43,7 @@ class ParameterShard:
 
     async def push(self, grad: np.ndarray, version_seen: int, rank: int, step: int, staleness_lr: bool) -> tuple[int, int]:
         """Apply a gradient; returns (its staleness, the slowest replica's step)."""
-        staleness = self.state.apply_gradient(torch.from_numpy(grad), version_seen, staleness_lr)
+        staleness = self.state.apply_gradient(_view(grad), version_seen, staleness_lr)
         return staleness, self.state.report_clock(rank, step)
 
     async def min_clock(self) -> int:
@@ -48,12 +53,12 @@ class ParameterShard:
         return self.state.version
 
     async def elastic(self, x: np.ndarray, alpha: float) -> tuple[np.ndarray, float]:
-        d, sq = self.state.elastic_exchange(torch.from_numpy(x), alpha)
+        d, sq = self.state.elastic_exchange(_view(x), alpha)
         return d.numpy(), sq
 
     async def sync_round(self, round_id: int, x: np.ndarray, replicas: int, beta: float, timeout_s: float) -> np.ndarray:
         event = self._rounds.setdefault(round_id, asyncio.Event())
-        if self.state.sync_contribute(round_id, torch.from_numpy(x), replicas, beta):
+        if self.state.sync_contribute(round_id, _view(x), replicas, beta):
             event.set()
         await asyncio.wait_for(event.wait(), timeout_s)
         center = self.state.sync_center_before(round_id)
@@ -79,7 +84,7 @@ class RayShardClient:
     def pull(self, into: torch.Tensor) -> list[int]:
         replies = ray.get([s.pull.remote() for s in self.shards], timeout=self.timeout_s)
         for (lo, hi), (_, values) in zip(self.bounds, replies):
-            into[lo:hi].copy_(torch.from_numpy(values))
+            into[lo:hi].copy_(_view(values))
         return [v for v, _ in replies]
 
     def push(self, grad: torch.Tensor, versions: list[int], rank: int, step: int, staleness_lr: bool) -> None:
