@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from actors.shard import RayShardClient
+from actors.shard import RayShardClient, _view
 from orchestrator.factory import build_model, make_optimizer
-from policies.allreduce import AllReduceWorker, epoch_order
+from policies.allreduce import AllReduceWorker
 from policies.downpour import DownpourWorker
 from policies.easgd import EasgdWorker, default_alpha
 from policies.sharding import FlatParams
@@ -96,51 +96,84 @@ class ModelReplica:
 
 
     # ---- data ----------------------------------------------------------------------------
-    def load_data(self, train_parts: list, test_part: list, test_slice: tuple[int, int]) -> int:
-        """Read this replica's partitions from the object store (refs wrapped in lists so Ray
-        passes them through unresolved) and keep them as tensors; returns rows held."""
-        parts = ray.get(train_parts)
-        self.x = torch.from_numpy(np.concatenate([p["x"] for p in parts]))
-        self.y = torch.from_numpy(np.concatenate([p["y"] for p in parts]))
-        self.ids = np.concatenate([p["ids"] for p in parts])
+    def set_data(self, server, test_part: list, test_slice: tuple[int, int]) -> int:
+        """The PartitionServer to lease train partitions from, and this replica's slice of the
+        test split (refs wrapped in lists so Ray passes them through unresolved)."""
+        self.server = server
+        return self.set_test_slice(test_part, test_slice)
+
+    def set_test_slice(self, test_part: list, test_slice: tuple[int, int]) -> int:
         test = ray.get(test_part[0])
         lo, hi = test_slice
         self.test_x = torch.from_numpy(test["x"][lo:hi].copy())
         self.test_y = torch.from_numpy(test["y"][lo:hi].copy())
-        return len(self.y)
+        return hi - lo
+
+    def _partitions(self, timeout_s: float) -> Iterator[tuple[dict, dict]]:
+        """Lease partitions until the server has none left for this replica this epoch. The next
+        lease is requested, and its data pulled to this node, while the current one trains."""
+        pending = self.server.lease.remote(self.rank)
+        while True:
+            lease = ray.get(pending, timeout=timeout_s)
+            if lease is None:
+                return
+            pending = self.server.lease.remote(self.rank)  # prefetch: the next lease...
+            ray.wait(lease["ref"], timeout=0, fetch_local=True)  # ...and this one's bytes
+            yield lease, ray.get(lease["ref"][0], timeout=timeout_s)
+            self.server.complete.remote(self.rank, lease["partition"])
+
+    def _batches(self, lease: dict, part: dict, steps: Optional[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+        """Batches of one partition in this epoch's in-partition order, by tensor indexing (no
+        per-row Python). `steps` fixed (allreduce: full batches only) or None (every row once)."""
+        bs = self.cfg["data"]["batch_size"]
+        x, y = _view(part["x"]), _view(part["y"])
+        rows = len(y)
+        order = np.random.default_rng(lease["seed"]).permutation(rows) if self.cfg["data"]["shuffle"] else np.arange(rows)
+        n = steps if steps is not None else -(-rows // bs)
+        pin = self.device.type == "cuda"
+        for i in range(n):
+            idx = torch.from_numpy(order[i * bs : (i + 1) * bs])
+            xb, yb = x[idx], y[idx]
+            if pin:
+                xb, yb = xb.pin_memory(), yb.pin_memory()
+            yield xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True), part["ids"][idx.numpy()]
 
     # ---- training ------------------------------------------------------------------------
-    def run_epoch(self, epoch: int, steps: int, log_every: int, trace_ids: bool = False) -> Iterator[dict[str, Any]]:
-        """Take `steps` steps of the mode's rule over this replica's rows in this epoch's order,
-        then (allreduce) evaluate this replica's slice of the test split. A Ray streaming generator: yields a
-        progress row every `log_every` steps (the driver's display, step metrics and stall
-        check), and last the epoch's totals with the evaluation (one call per epoch)."""
+    def run_epoch(self, epoch: int, steps_per_partition: Optional[int], log_every: int,
+                  trace_ids: bool = False) -> Iterator[dict[str, Any]]:
+        """Lease partitions and take steps of the mode's rule over them until the server has no
+        more for this replica this epoch; then (allreduce) evaluate this replica's test slice.
+        A Ray streaming generator: yields a progress row every `log_every` steps (display, step
+        metrics, stall check) and last the totals (one call per epoch, no call per step)."""
         self.model.train()
-        bs = self.cfg["data"]["batch_size"]
-        order = torch.from_numpy(epoch_order(len(self.y), self.cfg["data"]["seed"], epoch, self.rank))
-        consumed, comm_s = [], 0.0
+        timeout = self.cfg["strategy"]["timeout_s"]
+        consumed, partitions, comm_s, steps, samples, loss = [], [], 0.0, 0, 0, float("nan")
         t_epoch = t_window = time.perf_counter()
-        for i in range(steps):
-            idx = order[i * bs : (i + 1) * bs]
-            x, y = self.x[idx].to(self.device, non_blocking=True), self.y[idx].to(self.device, non_blocking=True)
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)  # faults.slow_replicas: a deliberate straggler
-            loss, c = self.worker.step(x, y)
-            comm_s += c
-            self.step += 1
-            if trace_ids:
-                consumed.append(self.ids[idx.numpy()].tolist())
-            if (i + 1) % log_every == 0 or i + 1 == steps:
-                now = time.perf_counter()
-                n_steps = (i + 1) % log_every or log_every
-                yield {"kind": "progress", "rank": self.rank, "epoch": epoch, "step": self.step, "step_in_epoch": i + 1,
-                       "loss": loss, "samples_per_s": n_steps * bs * self.world_size / (now - t_window)}
-                t_window = now
+        window = 0
+        for lease, part in self._partitions(timeout):
+            for x, y, ids in self._batches(lease, part, steps_per_partition):
+                if self.step_delay_s:
+                    time.sleep(self.step_delay_s)  # faults.slow_replicas: a deliberate straggler
+                loss, c = self.worker.step(x, y)
+                comm_s += c
+                steps += 1
+                samples += len(y)
+                window += len(y)
+                self.step += 1
+                if trace_ids:
+                    consumed.append(ids.tolist())
+                if steps % log_every == 0:
+                    now = time.perf_counter()
+                    yield {"kind": "progress", "rank": self.rank, "epoch": epoch, "step": self.step,
+                           "step_in_epoch": steps, "loss": loss, "samples_per_s": window / (now - t_window)}
+                    t_window, window = now, 0
+            partitions.append(lease["partition"])
         train_s = time.perf_counter() - t_epoch
         mode_stats = self.worker.end_epoch()  # e.g. waits for this epoch's pushes
         evaluation = self.evaluate() if self.flat is None else None  # sharded modes: see evaluate_reference
-        yield {"kind": "epoch", "rank": self.rank, "steps": steps, "samples": steps * bs, "train_s": train_s,
-               "comm_s": comm_s, "consumed": consumed, "eval": evaluation, "loss": loss, "mode": mode_stats}
+        yield {"kind": "epoch", "rank": self.rank, "steps": steps, "samples": samples, "train_s": train_s,
+               "comm_s": comm_s, "consumed": consumed, "partitions": partitions, "eval": evaluation,
+               "loss": loss, "mode": mode_stats}
 
     @torch.inference_mode()
     def evaluate(self) -> tuple[int, float, int]:

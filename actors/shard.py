@@ -47,7 +47,13 @@ class ParameterShard:
         return staleness, self.state.report_clock(rank, step)
 
     async def min_clock(self) -> int:
-        return min(self.state.clocks.values())
+        return min(self.state.clocks.values(), default=0)
+
+    async def forget_replica(self, rank: int) -> None:
+        self.state.forget(rank)
+
+    async def idle(self, rank: int) -> None:
+        self.state.idle(rank)
 
     async def version(self) -> int:
         return self.state.version
@@ -118,6 +124,9 @@ class RayShardClient:
 
     def version(self) -> int:
         return ray.get(self.shards[0].version.remote(), timeout=self.timeout_s)
+
+    def idle(self, rank: int) -> None:
+        ray.get(self.shards[0].idle.remote(rank), timeout=self.timeout_s)
 
     def elastic(self, x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, float]:
         flat = x.numpy()

@@ -40,14 +40,28 @@ class ModelConfig(_Section):
 class DataConfig(_Section):
     source: str = Field(
         "builtin:mnist5k",
-        description="Dataset: builtin:mnist5k (5,000 real MNIST digits), builtin:digits "
-        "(scikit-learn 8x8 digits) or builtin:synthetic (separable Gaussian blobs).",
+        description="Dataset: builtin:mnist5k (5,000 real MNIST digits), builtin:digits (scikit-learn 8x8 "
+        "digits), builtin:synthetic (Gaussian blobs), or a Parquet / CSV / Arrow IPC file or directory: a local "
+        "path or any pyarrow filesystem URI (file://, s3://, gs://, hdfs://).",
     )
+    label_column: str = Field("label", min_length=1, description="Column holding integer class ids.")
+    feature_columns: Optional[list[str]] = Field(
+        None, description="Feature columns (numeric or fixed-size lists, concatenated into one float32 vector); "
+        "default: every column but the label and id columns."
+    )
+    feature_shape: Optional[list[int]] = Field(
+        None, description="Reshape each feature vector, e.g. [1, 28, 28] for images; default: flat."
+    )
+    id_column: Optional[str] = Field(None, description="Column of row ids (reported in traces); default: row number.")
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="Share of rows held out for testing (file sources).")
+    test_source: Optional[str] = Field(None, description="A separate test set (same format rules); overrides test_fraction.")
     batch_size: int = Field(64, gt=0, description="Samples per step per replica.")
-    seed: int = Field(0, description="Seed for the split, partition order and shuffling.")
+    seed: int = Field(0, description="Seed for the split, partition order and shuffling; runs are reproducible.")
     partitions: Optional[int] = Field(
-        None, gt=0, description="Partitions the train split is cut into; default 4 x replicas."
+        None, gt=0, description="Partitions the train split is cut into; default 4 x replicas (allreduce needs a "
+        "multiple of scaling.replicas)."
     )
+    shuffle: bool = Field(True, description="Reshuffle partition order and rows within partitions every epoch.")
 
     @field_validator("source")
     @classmethod
@@ -57,8 +71,13 @@ class DataConfig(_Section):
         if v.startswith("builtin:") and v.removeprefix("builtin:") not in BUILTIN_SOURCES:
             names = ", ".join(f"builtin:{n}" for n in BUILTIN_SOURCES)
             raise ValueError(f"unknown builtin dataset {v!r}; choose one of {names}")
-        if not v.startswith("builtin:"):
-            raise ValueError(f"unsupported source {v!r}; this version reads builtin:<name> sources")
+        return v
+
+    @field_validator("feature_shape")
+    @classmethod
+    def _positive_dims(cls, v: Optional[list[int]]) -> Optional[list[int]]:
+        if v is not None and (not v or any(d < 1 for d in v)):
+            raise ValueError(f"dimensions must be >= 1, got {v}")
         return v
 
 
@@ -162,6 +181,10 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _mode_fits(self) -> "JobConfig":
+        parts = self.data.partitions
+        if self.strategy.mode == "allreduce" and parts is not None and parts % self.scaling.replicas:
+            raise ValueError(f"data.partitions: allreduce needs a multiple of scaling.replicas "
+                             f"({self.scaling.replicas}) so every replica takes the same steps, got {parts}")
         if self.strategy.mode == "downpour" and self.optimizer.name not in ("sgd", "adagrad"):
             raise ValueError(f"optimizer.name: downpour shards apply sgd or adagrad, not {self.optimizer.name}")
         return self

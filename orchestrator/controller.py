@@ -18,12 +18,12 @@ import ray
 
 from orchestrator.checkpoint import save_checkpoint
 from orchestrator.config import JobConfig
-from orchestrator.data import Dataset, assign_partitions, eval_slices, partition
+from orchestrator.data import Dataset, eval_slices, partition
 from orchestrator.errors import TrainingError
 from orchestrator.progress import ProgressDisplay
 from orchestrator.result import FinalMetrics, TrainResult
 from orchestrator.tracking import Tracker
-from policies.allreduce import steps_per_epoch
+from policies.allreduce import steps_per_partition
 from policies.modes import needs_shards
 from policies.stop import EpochSnapshot, StopPolicy
 
@@ -56,6 +56,23 @@ class RunTotals:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+def merge_epoch_stats(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One totals row per rank (a replica runs twice in an epoch when it takes over a dead
+    replica's partitions)."""
+    merged: dict[int, dict[str, Any]] = {}
+    for s in stats:
+        m = merged.get(s["rank"])
+        if m is None:
+            merged[s["rank"]] = dict(s)
+            continue
+        for key in ("steps", "samples", "train_s", "comm_s"):
+            m[key] += s[key]
+        m["consumed"] = m["consumed"] + s["consumed"]
+        m["partitions"] = m["partitions"] + s["partitions"]
+        m.update(eval=s["eval"], loss=s["loss"], mode=s["mode"])
+    return [merged[r] for r in sorted(merged)]
+
+
 def mode_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
     """Each mode's own per-epoch figures, combined across replicas."""
     modes = [s["mode"] for s in stats]
@@ -84,7 +101,11 @@ class Controller:
         self.replicas: list[Any] = []
         self.shards: list[Any] = []
         self.totals = RunTotals()
-        self.consumed: list[list[list[int]]] = []  # [epoch][rank] -> row ids (trace_ids only)
+        self.consumed: list[dict[int, list[list[int]]]] = []  # [epoch] {rank: [step] -> row ids} (trace_ids)
+        self.redone: list[dict[str, Any]] = []  # partitions served again after a replica died
+        self.alive: dict[int, Any] = {}
+        self.server = None
+        self.steps_per_partition: Optional[int] = None
         s = config.stop
         self.stop_policy = StopPolicy(s.epochs, s.target_accuracy, s.at_target, s.max_wall_s)
         self.steps_per_epoch = 0
@@ -148,52 +169,98 @@ class Controller:
         return self.shards, bounds
 
     def _start(self) -> None:
+        from actors.partition_server import PartitionServer
+
         if not self.replicas:
             self.launch()
         cfg, n = self.cfg, self.cfg.scaling.replicas
         parts = partition(self.dataset.train, cfg.data.partitions or 4 * n, cfg.data.seed)
-        refs = [ray.put({"x": p.x, "y": p.y, "ids": p.ids}) for p in parts]
-        test_ref = ray.put({"x": self.dataset.test.x, "y": self.dataset.test.y})
-        assignment = assign_partitions(len(parts), n)
-        rows = [sum(len(parts[i]) for i in a) for a in assignment]
-        self.steps_per_epoch = steps_per_epoch(rows, cfg.data.batch_size)
+        refs = [ray.put({"x": p.x, "y": p.y, "ids": p.ids}) for p in parts]  # each partition put once
+        rows = [len(p) for p in parts]
+        lock_step = cfg.strategy.mode == "allreduce"
+        bs = cfg.data.batch_size
+        self.steps_per_partition = steps_per_partition(rows, bs) if lock_step else None
+        self.steps_per_epoch = (len(parts) // n * self.steps_per_partition if lock_step
+                                else -(-sum(-(-r // bs) for r in rows) // n))  # the display's estimate
+        self.server = PartitionServer.remote(refs, rows, n, cfg.data.seed, lock_step, cfg.data.shuffle)
         timeout = cfg.strategy.timeout_s
-        if cfg.strategy.mode == "allreduce":
+        if lock_step:
             addr, port = self._get(self.replicas[0].rendezvous_address.remote(), "rendezvous", timeout + 60)
             self._get([r.join_group.remote(addr, port, timeout) for r in self.replicas], "process group", timeout + 60)
+        self.test_ref = ray.put({"x": self.dataset.test.x, "y": self.dataset.test.y})
         slices = eval_slices(len(self.dataset.test), n)
-        self._get([r.load_data.remote([refs[i] for i in assignment[k]], [test_ref], slices[k])
-                   for k, r in enumerate(self.replicas)], "data load", timeout)
+        self._get([r.set_data.remote(self.server, [self.test_ref], slices[k]) for k, r in enumerate(self.replicas)],
+                  "data", timeout)
+        self.alive = dict(enumerate(self.replicas))
         self.totals.startup_s = time.perf_counter() - self.t0
         self._train_started = time.perf_counter()
         self.tracker.event("started", self.t0, replicas=n, steps_per_epoch=self.steps_per_epoch,
-                           partitions=len(parts), rows_per_replica=rows, startup_s=round(self.totals.startup_s, 3))
-        self._say(f"started {n} replicas ({self.steps_per_epoch} steps/epoch, {len(parts)} partitions) "
+                           partitions=len(parts), rows_per_partition=[min(rows), max(rows)],
+                           startup_s=round(self.totals.startup_s, 3))
+        self._say(f"started {n} replicas ({len(parts)} partitions, ~{self.steps_per_epoch} steps/epoch per replica) "
                   f"in {self.totals.startup_s:.1f}s")
 
     # ---- RUNNING: one epoch, evaluation, logging, the stop decision ------------------------
+    def _serve_epoch(self, epoch: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Run the epoch on the live replicas until the PartitionServer has served every
+        partition once. In downpour / async easgd a replica that dies is dropped: its leases go
+        back to the pool and the survivors finish them (reported as redone)."""
+        cfg = self.cfg
+        self._get(self.server.start_epoch.remote(epoch), "partition server", CONTROL_CALL_TIMEOUT_S)
+        stats, progress = [], []
+        while True:
+            streams = {rank: r.run_epoch.remote(epoch, self.steps_per_partition, cfg.tracking.log_every_steps,
+                                                self.trace_ids) for rank, r in self.alive.items()}
+            finals, rows, dead = self._drain(streams, epoch)
+            stats += finals
+            progress += rows
+            for rank in dead:
+                self._lose_replica(rank, epoch)
+            status = self._get(self.server.status.remote(), "partition server", CONTROL_CALL_TIMEOUT_S)
+            if status["complete"]:
+                self.redone += status["redone"]
+                return merge_epoch_stats(stats), progress
+            if not dead:
+                raise TrainingError(f"epoch {epoch}: {status['remaining']} partitions were never served")
+
+    def _lose_replica(self, rank: int, epoch: int) -> None:
+        cfg = self.cfg
+        tolerant = cfg.strategy.mode == "downpour" or (cfg.strategy.mode == "easgd" and cfg.strategy.variant == "async")
+        survivors = sorted(r for r in self.alive if r != rank)
+        if not tolerant or not survivors:
+            raise TrainingError(f"replica {rank} died in epoch {epoch} ({cfg.strategy.mode} cannot continue without it)")
+        del self.alive[rank]
+        back = self._get(self.server.release.remote(rank, survivors), "partition server", CONTROL_CALL_TIMEOUT_S)
+        if self.shards:  # the slowest-replica clock (SSP) must not wait for the dead
+            self._get(self.shards[0].forget_replica.remote(rank), "shard", CONTROL_CALL_TIMEOUT_S)
+        slices = eval_slices(len(self.dataset.test), len(survivors))
+        self._get([self.alive[r].set_test_slice.remote([self.test_ref], slices[k]) for k, r in enumerate(survivors)],
+                  "test slices", CONTROL_CALL_TIMEOUT_S)
+        self.tracker.event("replica_lost", self.t0, rank=rank, epoch=epoch, partitions_served_again=back,
+                           survivors=survivors)
+        self._say(f"replica {rank} died in epoch {epoch}; its partitions {back} go to replicas {survivors}")
+
     def _run_epoch(self) -> bool:
         cfg, tot = self.cfg, self.totals
         epoch = tot.epochs + 1
         t_epoch = time.perf_counter()
-        streams = [r.run_epoch.remote(epoch, self.steps_per_epoch, cfg.tracking.log_every_steps, self.trace_ids)
-                   for r in self.replicas]
-        stats, progress = self._drain(streams, epoch)
+        stats, progress = self._serve_epoch(epoch)
         evals = [s["eval"] for s in stats]
         if needs_shards(cfg.strategy.mode):  # evaluate the reference (server copy / center) once all are done
-            evals = self._get([r.evaluate_reference.remote() for r in self.replicas], "evaluation", cfg.strategy.timeout_s)
+            evals = self._get([r.evaluate_reference.remote() for r in self.alive.values()], "evaluation",
+                              cfg.strategy.timeout_s)
         correct, loss_sum, rows = map(sum, zip(*evals))
         acc, test_loss = correct / rows, loss_sum / rows
 
         tot.epochs = epoch
-        tot.steps += self.steps_per_epoch
+        tot.steps += max(s["steps"] for s in stats)
         tot.samples += sum(s["samples"] for s in stats)
         tot.train_s += max(s["train_s"] for s in stats)
         tot.comm_s += max(s["comm_s"] for s in stats)
         tot.train_loss = stats[0]["loss"]
         tot.test_accuracy, tot.test_loss = acc, test_loss
         if self.trace_ids:
-            self.consumed.append([s["consumed"] for s in stats])
+            self.consumed.append({s["rank"]: s["consumed"] for s in stats})
         elapsed = time.perf_counter() - self.t0
         target = cfg.stop.target_accuracy
         if target is not None and tot.time_to_target_s is None and acc >= target:
@@ -212,6 +279,7 @@ class Controller:
         self.tracker.event("epoch_end", self.t0, epoch=epoch, step=tot.steps, test_accuracy=round(acc, 4),
                            test_loss=round(test_loss, 4), train_loss=round(tot.train_loss, 4),
                            train_s_by_rank=[round(s["train_s"], 3) for s in stats],
+                           steps_by_rank=[s["steps"] for s in stats],
                            **{k: round(v, 4) for k, v in extra.items()})
         self._say(f"epoch {epoch}: test_accuracy {acc:.4f}  test_loss {test_loss:.4f}  "
                   f"train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
@@ -225,14 +293,16 @@ class Controller:
             self.tracker.event("stop", self.t0, reason=decision.reason)
         return decision.stop
 
-    def _drain(self, streams: list, epoch: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Read every replica's epoch stream to its end. Returns (epoch totals by rank, rank 0's
-        progress rows). A dead replica, or no word from any replica for strategy.timeout_s,
-        surfaces as a TrainingError: never a hang."""
+    def _drain(self, streams: dict[int, Any], epoch: int):
+        """Read every replica's epoch stream to its end. Returns (epoch totals, rank 0's progress
+        rows, ranks that died). No word from any replica for strategy.timeout_s is a
+        TrainingError: never a hang."""
         timeout = self.cfg.strategy.timeout_s
-        finals: dict[int, dict[str, Any]] = {}
+        finals: list[dict[str, Any]] = []
         progress: list[dict[str, Any]] = []
-        active = dict(enumerate(streams))
+        dead: list[int] = []
+        active = dict(streams)
+        first = min(streams)
         while active:
             ready, _ = ray.wait(list(active.values()), num_returns=1, timeout=timeout)
             if not ready:
@@ -241,18 +311,23 @@ class Controller:
                 if stream not in ready:
                     continue
                 try:
-                    ref = next(stream)
+                    item = ray.get(next(stream), timeout=timeout)
                 except StopIteration:
                     del active[rank]
                     continue
-                item = self._get(ref, f"replica {rank} epoch {epoch}", timeout)
+                except ray.exceptions.RayActorError:
+                    dead.append(rank)
+                    del active[rank]
+                    continue
+                except ray.exceptions.RayTaskError as exc:
+                    raise TrainingError(f"replica {rank} epoch {epoch}: {exc.cause if hasattr(exc, 'cause') else exc}") from None
                 if item["kind"] == "epoch":
-                    finals[rank] = item
-                elif rank == 0:
+                    finals.append(item)
+                elif rank == first:
                     progress.append(item)
                     if self.display is not None:
                         self.display.steps(epoch, item["step_in_epoch"], item["loss"], self.steps_per_epoch)
-        return [finals[r] for r in sorted(finals)], progress
+        return finals, progress, dead
 
     # ---- FINISHING: final checkpoint and artifacts -----------------------------------------
     def _finish(self) -> None:
@@ -267,7 +342,7 @@ class Controller:
     def checkpoint(self, name: str, timeout_s: float) -> str:
         """Rank 0's model and optimizer state (all replicas hold the same parameters) plus the
         run's position, written to checkpoint.storage/<mlflow run id>/<name>."""
-        state = self._get(self.replicas[0].state.remote(), f"checkpoint {name}", timeout_s)
+        state = self._get(next(iter(self.alive.values())).state.remote(), f"checkpoint {name}", timeout_s)
         state.update(epoch=self.totals.epochs, mlflow_run_id=self.tracker.run_id,
                      config=self.cfg.model_dump(mode="json"))
         path = save_checkpoint(self.cfg.checkpoint.storage, self.tracker.run_id, name, state)
@@ -277,12 +352,12 @@ class Controller:
 
     def shutdown(self) -> None:
         """Stop every actor this controller started (replicas and shards)."""
-        for r in self.replicas + self.shards:
+        for r in self.replicas + self.shards + ([self.server] if self.server is not None else []):
             try:
                 ray.kill(r, no_restart=True)
             except Exception:
                 pass
-        self.replicas, self.shards = [], []
+        self.replicas, self.shards, self.server = [], [], None
 
     # ---- helpers ---------------------------------------------------------------------------
     def _get(self, refs, what: str, timeout: float):

@@ -4,22 +4,23 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from orchestrator.config import JobConfig
-from orchestrator.data import Dataset, load_source
+from orchestrator.data import Dataset
+from orchestrator.sources import load_dataset
 from orchestrator.errors import ConfigError
 from orchestrator.factory import build_model
 from orchestrator.result import FinalMetrics, TrainResult
 
 
-def check_inputs(config: JobConfig) -> Dataset:
+def check_inputs(config: JobConfig, data: Any = None) -> Dataset:
     """Everything that can be checked before anything starts: the factory imports and returns
     a module, the data loads, the model accepts the data's shape. ConfigError otherwise."""
     import torch
 
     model = build_model(config.model.factory, config.model.kwargs, config.data.seed)
-    dataset = load_source(config.data.source, config.data.seed)
+    dataset = load_dataset(config.data, data)
     sample = torch.from_numpy(dataset.train.x[:2])
     try:
         with torch.no_grad():
@@ -30,10 +31,13 @@ def check_inputs(config: JobConfig) -> Dataset:
     if out.ndim != 2 or out.shape[1] < dataset.num_classes:
         raise ConfigError(f"config error: model.factory: {config.model.factory} outputs shape {list(out.shape[1:])}, "
                           f"needs one logit per class ({dataset.num_classes})")
-    rows_per_replica = len(dataset.train) // config.scaling.replicas
-    if rows_per_replica < config.data.batch_size:
-        raise ConfigError(f"config error: data.batch_size: {config.data.batch_size} is more than the "
-                          f"{rows_per_replica} rows each of {config.scaling.replicas} replicas holds")
+    parts = config.data.partitions or 4 * config.scaling.replicas
+    if parts > len(dataset.train):
+        raise ConfigError(f"config error: data.partitions: {parts} partitions for {len(dataset.train)} train rows")
+    rows = len(dataset.train) // parts
+    if config.strategy.mode == "allreduce" and rows < config.data.batch_size:
+        raise ConfigError(f"config error: data.batch_size: {config.data.batch_size} is more than the {rows} rows "
+                          f"of each of {parts} partitions (lower data.batch_size or data.partitions)")
     return dataset
 
 
@@ -41,8 +45,11 @@ class ElasticTrainer:
     """Train `config` on Ray. Uses the Ray cluster of the calling process when it has one,
     else RAY_ADDRESS, else starts (and afterwards stops) a local one."""
 
-    def __init__(self, config: JobConfig, show_progress: bool = True) -> None:
+    def __init__(self, config: JobConfig, show_progress: bool = True, data: Any = None) -> None:
+        """`data`: optional in-memory training data instead of `config.data.source`: (x, y) numpy
+        arrays, a dict of columns, a pandas DataFrame or a pyarrow Table (see docs/data.md)."""
         self.config = config
+        self.data = data
         self.show_progress = show_progress
         self.controller = None
         self._dataset: Optional[Dataset] = None
@@ -51,7 +58,7 @@ class ElasticTrainer:
     def check(self) -> Dataset:
         """Validate what can be validated before starting anything (ConfigError on bad input)."""
         if self._dataset is None:
-            self._dataset = check_inputs(self.config)
+            self._dataset = check_inputs(self.config, self.data)
         return self._dataset
 
     def fit(self) -> TrainResult:

@@ -14,8 +14,9 @@ mean loss across replicas rides along with the gradients for free.
 The communication is passed in as a `Reducer` (torch.distributed in a replica actor, a plain
 in-process sum in tests), so the rule is checked without Ray or process groups.
 
-Ragged epoch end: each replica takes `steps_per_epoch` = floor(min partition rows / batch)
-steps; the few rows past that are dropped *for this epoch only*. Rows are reshuffled every
+Ragged end: every replica leases the same number of partitions per epoch (the partition server
+pins them round-robin) and takes `steps_per_partition` = floor(min partition rows / batch) steps
+on each; the few rows past that are dropped *for this epoch only*. Rows are reshuffled every
 epoch, so a different handful is dropped each time and none is dropped systematically.
 Dropping keeps every step's global batch the same size (so the averaged gradient has the
 same scale and the learning rate means the same thing every step) at the cost of < 1 batch
@@ -142,13 +143,14 @@ def allreduce_step(
     return float(buckets.loss_slot.item()), comm_s
 
 
-def steps_per_epoch(rows_per_replica: Sequence[int], batch_size: int) -> int:
-    """Steps every replica takes this epoch: the ragged end is dropped (see module docstring)."""
-    steps = min(rows_per_replica) // batch_size
+def steps_per_partition(rows_per_partition: Sequence[int], batch_size: int) -> int:
+    """Steps every replica takes on each partition it leases: full batches of the smallest
+    partition; the ragged end is dropped (see module docstring)."""
+    steps = min(rows_per_partition) // batch_size
     if steps < 1:
         raise ValueError(
-            f"a replica holds {min(rows_per_replica)} rows, fewer than one batch of {batch_size}; "
-            "lower data.batch_size or scaling.replicas"
+            f"a partition holds {min(rows_per_partition)} rows, fewer than one batch of {batch_size}; "
+            "lower data.batch_size or data.partitions"
         )
     return steps
 

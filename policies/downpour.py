@@ -110,6 +110,7 @@ class DownpourWorker:
         """Wait for this epoch's pushes; report staleness and push counts, then reset them."""
         self.client.drain()
         self._collect()
+        self.client.idle(self.rank)
         s = self.stalenesses
         stats = {"pushes": self.pushes, "staleness_mean": sum(s) / len(s) if s else 0.0,
                  "staleness_max": max(s) if s else 0, "max_lead": self.max_lead}

@@ -38,6 +38,9 @@ class ShardClient(Protocol):
     def version(self) -> int:
         """Updates shard 0 has applied."""
 
+    def idle(self, rank: int) -> None:
+        """This replica has nothing left this epoch: the staleness bound stops waiting for it."""
+
     def elastic(self, x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, float]:
         """Asynchronous EASGD exchange on every shard: returns (d, ||x - c||^2)."""
 

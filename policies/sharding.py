@@ -58,7 +58,8 @@ class ShardState:
     momentum: float = 0.0
     weight_decay: float = 0.0
     version: int = 0  # updates applied so far
-    clocks: dict[int, int] = field(default_factory=dict)  # replica rank -> last step it reported
+    clocks: dict[int, int] = field(default_factory=dict)  # active replica rank -> last step it reported
+    gone: set = field(default_factory=set)  # ranks that died: never waited for again
     _opt: Optional[torch.optim.Optimizer] = None
     _param: Optional[torch.nn.Parameter] = None
     _sync: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # round -> contributions
@@ -92,10 +93,22 @@ class ShardState:
     def init_clocks(self, replicas: int) -> None:
         self.clocks = {r: 0 for r in range(replicas)}
 
+    def forget(self, rank: int) -> None:
+        """A replica died: the slowest-replica clock never waits for it again."""
+        self.clocks.pop(rank, None)
+        self.gone.add(rank)
+
+    def idle(self, rank: int) -> None:
+        """A replica has no more partitions this epoch: nobody waits for it until it reports
+        again (otherwise a fast replica finishing the epoch's last partitions would wait for a
+        replica that has nothing left to do)."""
+        self.clocks.pop(rank, None)
+
     def report_clock(self, rank: int, step: int) -> int:
-        """Record a replica's step; returns the slowest replica's step (for SSP)."""
-        self.clocks[rank] = max(step, self.clocks.get(rank, 0))
-        return min(self.clocks.values())
+        """Record a replica's step; returns the slowest active replica's step (for SSP)."""
+        if rank not in self.gone:
+            self.clocks[rank] = max(step, self.clocks.get(rank, step))
+        return min(self.clocks.values(), default=step)
 
     # ---- EASGD ---------------------------------------------------------------------------
     def elastic_exchange(self, x: np.ndarray | torch.Tensor, alpha: float) -> tuple[torch.Tensor, float]:

@@ -58,8 +58,8 @@ def test_parameters_identical_and_equal_to_single_process_reference(ray_cluster,
     row = {int(i): k for k, i in enumerate(dataset.train.ids)}
     model = build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    consumed = ctl.consumed[0]  # [rank][step] -> ids
-    assert all(len(c) == ctl.steps_per_epoch for c in consumed) and ctl.steps_per_epoch > 5
+    consumed = ctl.consumed[0]  # {rank: [step] -> ids}
+    assert all(len(c) == ctl.steps_per_epoch for c in consumed.values()) and ctl.steps_per_epoch > 5
     for step in range(ctl.steps_per_epoch):
         grads = []
         for rank in range(replicas):
@@ -74,7 +74,7 @@ def test_parameters_identical_and_equal_to_single_process_reference(ray_cluster,
     ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     np.testing.assert_allclose(flats[0], ref, rtol=1e-4, atol=1e-5)
     # every replica read only its own rows, and no row twice in the epoch
-    seen = [i for rank in consumed for step in rank for i in step]
+    seen = [i for steps in consumed.values() for step in steps for i in step]
     assert len(seen) == len(set(seen))
 
 

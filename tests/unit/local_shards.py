@@ -39,6 +39,9 @@ class LocalShardClient:
     def version(self):
         return self.states[0].version
 
+    def idle(self, rank):
+        self.states[0].idle(rank)
+
     def elastic(self, x, alpha):
         ds, sq = [], 0.0
         for (lo, hi), s in zip(self.bounds, self.states):

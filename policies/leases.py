@@ -1,0 +1,89 @@
+"""The partition ledger: which partition each replica reads, so that every partition is served
+exactly once per epoch whoever joins, dies or runs fast.
+
+Pure state and decisions (the `PartitionServer` actor wraps it; tests use it directly):
+- each epoch has an order of partitions, a reproducible shuffle of (seed, epoch);
+- `shared` leasing (downpour, easgd): one queue, a fast replica simply leases more;
+- `pinned` leasing (allreduce): replica r gets positions r, r + R, ... of the epoch's order, so
+  every replica gets the same number of partitions and steps stay in lock-step;
+- `release(rank)` (the controller saw the replica die) returns its unfinished leases to the
+  front of the queue; they are served again and recorded as redone.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Lease:
+    epoch: int
+    partition: int
+    seed: int  # in-partition shuffle seed for this epoch
+
+
+@dataclass
+class PartitionLedger:
+    partitions: int
+    replicas: int
+    seed: int = 0
+    pinned: bool = False
+    shuffle: bool = True
+    epoch: int = 0
+    queues: dict[int, deque] = field(default_factory=dict)  # rank (or -1 = shared) -> partitions to serve
+    leased: dict[int, int] = field(default_factory=dict)  # partition -> rank holding it
+    done: dict[int, int] = field(default_factory=dict)  # partition -> rank that completed it
+    redone: list[dict] = field(default_factory=list)  # partitions released by a dead replica
+
+    def start_epoch(self, epoch: int) -> None:
+        if self.leased or (self.epoch and len(self.done) < self.partitions):
+            raise RuntimeError(f"epoch {self.epoch} is not finished: {self.partitions - len(self.done)} partitions left")
+        self.epoch = epoch
+        order = (np.random.default_rng([self.seed, epoch]).permutation(self.partitions) if self.shuffle
+                 else np.arange(self.partitions))
+        if self.pinned:
+            self.queues = {r: deque(int(p) for p in order[r :: self.replicas]) for r in range(self.replicas)}
+        else:
+            self.queues = {-1: deque(int(p) for p in order)}
+        self.done, self.redone = {}, []
+
+    def lease(self, rank: int) -> Optional[Lease]:
+        """The next partition for `rank`, or None when it has nothing left this epoch."""
+        queue = self.queues.get(rank if self.pinned else -1)
+        if not queue:
+            return None
+        p = queue.popleft()
+        self.leased[p] = rank
+        return Lease(self.epoch, p, int(np.random.default_rng([self.seed, self.epoch, p]).integers(2**31)))
+
+    def complete(self, rank: int, partition: int) -> None:
+        if self.leased.get(partition) != rank:
+            raise ValueError(f"replica {rank} completed partition {partition} it does not hold")
+        del self.leased[partition]
+        self.done[partition] = rank
+
+    def release(self, rank: int, survivors: Optional[list[int]] = None) -> list[int]:
+        """A replica died: its leased partitions go back to be served again (to the front of the
+        shared queue, or spread over the survivors' pinned queues). Returns them."""
+        back = sorted(p for p, r in self.leased.items() if r == rank)
+        for p in back:
+            del self.leased[p]
+            self.redone.append({"epoch": self.epoch, "partition": p, "from_rank": rank})
+        if self.pinned:
+            rest = list(self.queues.pop(rank, deque()))
+            alive = survivors or [r for r in self.queues]
+            for i, p in enumerate(back + rest):
+                self.queues[alive[i % len(alive)]].append(p)
+        else:
+            self.queues[-1].extendleft(reversed(back))
+        return back
+
+    @property
+    def epoch_complete(self) -> bool:
+        return len(self.done) == self.partitions
+
+    def remaining(self) -> int:
+        return self.partitions - len(self.done)

@@ -1,0 +1,76 @@
+"""The partition ledger: every partition exactly once per epoch, whoever is fast or dies."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.leases import PartitionLedger
+
+
+def run_epoch(ledger, epoch, speeds):
+    """Replicas lease in proportion to their speed until nothing is left; returns served partitions."""
+    ledger.start_epoch(epoch)
+    served = []
+    active = list(speeds)
+    while active:
+        for rank in list(active):
+            for _ in range(speeds[rank]):
+                lease = ledger.lease(rank)
+                if lease is None:
+                    active.remove(rank)
+                    break
+                ledger.complete(rank, lease.partition)
+                served.append((rank, lease.partition))
+    return served
+
+
+@settings(max_examples=60, deadline=None)
+@given(parts=st.integers(1, 40), replicas=st.integers(1, 5), seed=st.integers(0, 10))
+def test_shared_every_partition_once_and_fast_replicas_take_more(parts, replicas, seed):
+    ledger = PartitionLedger(parts, replicas, seed)
+    speeds = {r: r + 1 for r in range(replicas)}  # rank r is r+1 times as fast as rank 0
+    for epoch in (1, 2):
+        served = run_epoch(ledger, epoch, speeds)
+        assert sorted(p for _, p in served) == list(range(parts))
+        assert ledger.epoch_complete
+    counts = [sum(1 for r, _ in served if r == k) for k in range(replicas)]
+    if replicas >= 2 and parts >= 10 * replicas:
+        assert counts[-1] > counts[0]  # load balancing falls out of leasing
+
+
+def test_order_reshuffles_each_epoch_and_is_reproducible():
+    a, b = PartitionLedger(20, 1, seed=3), PartitionLedger(20, 1, seed=3)
+    e1 = [p for _, p in run_epoch(a, 1, {0: 1})]
+    assert e1 == [p for _, p in run_epoch(b, 1, {0: 1})]
+    assert e1 != [p for _, p in run_epoch(a, 2, {0: 1})]
+
+
+def test_pinned_gives_every_replica_the_same_count():
+    ledger = PartitionLedger(12, 3, seed=0, pinned=True)
+    served = run_epoch(ledger, 1, {0: 5, 1: 1, 2: 1})
+    assert [sum(1 for r, _ in served if r == k) for k in range(3)] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_dead_replicas_leases_are_served_again_and_reported(pinned):
+    ledger = PartitionLedger(10, 2, seed=1, pinned=pinned)
+    ledger.start_epoch(1)
+    dead_lease = ledger.lease(1)  # replica 1 takes a partition and dies holding it
+    done_by_0 = []
+    first = ledger.lease(0)
+    ledger.complete(0, first.partition)
+    done_by_0.append(first.partition)
+    back = ledger.release(1, survivors=[0])
+    assert back == [dead_lease.partition]
+    while (lease := ledger.lease(0)) is not None:
+        ledger.complete(0, lease.partition)
+        done_by_0.append(lease.partition)
+    assert sorted(done_by_0) == list(range(10)) and ledger.epoch_complete
+    assert ledger.redone == [{"epoch": 1, "partition": dead_lease.partition, "from_rank": 1}]
+
+
+def test_cannot_start_an_epoch_before_the_last_is_served():
+    ledger = PartitionLedger(3, 1)
+    ledger.start_epoch(1)
+    ledger.lease(0)
+    with pytest.raises(RuntimeError, match="not finished"):
+        ledger.start_epoch(2)
