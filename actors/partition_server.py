@@ -6,9 +6,13 @@ replica reads the partition zero-copy from its node's object store. It reserves 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
+import numpy as np
 import ray
+import torch
+
+from actors.shard import _view
 
 from policies.leases import PartitionLedger
 
@@ -40,3 +44,41 @@ class PartitionServer:
         return {"epoch": self.ledger.epoch, "complete": self.ledger.epoch_complete,
                 "remaining": self.ledger.remaining(), "done": dict(self.ledger.done),
                 "redone": list(self.ledger.redone)}
+
+
+class PartitionReader:
+    """The replica side: lease partitions until the server has none left for this replica this
+    epoch, and cut them into batches. The next lease is requested, and its bytes pulled to this
+    node, while the current partition trains; batches are made by tensor indexing (no per-row
+    Python); with a GPU, batches are pinned and copied asynchronously."""
+
+    def __init__(self, server, rank: int, batch_size: int, shuffle: bool, device: torch.device, timeout_s: float):
+        self.server, self.rank, self.batch_size, self.shuffle = server, rank, batch_size, shuffle
+        self.device, self.timeout_s = device, timeout_s
+
+    def partitions(self) -> Iterator[tuple[dict, dict]]:
+        pending = self.server.lease.remote(self.rank)
+        while True:
+            lease = ray.get(pending, timeout=self.timeout_s)
+            if lease is None:
+                return
+            pending = self.server.lease.remote(self.rank)  # prefetch: the next lease...
+            ray.wait(lease["ref"], timeout=0, fetch_local=True)  # ...and this one's bytes
+            yield lease, ray.get(lease["ref"][0], timeout=self.timeout_s)
+            self.server.complete.remote(self.rank, lease["partition"])
+
+    def batches(self, lease: dict, part: dict, steps: Optional[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
+        """One partition in this epoch's in-partition order. `steps` fixed (allreduce: full
+        batches only, the ragged end dropped) or None (every row exactly once)."""
+        bs = self.batch_size
+        x, y = _view(part["x"]), _view(part["y"])
+        rows = len(y)
+        order = np.random.default_rng(lease["seed"]).permutation(rows) if self.shuffle else np.arange(rows)
+        n = steps if steps is not None else -(-rows // bs)
+        pin = self.device.type == "cuda"
+        for i in range(n):
+            idx = torch.from_numpy(order[i * bs : (i + 1) * bs])
+            xb, yb = x[idx], y[idx]
+            if pin:
+                xb, yb = xb.pin_memory(), yb.pin_memory()
+            yield xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True), part["ids"][idx.numpy()]

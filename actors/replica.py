@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from actors.shard import RayShardClient, _view
+from actors.partition_server import PartitionReader
+from actors.shard import RayShardClient
 from orchestrator.factory import build_model, make_optimizer
 from policies.allreduce import AllReduceWorker
 from policies.downpour import DownpourWorker
@@ -99,7 +100,8 @@ class ModelReplica:
     def set_data(self, server, test_part: list, test_slice: tuple[int, int]) -> int:
         """The PartitionServer to lease train partitions from, and this replica's slice of the
         test split (refs wrapped in lists so Ray passes them through unresolved)."""
-        self.server = server
+        self.reader = PartitionReader(server, self.rank, self.cfg["data"]["batch_size"], self.cfg["data"]["shuffle"],
+                                      self.device, self.cfg["strategy"]["timeout_s"])
         return self.set_test_slice(test_part, test_slice)
 
     def set_test_slice(self, test_part: list, test_slice: tuple[int, int]) -> int:
@@ -109,35 +111,6 @@ class ModelReplica:
         self.test_y = torch.from_numpy(test["y"][lo:hi].copy())
         return hi - lo
 
-    def _partitions(self, timeout_s: float) -> Iterator[tuple[dict, dict]]:
-        """Lease partitions until the server has none left for this replica this epoch. The next
-        lease is requested, and its data pulled to this node, while the current one trains."""
-        pending = self.server.lease.remote(self.rank)
-        while True:
-            lease = ray.get(pending, timeout=timeout_s)
-            if lease is None:
-                return
-            pending = self.server.lease.remote(self.rank)  # prefetch: the next lease...
-            ray.wait(lease["ref"], timeout=0, fetch_local=True)  # ...and this one's bytes
-            yield lease, ray.get(lease["ref"][0], timeout=timeout_s)
-            self.server.complete.remote(self.rank, lease["partition"])
-
-    def _batches(self, lease: dict, part: dict, steps: Optional[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
-        """Batches of one partition in this epoch's in-partition order, by tensor indexing (no
-        per-row Python). `steps` fixed (allreduce: full batches only) or None (every row once)."""
-        bs = self.cfg["data"]["batch_size"]
-        x, y = _view(part["x"]), _view(part["y"])
-        rows = len(y)
-        order = np.random.default_rng(lease["seed"]).permutation(rows) if self.cfg["data"]["shuffle"] else np.arange(rows)
-        n = steps if steps is not None else -(-rows // bs)
-        pin = self.device.type == "cuda"
-        for i in range(n):
-            idx = torch.from_numpy(order[i * bs : (i + 1) * bs])
-            xb, yb = x[idx], y[idx]
-            if pin:
-                xb, yb = xb.pin_memory(), yb.pin_memory()
-            yield xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True), part["ids"][idx.numpy()]
-
     # ---- training ------------------------------------------------------------------------
     def run_epoch(self, epoch: int, steps_per_partition: Optional[int], log_every: int,
                   trace_ids: bool = False) -> Iterator[dict[str, Any]]:
@@ -146,12 +119,11 @@ class ModelReplica:
         A Ray streaming generator: yields a progress row every `log_every` steps (display, step
         metrics, stall check) and last the totals (one call per epoch, no call per step)."""
         self.model.train()
-        timeout = self.cfg["strategy"]["timeout_s"]
         consumed, partitions, comm_s, steps, samples, loss = [], [], 0.0, 0, 0, float("nan")
         t_epoch = t_window = time.perf_counter()
         window = 0
-        for lease, part in self._partitions(timeout):
-            for x, y, ids in self._batches(lease, part, steps_per_partition):
+        for lease, part in self.reader.partitions():
+            for x, y, ids in self.reader.batches(lease, part, steps_per_partition):
                 if self.step_delay_s:
                     time.sleep(self.step_delay_s)  # faults.slow_replicas: a deliberate straggler
                 loss, c = self.worker.step(x, y)

@@ -1,0 +1,123 @@
+"""The partition server on real Ray: every row once per epoch whoever runs or dies; file,
+file:// and in-memory sources train the same."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from orchestrator.controller import Controller, State
+from orchestrator.data import partition
+from orchestrator.sources import load_dataset
+from orchestrator.tracking import Tracker
+from orchestrator.trainer import ElasticTrainer
+from tests.conftest import job_config
+from tests.integration.test_allreduce_ray import StepWatch
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def parquet_dir(tmp_path_factory):
+    """1,500 rows of 4-class blobs with an id column, as three Parquet files."""
+    d = tmp_path_factory.mktemp("blobs")
+    rng = np.random.default_rng(0)
+    n, dim = 1500, 8
+    y = rng.integers(0, 4, n)
+    x = (rng.normal(size=(n, dim)) + 3 * np.eye(4, dim)[y]).astype(np.float32)
+    table = pa.table({"row_id": np.arange(50_000, 50_000 + n), "label": y,
+                      "features": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), dim)})
+    for i in range(3):
+        pq.write_table(table.slice(i * 500, 500), d / f"part-{i}.parquet")
+    return d
+
+
+def blob_job(source, **sections):
+    data = {"source": str(source), "id_column": "row_id", "batch_size": 16}
+    data.update(sections.pop("data", {}))
+    return job_config(model={"factory": "examples.models:tiny_mlp", "kwargs": {"in_features": 8}}, data=data, **sections)
+
+
+def ids_of(consumed_epoch):
+    return sorted(i for steps in consumed_epoch.values() for step in steps for i in step)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_every_row_exactly_once_per_epoch(ray_cluster, parquet_dir, tmp_path, replicas):
+    cfg = blob_job(parquet_dir, strategy={"mode": "downpour"}, stop={"epochs": 2},
+                   scaling={"replicas": replicas, "cpus_per_replica": 0.5, "shards": 1},
+                   checkpoint={"storage": str(tmp_path)})
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    trainer._trace_ids = True
+    train_ids = sorted(trainer.check().train.ids)
+    result = trainer.fit()
+    assert result.final.test_accuracy > 0.9
+    for epoch in trainer.controller.consumed:
+        assert ids_of(epoch) == train_ids  # every row once: none missed, none twice
+    assert trainer.controller.consumed[0] != trainer.controller.consumed[1]  # reshuffled
+
+
+def test_allreduce_serves_every_partition_once_in_lock_step(ray_cluster, parquet_dir, tmp_path):
+    cfg = blob_job(parquet_dir, stop={"epochs": 1}, scaling={"replicas": 2, "cpus_per_replica": 0.5},
+                   checkpoint={"storage": str(tmp_path)})
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    trainer._trace_ids = True
+    trainer.fit()
+    seen = ids_of(trainer.controller.consumed[0])
+    assert len(seen) == len(set(seen))  # no row twice; the ragged ends of partitions are dropped
+    steps = [len(s) for s in trainer.controller.consumed[0].values()]
+    assert steps[0] == steps[1]
+
+
+def test_a_killed_replica_leaves_every_row_once_plus_the_reported_redo(ray_cluster, parquet_dir):
+    cfg = blob_job(parquet_dir, strategy={"mode": "downpour"}, data={"batch_size": 4, "partitions": 30},
+                   faults={"slow_replicas": {0: 0.004, 1: 0.004, 2: 0.004}}, tracking={"log_every_steps": 5},
+                   scaling={"replicas": 3, "cpus_per_replica": 0.5, "shards": 1}, stop={"epochs": 3})
+    dataset = load_dataset(cfg.data)
+    watch = StepWatch()
+    ctl = Controller(cfg, dataset, Tracker(None, "tests", None), time.perf_counter(), display=watch, trace_ids=True)
+
+    def kill_mid_epoch():
+        while watch.step < 30:
+            time.sleep(0.02)
+        ray.kill(ctl.replicas[2], no_restart=True)
+
+    try:
+        ctl.step()
+        killer = threading.Thread(target=kill_mid_epoch)
+        killer.start()
+        assert ctl.step() is State.RUNNING  # the epoch finishes without replica 2
+        killer.join(timeout=30)
+        status = ray.get(ctl.server.status.remote(), timeout=30)
+        ctl.step()  # and the next epoch runs on the survivors
+    finally:
+        ctl.shutdown()
+    parts = partition(dataset.train, 30, cfg.data.seed)
+    by_dead = [i for p, rank in status["done"].items() if rank == 2 for i in parts[int(p)].ids]
+    survivors = ctl.consumed[0]
+    assert set(survivors) == {0, 1}
+    assert sorted(ids_of(survivors) + by_dead) == sorted(dataset.train.ids)
+    assert ctl.redone and all(r["from_rank"] == 2 and r["epoch"] == 1 for r in ctl.redone)
+    redone = {r["partition"] for r in ctl.redone}
+    assert all(status["done"][p] in (0, 1) for p in redone)  # served again, by a survivor
+    assert ids_of(ctl.consumed[1]) == sorted(dataset.train.ids)
+    lost = [e for e in ctl.tracker.events if e["kind"] == "replica_lost"]
+    assert lost and lost[0]["rank"] == 2 and lost[0]["partitions_served_again"]
+
+
+def test_path_uri_and_in_memory_sources_train_the_same(ray_cluster, parquet_dir, tmp_path):
+    one_file = parquet_dir / "part-0.parquet"
+    table = pq.read_table(one_file)
+    x = table.column("features").combine_chunks().flatten().to_numpy().reshape(-1, 8)
+    y = table.column("label").to_numpy()
+    accuracies = []
+    for source, data in ((str(one_file), None), (f"file://{one_file}", None), ("in-memory", (x, y))):
+        cfg = blob_job(source, data={"id_column": None if data else "row_id"}, stop={"epochs": 1},
+                       scaling={"replicas": 2, "cpus_per_replica": 0.5}, checkpoint={"storage": str(tmp_path)})
+        accuracies.append(ElasticTrainer(cfg, show_progress=False, data=data).fit().final.test_accuracy)
+    assert accuracies[0] == accuracies[1] == accuracies[2], accuracies
