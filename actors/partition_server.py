@@ -55,6 +55,7 @@ class PartitionReader:
     def __init__(self, server, rank: int, batch_size: int, shuffle: bool, device: torch.device, timeout_s: float):
         self.server, self.rank, self.batch_size, self.shuffle = server, rank, batch_size, shuffle
         self.device, self.timeout_s = device, timeout_s
+        self.seen: dict[int, dict] = {}  # partition -> zero-copy views into the object store
 
     def partitions(self) -> Iterator[tuple[dict, dict]]:
         pending = self.server.lease.remote(self.rank)
@@ -63,22 +64,29 @@ class PartitionReader:
             if lease is None:
                 return
             pending = self.server.lease.remote(self.rank)  # prefetch: the next lease...
-            ray.wait(lease["ref"], timeout=0, fetch_local=True)  # ...and this one's bytes
-            yield lease, ray.get(lease["ref"][0], timeout=self.timeout_s)
-            self.server.complete.remote(self.rank, lease["partition"])
+            p = lease["partition"]
+            if p not in self.seen:  # views, not copies: a partition met again costs no ray.get
+                ray.wait(lease["ref"], timeout=0, fetch_local=True)  # ...and this one's bytes
+                self.seen[p] = ray.get(lease["ref"][0], timeout=self.timeout_s)
+            yield lease, self.seen[p]
+            self.server.complete.remote(self.rank, p)
 
-    def batches(self, lease: dict, part: dict, steps: Optional[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, np.ndarray]]:
-        """One partition in this epoch's in-partition order. `steps` fixed (allreduce: full
+    def batches(self, lease: dict, part: dict, steps: Optional[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """One partition in this epoch's in-partition order: (x, y, row positions in the
+        partition; `part["ids"][positions]` are the row ids). `steps` fixed (allreduce: full
         batches only, the ragged end dropped) or None (every row exactly once)."""
         bs = self.batch_size
         x, y = _view(part["x"]), _view(part["y"])
         rows = len(y)
-        order = np.random.default_rng(lease["seed"]).permutation(rows) if self.shuffle else np.arange(rows)
+        order = (torch.from_numpy(np.random.default_rng(lease["seed"]).permutation(rows)) if self.shuffle
+                 else torch.arange(rows))
         n = steps if steps is not None else -(-rows // bs)
-        pin = self.device.type == "cuda"
-        for i in range(n):
-            idx = torch.from_numpy(order[i * bs : (i + 1) * bs])
-            xb, yb = x[idx], y[idx]
-            if pin:
-                xb, yb = xb.pin_memory(), yb.pin_memory()
-            yield xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True), part["ids"][idx.numpy()]
+        if self.device.type == "cpu":
+            for i in range(n):
+                idx = order[i * bs : (i + 1) * bs]
+                yield x[idx], y[idx], idx
+            return
+        for i in range(n):  # GPU: pinned host batches, copied asynchronously
+            idx = order[i * bs : (i + 1) * bs]
+            xb, yb = x[idx].pin_memory(), y[idx].pin_memory()
+            yield xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True), idx

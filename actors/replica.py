@@ -123,7 +123,7 @@ class ModelReplica:
         t_epoch = t_window = time.perf_counter()
         window = 0
         for lease, part in self.reader.partitions():
-            for x, y, ids in self.reader.batches(lease, part, steps_per_partition):
+            for x, y, idx in self.reader.batches(lease, part, steps_per_partition):
                 if self.step_delay_s:
                     time.sleep(self.step_delay_s)  # faults.slow_replicas: a deliberate straggler
                 loss, c = self.worker.step(x, y)
@@ -133,7 +133,7 @@ class ModelReplica:
                 window += len(y)
                 self.step += 1
                 if trace_ids:
-                    consumed.append(ids.tolist())
+                    consumed.append(part["ids"][idx.numpy()].tolist())
                 if steps % log_every == 0:
                     now = time.perf_counter()
                     yield {"kind": "progress", "rank": self.rank, "epoch": epoch, "step": self.step,

@@ -1,0 +1,151 @@
+"""The partition server vs Ray Data vs slicing an in-memory tensor: batches/s to 2 replicas.
+
+Data: a Parquet directory written by the benchmark (784 float32 features as a fixed-size-list
+column, like flattened MNIST, plus an int label). Two consumer actors (1 CPU each) take an
+epoch of shuffled batches of 64 each and touch every batch; batches/s = all batches / wall
+time of the epoch, median over the epochs after the first.
+
+- ours: the train rows cut into partitions, each put once into the object store, leased by a
+  PartitionServer, read by PartitionReader (the code replicas use);
+- Ray Data: `read_parquet(...).materialize()` (also in the object store), `streaming_split(2,
+  equal=True)`, `iter_torch_batches(batch_size=64, local_shuffle_buffer_size=...)` per epoch;
+- the limit: each consumer gathers shuffled batches from its own half, already an in-memory tensor.
+
+    python benchmarks/loader.py [--quick] [--json PATH]
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from common import median, parse_args, report
+
+DIM, BATCH, CONSUMERS = 784, 64, 2
+
+
+def write_parquet(directory: str, rows: int, files: int = 6) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    per = rows // files
+    for i in range(files):
+        x = rng.random((per, DIM), dtype=np.float32)
+        pq.write_table(pa.table({"features": pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), DIM),
+                                 "label": rng.integers(0, 10, per)}), os.path.join(directory, f"part-{i}.parquet"))
+
+
+def consumer_class():
+    import ray
+
+    @ray.remote(num_cpus=1)
+    class Consumer:
+        def warm_up(self) -> None:
+            import actors.partition_server  # noqa: F401  (torch and ray imports, outside the timing)
+
+        def ours(self, server, rank: int) -> int:
+            import torch
+
+            from actors.partition_server import PartitionReader
+
+            reader = PartitionReader(server, rank, BATCH, True, torch.device("cpu"), 120)
+            n = 0
+            for lease, part in reader.partitions():
+                for x, y, _ in reader.batches(lease, part, None):
+                    n += int(x.shape[0] > 0)
+            return n
+
+        def ray_data(self, it) -> int:
+            n = 0
+            for batch in it.iter_torch_batches(batch_size=BATCH, local_shuffle_buffer_size=4 * BATCH):
+                n += int(batch["features"].shape[0] > 0)
+            return n
+
+        def load_half(self, x, y) -> None:
+            import torch
+
+            self.x, self.y = torch.from_numpy(x.copy()), torch.from_numpy(y.copy())
+
+        def in_memory(self, seed: int) -> int:
+            import torch
+
+            order = torch.from_numpy(np.random.default_rng(seed).permutation(len(self.y)))
+            n = 0
+            for i in range(0, len(order), BATCH):
+                idx = order[i : i + BATCH]
+                x, y = self.x[idx], self.y[idx]  # a batch is features and labels
+                n += int(x.shape[0] > 0)
+            return n
+
+    return Consumer
+
+
+def timed_epochs(run_epoch, epochs: int) -> list[float]:
+    """batches/s of each epoch."""
+    rates = []
+    for epoch in range(1, epochs + 1):
+        t0 = time.perf_counter()
+        batches = run_epoch(epoch)
+        rates.append(batches / (time.perf_counter() - t0))
+    return rates
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    import ray
+
+    from actors.partition_server import PartitionServer
+    from orchestrator.data import partition
+    from orchestrator.sources import read_table, table_to_split
+
+    rows, epochs = (60_000, 5) if args.quick else (120_000, 8)
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    Consumer = consumer_class()
+    consumers = [Consumer.remote() for _ in range(CONSUMERS)]
+    ray.get([c.warm_up.remote() for c in consumers])
+    results: dict = {"rows": rows, "batch": BATCH, "epochs": epochs}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_parquet(tmp, rows)
+
+        t0 = time.perf_counter()
+        split = table_to_split(read_table(tmp), "label", ["features"], None, None, tmp)
+        parts = partition(split, 4 * CONSUMERS, seed=0)
+        refs = [ray.put({"x": p.x, "y": p.y, "ids": p.ids}) for p in parts]
+        server = PartitionServer.remote(refs, [len(p) for p in parts], CONSUMERS, 0, False, True)
+        results["ours_setup_s"] = time.perf_counter() - t0
+
+        def ours_epoch(epoch: int) -> int:
+            ray.get(server.start_epoch.remote(epoch))
+            return sum(ray.get([c.ours.remote(server, r) for r, c in enumerate(consumers)]))
+
+        results["ours_rates"] = timed_epochs(ours_epoch, epochs)
+
+        t0 = time.perf_counter()
+        ds = ray.data.read_parquet(tmp).materialize()
+        iterators = ds.streaming_split(CONSUMERS, equal=True)
+        results["ray_data_setup_s"] = time.perf_counter() - t0
+        results["ray_data_rates"] = timed_epochs(
+            lambda e: sum(ray.get([c.ray_data.remote(it) for c, it in zip(consumers, iterators)])), epochs)
+
+        half = len(split) // CONSUMERS
+        ray.get([c.load_half.remote(split.x[i * half:(i + 1) * half], split.y[i * half:(i + 1) * half])
+                 for i, c in enumerate(consumers)])
+        results["in_memory_rates"] = timed_epochs(
+            lambda e: sum(ray.get([c.in_memory.remote(e) for c in consumers])), epochs)
+    ray.shutdown()
+
+    steady = {k: median(results[f"{k}_rates"][1:]) for k in ("ours", "ray_data", "in_memory")}
+    results["steady_batches_per_s"] = steady
+    for k, v in steady.items():
+        print(f"{k:>10}: {v:8.0f} batches/s (first epoch {results[f'{k}_rates'][0]:.0f})")
+    ratios = {"ours_vs_ray_data": steady["ours"] / steady["ray_data"],
+              "ours_vs_in_memory_limit": steady["ours"] / steady["in_memory"],
+              "ours_vs_ray_data_first_epoch": results["ours_rates"][0] / results["ray_data_rates"][0]}
+    report("loader", args.quick, results, ratios, args.json)
+
+
+if __name__ == "__main__":
+    main()
