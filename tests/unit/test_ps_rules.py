@@ -147,3 +147,25 @@ def test_easgd_sync_round_moves_center_toward_the_mean():
     assert s.sync_contribute(0, xs[1], replicas=2, beta=0.9)
     torch.testing.assert_close(s.values, torch.full((4,), 0.9 * 2.0))
     torch.testing.assert_close(s.sync_center_before(0), c0)
+
+
+def test_warmstart_holds_other_replicas_until_rank_0_has_trained():
+    import threading
+
+    data = batches(n=6)
+    m0, m1 = model(), model()
+    f0, f1 = FlatParams(list(m0.parameters())), FlatParams(list(m1.parameters()))
+    client = LocalShardClient(f0.params.clone(), 1, replicas=2, optimizer="sgd", lr=0.1)
+    lone = DownpourWorker(m1, f1, client, rank=1, lr=0.1, warmstart_steps=3, timeout_s=0.3)
+    with pytest.raises(TimeoutError, match="warmstart"):
+        lone.step(*data[0])  # nobody has pushed: rank 1 waits, and says why when it gives up
+    first = DownpourWorker(m0, f0, client, rank=0, lr=0.1, warmstart_steps=3)
+    waiting = DownpourWorker(m1, f1, client, rank=1, lr=0.1, warmstart_steps=3, timeout_s=10)
+    started = []
+    t = threading.Thread(target=lambda: (waiting.step(*data[0]), started.append(client.version())))
+    t.start()
+    for x, y in data[:3]:
+        assert not started  # still held back
+        first.step(x, y)
+    t.join(timeout=10)
+    assert started and started[0] >= 3  # it began only after rank 0's first 3 steps
