@@ -74,19 +74,19 @@ def ray_train_loop(config: dict) -> None:
     from ray.train.torch import prepare_model
 
     from examples.models import mnist_cnn
-    from orchestrator.data import assign_partitions, eval_slices, load_source, partition
-    from policies.allreduce import epoch_order, steps_per_epoch
+    from orchestrator.data import eval_slices, load_source, partition
+    from policies.allreduce import steps_per_partition
+    from policies.leases import PartitionLedger
 
     t_start = time.time()
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     d = load_source("builtin:mnist5k")
+    # the same partitions, the same per-epoch assignment and in-partition order as ours
     parts = partition(d.train, 4 * world, SEED)
-    owned = assign_partitions(len(parts), world)
-    x = torch.from_numpy(np.concatenate([parts[i].x for i in owned[rank]]))
-    y = torch.from_numpy(np.concatenate([parts[i].y for i in owned[rank]]))
-    steps = steps_per_epoch([sum(len(parts[i]) for i in a) for a in owned], BATCH)
+    tensors = [(torch.from_numpy(p.x), torch.from_numpy(p.y)) for p in parts]
+    steps = steps_per_partition([len(p) for p in parts], BATCH)
     lo, hi = eval_slices(len(d.test), world)[rank]
     tx, ty = torch.from_numpy(d.test.x[lo:hi]), torch.from_numpy(d.test.y[lo:hi])
     torch.manual_seed(SEED)
@@ -95,13 +95,19 @@ def ray_train_loop(config: dict) -> None:
     history, t_first = [], time.time()
     for epoch in range(1, config["epochs"] + 1):
         model.train()
-        order = torch.from_numpy(epoch_order(len(y), SEED, epoch, rank))
+        ledger = PartitionLedger(len(parts), world, SEED, pinned=True)
+        ledger.start_epoch(epoch)
+        n_parts = 0
         t0 = time.perf_counter()
-        for i in range(steps):
-            idx = order[i * BATCH:(i + 1) * BATCH]
-            opt.zero_grad()
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
+        while (lease := ledger.lease(rank)) is not None:
+            x, y = tensors[lease.partition]
+            order = torch.from_numpy(np.random.default_rng(lease.seed).permutation(len(y)))
+            for i in range(steps):
+                idx = order[i * BATCH:(i + 1) * BATCH]
+                opt.zero_grad()
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+            n_parts += 1
         train_s = time.perf_counter() - t0
         model.eval()
         with torch.no_grad():
@@ -110,7 +116,7 @@ def ray_train_loop(config: dict) -> None:
         dist.all_reduce(stats)
         acc = float(stats[0] / stats[1])
         ray.train.report({"epoch": epoch, "test_accuracy": acc})
-        history.append({"epoch": epoch, "train_s": train_s, "samples": steps * BATCH * world,
+        history.append({"epoch": epoch, "train_s": train_s, "samples": n_parts * steps * BATCH * world,
                         "acc": acc, "t_end": time.time()})
     if rank == 0:
         with open(config["out"], "w") as f:

@@ -114,11 +114,6 @@ def partition(split: Split, parts: int, seed: int) -> list[Split]:
     return [split.take(idx) for idx in np.array_split(order, parts)]
 
 
-def assign_partitions(num_partitions: int, replicas: int) -> list[list[int]]:
-    """Round-robin partition indices per replica: replica r reads partitions r, r + R, ..."""
-    return [list(range(r, num_partitions, replicas)) for r in range(replicas)]
-
-
 def eval_slices(n: int, replicas: int) -> list[tuple[int, int]]:
     """Contiguous [lo, hi) slices of the test split, one per replica (evaluation is shared)."""
     bounds = np.linspace(0, n, replicas + 1).astype(int)

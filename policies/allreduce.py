@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -153,11 +152,6 @@ def steps_per_partition(rows_per_partition: Sequence[int], batch_size: int) -> i
             "lower data.batch_size or data.partitions"
         )
     return steps
-
-
-def epoch_order(rows: int, seed: int, epoch: int, rank: int) -> np.ndarray:
-    """The order a replica visits its rows in an epoch: reproducible from (seed, epoch, rank)."""
-    return np.random.default_rng([seed, epoch, rank]).permutation(rows)
 
 
 class AllReduceWorker:
