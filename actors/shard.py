@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import warnings
 from collections import deque
-from typing import Any, Optional
 
 import numpy as np
 import ray

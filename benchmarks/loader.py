@@ -77,7 +77,7 @@ def consumer_class():
             for i in range(0, len(order), BATCH):
                 idx = order[i : i + BATCH]
                 x, y = self.x[idx], self.y[idx]  # a batch is features and labels
-                n += int(x.shape[0] > 0)
+                n += int(x.shape[0] == y.shape[0])
             return n
 
     return Consumer

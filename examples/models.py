@@ -1,7 +1,6 @@
 """Model factories: `model.factory: examples.models:<name>`. Copy one to start your own."""
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 

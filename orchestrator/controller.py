@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numpy as np
 import ray
 
 from orchestrator.checkpoint import save_checkpoint
@@ -21,7 +20,6 @@ from orchestrator.config import JobConfig
 from orchestrator.data import Dataset, eval_slices, partition
 from orchestrator.errors import TrainingError
 from orchestrator.progress import ProgressDisplay
-from orchestrator.result import FinalMetrics, TrainResult
 from orchestrator.tracking import Tracker
 from policies.allreduce import steps_per_partition
 from policies.modes import needs_shards

@@ -1,7 +1,6 @@
 """Progress display: a rich bar on a terminal, plain log lines otherwise (job logs, CI)."""
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 from rich.console import Console

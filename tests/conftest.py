@@ -76,7 +76,7 @@ def mlflow_server(tmp_path_factory):
         os.killpg(os.getpgid(proc.pid), 9)
 
 
-def job_config(**sections) -> "JobConfig":
+def job_config(**sections):
     """A small, fast job (synthetic blobs, tiny MLP) with per-section overrides."""
     from orchestrator.config import JobConfig
 

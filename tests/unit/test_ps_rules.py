@@ -1,5 +1,4 @@
 """Downpour, EASGD and sharding against plain single-process references (no Ray)."""
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F

@@ -9,7 +9,6 @@ import yaml
 
 from orchestrator.cli import main
 from orchestrator.config import DataConfig
-from orchestrator.errors import ConfigError
 from orchestrator.sources import load_dataset
 
 
