@@ -27,15 +27,18 @@ class PartitionServer:
         self.ledger.start_epoch(epoch)
         return len(self.refs)
 
-    def lease(self, rank: int) -> Optional[dict[str, Any]]:
+    def lease(self, rank: int, completed: list[int] = ()) -> Optional[dict[str, Any]]:
+        """Record `completed` partitions of `rank`, then lease it the next one (None: nothing left)."""
+        self.complete(rank, completed)
         lease = self.ledger.lease(rank)
         if lease is None:
             return None
         p = lease.partition
         return {"epoch": lease.epoch, "partition": p, "seed": lease.seed, "rows": self.rows[p], "ref": [self.refs[p]]}
 
-    def complete(self, rank: int, partition: int) -> None:
-        self.ledger.complete(rank, partition)
+    def complete(self, rank: int, partitions: list[int]) -> None:
+        for p in partitions:
+            self.ledger.complete(rank, p)
 
     def release(self, rank: int, survivors: list[int]) -> list[int]:
         return self.ledger.release(rank, survivors)
@@ -58,18 +61,24 @@ class PartitionReader:
         self.seen: dict[int, dict] = {}  # partition -> zero-copy views into the object store
 
     def partitions(self) -> Iterator[tuple[dict, dict]]:
-        pending = self.server.lease.remote(self.rank)
+        """One server call per partition: each lease request prefetches the next partition and
+        reports the ones finished since the last request; the epoch's last completions are
+        reported (and acknowledged) before the generator ends, so the server's count is exact
+        when the replica says it is done."""
+        finished: list[int] = []
+        pending = self.server.lease.remote(self.rank, finished)
         while True:
             lease = ray.get(pending, timeout=self.timeout_s)
             if lease is None:
-                return
-            pending = self.server.lease.remote(self.rank)  # prefetch: the next lease...
+                break
+            pending = self.server.lease.remote(self.rank, finished)  # prefetch the next lease
+            finished = []
             p = lease["partition"]
             if p not in self.seen:  # views, not copies: a partition met again costs no ray.get
-                ray.wait(lease["ref"], timeout=0, fetch_local=True)  # ...and this one's bytes
                 self.seen[p] = ray.get(lease["ref"][0], timeout=self.timeout_s)
             yield lease, self.seen[p]
-            self.server.complete.remote(self.rank, p)
+            finished.append(p)
+        ray.get(self.server.complete.remote(self.rank, finished), timeout=self.timeout_s)
 
     def batches(self, lease: dict, part: dict, steps: Optional[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """One partition in this epoch's in-partition order: (x, y, row positions in the

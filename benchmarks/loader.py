@@ -83,13 +83,15 @@ def consumer_class():
     return Consumer
 
 
-def timed_epochs(run_epoch, epochs: int) -> list[float]:
-    """batches/s of each epoch."""
-    rates = []
+def timed_epochs(runners: dict, epochs: int) -> dict[str, list[float]]:
+    """batches/s of each side's epochs, the sides interleaved epoch by epoch so that the
+    machine's drift hits all of them alike."""
+    rates: dict[str, list[float]] = {name: [] for name in runners}
     for epoch in range(1, epochs + 1):
-        t0 = time.perf_counter()
-        batches = run_epoch(epoch)
-        rates.append(batches / (time.perf_counter() - t0))
+        for name, run_epoch in runners.items():
+            t0 = time.perf_counter()
+            batches = run_epoch(epoch)
+            rates[name].append(batches / (time.perf_counter() - t0))
     return rates
 
 
@@ -121,20 +123,20 @@ def main() -> None:
             ray.get(server.start_epoch.remote(epoch))
             return sum(ray.get([c.ours.remote(server, r) for r, c in enumerate(consumers)]))
 
-        results["ours_rates"] = timed_epochs(ours_epoch, epochs)
-
         t0 = time.perf_counter()
         ds = ray.data.read_parquet(tmp).materialize()
         iterators = ds.streaming_split(CONSUMERS, equal=True)
         results["ray_data_setup_s"] = time.perf_counter() - t0
-        results["ray_data_rates"] = timed_epochs(
-            lambda e: sum(ray.get([c.ray_data.remote(it) for c, it in zip(consumers, iterators)])), epochs)
 
         half = len(split) // CONSUMERS
         ray.get([c.load_half.remote(split.x[i * half:(i + 1) * half], split.y[i * half:(i + 1) * half])
                  for i, c in enumerate(consumers)])
-        results["in_memory_rates"] = timed_epochs(
-            lambda e: sum(ray.get([c.in_memory.remote(e) for c in consumers])), epochs)
+        rates = timed_epochs({
+            "ours": ours_epoch,
+            "ray_data": lambda e: sum(ray.get([c.ray_data.remote(it) for c, it in zip(consumers, iterators)])),
+            "in_memory": lambda e: sum(ray.get([c.in_memory.remote(e) for c in consumers])),
+        }, epochs)
+        results.update({f"{name}_rates": r for name, r in rates.items()})
     ray.shutdown()
 
     steady = {k: median(results[f"{k}_rates"][1:]) for k in ("ours", "ray_data", "in_memory")}
