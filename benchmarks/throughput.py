@@ -102,10 +102,9 @@ def ray_train_loop(config: dict) -> None:
         while (lease := ledger.lease(rank)) is not None:
             x, y = tensors[lease.partition]
             order = torch.from_numpy(np.random.default_rng(lease.seed).permutation(len(y)))
-            for i in range(steps):
-                idx = order[i * BATCH:(i + 1) * BATCH]
+            for idx in order[: steps * BATCH].split(BATCH):  # batches cut as ours are
                 opt.zero_grad()
-                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                F.cross_entropy(model(torch.index_select(x, 0, idx)), torch.index_select(y, 0, idx)).backward()
                 opt.step()
             n_parts += 1
         train_s = time.perf_counter() - t0
