@@ -23,9 +23,11 @@ class PartitionServer:
         self.refs, self.rows = refs, rows
         self.ledger = PartitionLedger(len(refs), replicas, seed, pinned, shuffle)
 
-    def start_epoch(self, epoch: int) -> int:
+    def start_epoch(self, epoch: int, ranks: list[int] = ()) -> dict[int, Optional[dict[str, Any]]]:
+        """Begin an epoch and lease the first partition of each of `ranks` (handed to the
+        replicas with their epoch call, which saves each a round trip at the epoch's start)."""
         self.ledger.start_epoch(epoch)
-        return len(self.refs)
+        return {rank: self.lease(rank) for rank in ranks}
 
     def lease(self, rank: int, completed: list[int] = ()) -> Optional[dict[str, Any]]:
         """Record `completed` partitions of `rank`, then lease it the next one (None: nothing left)."""
@@ -60,15 +62,15 @@ class PartitionReader:
         self.device, self.timeout_s = device, timeout_s
         self.seen: dict[int, dict] = {}  # partition -> zero-copy views into the object store
 
-    def partitions(self) -> Iterator[tuple[dict, dict]]:
+    def partitions(self, first: Optional[dict] = None) -> Iterator[tuple[dict, dict]]:
         """One server call per partition: each lease request prefetches the next partition and
         reports the ones finished since the last request; the epoch's last completions are
         reported (and acknowledged) before the generator ends, so the server's count is exact
-        when the replica says it is done."""
+        when the replica says it is done. `first`: a lease already granted with the epoch."""
         finished: list[int] = []
-        pending = self.server.lease.remote(self.rank, finished)
+        pending = None if first is not None else self.server.lease.remote(self.rank, finished)
         while True:
-            lease = ray.get(pending, timeout=self.timeout_s)
+            lease = first if pending is None else ray.get(pending, timeout=self.timeout_s)
             if lease is None:
                 break
             pending = self.server.lease.remote(self.rank, finished)  # prefetch the next lease

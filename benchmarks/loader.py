@@ -47,14 +47,14 @@ def consumer_class():
         def warm_up(self) -> None:
             import actors.partition_server  # noqa: F401  (torch and ray imports, outside the timing)
 
-        def ours(self, server, rank: int) -> int:
+        def ours(self, server, rank: int, first: dict) -> int:
             import torch
 
             from actors.partition_server import PartitionReader
 
             reader = PartitionReader(server, rank, BATCH, True, torch.device("cpu"), 120)
             n = 0
-            for lease, part in reader.partitions():
+            for lease, part in reader.partitions(first):
                 for x, y, _ in reader.batches(lease, part, None):
                     n += int(x.shape[0] > 0)
             return n
@@ -120,8 +120,8 @@ def main() -> None:
         results["ours_setup_s"] = time.perf_counter() - t0
 
         def ours_epoch(epoch: int) -> int:
-            ray.get(server.start_epoch.remote(epoch))
-            return sum(ray.get([c.ours.remote(server, r) for r, c in enumerate(consumers)]))
+            first = ray.get(server.start_epoch.remote(epoch, list(range(CONSUMERS))))
+            return sum(ray.get([c.ours.remote(server, r, first[r]) for r, c in enumerate(consumers)]))
 
         t0 = time.perf_counter()
         ds = ray.data.read_parquet(tmp).materialize()

@@ -204,11 +204,13 @@ class Controller:
         partition once. In downpour / async easgd a replica that dies is dropped: its leases go
         back to the pool and the survivors finish them (reported as redone)."""
         cfg = self.cfg
-        self._get(self.server.start_epoch.remote(epoch), "partition server", CONTROL_CALL_TIMEOUT_S)
+        first = self._get(self.server.start_epoch.remote(epoch, sorted(self.alive)), "partition server",
+                          CONTROL_CALL_TIMEOUT_S)
         stats, progress = [], []
         while True:
             streams = {rank: r.run_epoch.remote(epoch, self.steps_per_partition, cfg.tracking.log_every_steps,
-                                                self.trace_ids) for rank, r in self.alive.items()}
+                                                self.trace_ids, first.get(rank)) for rank, r in self.alive.items()}
+            first = {}  # a second pass (after a death) leases afresh
             finals, rows, dead = self._drain(streams, epoch)
             stats += finals
             progress += rows
