@@ -1,5 +1,5 @@
 """ModelReplica: one model copy in a Ray actor. It holds state and moves tensors; the update
-rule it runs lives in policies/ (allreduce_step), the decisions in the driver.
+rule it runs lives in policies/<mode>.py (a *Worker), the decisions in the driver.
 
 A replica runs a whole epoch on its own (`run_epoch`) and is never called per step; it streams
 progress rows back to the driver as a Ray streaming generator while the epoch runs. (A second
@@ -9,7 +9,6 @@ thread cost ~10% of step throughput.)
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from datetime import timedelta
 from typing import Any, Iterator, Optional
@@ -190,10 +189,3 @@ class ModelReplica:
             yield
         finally:
             self.flat.params.copy_(local)
-
-    def leave_group(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    def pid(self) -> int:
-        return os.getpid()
