@@ -139,12 +139,6 @@ class RayShardClient:
                 for s, (lo, hi) in zip(self.shards, self.bounds)]
         return torch.from_numpy(np.concatenate(ray.get(refs, timeout=self.timeout_s + 5)))
 
-    def reference(self) -> torch.Tensor:
-        """The shards' current values as one flat vector (for evaluation and checkpoints)."""
-        out = torch.empty(self.bounds[-1][1])
-        self.pull(out)
-        return out
-
 
 def create_shards(initial: np.ndarray, bounds: list[tuple[int, int]], optimizer: str, lr: float, momentum: float,
                   weight_decay: float, replicas: int) -> list:

@@ -10,7 +10,7 @@ import enum
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import ray
@@ -51,7 +51,6 @@ class RunTotals:
     train_loss: float = float("nan")
     stop_reason: str = ""
     checkpoint: Optional[str] = None
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 def merge_epoch_stats(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -71,19 +70,19 @@ def merge_epoch_stats(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [merged[r] for r in sorted(merged)]
 
 
-def mode_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
+def mode_metrics(mode: str, stats: list[dict[str, Any]]) -> dict[str, float]:
     """Each mode's own per-epoch figures, combined across replicas."""
     modes = [s["mode"] for s in stats]
-    if not modes or not modes[0]:
-        return {}
     slowest = max(s["train_s"] for s in stats)
-    if "pushes" in modes[0]:  # downpour
+    if mode == "downpour":
         pushes = sum(m["pushes"] for m in modes)
         return {"staleness_mean": sum(m["staleness_mean"] * m["pushes"] for m in modes) / max(pushes, 1),
                 "staleness_max": max(m["staleness_max"] for m in modes),
                 "pushes_per_s": pushes / max(slowest, 1e-9), "max_lead": max(m["max_lead"] for m in modes)}
-    return {"elastic_distance": sum(m["elastic_distance"] for m in modes) / len(modes),
-            "exchanges_per_s": sum(m["exchanges"] for m in modes) / max(slowest, 1e-9)}
+    if mode == "easgd":
+        return {"elastic_distance": sum(m["elastic_distance"] for m in modes) / len(modes),
+                "exchanges_per_s": sum(m["exchanges"] for m in modes) / max(slowest, 1e-9)}
+    return {}
 
 
 class Controller:
@@ -267,15 +266,14 @@ class Controller:
             tot.time_to_target_s = elapsed
             self.tracker.event("target_reached", self.t0, epoch=epoch, test_accuracy=acc, target=target)
 
-        rows_out = [(key, p[field], p["step"]) for p in progress
-                    for key, field in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"))]
+        rows_out = [(key, p[name], p["step"]) for p in progress
+                    for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"))]
         rows_out += [("test_accuracy", acc, tot.steps), ("test_loss", test_loss, tot.steps), ("epoch", epoch, tot.steps),
                      ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
-        extra = mode_metrics(stats)
+        extra = mode_metrics(cfg.strategy.mode, stats)
         rows_out += [(k, v, tot.steps) for k, v in extra.items()]
         self.tracker.log_metrics(rows_out)
         tot.epoch_wall_s += time.perf_counter() - t_epoch
-        tot.history.append({"epoch": epoch, "test_accuracy": acc, "test_loss": test_loss, "t": round(elapsed, 3)})
         self.tracker.event("epoch_end", self.t0, epoch=epoch, step=tot.steps, test_accuracy=round(acc, 4),
                            test_loss=round(test_loss, 4), train_loss=round(tot.train_loss, 4),
                            train_s_by_rank=[round(s["train_s"], 3) for s in stats],

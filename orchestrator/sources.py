@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
-from orchestrator.data import BUILTIN_SOURCES, Dataset, Split
+from orchestrator.data import Dataset, Split, load_source
 from orchestrator.errors import ConfigError
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".arrow": "ipc", ".ipc": "ipc",
@@ -129,8 +129,7 @@ def load_dataset(data_cfg, in_memory: Any = None) -> Dataset:
     """The train and test splits for a job (see DataConfig for the fields)."""
     source = data_cfg.source
     if in_memory is None and source.startswith("builtin:"):
-        name = source.removeprefix("builtin:")
-        return BUILTIN_SOURCES[name](data_cfg.seed)
+        return load_source(source, data_cfg.seed)
     table = table_from_memory(in_memory) if in_memory is not None else read_table(source)
     label = "label" if in_memory is not None and isinstance(in_memory, tuple) else data_cfg.label_column
     args = (label, data_cfg.feature_columns, data_cfg.feature_shape, data_cfg.id_column)
