@@ -1,11 +1,14 @@
 """PartitionServer: leases the train split's partitions to replicas (policies/leases.py decides).
 
-The driver puts every partition into the object store once; the server only holds their refs
-(wrapped in lists, so it never fetches the data) and hands a ref out with each lease; the
-replica reads the partition zero-copy from its node's object store. It reserves no CPU.
+The driver puts every partition into the object store once and gives each replica's reader the
+list of refs (wrapped in a list, so Ray passes them through unresolved); the server deals only in
+partition numbers, so a lease is a few small ints and no object reference crosses the wire per
+lease. The replica reads a partition zero-copy from its node's object store the first time it
+is leased and keeps the view. The server reserves no CPU.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -19,28 +22,38 @@ from policies.leases import PartitionLedger
 
 @ray.remote(num_cpus=0)
 class PartitionServer:
-    def __init__(self, refs: list, rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool) -> None:
-        self.refs, self.rows = refs, rows
-        self.ledger = PartitionLedger(len(refs), replicas, seed, pinned, shuffle)
+    def __init__(self, rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool) -> None:
+        self.rows = rows
+        self.ledger = PartitionLedger(len(rows), replicas, seed, pinned, shuffle)
 
-    def start_epoch(self, epoch: int, ranks: list[int] = ()) -> dict[int, Optional[dict[str, Any]]]:
-        """Begin an epoch and lease the first partition of each of `ranks` (handed to the
-        replicas with their epoch call, which saves each a round trip at the epoch's start)."""
+    def start_epoch(self, epoch: int, ranks: list[int] = (),
+                    completed: Optional[dict[int, list[int]]] = None) -> dict[int, dict[str, Any]]:
+        """Record the previous epoch's last completions (`completed`, as for `finish`), check
+        that it was served whole (a RuntimeError names what is left), begin `epoch` and grant
+        the first partitions of each of `ranks` (handed to the replicas with their epoch call,
+        which saves each a round trip at the epoch's start)."""
+        self.finish(completed or {})
         self.ledger.start_epoch(epoch)
-        return {rank: self.lease(rank) for rank in ranks}
+        return {rank: self.grant(rank) for rank in ranks}
 
-    def lease(self, rank: int, completed: list[int] = ()) -> Optional[dict[str, Any]]:
-        """Record `completed` partitions of `rank`, then lease it the next one (None: nothing left)."""
+    def grant(self, rank: int, completed: list[int] = ()) -> dict[str, Any]:
+        """Record `completed` partitions of `rank`, then grant it the next ones: {"leases":
+        [{epoch, partition, seed, rows}, ...] (empty: nothing left), "last": the queue is empty}."""
         self.complete(rank, completed)
-        lease = self.ledger.lease(rank)
-        if lease is None:
-            return None
-        p = lease.partition
-        return {"epoch": lease.epoch, "partition": p, "seed": lease.seed, "rows": self.rows[p], "ref": [self.refs[p]]}
+        g = self.ledger.grant(rank)
+        return {"leases": [{"epoch": x.epoch, "partition": x.partition, "seed": x.seed, "rows": self.rows[x.partition]}
+                           for x in g.leases], "last": g.last}
 
     def complete(self, rank: int, partitions: list[int]) -> None:
         for p in partitions:
             self.ledger.complete(rank, p)
+
+    def finish(self, completed: dict[int, list[int]]) -> dict[str, Any]:
+        """Record the last completions of a pass, as the replicas returned them with their epoch
+        results (`PartitionReader.unreported`), and return the status."""
+        for rank, partitions in completed.items():
+            self.complete(rank, partitions)
+        return self.status()
 
     def release(self, rank: int, survivors: list[int]) -> list[int]:
         return self.ledger.release(rank, survivors)
@@ -53,34 +66,42 @@ class PartitionServer:
 
 class PartitionReader:
     """The replica side: lease partitions until the server has none left for this replica this
-    epoch, and cut them into batches. The next lease is requested, and its bytes pulled to this
-    node, while the current partition trains; batches are made by tensor indexing (no per-row
+    epoch, and cut them into batches. The next grant is requested while the current partition
+    trains; batches are made by tensor indexing (no per-row
     Python); with a GPU, batches are pinned and copied asynchronously."""
 
-    def __init__(self, server, rank: int, batch_size: int, shuffle: bool, device: torch.device, timeout_s: float):
-        self.server, self.rank, self.batch_size, self.shuffle = server, rank, batch_size, shuffle
+    def __init__(self, server, refs: list, rank: int, batch_size: int, shuffle: bool, device: torch.device,
+                 timeout_s: float):
+        self.server, self.refs, self.rank, self.batch_size, self.shuffle = server, refs, rank, batch_size, shuffle
         self.device, self.timeout_s = device, timeout_s
         self.seen: dict[int, dict] = {}  # partition -> zero-copy views into the object store
 
     def partitions(self, first: Optional[dict] = None) -> Iterator[tuple[dict, dict]]:
-        """One server call per partition: each lease request prefetches the next partition and
-        reports the ones finished since the last request; the epoch's last completions are
-        reported (and acknowledged) before the generator ends, so the server's count is exact
-        when the replica says it is done. `first`: a lease already granted with the epoch."""
-        finished: list[int] = []
-        pending = None if first is not None else self.server.lease.remote(self.rank, finished)
-        while True:
-            lease = first if pending is None else ray.get(pending, timeout=self.timeout_s)
-            if lease is None:
-                break
-            pending = self.server.lease.remote(self.rank, finished)  # prefetch the next lease
-            finished = []
+        """The partitions granted to this replica this pass, in order. A grant holds one or two
+        partitions; when the replica starts the last one it holds, it asks for the next grant
+        (reporting the partitions finished since its last request) unless the server said the
+        queue is empty; so the answer arrives while the partition trains. The last completions
+        are left in `self.unreported`: the replica returns them with its epoch result and the
+        driver reports them (`PartitionServer.finish`), which saves every replica a round trip
+        per epoch. `first`: a grant already made with the epoch."""
+        self.unreported = []
+        grant = first if first is not None else ray.get(self.server.grant.remote(self.rank, []), timeout=self.timeout_s)
+        held, last, finished = deque(grant["leases"]), grant["last"], []
+        while held:
+            lease = held.popleft()
+            pending = None
+            if not held and not last:  # starting the last partition in hand: ask for more now
+                pending, finished = self.server.grant.remote(self.rank, finished), []
             p = lease["partition"]
             if p not in self.seen:  # views, not copies: a partition met again costs no ray.get
-                self.seen[p] = ray.get(lease["ref"][0], timeout=self.timeout_s)
+                self.seen[p] = ray.get(self.refs[p], timeout=self.timeout_s)
             yield lease, self.seen[p]
             finished.append(p)
-        ray.get(self.server.complete.remote(self.rank, finished), timeout=self.timeout_s)
+            if pending is not None:
+                grant = ray.get(pending, timeout=self.timeout_s)
+                held.extend(grant["leases"])
+                last = grant["last"]
+        self.unreported = finished
 
     def batches(self, lease: dict, part: dict, steps: Optional[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """One partition in this epoch's in-partition order: (x, y, row positions in the

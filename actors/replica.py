@@ -96,10 +96,11 @@ class ModelReplica:
 
 
     # ---- data ----------------------------------------------------------------------------
-    def set_data(self, server, test_part: list, test_slice: tuple[int, int]) -> int:
-        """The PartitionServer to lease train partitions from, and this replica's slice of the
-        test split (refs wrapped in lists so Ray passes them through unresolved)."""
-        self.reader = PartitionReader(server, self.rank, self.cfg["data"]["batch_size"], self.cfg["data"]["shuffle"],
+    def set_data(self, server, train_parts: list, test_part: list, test_slice: tuple[int, int]) -> int:
+        """The PartitionServer to lease train partitions from, the train partitions' refs, and
+        this replica's slice of the test split (refs wrapped in lists so Ray passes them through
+        unresolved)."""
+        self.reader = PartitionReader(server, train_parts[0], self.rank, self.cfg["data"]["batch_size"], self.cfg["data"]["shuffle"],
                                       self.device, self.cfg["strategy"]["timeout_s"])
         return self.set_test_slice(test_part, test_slice)
 
@@ -112,16 +113,18 @@ class ModelReplica:
 
     # ---- training ------------------------------------------------------------------------
     def run_epoch(self, epoch: int, steps_per_partition: Optional[int], log_every: int,
-                  trace_ids: bool = False, first_lease: Optional[dict] = None) -> Iterator[dict[str, Any]]:
+                  trace_ids: bool = False, first_grants: Optional[dict] = None) -> Iterator[dict[str, Any]]:
         """Lease partitions and take steps of the mode's rule over them until the server has no
         more for this replica this epoch; then (allreduce) evaluate this replica's test slice.
         A Ray streaming generator: yields a progress row every `log_every` steps (display, step
-        metrics, stall check) and last the totals (one call per epoch, no call per step)."""
+        metrics, stall check) and last the totals (one call per epoch, no call per step), which
+        carry the partitions finished since the last grant request (`unreported`) for the
+        controller to report. `first_grants`: rank -> first grant, made when the epoch began."""
         self.model.train()
         consumed, partitions, comm_s, steps, samples, loss = [], [], 0.0, 0, 0, float("nan")
         t_epoch = t_window = time.perf_counter()
         window = 0
-        for lease, part in self.reader.partitions(first_lease):
+        for lease, part in self.reader.partitions((first_grants or {}).get(self.rank)):
             for x, y, idx in self.reader.batches(lease, part, steps_per_partition):
                 if self.step_delay_s:
                     time.sleep(self.step_delay_s)  # faults.slow_replicas: a deliberate straggler
@@ -143,7 +146,8 @@ class ModelReplica:
         mode_stats = self.worker.end_epoch()  # e.g. waits for this epoch's pushes
         evaluation = self.evaluate() if self.flat is None else None  # sharded modes: see evaluate_reference
         yield {"kind": "epoch", "rank": self.rank, "steps": steps, "samples": samples, "train_s": train_s,
-               "comm_s": comm_s, "consumed": consumed, "partitions": partitions, "eval": evaluation,
+               "comm_s": comm_s, "consumed": consumed, "partitions": partitions,
+               "unreported": self.reader.unreported, "eval": evaluation,
                "loss": loss, "mode": mode_stats}
 
     @torch.inference_mode()

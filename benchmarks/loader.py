@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from typing import Optional
 
 import numpy as np
 
@@ -44,20 +45,28 @@ def consumer_class():
 
     @ray.remote(num_cpus=1)
     class Consumer:
+        def __init__(self) -> None:
+            self.readers: dict = {}
+
         def warm_up(self) -> None:
             import actors.partition_server  # noqa: F401  (torch and ray imports, outside the timing)
 
-        def ours(self, server, rank: int, first: dict) -> int:
+        def set_data(self, side: str, server, refs: list, rank: int) -> None:
+            """As ModelReplica.set_data: one PartitionReader per run, given the partitions' refs once."""
             import torch
 
             from actors.partition_server import PartitionReader
 
-            reader = PartitionReader(server, rank, BATCH, True, torch.device("cpu"), 120)
-            n = 0
-            for lease, part in reader.partitions(first):
-                for x, y, _ in reader.batches(lease, part, None):
+            self.readers[side] = PartitionReader(server, refs[0], rank, BATCH, True, torch.device("cpu"), 120)
+
+        def ours(self, side: str, first_grants: dict, steps: Optional[int]) -> tuple[int, list[int]]:
+            """As ModelReplica.run_epoch: every batch of the partitions granted this epoch; the
+            last completions go back to the driver, which reports them when the next epoch starts."""
+            reader, n = self.readers[side], 0
+            for lease, part in reader.partitions(first_grants.get(reader.rank)):
+                for x, y, _ in reader.batches(lease, part, steps):
                     n += int(x.shape[0] > 0)
-            return n
+            return n, reader.unreported
 
         def ray_data(self, it) -> int:
             n = 0
@@ -83,6 +92,35 @@ def consumer_class():
     return Consumer
 
 
+class OursSide:
+    """The driver's part, as the controller does it: each epoch starts with one server call
+    (carrying the last epoch's final completions) whose grants go to the consumers as an object
+    ref; `close` reports the last completions and checks every epoch was served whole."""
+
+    def __init__(self, name: str, consumers: list, refs: list, rows: list[int], pinned: bool, steps: Optional[int]):
+        import ray
+
+        from actors.partition_server import PartitionServer
+
+        self.name, self.consumers, self.steps, self.unreported = name, consumers, steps, {}
+        self.server = PartitionServer.remote(rows, len(consumers), 0, pinned, True)
+        ray.get([c.set_data.remote(name, self.server, [refs], r) for r, c in enumerate(consumers)])
+
+    def __call__(self, epoch: int) -> int:
+        import ray
+
+        first = self.server.start_epoch.remote(epoch, list(range(len(self.consumers))), self.unreported)
+        done = ray.get([c.ours.remote(self.name, first, self.steps) for c in self.consumers])
+        self.unreported = {rank: unreported for rank, (_, unreported) in enumerate(done)}
+        return sum(n for n, _ in done)
+
+    def close(self) -> None:
+        import ray
+
+        status = ray.get(self.server.finish.remote(self.unreported))
+        assert status["complete"], status
+
+
 def timed_epochs(runners: dict, epochs: int) -> dict[str, list[float]]:
     """batches/s of each side's epochs, the sides interleaved epoch by epoch so that the
     machine's drift hits all of them alike."""
@@ -99,16 +137,16 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     import ray
 
-    from actors.partition_server import PartitionServer
     from orchestrator.data import partition
     from orchestrator.sources import read_table, table_to_split
+    from policies.allreduce import steps_per_partition
 
-    rows, epochs = (60_000, 5) if args.quick else (120_000, 8)
+    rows, epochs = (60_000, 15) if args.quick else (120_000, 30)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     Consumer = consumer_class()
     consumers = [Consumer.remote() for _ in range(CONSUMERS)]
     ray.get([c.warm_up.remote() for c in consumers])
-    results: dict = {"rows": rows, "batch": BATCH, "epochs": epochs}
+    results: dict = {"rows": rows, "batch": BATCH, "epochs": epochs, "partitions": 4 * CONSUMERS}
     with tempfile.TemporaryDirectory() as tmp:
         write_parquet(tmp, rows)
 
@@ -116,12 +154,10 @@ def main() -> None:
         split = table_to_split(read_table(tmp), "label", ["features"], None, None, tmp)
         parts = partition(split, 4 * CONSUMERS, seed=0)
         refs = [ray.put({"x": p.x, "y": p.y, "ids": p.ids}) for p in parts]
-        server = PartitionServer.remote(refs, [len(p) for p in parts], CONSUMERS, 0, False, True)
+        sizes = [len(p) for p in parts]
+        shared = OursSide("shared", consumers, refs, sizes, pinned=False, steps=None)
         results["ours_setup_s"] = time.perf_counter() - t0
-
-        def ours_epoch(epoch: int) -> int:
-            first = ray.get(server.start_epoch.remote(epoch, list(range(CONSUMERS))))
-            return sum(ray.get([c.ours.remote(server, r, first[r]) for r, c in enumerate(consumers)]))
+        pinned = OursSide("pinned", consumers, refs, sizes, pinned=True, steps=steps_per_partition(sizes, BATCH))
 
         t0 = time.perf_counter()
         ds = ray.data.read_parquet(tmp).materialize()
@@ -132,19 +168,24 @@ def main() -> None:
         ray.get([c.load_half.remote(split.x[i * half:(i + 1) * half], split.y[i * half:(i + 1) * half])
                  for i, c in enumerate(consumers)])
         rates = timed_epochs({
-            "ours": ours_epoch,
+            "ours": shared,
+            "ours_pinned": pinned,
             "ray_data": lambda e: sum(ray.get([c.ray_data.remote(it) for c, it in zip(consumers, iterators)])),
             "in_memory": lambda e: sum(ray.get([c.in_memory.remote(e) for c in consumers])),
         }, epochs)
+        shared.close()
+        pinned.close()
         results.update({f"{name}_rates": r for name, r in rates.items()})
     ray.shutdown()
 
-    steady = {k: median(results[f"{k}_rates"][1:]) for k in ("ours", "ray_data", "in_memory")}
+    sides = ("ours", "ours_pinned", "ray_data", "in_memory")
+    steady = {k: median(results[f"{k}_rates"][1:]) for k in sides}
     results["steady_batches_per_s"] = steady
     for k, v in steady.items():
-        print(f"{k:>10}: {v:8.0f} batches/s (first epoch {results[f'{k}_rates'][0]:.0f})")
+        print(f"{k:>12}: {v:8.0f} batches/s (first epoch {results[f'{k}_rates'][0]:.0f})")
     ratios = {"ours_vs_ray_data": steady["ours"] / steady["ray_data"],
               "ours_vs_in_memory_limit": steady["ours"] / steady["in_memory"],
+              "ours_pinned_vs_in_memory_limit": steady["ours_pinned"] / steady["in_memory"],
               "ours_vs_ray_data_first_epoch": results["ours_rates"][0] / results["ray_data_rates"][0]}
     report("loader", args.quick, results, ratios, args.json)
 

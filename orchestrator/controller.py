@@ -102,6 +102,8 @@ class Controller:
         self.redone: list[dict[str, Any]] = []  # partitions served again after a replica died
         self.alive: dict[int, Any] = {}
         self.server = None
+        self.partition_refs: list = []  # the train partitions in the object store (kept alive here)
+        self._unreported: dict[int, list[int]] = {}  # last epoch's final completions, not yet reported
         self.steps_per_partition: Optional[int] = None
         s = config.stop
         self.stop_policy = StopPolicy(s.epochs, s.target_accuracy, s.at_target, s.max_wall_s)
@@ -179,14 +181,15 @@ class Controller:
         self.steps_per_partition = steps_per_partition(rows, bs) if lock_step else None
         self.steps_per_epoch = (len(parts) // n * self.steps_per_partition if lock_step
                                 else -(-sum(-(-r // bs) for r in rows) // n))  # the display's estimate
-        self.server = PartitionServer.remote(refs, rows, n, cfg.data.seed, lock_step, cfg.data.shuffle)
+        self.server = PartitionServer.remote(rows, n, cfg.data.seed, lock_step, cfg.data.shuffle)
+        self.partition_refs = refs
         timeout = cfg.strategy.timeout_s
         if lock_step:
             addr, port = self._get(self.replicas[0].rendezvous_address.remote(), "rendezvous", timeout + 60)
             self._get([r.join_group.remote(addr, port, timeout) for r in self.replicas], "process group", timeout + 60)
         self.test_ref = ray.put({"x": self.dataset.test.x, "y": self.dataset.test.y})
         slices = eval_slices(len(self.dataset.test), n)
-        self._get([r.set_data.remote(self.server, [self.test_ref], slices[k]) for k, r in enumerate(self.replicas)],
+        self._get([r.set_data.remote(self.server, [refs], [self.test_ref], slices[k]) for k, r in enumerate(self.replicas)],
                   "data", timeout)
         self.alive = dict(enumerate(self.replicas))
         self.totals.startup_s = time.perf_counter() - self.t0
@@ -201,26 +204,45 @@ class Controller:
     def _serve_epoch(self, epoch: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Run the epoch on the live replicas until the PartitionServer has served every
         partition once. In downpour / async easgd a replica that dies is dropped: its leases go
-        back to the pool and the survivors finish them (reported as redone)."""
+        back to the pool and the survivors finish them (reported as redone).
+
+        The server call that starts the epoch also reports the last epoch's final completions
+        (the server checks that epoch was served whole) and is not waited for: its grants go to
+        the replicas as an object ref. An epoch with a death reports its completions at once
+        and reads the server's status (redone partitions, a second pass if any are left)."""
         cfg = self.cfg
-        first = self._get(self.server.start_epoch.remote(epoch, sorted(self.alive)), "partition server",
-                          CONTROL_CALL_TIMEOUT_S)
-        stats, progress = [], []
+        first = self.server.start_epoch.remote(epoch, sorted(self.alive), self._unreported)
+        self._unreported = {}
+        stats, progress, lost = [], [], False
         while True:
             streams = {rank: r.run_epoch.remote(epoch, self.steps_per_partition, cfg.tracking.log_every_steps,
-                                                self.trace_ids, first.get(rank)) for rank, r in self.alive.items()}
-            first = {}  # a second pass (after a death) leases afresh
+                                                self.trace_ids, first) for rank, r in self.alive.items()}
+            first = None  # a second pass (after a death) leases afresh
             finals, rows, dead = self._drain(streams, epoch)
             stats += finals
             progress += rows
+            completed = {s["rank"]: s["unreported"] for s in finals}
+            if not dead and not lost:  # reported when the next epoch starts, or by finish_epochs
+                self._unreported = completed
+                return merge_epoch_stats(stats), progress
             for rank in dead:
                 self._lose_replica(rank, epoch)
-            status = self._get(self.server.status.remote(), "partition server", CONTROL_CALL_TIMEOUT_S)
+            lost = True
+            status = self._get(self.server.finish.remote(completed), "partition server", CONTROL_CALL_TIMEOUT_S)
             if status["complete"]:
                 self.redone += status["redone"]
                 return merge_epoch_stats(stats), progress
             if not dead:
                 raise TrainingError(f"epoch {epoch}: {status['remaining']} partitions were never served")
+
+    def finish_epochs(self) -> dict[str, Any]:
+        """Report the last epoch's final completions; the server's status, which must say the
+        epoch was served whole."""
+        status = self._get(self.server.finish.remote(self._unreported), "partition server", CONTROL_CALL_TIMEOUT_S)
+        self._unreported = {}
+        if not status["complete"]:
+            raise TrainingError(f"epoch {status['epoch']}: {status['remaining']} partitions were never served")
+        return status
 
     def _lose_replica(self, rank: int, epoch: int) -> None:
         cfg = self.cfg
@@ -329,6 +351,7 @@ class Controller:
 
     # ---- FINISHING: final checkpoint and artifacts -----------------------------------------
     def _finish(self) -> None:
+        self.finish_epochs()
         self.totals.checkpoint = self.checkpoint("model.pt", CONTROL_CALL_TIMEOUT_S)
         with tempfile.TemporaryDirectory() as tmp:
             import torch

@@ -6,6 +6,10 @@ Pure state and decisions (the `PartitionServer` actor wraps it; tests use it dir
 - `shared` leasing (downpour, easgd): one queue, a fast replica simply leases more;
 - `pinned` leasing (allreduce): replica r gets positions r, r + R, ... of the epoch's order, so
   every replica gets the same number of partitions and steps stay in lock-step;
+- a grant hands out one or two partitions (guided self-scheduling: about half of a replica's
+  fair share of what is left, capped at `MAX_GRANT`), and says when the queue is empty, so a
+  replica makes about half as many server calls as it reads partitions and never asks in vain;
+  the cap bounds what a replica that dies holding a grant makes the others redo;
 - `release(rank)` (the controller saw the replica die) returns its unfinished leases to the
   front of the queue; they are served again and recorded as redone.
 """
@@ -23,6 +27,21 @@ class Lease:
     epoch: int
     partition: int
     seed: int  # in-partition shuffle seed for this epoch
+
+
+MAX_GRANT = 2
+
+
+@dataclass(frozen=True)
+class Grant:
+    leases: tuple[Lease, ...]  # empty: nothing left for this replica
+    last: bool  # the queue was emptied: asking again this pass would get nothing
+
+
+def grant_size(queued: int, sharers: int, cap: int = MAX_GRANT) -> int:
+    """How many partitions one grant takes from a queue of `queued` shared by `sharers`
+    replicas: half of a fair share, at least 1, at most `cap` (0 when the queue is empty)."""
+    return min(queued, cap, max(1, -(-queued // (2 * sharers))))
 
 
 @dataclass
@@ -58,6 +77,13 @@ class PartitionLedger:
         p = queue.popleft()
         self.leased[p] = rank
         return Lease(self.epoch, p, int(np.random.default_rng([self.seed, self.epoch, p]).integers(2**31)))
+
+    def grant(self, rank: int) -> Grant:
+        """The next partitions for `rank` (see `grant_size`) and whether its queue is now empty."""
+        queue = self.queues.get(rank if self.pinned else -1) or deque()
+        n = grant_size(len(queue), 1 if self.pinned else self.replicas)
+        leases = tuple(lease for lease in (self.lease(rank) for _ in range(n)) if lease is not None)
+        return Grant(leases, not queue)
 
     def complete(self, rank: int, partition: int) -> None:
         if self.leased.get(partition) != rank:

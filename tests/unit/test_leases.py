@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.leases import PartitionLedger
+from policies.leases import MAX_GRANT, PartitionLedger, grant_size
 
 
 def run_epoch(ledger, epoch, speeds):
@@ -74,3 +74,34 @@ def test_cannot_start_an_epoch_before_the_last_is_served():
     ledger.lease(0)
     with pytest.raises(RuntimeError, match="not finished"):
         ledger.start_epoch(2)
+
+
+@pytest.mark.parametrize("queued, sharers, expected", [(0, 2, 0), (1, 2, 1), (4, 2, 1), (5, 2, 2), (8, 2, 2),
+                                                       (40, 2, 2), (4, 1, 2), (2, 1, 1), (1, 1, 1)])
+def test_grant_size_is_half_a_fair_share_capped(queued, sharers, expected):
+    assert grant_size(queued, sharers) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(parts=st.integers(1, 40), replicas=st.integers(1, 5), pinned=st.booleans(), seed=st.integers(0, 10))
+def test_grants_serve_every_partition_once_and_last_means_nothing_left(parts, replicas, pinned, seed):
+    if pinned:
+        parts = max(replicas, parts - parts % replicas)
+    ledger = PartitionLedger(parts, replicas, seed, pinned=pinned)
+    ledger.start_epoch(1)
+    served, calls = [], 0
+    active = set(range(replicas))
+    while active:
+        for rank in sorted(active):
+            g = ledger.grant(rank)
+            calls += 1
+            assert len(g.leases) <= MAX_GRANT
+            for lease in g.leases:
+                ledger.complete(rank, lease.partition)
+                served.append(lease.partition)
+            if g.last or not g.leases:
+                active.discard(rank)
+                if g.last:
+                    assert ledger.grant(rank).leases == ()  # "last" is never wrong
+    assert sorted(served) == list(range(parts)) and ledger.epoch_complete
+    assert calls < parts + replicas  # fewer server calls than one per partition plus one in vain each
