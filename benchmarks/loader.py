@@ -2,11 +2,15 @@
 
 Data: a Parquet directory written by the benchmark (784 float32 features as a fixed-size-list
 column, like flattened MNIST, plus an int label). Two consumer actors (1 CPU each) take an
-epoch of shuffled batches of 64 each and touch every batch; batches/s = all batches / wall
-time of the epoch, median over the epochs after the first.
+epoch of shuffled batches of 64 each; batches/s = all batches / wall time of the epoch, median
+over the epochs after the first. The sides run interleaved epoch by epoch.
 
-- ours: the train rows cut into partitions, each put once into the object store, leased by a
-  PartitionServer, read by PartitionReader (the code replicas use);
+- ours: the train rows cut into 8 partitions, each put once into the object store; a
+  PartitionServer grants them and each consumer reads them with one PartitionReader for the
+  whole run (the replicas' code, used as ModelReplica and the controller use it: each epoch
+  starts with one server call that reports the last epoch's final completions, and its grants
+  go to the consumers as an object ref). Two servers: `ours` shares one queue (downpour, easgd),
+  `ours_pinned` pins partitions round-robin and drops each partition's ragged end (allreduce);
 - Ray Data: `read_parquet(...).materialize()` (also in the object store), `streaming_split(2,
   equal=True)`, `iter_torch_batches(batch_size=64, local_shuffle_buffer_size=...)` per epoch;
 - the limit: each consumer gathers shuffled batches (index_select, the fastest CPU gather) from
