@@ -9,6 +9,7 @@ is leased and keeps the view. The server reserves no CPU.
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -65,43 +66,55 @@ class PartitionServer:
 
 
 class PartitionReader:
-    """The replica side: lease partitions until the server has none left for this replica this
-    epoch, and cut them into batches. The next grant is requested while the current partition
-    trains; batches are made by tensor indexing (no per-row
-    Python); with a GPU, batches are pinned and copied asynchronously."""
+    """The replica side: take the partitions the server grants this replica until it has none
+    left this epoch, and cut them into batches. The next grant is requested, and the bytes of
+    the partitions it grants pulled to this node, on a helper thread while the current partition
+    trains; batches are made by tensor indexing (no per-row Python); with a GPU, batches are
+    pinned and copied asynchronously."""
 
     def __init__(self, server, refs: list, rank: int, batch_size: int, shuffle: bool, device: torch.device,
                  timeout_s: float):
         self.server, self.refs, self.rank, self.batch_size, self.shuffle = server, refs, rank, batch_size, shuffle
         self.device, self.timeout_s = device, timeout_s
         self.seen: dict[int, dict] = {}  # partition -> zero-copy views into the object store
+        self.unreported: list[int] = []
+        self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="partition-prefetch")
 
     def partitions(self, first: Optional[dict] = None) -> Iterator[tuple[dict, dict]]:
         """The partitions granted to this replica this pass, in order. A grant holds one or two
         partitions; when the replica starts the last one it holds, it asks for the next grant
         (reporting the partitions finished since its last request) unless the server said the
-        queue is empty; so the answer arrives while the partition trains. The last completions
-        are left in `self.unreported`: the replica returns them with its epoch result and the
-        driver reports them (`PartitionServer.finish`), which saves every replica a round trip
-        per epoch. `first`: a grant already made with the epoch."""
+        queue is empty; the answer, and the granted partitions' bytes, arrive while the partition
+        trains. The last completions are left in `self.unreported`: the replica returns them with
+        its epoch result and the driver reports them (`PartitionServer.finish`), which saves every
+        replica a round trip per epoch. `first`: a grant already made with the epoch."""
         self.unreported = []
-        grant = first if first is not None else ray.get(self.server.grant.remote(self.rank, []), timeout=self.timeout_s)
+        grant = self._fetch(first) if first is not None else self._grant([])
         held, last, finished = deque(grant["leases"]), grant["last"], []
         while held:
             lease = held.popleft()
             pending = None
             if not held and not last:  # starting the last partition in hand: ask for more now
-                pending, finished = self.server.grant.remote(self.rank, finished), []
-            p = lease["partition"]
-            if p not in self.seen:  # views, not copies: a partition met again costs no ray.get
-                self.seen[p] = ray.get(self.refs[p], timeout=self.timeout_s)
-            yield lease, self.seen[p]
-            finished.append(p)
+                pending, finished = self.prefetch.submit(self._grant, finished), []
+            yield lease, self.seen[lease["partition"]]
+            finished.append(lease["partition"])
             if pending is not None:
-                grant = ray.get(pending, timeout=self.timeout_s)
+                grant = pending.result(timeout=2 * self.timeout_s)
                 held.extend(grant["leases"])
                 last = grant["last"]
         self.unreported = finished
+
+    def _grant(self, completed: list[int]) -> dict:
+        return self._fetch(ray.get(self.server.grant.remote(self.rank, completed), timeout=self.timeout_s))
+
+    def _fetch(self, grant: dict) -> dict:
+        """Map the granted partitions into this process (pulled to this node if they live on
+        another); views, not copies, kept: a partition met again costs no ray.get."""
+        for lease in grant["leases"]:
+            p = lease["partition"]
+            if p not in self.seen:
+                self.seen[p] = ray.get(self.refs[p], timeout=self.timeout_s)
+        return grant
 
     def batches(self, lease: dict, part: dict, steps: Optional[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """One partition in this epoch's in-partition order: (x, y, row positions in the

@@ -121,3 +121,45 @@ def test_path_uri_and_in_memory_sources_train_the_same(ray_cluster, parquet_dir,
                        scaling={"replicas": 2, "cpus_per_replica": 0.5}, checkpoint={"storage": str(tmp_path)})
         accuracies.append(ElasticTrainer(cfg, show_progress=False, data=data).fit().final.test_accuracy)
     assert accuracies[0] == accuracies[1] == accuracies[2], accuracies
+
+
+def test_readers_see_every_partition_once_and_an_unreported_epoch_cannot_be_followed(ray_cluster):
+    """The server and two readers on their own: grants of one or two partitions, the last
+    completions reported by the next epoch's start, and a start refused (naming what is left)
+    when an epoch's last completions never arrive."""
+    import torch
+
+    from actors.partition_server import PartitionReader, PartitionServer
+
+    parts, rows = 9, 10
+    refs = [ray.put({"x": np.full((rows, 2), p, np.float32), "y": np.zeros(rows, np.int64),
+                     "ids": np.arange(rows) + rows * p}) for p in range(parts)]
+    server = PartitionServer.remote([rows] * parts, 2, 0, False, True)
+    try:
+        readers = [PartitionReader(server, refs, r, 4, True, torch.device("cpu"), 30) for r in range(2)]
+        unreported: dict = {}
+        for epoch in (1, 2):
+            first = ray.get(server.start_epoch.remote(epoch, [0, 1], unreported), timeout=30)
+            assert all(1 <= len(first[r]["leases"]) <= 2 for r in (0, 1))
+            streams = [readers[r].partitions(first[r]) for r in (0, 1)]
+            seen, live = [], [0, 1]
+            while live:  # the two readers take turns, one partition each
+                for r in list(live):
+                    item = next(streams[r], None)
+                    if item is None:
+                        live.remove(r)
+                        continue
+                    lease, part = item
+                    assert lease["epoch"] == epoch
+                    for x, _, idx in readers[r].batches(lease, part, None):
+                        assert (x[:, 0] == lease["partition"]).all()
+                        seen += part["ids"][idx.numpy()].tolist()
+            assert sorted(seen) == list(range(parts * rows))  # every row once
+            unreported = {r: readers[r].unreported for r in (0, 1)}
+            assert sum(map(len, unreported.values())) >= 1
+        with pytest.raises(ray.exceptions.RayTaskError, match="epoch 2 is not finished"):
+            ray.get(server.start_epoch.remote(3, [0, 1]), timeout=30)  # epoch 2's last completions withheld
+        status = ray.get(server.finish.remote(unreported), timeout=30)
+        assert status["complete"] and status["epoch"] == 2 and len(status["done"]) == parts
+    finally:
+        ray.kill(server)
