@@ -8,6 +8,7 @@ is leased and keeps the view. The server reserves no CPU.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional
@@ -18,7 +19,7 @@ import torch
 
 from actors.shard import _view
 
-from policies.leases import PartitionLedger
+from policies.leases import PartitionLedger, grant_message
 
 
 @ray.remote(num_cpus=0)
@@ -26,24 +27,36 @@ class PartitionServer:
     def __init__(self, rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool) -> None:
         self.rows = rows
         self.ledger = PartitionLedger(len(rows), replicas, seed, pinned, shuffle)
+        self.refused: dict[int, str] = {}  # epoch -> why it could not start
 
     def start_epoch(self, epoch: int, ranks: list[int] = (),
                     completed: Optional[dict[int, list[int]]] = None) -> dict[int, dict[str, Any]]:
         """Record the previous epoch's last completions (`completed`, as for `finish`), check
         that it was served whole (a RuntimeError names what is left), begin `epoch` and grant
-        the first partitions of each of `ranks` (handed to the replicas with their epoch call,
-        which saves each a round trip at the epoch's start)."""
-        self.finish(completed or {})
-        self.ledger.start_epoch(epoch)
+        the first partitions of each of `ranks`, in that order: the grants
+        `policies.leases.first_grant_messages` computes, which the driver has already handed to the replicas."""
+        try:
+            self.finish(completed or {})
+            self.ledger.start_epoch(epoch)
+        except (RuntimeError, ValueError) as exc:
+            self.refused[epoch] = str(exc)
+            raise
         return {rank: self.grant(rank) for rank in ranks}
 
-    def grant(self, rank: int, completed: list[int] = ()) -> dict[str, Any]:
-        """Record `completed` partitions of `rank`, then grant it the next ones: {"leases":
-        [{epoch, partition, seed, rows}, ...] (empty: nothing left), "last": the queue is empty}."""
+    def grant(self, rank: int, completed: list[int] = (), epoch: Optional[int] = None) -> dict[str, Any]:
+        """Record `completed` partitions of `rank` (of `epoch`, when given), then grant it the
+        next ones (`policies.leases.grant_message`). {"retry": True} when `epoch` has not started yet: the
+        replica began with the grants the driver computed and its request overtook the driver's
+        `start_epoch` (calls from different callers are not ordered); a RuntimeError when that
+        epoch was refused."""
+        if epoch is not None and epoch != self.ledger.epoch:
+            if epoch in self.refused:
+                raise RuntimeError(f"epoch {epoch} could not start: {self.refused[epoch]}")
+            if epoch > self.ledger.epoch:
+                return {"retry": True}
+            raise RuntimeError(f"replica {rank} asked for partitions of epoch {epoch}, the server is in {self.ledger.epoch}")
         self.complete(rank, completed)
-        g = self.ledger.grant(rank)
-        return {"leases": [{"epoch": x.epoch, "partition": x.partition, "seed": x.seed, "rows": self.rows[x.partition]}
-                           for x in g.leases], "last": g.last}
+        return grant_message(self.ledger.grant(rank), self.rows)
 
     def complete(self, rank: int, partitions: list[int]) -> None:
         for p in partitions:
@@ -89,13 +102,13 @@ class PartitionReader:
         its epoch result and the driver reports them (`PartitionServer.finish`), which saves every
         replica a round trip per epoch. `first`: a grant already made with the epoch."""
         self.unreported = []
-        grant = self._fetch(first) if first is not None else self._grant([])
+        grant = self._fetch(first) if first is not None else self._grant([], None)
         held, last, finished = deque(grant["leases"]), grant["last"], []
         while held:
             lease = held.popleft()
             pending = None
             if not held and not last:  # starting the last partition in hand: ask for more now
-                pending, finished = self.prefetch.submit(self._grant, finished), []
+                pending, finished = self.prefetch.submit(self._grant, finished, lease["epoch"]), []
             yield lease, self.seen[lease["partition"]]
             finished.append(lease["partition"])
             if pending is not None:
@@ -104,8 +117,18 @@ class PartitionReader:
                 last = grant["last"]
         self.unreported = finished
 
-    def _grant(self, completed: list[int]) -> dict:
-        return self._fetch(ray.get(self.server.grant.remote(self.rank, completed), timeout=self.timeout_s))
+    def _grant(self, completed: list[int], epoch: Optional[int]) -> dict:
+        """The next grant (reporting `completed`), asked again while the server has not yet
+        started `epoch` (see PartitionServer.grant), for at most timeout_s."""
+        deadline, wait = time.monotonic() + self.timeout_s, 0.0005
+        while True:
+            grant = ray.get(self.server.grant.remote(self.rank, completed, epoch), timeout=self.timeout_s)
+            if not grant.get("retry"):
+                return self._fetch(grant)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"epoch {epoch} did not start on the partition server within {self.timeout_s:.0f}s")
+            time.sleep(wait)
+            wait = min(2 * wait, 0.05)
 
     def _fetch(self, grant: dict) -> dict:
         """Map the granted partitions into this process (pulled to this node if they live on

@@ -113,18 +113,18 @@ class ModelReplica:
 
     # ---- training ------------------------------------------------------------------------
     def run_epoch(self, epoch: int, steps_per_partition: Optional[int], log_every: int,
-                  trace_ids: bool = False, first_grants: Optional[dict] = None) -> Iterator[dict[str, Any]]:
+                  trace_ids: bool = False, first_grant: Optional[dict] = None) -> Iterator[dict[str, Any]]:
         """Lease partitions and take steps of the mode's rule over them until the server has no
         more for this replica this epoch; then (allreduce) evaluate this replica's test slice.
         A Ray streaming generator: yields a progress row every `log_every` steps (display, step
         metrics, stall check) and last the totals (one call per epoch, no call per step), which
         carry the partitions finished since the last grant request (`unreported`) for the
-        controller to report. `first_grants`: rank -> first grant, made when the epoch began."""
+        controller to report. `first_grant`: the grant this replica starts the epoch with."""
         self.model.train()
         consumed, partitions, comm_s, steps, samples, loss = [], [], 0.0, 0, 0, float("nan")
         t_epoch = t_window = time.perf_counter()
         window = 0
-        for lease, part in self.reader.partitions((first_grants or {}).get(self.rank)):
+        for lease, part in self.reader.partitions(first_grant):
             for x, y, idx in self.reader.batches(lease, part, steps_per_partition):
                 if self.step_delay_s:
                     time.sleep(self.step_delay_s)  # faults.slow_replicas: a deliberate straggler

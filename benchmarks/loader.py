@@ -7,9 +7,9 @@ over the epochs after the first. The sides run interleaved epoch by epoch.
 
 - ours: the train rows cut into 8 partitions, each put once into the object store; a
   PartitionServer grants them and each consumer reads them with one PartitionReader for the
-  whole run (the replicas' code, used as ModelReplica and the controller use it: each epoch
-  starts with one server call that reports the last epoch's final completions, and its grants
-  go to the consumers as an object ref). Two servers: `ours` shares one queue (downpour, easgd),
+  whole run (the replicas' code, used as ModelReplica and the controller use it: each epoch's
+  first grants are computed on the driver and sent with the epoch call, beside one server call
+  that starts the epoch and reports the last epoch's final completions). Two servers: `ours` shares one queue (downpour, easgd),
   `ours_pinned` pins partitions round-robin and drops each partition's ragged end (allreduce);
 - Ray Data: `read_parquet(...).materialize()` (also in the object store), `streaming_split(2,
   equal=True)`, `iter_torch_batches(batch_size=64, local_shuffle_buffer_size=...)` per epoch;
@@ -63,11 +63,11 @@ def consumer_class():
 
             self.readers[side] = PartitionReader(server, refs[0], rank, BATCH, True, torch.device("cpu"), 120)
 
-        def ours(self, side: str, first_grants: dict, steps: Optional[int]) -> tuple[int, list[int]]:
+        def ours(self, side: str, first_grant: dict, steps: Optional[int]) -> tuple[int, list[int]]:
             """As ModelReplica.run_epoch: every batch of the partitions granted this epoch; the
             last completions go back to the driver, which reports them when the next epoch starts."""
             reader, n = self.readers[side], 0
-            for lease, part in reader.partitions(first_grants.get(reader.rank)):
+            for lease, part in reader.partitions(first_grant):
                 for x, y, _ in reader.batches(lease, part, steps):
                     n += int(x.shape[0] > 0)
             return n, reader.unreported
@@ -97,9 +97,11 @@ def consumer_class():
 
 
 class OursSide:
-    """The driver's part, as the controller does it: each epoch starts with one server call
-    (carrying the last epoch's final completions) whose grants go to the consumers as an object
-    ref; `close` reports the last completions and checks every epoch was served whole."""
+    """The driver's part, as the controller does it: each epoch's first grants are computed on
+    the driver (the plan the server follows) and go to the consumers with their epoch call; the
+    server call that starts the epoch (carrying the last epoch's final completions) is checked
+    once the consumers are done; `close` reports the last completions and checks that every
+    epoch was served whole."""
 
     def __init__(self, name: str, consumers: list, refs: list, rows: list[int], pinned: bool, steps: Optional[int]):
         import ray
@@ -107,14 +109,20 @@ class OursSide:
         from actors.partition_server import PartitionServer
 
         self.name, self.consumers, self.steps, self.unreported = name, consumers, steps, {}
-        self.server = PartitionServer.remote(rows, len(consumers), 0, pinned, True)
+        self.plan = (rows, len(consumers), 0, pinned, True)
+        self.server = PartitionServer.remote(*self.plan)
         ray.get([c.set_data.remote(name, self.server, [refs], r) for r, c in enumerate(consumers)])
 
     def __call__(self, epoch: int) -> int:
         import ray
 
-        first = self.server.start_epoch.remote(epoch, list(range(len(self.consumers))), self.unreported)
-        done = ray.get([c.ours.remote(self.name, first, self.steps) for c in self.consumers])
+        from policies.leases import first_grant_messages
+
+        ranks = list(range(len(self.consumers)))
+        first = first_grant_messages(*self.plan, epoch, ranks)
+        started = self.server.start_epoch.remote(epoch, ranks, self.unreported)
+        done = ray.get([c.ours.remote(self.name, first[r], self.steps) for r, c in enumerate(self.consumers)])
+        ray.get(started)
         self.unreported = {rank: unreported for rank, (_, unreported) in enumerate(done)}
         return sum(n for n, _ in done)
 
@@ -145,7 +153,7 @@ def main() -> None:
     from orchestrator.sources import read_table, table_to_split
     from policies.allreduce import steps_per_partition
 
-    rows, epochs = (60_000, 15) if args.quick else (120_000, 30)
+    rows, epochs = (60_000, 30) if args.quick else (120_000, 60)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     Consumer = consumer_class()
     consumers = [Consumer.remote() for _ in range(CONSUMERS)]

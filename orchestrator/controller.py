@@ -22,6 +22,7 @@ from orchestrator.errors import TrainingError
 from orchestrator.progress import ProgressDisplay
 from orchestrator.tracking import Tracker
 from policies.allreduce import steps_per_partition
+from policies.leases import first_grant_messages
 from policies.modes import needs_shards
 from policies.stop import EpochSnapshot, StopPolicy
 
@@ -181,7 +182,8 @@ class Controller:
         self.steps_per_partition = steps_per_partition(rows, bs) if lock_step else None
         self.steps_per_epoch = (len(parts) // n * self.steps_per_partition if lock_step
                                 else -(-sum(-(-r // bs) for r in rows) // n))  # the display's estimate
-        self.server = PartitionServer.remote(rows, n, cfg.data.seed, lock_step, cfg.data.shuffle)
+        self._plan = (rows, n, cfg.data.seed, lock_step, cfg.data.shuffle)
+        self.server = PartitionServer.remote(*self._plan)
         self.partition_refs = refs
         timeout = cfg.strategy.timeout_s
         if lock_step:
@@ -206,19 +208,26 @@ class Controller:
         partition once. In downpour / async easgd a replica that dies is dropped: its leases go
         back to the pool and the survivors finish them (reported as redone).
 
-        The server call that starts the epoch also reports the last epoch's final completions
-        (the server checks that epoch was served whole) and is not waited for: its grants go to
-        the replicas as an object ref. An epoch with a death reports its completions at once
-        and reads the server's status (redone partitions, a second pass if any are left)."""
+        The epoch's first grants are computed here (the same pure plan the server follows) and
+        go to the replicas with their epoch call; the server call that starts the epoch also
+        reports the last epoch's final completions (the server checks that epoch was served
+        whole) and is only checked once the replicas are done. An epoch with a death reports its
+        completions at once and reads the server's status (redone partitions, a second pass if
+        any are left)."""
         cfg = self.cfg
-        first = self.server.start_epoch.remote(epoch, sorted(self.alive), self._unreported)
+        ranks = sorted(self.alive)
+        first = first_grant_messages(*self._plan, epoch, ranks)
+        started = self.server.start_epoch.remote(epoch, ranks, self._unreported)
         self._unreported = {}
         stats, progress, lost = [], [], False
         while True:
             streams = {rank: r.run_epoch.remote(epoch, self.steps_per_partition, cfg.tracking.log_every_steps,
-                                                self.trace_ids, first) for rank, r in self.alive.items()}
-            first = None  # a second pass (after a death) leases afresh
+                                                self.trace_ids, first.get(rank)) for rank, r in self.alive.items()}
+            first = {}  # a second pass (after a death) asks the server afresh
             finals, rows, dead = self._drain(streams, epoch)
+            if started is not None:
+                self._get(started, f"partition server, start of epoch {epoch}", CONTROL_CALL_TIMEOUT_S)
+                started = None
             stats += finals
             progress += rows
             completed = {s["rank"]: s["unreported"] for s in finals}

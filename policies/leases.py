@@ -10,6 +10,8 @@ Pure state and decisions (the `PartitionServer` actor wraps it; tests use it dir
   fair share of what is left, capped at `MAX_GRANT`), and says when the queue is empty, so a
   replica makes about half as many server calls as it reads partitions and never asks in vain;
   the cap bounds what a replica that dies holding a grant makes the others redo;
+- the grants an epoch starts with are a pure function of the settings (`first_grants`): the
+  driver hands them to the replicas with their epoch call while the server records the same;
 - `release(rank)` (the controller saw the replica die) returns its unfinished leases to the
   front of the queue; they are served again and recorded as redone.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -113,3 +115,28 @@ class PartitionLedger:
 
     def remaining(self) -> int:
         return self.partitions - len(self.done)
+
+
+def first_grants(partitions: int, replicas: int, seed: int, pinned: bool, shuffle: bool, epoch: int,
+                 ranks: list[int]) -> dict[int, Grant]:
+    """The grants an epoch starts with, in `ranks` order: a pure function of the ledger's
+    settings, so the driver hands them to the replicas while the server records the same ones
+    (`PartitionLedger.start_epoch`, then `grant` for each rank in the same order)."""
+    plan = PartitionLedger(partitions, replicas, seed, pinned, shuffle)
+    plan.start_epoch(epoch)
+    return {rank: plan.grant(rank) for rank in ranks}
+
+
+def grant_message(grant: Grant, rows: list[int]) -> dict[str, Any]:
+    """A grant as it travels: {"leases": [{epoch, partition, seed, rows}, ...] (empty: nothing
+    left), "last": the queue is empty}."""
+    return {"leases": [{"epoch": x.epoch, "partition": x.partition, "seed": x.seed, "rows": rows[x.partition]}
+                       for x in grant.leases], "last": grant.last}
+
+
+def first_grant_messages(rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool, epoch: int,
+                         ranks: list[int]) -> dict[int, dict[str, Any]]:
+    """What `PartitionServer.start_epoch(epoch, ranks)` grants, computed by the driver, which
+    hands the grants to the replicas without waiting for the server."""
+    plan = first_grants(len(rows), replicas, seed, pinned, shuffle, epoch, ranks)
+    return {rank: grant_message(g, rows) for rank, g in plan.items()}

@@ -124,12 +124,14 @@ def test_path_uri_and_in_memory_sources_train_the_same(ray_cluster, parquet_dir,
 
 
 def test_readers_see_every_partition_once_and_an_unreported_epoch_cannot_be_followed(ray_cluster):
-    """The server and two readers on their own: grants of one or two partitions, the last
-    completions reported by the next epoch's start, and a start refused (naming what is left)
-    when an epoch's last completions never arrive."""
+    """The server and two readers on their own: the epoch's first grants computed on the driver
+    are the server's, grants of one or two partitions, the last completions reported by the
+    next epoch's start, a request that overtakes its epoch's start is told to retry, and a start
+    is refused (naming what is left) when an epoch's last completions never arrive."""
     import torch
 
     from actors.partition_server import PartitionReader, PartitionServer
+    from policies.leases import first_grant_messages
 
     parts, rows = 9, 10
     refs = [ray.put({"x": np.full((rows, 2), p, np.float32), "y": np.zeros(rows, np.int64),
@@ -139,7 +141,9 @@ def test_readers_see_every_partition_once_and_an_unreported_epoch_cannot_be_foll
         readers = [PartitionReader(server, refs, r, 4, True, torch.device("cpu"), 30) for r in range(2)]
         unreported: dict = {}
         for epoch in (1, 2):
+            assert ray.get(server.grant.remote(0, [], epoch), timeout=30) == {"retry": True}  # not started yet
             first = ray.get(server.start_epoch.remote(epoch, [0, 1], unreported), timeout=30)
+            assert first == first_grant_messages([rows] * parts, 2, 0, False, True, epoch, [0, 1])
             assert all(1 <= len(first[r]["leases"]) <= 2 for r in (0, 1))
             streams = [readers[r].partitions(first[r]) for r in (0, 1)]
             seen, live = [], [0, 1]
@@ -159,6 +163,8 @@ def test_readers_see_every_partition_once_and_an_unreported_epoch_cannot_be_foll
             assert sum(map(len, unreported.values())) >= 1
         with pytest.raises(ray.exceptions.RayTaskError, match="epoch 2 is not finished"):
             ray.get(server.start_epoch.remote(3, [0, 1]), timeout=30)  # epoch 2's last completions withheld
+        with pytest.raises(ray.exceptions.RayTaskError, match="epoch 3 could not start: epoch 2 is not finished"):
+            ray.get(server.grant.remote(0, [], 3), timeout=30)  # a replica that began epoch 3 learns why
         status = ray.get(server.finish.remote(unreported), timeout=30)
         assert status["complete"] and status["epoch"] == 2 and len(status["done"]) == parts
     finally:

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.leases import MAX_GRANT, PartitionLedger, grant_size
+from policies.leases import MAX_GRANT, PartitionLedger, first_grants, grant_size
 
 
 def run_epoch(ledger, epoch, speeds):
@@ -105,3 +105,16 @@ def test_grants_serve_every_partition_once_and_last_means_nothing_left(parts, re
                     assert ledger.grant(rank).leases == ()  # "last" is never wrong
     assert sorted(served) == list(range(parts)) and ledger.epoch_complete
     assert calls < parts + replicas  # fewer server calls than one per partition plus one in vain each
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_first_grants_computed_apart_are_the_ledgers_own(pinned):
+    ledger = PartitionLedger(12, 3, seed=4, pinned=pinned)
+    for epoch in (1, 2):
+        ledger.start_epoch(epoch)
+        own = {r: ledger.grant(r) for r in (0, 1, 2)}
+        assert first_grants(12, 3, 4, pinned, True, epoch, [0, 1, 2]) == own
+        while any((g := ledger.grant(r)).leases or not g.last for r in (0, 1, 2)):
+            pass
+        for p, r in list(ledger.leased.items()):
+            ledger.complete(r, p)
