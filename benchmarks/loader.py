@@ -120,8 +120,9 @@ class OursSide:
 
         ranks = list(range(len(self.consumers)))
         first = first_grant_messages(*self.plan, epoch, ranks)
+        calls = [c.ours.remote(self.name, first[r], self.steps) for r, c in enumerate(self.consumers)]
         started = self.server.start_epoch.remote(epoch, ranks, self.unreported)
-        done = ray.get([c.ours.remote(self.name, first[r], self.steps) for r, c in enumerate(self.consumers)])
+        done = ray.get(calls)
         ray.get(started)
         self.unreported = {rank: unreported for rank, (_, unreported) in enumerate(done)}
         return sum(n for n, _ in done)

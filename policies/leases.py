@@ -6,10 +6,10 @@ Pure state and decisions (the `PartitionServer` actor wraps it; tests use it dir
 - `shared` leasing (downpour, easgd): one queue, a fast replica simply leases more;
 - `pinned` leasing (allreduce): replica r gets positions r, r + R, ... of the epoch's order, so
   every replica gets the same number of partitions and steps stay in lock-step;
-- a grant hands out one or two partitions (guided self-scheduling: about half of a replica's
-  fair share of what is left, capped at `MAX_GRANT`), and says when the queue is empty, so a
-  replica makes about half as many server calls as it reads partitions and never asks in vain;
-  the cap bounds what a replica that dies holding a grant makes the others redo;
+- a grant hands out one or two partitions (shared: guided self-scheduling, about half of a
+  replica's fair share of what is left; pinned: as many as the cap, `MAX_GRANT`, allows) and
+  says when the queue is empty, so a replica makes about half as many server calls as it reads
+  partitions; the cap bounds what a replica that dies holding a grant makes the others redo;
 - the grants an epoch starts with are a pure function of the settings (`first_grants`): the
   driver hands them to the replicas with their epoch call while the server records the same;
 - `release(rank)` (the controller saw the replica die) returns its unfinished leases to the
@@ -40,9 +40,12 @@ class Grant:
     last: bool  # the queue was emptied: asking again this pass would get nothing
 
 
-def grant_size(queued: int, sharers: int, cap: int = MAX_GRANT) -> int:
+def grant_size(queued: int, sharers: Optional[int], cap: int = MAX_GRANT) -> int:
     """How many partitions one grant takes from a queue of `queued` shared by `sharers`
-    replicas: half of a fair share, at least 1, at most `cap` (0 when the queue is empty)."""
+    replicas: half of a fair share, at least 1, at most `cap` (0 when the queue is empty).
+    `sharers=None`: the queue is one replica's own (pinned), nothing to balance: `cap`."""
+    if sharers is None:
+        return min(queued, cap)
     return min(queued, cap, max(1, -(-queued // (2 * sharers))))
 
 
@@ -83,7 +86,7 @@ class PartitionLedger:
     def grant(self, rank: int) -> Grant:
         """The next partitions for `rank` (see `grant_size`) and whether its queue is now empty."""
         queue = self.queues.get(rank if self.pinned else -1) or deque()
-        n = grant_size(len(queue), 1 if self.pinned else self.replicas)
+        n = grant_size(len(queue), None if self.pinned else self.replicas)
         leases = tuple(lease for lease in (self.lease(rank) for _ in range(n)) if lease is not None)
         return Grant(leases, not queue)
 

@@ -77,7 +77,8 @@ def test_cannot_start_an_epoch_before_the_last_is_served():
 
 
 @pytest.mark.parametrize("queued, sharers, expected", [(0, 2, 0), (1, 2, 1), (4, 2, 1), (5, 2, 2), (8, 2, 2),
-                                                       (40, 2, 2), (4, 1, 2), (2, 1, 1), (1, 1, 1)])
+                                                       (40, 2, 2), (4, 1, 2), (2, 1, 1), (1, 1, 1),
+                                                       (4, None, 2), (2, None, 2), (1, None, 1), (0, None, 0)])
 def test_grant_size_is_half_a_fair_share_capped(queued, sharers, expected):
     assert grant_size(queued, sharers) == expected
 
