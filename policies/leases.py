@@ -6,8 +6,8 @@ Pure state and decisions (the `PartitionServer` actor wraps it; tests use it dir
 - `shared` leasing (downpour, easgd): one queue, a fast replica simply leases more;
 - `pinned` leasing (allreduce): replica r gets positions r, r + R, ... of the epoch's order, so
   every replica gets the same number of partitions and steps stay in lock-step;
-- a grant hands out one or two partitions (shared: guided self-scheduling, about half of a
-  replica's fair share of what is left; pinned: as many as the cap, `MAX_GRANT`, allows) and
+- a grant hands out one or two partitions (shared: guided self-scheduling, a fair share of
+  what is left up to the cap, `MAX_GRANT`; pinned: as many as the cap allows) and
   says when the queue is empty, so a replica makes about half as many server calls as it reads
   partitions; the cap bounds what a replica that dies holding a grant makes the others redo;
 - the grants an epoch starts with are a pure function of the settings (`first_grants`): the
@@ -42,11 +42,12 @@ class Grant:
 
 def grant_size(queued: int, sharers: Optional[int], cap: int = MAX_GRANT) -> int:
     """How many partitions one grant takes from a queue of `queued` shared by `sharers`
-    replicas: half of a fair share, at least 1, at most `cap` (0 when the queue is empty).
-    `sharers=None`: the queue is one replica's own (pinned), nothing to balance: `cap`."""
+    replicas: guided self-scheduling, a fair share of what is left (ceil(queued / sharers)),
+    at most `cap`, so grants shrink to single partitions at the end (0 when the queue is
+    empty). `sharers=None`: the queue is one replica's own (pinned), nothing to balance: `cap`."""
     if sharers is None:
         return min(queued, cap)
-    return min(queued, cap, max(1, -(-queued // (2 * sharers))))
+    return min(queued, cap, -(-queued // sharers))
 
 
 @dataclass

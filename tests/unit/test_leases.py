@@ -76,10 +76,10 @@ def test_cannot_start_an_epoch_before_the_last_is_served():
         ledger.start_epoch(2)
 
 
-@pytest.mark.parametrize("queued, sharers, expected", [(0, 2, 0), (1, 2, 1), (4, 2, 1), (5, 2, 2), (8, 2, 2),
-                                                       (40, 2, 2), (4, 1, 2), (2, 1, 1), (1, 1, 1),
+@pytest.mark.parametrize("queued, sharers, expected", [(0, 2, 0), (1, 2, 1), (2, 2, 1), (3, 2, 2), (8, 2, 2),
+                                                       (40, 2, 2), (3, 3, 1), (4, 3, 2), (1, 1, 1),
                                                        (4, None, 2), (2, None, 2), (1, None, 1), (0, None, 0)])
-def test_grant_size_is_half_a_fair_share_capped(queued, sharers, expected):
+def test_grant_size_is_a_fair_share_capped(queued, sharers, expected):
     assert grant_size(queued, sharers) == expected
 
 
