@@ -209,20 +209,22 @@ class Controller:
         back to the pool and the survivors finish them (reported as redone).
 
         The epoch's first grants are computed here (the same pure plan the server follows) and
-        go to the replicas with their epoch call; the server call that starts the epoch also
-        reports the last epoch's final completions (the server checks that epoch was served
-        whole) and is only checked once the replicas are done. An epoch with a death reports its
-        completions at once and reads the server's status (redone partitions, a second pass if
-        any are left)."""
+        go to the replicas with their epoch call; the server call that starts the epoch, sent
+        right after, also reports the last epoch's final completions (the server checks that
+        epoch was served whole) and is only checked once the replicas are done. An epoch with a
+        death reports its completions at once and reads the server's status (redone partitions,
+        a second pass if any are left)."""
         cfg = self.cfg
         ranks = sorted(self.alive)
         first = first_grant_messages(*self._plan, epoch, ranks)
-        started = self.server.start_epoch.remote(epoch, ranks, self._unreported)
-        self._unreported = {}
+        started = None
         stats, progress, lost = [], [], False
         while True:
             streams = {rank: r.run_epoch.remote(epoch, self.steps_per_partition, cfg.tracking.log_every_steps,
                                                 self.trace_ids, first.get(rank)) for rank, r in self.alive.items()}
+            if first:  # the replicas are on their way; now the server call that starts the epoch
+                started = self.server.start_epoch.remote(epoch, ranks, self._unreported)
+                self._unreported = {}
             first = {}  # a second pass (after a death) asks the server afresh
             finals, rows, dead = self._drain(streams, epoch)
             if started is not None:
