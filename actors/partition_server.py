@@ -34,7 +34,8 @@ class PartitionServer:
         """Record the previous epoch's last completions (`completed`, as for `finish`), check
         that it was served whole (a RuntimeError names what is left), begin `epoch` and grant
         the first partitions of each of `ranks`, in that order: the grants
-        `policies.leases.first_grant_messages` computes, which the driver has already handed to the replicas."""
+        `policies.leases.first_grant_messages` computes, which the driver has already handed to
+        the replicas."""
         try:
             self.finish(completed or {})
             self.ledger.start_epoch(epoch)
@@ -45,10 +46,10 @@ class PartitionServer:
 
     def grant(self, rank: int, completed: list[int] = (), epoch: Optional[int] = None) -> dict[str, Any]:
         """Record `completed` partitions of `rank` (of `epoch`, when given), then grant it the
-        next ones (`policies.leases.grant_message`). {"retry": True} when `epoch` has not started yet: the
-        replica began with the grants the driver computed and its request overtook the driver's
-        `start_epoch` (calls from different callers are not ordered); a RuntimeError when that
-        epoch was refused."""
+        next ones (`policies.leases.grant_message`). {"retry": True} when `epoch` has not started
+        yet: the replica began with the grants the driver computed and its request overtook the
+        driver's `start_epoch` (calls from different callers are not ordered); a RuntimeError
+        when that epoch was refused."""
         if epoch is not None and epoch != self.ledger.epoch:
             if epoch in self.refused:
                 raise RuntimeError(f"epoch {epoch} could not start: {self.refused[epoch]}")
@@ -99,8 +100,9 @@ class PartitionReader:
         (reporting the partitions finished since its last request) unless the server said the
         queue is empty; the answer, and the granted partitions' bytes, arrive while the partition
         trains. The last completions are left in `self.unreported`: the replica returns them with
-        its epoch result and the driver reports them (`PartitionServer.finish`), which saves every
-        replica a round trip per epoch. `first`: a grant already made with the epoch."""
+        its epoch result and the driver reports them (with the next `start_epoch`, or `finish`),
+        which saves every replica a round trip per epoch. `first`: the grant the epoch starts
+        with (`policies.leases.first_grant_messages`)."""
         self.unreported = []
         grant = self._fetch(first) if first is not None else self._grant([], None)
         held, last, finished = deque(grant["leases"]), grant["last"], []

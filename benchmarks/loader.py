@@ -9,8 +9,9 @@ over the epochs after the first. The sides run interleaved epoch by epoch.
   PartitionServer grants them and each consumer reads them with one PartitionReader for the
   whole run (the replicas' code, used as ModelReplica and the controller use it: each epoch's
   first grants are computed on the driver and sent with the epoch call, beside one server call
-  that starts the epoch and reports the last epoch's final completions). Two servers: `ours` shares one queue (downpour, easgd),
-  `ours_pinned` pins partitions round-robin and drops each partition's ragged end (allreduce);
+  that starts the epoch and reports the last epoch's final completions). Two servers: `ours`
+  shares one queue (downpour, easgd), `ours_pinned` pins partitions round-robin and drops each
+  partition's ragged end (allreduce);
 - Ray Data: `read_parquet(...).materialize()` (also in the object store), `streaming_split(2,
   equal=True)`, `iter_torch_batches(batch_size=64, local_shuffle_buffer_size=...)` per epoch;
 - the limit: each consumer gathers shuffled batches (index_select, the fastest CPU gather) from
@@ -107,7 +108,9 @@ class OursSide:
         import ray
 
         from actors.partition_server import PartitionServer
+        from policies.leases import first_grant_messages
 
+        self.first_grants = first_grant_messages  # imported here, outside the timed epochs
         self.name, self.consumers, self.steps, self.unreported = name, consumers, steps, {}
         self.plan = (rows, len(consumers), 0, pinned, True)
         self.server = PartitionServer.remote(*self.plan)
@@ -116,10 +119,8 @@ class OursSide:
     def __call__(self, epoch: int) -> int:
         import ray
 
-        from policies.leases import first_grant_messages
-
         ranks = list(range(len(self.consumers)))
-        first = first_grant_messages(*self.plan, epoch, ranks)
+        first = self.first_grants(*self.plan, epoch, ranks)
         calls = [c.ours.remote(self.name, first[r], self.steps) for r, c in enumerate(self.consumers)]
         started = self.server.start_epoch.remote(epoch, ranks, self.unreported)
         done = ray.get(calls)

@@ -88,8 +88,7 @@ class PartitionLedger:
         """The next partitions for `rank` (see `grant_size`) and whether its queue is now empty."""
         queue = self.queues.get(rank if self.pinned else -1) or deque()
         n = grant_size(len(queue), None if self.pinned else self.replicas)
-        leases = tuple(lease for lease in (self.lease(rank) for _ in range(n)) if lease is not None)
-        return Grant(leases, not queue)
+        return Grant(tuple(self.lease(rank) for _ in range(n)), not queue)
 
     def complete(self, rank: int, partition: int) -> None:
         if self.leased.get(partition) != rank:
