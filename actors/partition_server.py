@@ -92,6 +92,7 @@ class PartitionReader:
         self.device, self.timeout_s = device, timeout_s
         self.seen: dict[int, dict] = {}  # partition -> zero-copy views into the object store
         self.unreported: list[int] = []
+        self.read: list[int] = []
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="partition-prefetch")
 
     def partitions(self, first: Optional[dict] = None) -> Iterator[tuple[dict, dict]]:
@@ -141,21 +142,30 @@ class PartitionReader:
                 self.seen[p] = ray.get(self.refs[p], timeout=self.timeout_s)
         return grant
 
-    def batches(self, lease: dict, part: dict, steps: Optional[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """One partition in this epoch's in-partition order: (x, y, row positions in the
-        partition; `part["ids"][positions]` are the row ids). `steps` fixed (allreduce: full
-        batches only, the ragged end dropped) or None (every row exactly once)."""
+    def epoch_batches(self, first: Optional[dict] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]]:
+        """Every batch of the partitions granted to this replica this pass, in order: (x, y, row
+        positions in the partition, the partition's columns; `part["ids"][positions]` are the
+        row ids). The partitions read whole are listed in `self.read` when the pass ends."""
+        self.read = []
+        for lease, part in self.partitions(first):
+            for x, y, idx in self.batches(lease, part):
+                yield x, y, idx, part
+            self.read.append(lease["partition"])
+
+    def batches(self, lease: dict, part: dict) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """One partition in this epoch's in-partition order, cut into batches of batch_size
+        with a short last batch: every row exactly once. Yields (x, y, row positions in the
+        partition)."""
         bs = self.batch_size
         x, y = _view(part["x"]), _view(part["y"])
         rows = len(y)
         order = (torch.from_numpy(np.random.default_rng(lease["seed"]).permutation(rows)) if self.shuffle
                  else torch.arange(rows))
-        n = steps if steps is not None else -(-rows // bs)
         # index_select gathers rows ~2.5x faster than x[idx] advanced indexing on CPU
         if self.device.type == "cpu":
-            for idx in order[: n * bs].split(bs):
+            for idx in order.split(bs):
                 yield torch.index_select(x, 0, idx), torch.index_select(y, 0, idx), idx
             return
-        for idx in order[: n * bs].split(bs):  # GPU: pinned host batches, copied asynchronously
+        for idx in order.split(bs):  # GPU: pinned host batches, copied asynchronously
             xb, yb = torch.index_select(x, 0, idx).pin_memory(), torch.index_select(y, 0, idx).pin_memory()
             yield xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True), idx

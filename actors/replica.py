@@ -37,14 +37,28 @@ def free_port() -> int:
 
 
 class ProcessGroupReducer:
-    """Sums a bucket across replicas with an asynchronous torch.distributed all-reduce (the
-    process group's timeout bounds every wait)."""
+    """Sums a bucket across replicas with an asynchronous torch.distributed all-reduce, and
+    broadcasts rank 0's buffers (the process group's timeout bounds every wait)."""
 
     def start(self, tensor: torch.Tensor):
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
 
     def wait(self, handle) -> None:
         handle.wait()
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        dist.broadcast(tensor, src=0)
+
+
+def replica_device(gpus_per_replica: float) -> torch.device:
+    """The device a replica trains on: its GPU when it reserved one, else the CPU. A replica
+    given GPUs by Ray that torch cannot see is an error, never a silent fall back to the CPU."""
+    if gpus_per_replica <= 0:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"scaling.gpus_per_replica is {gpus_per_replica} but torch sees no CUDA device on "
+                           f"node {ray.util.get_node_ip_address()} (torch {torch.__version__})")
+    return torch.device("cuda")
 
 
 @ray.remote
@@ -54,30 +68,32 @@ class ModelReplica:
         self.rank, self.world_size = rank, world_size
         self.cfg = config
         torch.set_num_threads(max(1, int(config["scaling"]["cpus_per_replica"])))
-        use_cuda = config["scaling"]["gpus_per_replica"] > 0 and torch.cuda.is_available()
-        self.device = torch.device("cuda" if use_cuda else "cpu")
+        self.device = replica_device(config["scaling"]["gpus_per_replica"])
         self.model = build_model(config["model"]["factory"], config["model"]["kwargs"], config["data"]["seed"]).to(self.device)
         self.flat: Optional[FlatParams] = None
         self.client: Optional[RayShardClient] = None
         self.worker = self._make_worker(config, shards, bounds)
         self.step_delay_s = float(config["faults"]["slow_replicas"].get(rank, 0.0))
         self.step = 0
+        self._buffer_names = [name for name, _ in self.model.named_buffers()]
 
     def _make_worker(self, config: dict[str, Any], shards, bounds):
         """The mode's update rule (policies/<mode>.py) wired to this replica's transport."""
         s, opt = config["strategy"], config["optimizer"]
         if s["mode"] == "allreduce":
             optimizer = make_optimizer(opt["name"], self.model.parameters(), opt["lr"], opt["momentum"], opt["weight_decay"])
-            return AllReduceWorker(self.model, optimizer, int(s["bucket_mb"] * 2**20), self.world_size,
-                                   ProcessGroupReducer())
+            return AllReduceWorker(self.model, optimizer, int(s["bucket_mb"] * 2**20), ProcessGroupReducer())
         self.flat = FlatParams(list(self.model.parameters()))
         self.client = RayShardClient(shards, bounds, s["max_in_flight"], s["timeout_s"])
         if s["mode"] == "downpour":
             return DownpourWorker(self.model, self.flat, self.client, self.rank, lr=opt["lr"], n_fetch=s["n_fetch"],
                                   n_push=s["n_push"], max_staleness=s["max_staleness"], staleness_lr=s["staleness_lr"],
                                   warmstart_steps=s["warmstart_steps"], timeout_s=s["timeout_s"])
-        local = torch.optim.SGD(self.model.parameters(), lr=opt["lr"], momentum=s["momentum"],
-                                nesterov=s["momentum"] > 0, weight_decay=opt["weight_decay"])
+        if opt["name"] == "sgd":  # EAMSGD when strategy.momentum > 0
+            local = torch.optim.SGD(self.model.parameters(), lr=opt["lr"], momentum=s["momentum"],
+                                    nesterov=s["momentum"] > 0, weight_decay=opt["weight_decay"])
+        else:
+            local = make_optimizer(opt["name"], self.model.parameters(), opt["lr"], 0.0, opt["weight_decay"])
         alpha = s["alpha"] if s["alpha"] is not None else default_alpha(self.world_size)
         return EasgdWorker(self.model, self.flat, local, self.client, self.world_size, alpha, s["tau"], s["variant"])
 
@@ -112,41 +128,59 @@ class ModelReplica:
         return hi - lo
 
     # ---- training ------------------------------------------------------------------------
-    def run_epoch(self, epoch: int, steps_per_partition: Optional[int], log_every: int,
-                  trace_ids: bool = False, first_grant: Optional[dict] = None) -> Iterator[dict[str, Any]]:
-        """Lease partitions and take steps of the mode's rule over them until the server has no
-        more for this replica this epoch; then (allreduce) evaluate this replica's test slice.
-        A Ray streaming generator: yields a progress row every `log_every` steps (display, step
-        metrics, stall check) and last the totals (one call per epoch, no call per step), which
-        carry the partitions finished since the last grant request (`unreported`) for the
-        controller to report. `first_grant`: the grant this replica starts the epoch with."""
+    def run_epoch(self, epoch: int, log_every: int, trace_ids: bool = False,
+                  first_grant: Optional[dict] = None) -> Iterator[dict[str, Any]]:
+        """Lease partitions and take steps of the mode's rule over every row of them until the
+        server has no more for this replica this epoch (lock-step modes: until no replica has a
+        batch left, with empty steps meanwhile); then (allreduce) evaluate this replica's test
+        slice. A Ray streaming generator: yields a progress row every `log_every` steps
+        (display, step metrics, stall check) and last the totals (one call per epoch, no call
+        per step), which carry the partitions finished since the last grant request
+        (`unreported`) for the controller to report. `first_grant`: the grant this replica
+        starts the epoch with. A non-finite loss ends the run (RuntimeError naming the step)."""
         self.model.train()
-        consumed, partitions, comm_s, steps, samples, loss = [], [], 0.0, 0, 0, float("nan")
+        consumed, comm_s, steps, samples, loss = [], 0.0, 0, 0, float("nan")
         t_epoch = t_window = time.perf_counter()
         window = 0
-        for lease, part in self.reader.partitions(first_grant):
-            for x, y, idx in self.reader.batches(lease, part, steps_per_partition):
-                if self.step_delay_s:
-                    time.sleep(self.step_delay_s)  # faults.slow_replicas: a deliberate straggler
-                loss, c = self.worker.step(x, y)
-                comm_s += c
-                steps += 1
+        lock_step = self.worker.lock_step
+        batches = self.reader.epoch_batches(first_grant)
+        following = next(batches, None)
+        while following is not None or lock_step:
+            current = following
+            following = next(batches, None) if current is not None else None  # look ahead one batch
+            x, y = (None, None) if current is None else current[:2]
+            if self.step_delay_s and current is not None:
+                time.sleep(self.step_delay_s)  # faults.slow_replicas: a deliberate straggler
+            try:
+                result = self.worker.step(x, y, following is not None)
+            except FloatingPointError as exc:
+                lr = self.cfg["optimizer"]["lr"]
+                raise RuntimeError(f"training diverged: {exc} at step {self.step + 1} (epoch {epoch}) with "
+                                   f"optimizer.lr {lr:g}; the step was not applied and the last checkpoint is kept; "
+                                   "lower optimizer.lr") from None
+            comm_s += result.comm_s
+            steps += 1
+            self.step += 1
+            if current is not None:
                 samples += len(y)
                 window += len(y)
-                self.step += 1
+                loss = result.loss
                 if trace_ids:
-                    consumed.append(part["ids"][idx.numpy()].tolist())
-                if steps % log_every == 0:
-                    now = time.perf_counter()
-                    yield {"kind": "progress", "rank": self.rank, "epoch": epoch, "step": self.step,
-                           "step_in_epoch": steps, "loss": loss, "samples_per_s": window / (now - t_window)}
-                    t_window, window = now, 0
-            partitions.append(lease["partition"])
+                    consumed.append(current[3]["ids"][current[2].numpy()].tolist())
+            if steps % log_every == 0:
+                now = time.perf_counter()
+                yield {"kind": "progress", "rank": self.rank, "epoch": epoch, "step": self.step,
+                       "step_in_epoch": steps, "loss": loss, "samples_per_s": window / (now - t_window)}
+                t_window, window = now, 0
+            if lock_step and not result.go_on:
+                break
         train_s = time.perf_counter() - t_epoch
         mode_stats = self.worker.end_epoch()  # e.g. waits for this epoch's pushes
+        if self.flat is not None and self._buffer_names:  # the reference model's buffers: the replicas' averaged
+            self.client.set_buffers(self.rank, self.local_buffers())
         evaluation = self.evaluate() if self.flat is None else None  # sharded modes: see evaluate_reference
         yield {"kind": "epoch", "rank": self.rank, "steps": steps, "samples": samples, "train_s": train_s,
-               "comm_s": comm_s, "consumed": consumed, "partitions": partitions,
+               "comm_s": comm_s, "consumed": consumed, "partitions": list(self.reader.read),
                "unreported": self.reader.unreported, "eval": evaluation,
                "loss": loss, "mode": mode_stats}
 
@@ -169,9 +203,14 @@ class ModelReplica:
     def flat_parameters(self) -> np.ndarray:
         return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters()]).numpy()
 
+    def local_buffers(self) -> dict[str, np.ndarray]:
+        """This replica's module buffers (e.g. BatchNorm running statistics) as numpy arrays."""
+        return {name: b.detach().cpu().numpy().copy() for name, b in self.model.named_buffers()}
+
     def evaluate_reference(self) -> tuple[int, float, int]:
-        """Sharded modes: evaluate the mode's reference parameters (Downpour's server copy,
-        EASGD's center) on this replica's test slice, then put the local parameters back."""
+        """Sharded modes: evaluate the mode's reference model (Downpour's server copy, EASGD's
+        center, with the replicas' buffers averaged) on this replica's test slice, then put the
+        local parameters and buffers back."""
         with self._reference_loaded():
             return self.evaluate()
 
@@ -188,8 +227,15 @@ class ModelReplica:
             yield
             return
         local = self.flat.params.clone()
+        local_buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
         self.client.pull(self.flat.params)
+        reference_buffers = self.client.buffers() if local_buffers else {}
+        buffers = dict(self.model.named_buffers())
+        for name, value in reference_buffers.items():
+            buffers[name].detach().copy_(torch.from_numpy(value))
         try:
             yield
         finally:
             self.flat.params.copy_(local)
+            for name, value in local_buffers.items():
+                buffers[name].detach().copy_(value)

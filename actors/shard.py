@@ -17,8 +17,7 @@ import numpy as np
 import ray
 import torch
 
-from policies.sharding import ShardState
-
+from policies.sharding import ShardState, average_buffers
 
 
 def _view(array: np.ndarray) -> torch.Tensor:
@@ -26,6 +25,11 @@ def _view(array: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(array)
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    """The shard boundary: a flat tensor as a numpy array (copied off a GPU, a view on the CPU)."""
+    return t.detach().cpu().numpy()
 
 
 @ray.remote(num_cpus=0)
@@ -61,18 +65,28 @@ class ParameterShard:
         d, sq = self.state.elastic_exchange(_view(x), alpha)
         return d.numpy(), sq
 
-    async def sync_round(self, round_id: int, x: np.ndarray, replicas: int, beta: float, timeout_s: float) -> np.ndarray:
+    async def sync_round(self, round_id: int, x: np.ndarray, replicas: int, beta: float, has_data: bool,
+                         timeout_s: float) -> tuple[np.ndarray, int]:
         event = self._rounds.setdefault(round_id, asyncio.Event())
-        if self.state.sync_contribute(round_id, _view(x), replicas, beta):
+        if self.state.sync_contribute(round_id, _view(x), replicas, beta, has_data):
             event.set()
         await asyncio.wait_for(event.wait(), timeout_s)
-        center = self.state.sync_center_before(round_id)
+        center, active = self.state.sync_center_before(round_id)
         if round_id not in self.state._closed:
             self._rounds.pop(round_id, None)
-        return center.numpy()
+        return center.numpy(), active
 
     async def values(self) -> np.ndarray:
         return self.state.values.numpy()
+
+    async def observed_max_lead(self) -> int:
+        return self.state.max_lead
+
+    async def set_buffers(self, rank: int, buffers: dict) -> None:
+        self.state.buffers[rank] = buffers
+
+    async def buffers(self) -> dict:
+        return average_buffers(self.state.buffers)
 
 
 class RayShardClient:
@@ -89,11 +103,11 @@ class RayShardClient:
     def pull(self, into: torch.Tensor) -> list[int]:
         replies = ray.get([s.pull.remote() for s in self.shards], timeout=self.timeout_s)
         for (lo, hi), (_, values) in zip(self.bounds, replies):
-            into[lo:hi].copy_(_view(values))
+            into[lo:hi].copy_(_view(values))  # host -> the replica's device
         return [v for v, _ in replies]
 
     def push(self, grad: torch.Tensor, versions: list[int], rank: int, step: int, staleness_lr: bool) -> None:
-        flat = grad.numpy()
+        flat = _host(grad)
         self.in_flight.append([s.push.remote(flat[lo:hi], v, rank, step, staleness_lr)
                                for s, (lo, hi), v in zip(self.shards, self.bounds, versions)])
         while len(self.in_flight) > self.max_in_flight:
@@ -128,16 +142,25 @@ class RayShardClient:
         ray.get(self.shards[0].idle.remote(rank), timeout=self.timeout_s)
 
     def elastic(self, x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, float]:
-        flat = x.numpy()
+        flat = _host(x)
         replies = ray.get([s.elastic.remote(flat[lo:hi], alpha) for s, (lo, hi) in zip(self.shards, self.bounds)],
                           timeout=self.timeout_s)
-        return torch.from_numpy(np.concatenate([d for d, _ in replies])), sum(q for _, q in replies)
+        d = torch.from_numpy(np.concatenate([d for d, _ in replies])).to(x.device)
+        return d, sum(q for _, q in replies)
 
-    def sync_round(self, round_id: int, x: torch.Tensor, replicas: int, beta: float) -> torch.Tensor:
-        flat = x.numpy()
-        refs = [s.sync_round.remote(round_id, flat[lo:hi], replicas, beta, self.timeout_s)
+    def sync_round(self, round_id: int, x: torch.Tensor, replicas: int, beta: float,
+                   has_data: bool) -> tuple[torch.Tensor, int]:
+        flat = _host(x)
+        refs = [s.sync_round.remote(round_id, flat[lo:hi], replicas, beta, has_data, self.timeout_s)
                 for s, (lo, hi) in zip(self.shards, self.bounds)]
-        return torch.from_numpy(np.concatenate(ray.get(refs, timeout=self.timeout_s + 5)))
+        replies = ray.get(refs, timeout=self.timeout_s + 5)
+        return torch.from_numpy(np.concatenate([c for c, _ in replies])).to(x.device), replies[0][1]
+
+    def set_buffers(self, rank: int, buffers: dict) -> None:
+        ray.get(self.shards[0].set_buffers.remote(rank, buffers), timeout=self.timeout_s)
+
+    def buffers(self) -> dict:
+        return ray.get(self.shards[0].buffers.remote(), timeout=self.timeout_s)
 
 
 def create_shards(initial: np.ndarray, bounds: list[tuple[int, int]], optimizer: str, lr: float, momentum: float,

@@ -33,3 +33,11 @@ def wide_mlp(in_features: int = 32, hidden: int = 2048, depth: int = 6, num_clas
 def tiny_mlp(in_features: int = 32, hidden: int = 32, num_classes: int = 4) -> nn.Module:
     """A small MLP for builtin:synthetic: fast tests."""
     return mnist_mlp(hidden=hidden, in_features=in_features, num_classes=num_classes)
+
+
+def mlp_bn(in_features: int = 784, hidden: int = 64, num_classes: int = 10) -> nn.Module:
+    """An MLP with BatchNorm: its running statistics are module buffers that every mode keeps
+    consistent across replicas (see docs/modes.md)."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(in_features, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, num_classes)
+    )

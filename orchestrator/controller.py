@@ -10,7 +10,7 @@ import enum
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import ray
@@ -21,7 +21,6 @@ from orchestrator.data import Dataset, eval_slices, partition
 from orchestrator.errors import TrainingError
 from orchestrator.progress import ProgressDisplay
 from orchestrator.tracking import Tracker
-from policies.allreduce import steps_per_partition
 from policies.leases import first_grant_messages
 from policies.modes import needs_shards
 from policies.stop import EpochSnapshot, StopPolicy
@@ -52,6 +51,7 @@ class RunTotals:
     train_loss: float = float("nan")
     stop_reason: str = ""
     checkpoint: Optional[str] = None
+    rows_per_epoch: list[int] = field(default_factory=list)  # train rows each epoch stepped on (all replicas)
 
 
 def merge_epoch_stats(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -79,9 +79,10 @@ def mode_metrics(mode: str, stats: list[dict[str, Any]]) -> dict[str, float]:
         pushes = sum(m["pushes"] for m in modes)
         return {"staleness_mean": sum(m["staleness_mean"] * m["pushes"] for m in modes) / max(pushes, 1),
                 "staleness_max": max(m["staleness_max"] for m in modes),
-                "pushes_per_s": pushes / max(slowest, 1e-9), "max_lead": max(m["max_lead"] for m in modes)}
+                "pushes_per_s": pushes / max(slowest, 1e-9)}
     if mode == "easgd":
         return {"elastic_distance": sum(m["elastic_distance"] for m in modes) / len(modes),
+                "elastic_distance_mean": sum(m["elastic_distance_mean"] for m in modes) / len(modes),
                 "exchanges_per_s": sum(m["exchanges"] for m in modes) / max(slowest, 1e-9)}
     return {}
 
@@ -105,7 +106,7 @@ class Controller:
         self.server = None
         self.partition_refs: list = []  # the train partitions in the object store (kept alive here)
         self._unreported: dict[int, list[int]] = {}  # last epoch's final completions, not yet reported
-        self.steps_per_partition: Optional[int] = None
+        self.progress: dict[int, int] = {}  # rank -> the last step it reported (progress rows)
         s = config.stop
         self.stop_policy = StopPolicy(s.epochs, s.target_accuracy, s.at_target, s.max_wall_s)
         self.steps_per_epoch = 0
@@ -177,16 +178,14 @@ class Controller:
         parts = partition(self.dataset.train, cfg.data.partitions or 4 * n, cfg.data.seed)
         refs = [ray.put({"x": p.x, "y": p.y, "ids": p.ids}) for p in parts]  # each partition put once
         rows = [len(p) for p in parts]
-        lock_step = cfg.strategy.mode == "allreduce"
+        pinned = cfg.strategy.mode == "allreduce"  # its partitions are each replica's own: one grant call
         bs = cfg.data.batch_size
-        self.steps_per_partition = steps_per_partition(rows, bs) if lock_step else None
-        self.steps_per_epoch = (len(parts) // n * self.steps_per_partition if lock_step
-                                else -(-sum(-(-r // bs) for r in rows) // n))  # the display's estimate
-        self._plan = (rows, n, cfg.data.seed, lock_step, cfg.data.shuffle)
+        self.steps_per_epoch = -(-sum(-(-r // bs) for r in rows) // n)  # the display's estimate
+        self._plan = (rows, n, cfg.data.seed, pinned, cfg.data.shuffle)
         self.server = PartitionServer.remote(*self._plan)
         self.partition_refs = refs
         timeout = cfg.strategy.timeout_s
-        if lock_step:
+        if cfg.strategy.mode == "allreduce":
             addr, port = self._get(self.replicas[0].rendezvous_address.remote(), "rendezvous", timeout + 60)
             self._get([r.join_group.remote(addr, port, timeout) for r in self.replicas], "process group", timeout + 60)
         self.test_ref = ray.put({"x": self.dataset.test.x, "y": self.dataset.test.y})
@@ -220,8 +219,8 @@ class Controller:
         started = None
         stats, progress, lost = [], [], False
         while True:
-            streams = {rank: r.run_epoch.remote(epoch, self.steps_per_partition, cfg.tracking.log_every_steps,
-                                                self.trace_ids, first.get(rank)) for rank, r in self.alive.items()}
+            streams = {rank: r.run_epoch.remote(epoch, cfg.tracking.log_every_steps, self.trace_ids, first.get(rank))
+                       for rank, r in self.alive.items()}
             if first:  # the replicas are on their way; now the server call that starts the epoch
                 started = self.server.start_epoch.remote(epoch, ranks, self._unreported)
                 self._unreported = {}
@@ -287,6 +286,7 @@ class Controller:
         tot.epochs = epoch
         tot.steps += max(s["steps"] for s in stats)
         tot.samples += sum(s["samples"] for s in stats)
+        tot.rows_per_epoch.append(sum(s["samples"] for s in stats))
         tot.train_s += max(s["train_s"] for s in stats)
         tot.comm_s += max(s["comm_s"] for s in stats)
         tot.train_loss = stats[0]["loss"]
@@ -304,13 +304,16 @@ class Controller:
         rows_out += [("test_accuracy", acc, tot.steps), ("test_loss", test_loss, tot.steps), ("epoch", epoch, tot.steps),
                      ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
         extra = mode_metrics(cfg.strategy.mode, stats)
+        if cfg.strategy.mode == "downpour":  # the lead over the slowest replica, as the shard saw the pushes
+            extra["max_lead"] = self._get(self.shards[0].observed_max_lead.remote(), "shard", CONTROL_CALL_TIMEOUT_S)
         rows_out += [(k, v, tot.steps) for k, v in extra.items()]
+        rows_out.append(("epoch_rows", tot.rows_per_epoch[-1], tot.steps))
         self.tracker.log_metrics(rows_out)
         tot.epoch_wall_s += time.perf_counter() - t_epoch
         self.tracker.event("epoch_end", self.t0, epoch=epoch, step=tot.steps, test_accuracy=round(acc, 4),
                            test_loss=round(test_loss, 4), train_loss=round(tot.train_loss, 4),
                            train_s_by_rank=[round(s["train_s"], 3) for s in stats],
-                           steps_by_rank=[s["steps"] for s in stats],
+                           steps_by_rank=[s["steps"] for s in stats], rows=tot.rows_per_epoch[-1],
                            **{k: round(v, 4) for k, v in extra.items()})
         self._say(f"epoch {epoch}: test_accuracy {acc:.4f}  test_loss {test_loss:.4f}  "
                   f"train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
@@ -349,12 +352,16 @@ class Controller:
                 except ray.exceptions.RayActorError:
                     dead.append(rank)
                     del active[rank]
+                    if self.shards:  # at once: the survivors' slowest-replica clock (SSP) must not wait for it
+                        self.shards[0].forget_replica.remote(rank)
                     continue
                 except ray.exceptions.RayTaskError as exc:
                     raise TrainingError(f"replica {rank} epoch {epoch}: {exc.cause if hasattr(exc, 'cause') else exc}") from None
                 if item["kind"] == "epoch":
                     finals.append(item)
-                elif rank == first:
+                    continue
+                self.progress[rank] = item["step"]
+                if rank == first:
                     progress.append(item)
                     if self.display is not None:
                         self.display.steps(epoch, item["step_in_epoch"], item["loss"], self.steps_per_epoch)

@@ -31,6 +31,7 @@ class TrainResult:
     checkpoint: Optional[str]
     tracking_uri: str
     experiment_id: str
+    rows_per_epoch: list[int] = field(default_factory=list)  # train rows stepped on in each epoch (all replicas)
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:

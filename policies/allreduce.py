@@ -8,28 +8,41 @@ Gradients live in flat buckets: each parameter's `.grad` is a view into a contig
 so backward() writes straight into the buffer and the all-reduce needs no copy in or out.
 Buckets are filled in backward order (last layer first) and each bucket's all-reduce starts
 the moment its last gradient is accumulated, so communication of the late layers overlaps the
-backward pass of the early ones. One bucket carries one extra float, the replica's loss, so the
-mean loss across replicas rides along with the gradients for free.
+backward pass of the early ones. The first bucket carries three extra floats that ride along
+with the gradients for free: the replica's summed loss, its rows this step, and whether it has
+another batch after this one.
 
 The communication is passed in as a `Reducer` (torch.distributed in a replica actor, a plain
 in-process sum in tests), so the rule is checked without Ray or process groups.
 
-Ragged end: every replica leases the same number of partitions per epoch (the partition server
-pins them round-robin) and takes `steps_per_partition` = floor(min partition rows / batch) steps
-on each; the few rows past that are dropped *for this epoch only*. Rows are reshuffled every
-epoch, so a different handful is dropped each time and none is dropped systematically.
-Dropping keeps every step's global batch the same size (so the averaged gradient has the
-same scale and the learning rate means the same thing every step) at the cost of < 1 batch
-per replica per epoch.
+Every row, weighted by rows: each partition is cut into batches of `data.batch_size` with one
+short last batch, so no row is dropped. A replica sums (not averages) its batch's loss, the
+all-reduce sums gradients, losses and rows, and the summed gradient is divided by the step's
+total rows: the update is the mean gradient over the rows actually seen that step, whatever the
+batch sizes, exactly as one process training on the union of the replicas' batches.
+
+Lock-step: replicas may hold different numbers of batches in an epoch (uneven partitions, a
+short batch). Each step also sums the replicas' "I have another batch" flags; a replica whose
+data ran out keeps joining the collective with an empty step (no rows, zero gradient) until the
+sum says nobody has a batch left, and every replica ends the epoch after the same step. No
+replica ever waits at a collective the others skip.
+
+Buffers (e.g. BatchNorm running statistics) follow DDP's `broadcast_buffers`: rank 0's buffers
+are broadcast to every replica before each step's forward pass and once more at the end of the
+epoch, so every replica evaluates, and the checkpoint holds, the same statistics.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from policies.modes import StepResult, check_finite
+
+SLOTS = 3  # extra floats at the end of the first bucket: summed loss, rows, "has another batch"
 
 
 class Reducer(Protocol):
@@ -39,6 +52,9 @@ class Reducer(Protocol):
     def wait(self, handle: Any) -> None:
         """Block until the sum behind `handle` is in the tensor."""
 
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Overwrite `tensor` in place with rank 0's (blocking)."""
+
 
 @dataclass
 class GradientBuckets:
@@ -46,7 +62,7 @@ class GradientBuckets:
     order. While `armed`, a bucket's reduction starts as soon as its last gradient lands."""
 
     buffers: list[torch.Tensor]
-    loss_slot: torch.Tensor  # a 1-element view at the end of the first bucket
+    slots: torch.Tensor  # a SLOTS-element view at the end of the first bucket
     members: list[int]  # parameters per bucket
     reducer: Any = None
     _pending: list[int] = field(default_factory=list)
@@ -71,14 +87,14 @@ class GradientBuckets:
             groups.pop()
         buffers = []
         for i, group in enumerate(groups):
-            extra = 1 if i == 0 else 0
+            extra = SLOTS if i == 0 else 0
             flat = torch.zeros(sum(p.numel() for p in group) + extra, dtype=group[0].dtype, device=group[0].device)
             offset = 0
             for p in group:
                 p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
             buffers.append(flat)
-        self = cls(buffers, buffers[0][-1:], [len(g) for g in groups])
+        self = cls(buffers, buffers[0][-SLOTS:], [len(g) for g in groups])
         for b, group in enumerate(groups):
             for p in group:
                 p.register_post_accumulate_grad_hook(lambda _p, b=b: self._grad_ready(b))
@@ -105,7 +121,8 @@ class GradientBuckets:
         self._handles[b] = self.reducer.start(self.buffers[b])
 
     def finish_step(self) -> None:
-        """Start buckets whose hooks never fired (unused parameters), wait for all, disarm."""
+        """Start buckets whose hooks never fired (unused parameters, an empty step), wait for
+        all, disarm."""
         for b, started in enumerate(self._started):
             if not started:
                 self._start(b)
@@ -115,56 +132,84 @@ class GradientBuckets:
 
     @property
     def numel(self) -> int:
-        return sum(b.numel() for b in self.buffers) - 1
+        return sum(b.numel() for b in self.buffers) - SLOTS
+
+
+class BufferSync:
+    """DDP's `broadcast_buffers`: the module's buffers (BatchNorm running statistics, counters)
+    overwritten with rank 0's, one flat broadcast per dtype. A model without buffers costs
+    nothing."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buf in model.buffers():
+            self.groups.setdefault(buf.dtype, []).append(buf)
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def sync(self, reducer: Reducer) -> None:
+        for bufs in self.groups.values():
+            flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+            reducer.broadcast(flat)
+            offset = 0
+            for b in bufs:
+                b.detach().copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
 
 
 def allreduce_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     buckets: GradientBuckets,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    world_size: int,
+    x: Optional[torch.Tensor],
+    y: Optional[torch.Tensor],
     reducer: Reducer,
-) -> tuple[float, float]:
-    """One synchronous step. Returns (mean loss across replicas, seconds spent waiting for
-    communication after the backward pass, i.e. the part overlap did not hide)."""
+    more: bool = False,
+) -> StepResult:
+    """One synchronous step on this replica's batch (`x` None: an empty step, this replica's
+    data ran out but another's has not). `more`: this replica has another batch after this one.
+    The update is the mean gradient over every row of the step across replicas; it is not
+    applied when the step's loss is not finite (FloatingPointError)."""
     buckets.begin_step(reducer)
-    loss = F.cross_entropy(model(x), y)
-    buckets.loss_slot.fill_(loss.detach())  # before backward: the first bucket may leave early
-    loss.backward()
+    if x is not None:
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        # before backward: the first bucket may leave early
+        buckets.slots.copy_(torch.stack([loss.detach(), loss.new_tensor(float(len(y))), loss.new_tensor(float(more))]))
+        loss.backward()
+    else:
+        buckets.slots.copy_(buckets.slots.new_tensor([0.0, 0.0, float(more)]))
     t0 = time.perf_counter()
     buckets.finish_step()
     comm_s = time.perf_counter() - t0
-    for b in buckets.buffers:
-        b.div_(world_size)
-    optimizer.step()
-    return float(buckets.loss_slot.item()), comm_s
-
-
-def steps_per_partition(rows_per_partition: Sequence[int], batch_size: int) -> int:
-    """Steps every replica takes on each partition it leases: full batches of the smallest
-    partition; the ragged end is dropped (see module docstring)."""
-    steps = min(rows_per_partition) // batch_size
-    if steps < 1:
-        raise ValueError(
-            f"a partition holds {min(rows_per_partition)} rows, fewer than one batch of {batch_size}; "
-            "lower data.batch_size or data.partitions"
-        )
-    return steps
+    loss_sum, rows, more_total = buckets.slots.tolist()
+    mean_loss = loss_sum / rows if rows else 0.0
+    check_finite(mean_loss)
+    if rows:
+        for b in buckets.buffers:
+            b.div_(rows)
+        optimizer.step()
+    return StepResult(mean_loss, comm_s, int(rows), more_total > 0)
 
 
 class AllReduceWorker:
     """The replica-side loop body for allreduce, in the shape every mode's worker has."""
 
+    lock_step = True
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: int,
-                 world_size: int, reducer: Reducer) -> None:
+                 reducer: Reducer) -> None:
         self.model, self.optimizer = model, optimizer
         self.buckets = GradientBuckets.attach([p for p in model.parameters() if p.requires_grad], bucket_bytes)
-        self.world_size, self.reducer = world_size, reducer
+        self.reducer = reducer
+        self.buffer_sync = BufferSync(model)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-        return allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.world_size, self.reducer)
+    def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False) -> StepResult:
+        if self.buffer_sync:
+            self.buffer_sync.sync(self.reducer)
+        return allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.reducer, more)
 
     def end_epoch(self) -> dict:
+        if self.buffer_sync:  # every replica evaluates (and rank 0 checkpoints) rank 0's statistics
+            self.buffer_sync.sync(self.reducer)
         return {}

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from policies.modes import ShardClient
+from policies.modes import ShardClient, StepResult, check_finite
 from policies.sharding import FlatParams
 
 SSP_POLL_S = 0.002
@@ -49,11 +49,12 @@ class DownpourWorker:
     pushes: int = 0
     max_lead: int = 0
     _min_clock: int = 0
+    lock_step = False
 
     def __post_init__(self) -> None:
         self.acc = torch.zeros_like(self.flat.grads)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    def step(self, x: torch.Tensor, y: torch.Tensor, more: bool = False) -> StepResult:
         comm_s = 0.0
         t0 = time.perf_counter()
         if self.step_count == 0 and self.rank > 0 and self.warmstart_steps > 0:
@@ -67,6 +68,7 @@ class DownpourWorker:
         self.flat.grads.zero_()
         loss = F.cross_entropy(self.model(x), y)
         loss.backward()
+        check_finite(float(loss.detach()))  # never push a non-finite gradient
         self.acc.add_(self.flat.grads)
         with torch.no_grad():
             self.flat.params.sub_(self.flat.grads, alpha=self.lr)
@@ -79,7 +81,7 @@ class DownpourWorker:
             self.pushes += 1
             self._collect()
             comm_s += time.perf_counter() - t0
-        return float(loss.detach()), comm_s
+        return StepResult(float(loss.detach()), comm_s, len(y), more)
 
     def _collect(self) -> None:
         stale, min_clock = self.client.completed()

@@ -9,18 +9,32 @@ Synchronous variant (`variant: sync`), at a barrier every tau steps with every r
     x_i <- x_i - alpha (x_i - c);  c <- (1 - beta) c + beta mean_i x_i     (beta = p alpha)
 alpha defaults to beta / p with beta = 0.9 (the paper's choice); tau in 4..64 works.
 Evaluation and the final model use the center c.
+
+The local step is `optimizer.name`: sgd (with `strategy.momentum` > 0, Nesterov momentum:
+EAMSGD), adam or adagrad.
+
+Synchronous EASGD is lock-step (like allreduce): every replica meets every round, whatever data
+it holds. Each round also counts the replicas that have a batch for that step; a replica whose
+data ran out keeps taking empty steps and meeting rounds until a round where no replica has a
+batch, which ends the epoch for all of them after the same step (that round is only a vote: the
+center and the replicas stay where they are). Rounds are numbered by the replicas' common round
+count, and the exchange happens every tau steps of the epoch.
+
+Reported per epoch: `elastic_distance` = ||x_i - c|| when the replica ends its epoch (the
+center as the last round returned it, or pulled, for async), averaged over replicas by the
+driver; `elastic_distance_mean` = the mean over this epoch's exchanges.
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from policies.modes import ShardClient
+from policies.modes import ShardClient, StepResult, check_finite
 from policies.sharding import FlatParams
 
 PAPER_BETA = 0.9
@@ -34,43 +48,74 @@ def default_alpha(replicas: int, beta: float = PAPER_BETA) -> float:
 class EasgdWorker:
     model: torch.nn.Module
     flat: FlatParams
-    optimizer: torch.optim.Optimizer  # local: SGD, or SGD with Nesterov momentum (EAMSGD)
+    optimizer: torch.optim.Optimizer  # local: SGD, SGD with Nesterov momentum (EAMSGD), Adam, Adagrad
     client: ShardClient
     replicas: int
     alpha: float
     tau: int = 4
     variant: str = "async"  # async | sync
     step_count: int = 0
+    epoch_step: int = 0  # sync: steps (real or empty) this epoch
+    rounds: int = 0  # sync: rounds met so far (the same count on every replica)
     distances: list[float] = field(default_factory=list)
     exchanges: int = 0
+    _center: Optional[torch.Tensor] = None  # sync: the center the last round returned
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-        self.flat.grads.zero_()
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()  # the gradient at x, the parameters before any elastic move
-        comm_s = 0.0
-        if self.step_count % self.tau == 0:
+    @property
+    def lock_step(self) -> bool:
+        return self.variant == "sync"
+
+    def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False) -> StepResult:
+        if x is not None:
+            self.flat.grads.zero_()
+            loss = F.cross_entropy(self.model(x), y)
+            loss.backward()  # the gradient at x, the parameters before any elastic move
+            loss_value = float(loss.detach())
+            check_finite(loss_value)
+        else:  # sync only: this replica's data ran out, the others' has not
+            loss_value = float("nan")
+        comm_s, go_on = 0.0, True
+        if self.variant == "async" and self.step_count % self.tau == 0:
             t0 = time.perf_counter()
             with torch.no_grad():
-                if self.variant == "async":
-                    d, sq = self.client.elastic(self.flat.params, self.alpha)
-                    self.flat.params.sub_(d)
-                else:
-                    c = self.client.sync_round(self.step_count // self.tau, self.flat.params, self.replicas,
-                                               self.alpha * self.replicas)
-                    diff = self.flat.params - c
-                    sq = float(diff.pow(2).sum())
-                    self.flat.params.sub_(diff, alpha=self.alpha)
-            self.distances.append(math.sqrt(sq))
-            self.exchanges += 1
+                d, sq = self.client.elastic(self.flat.params, self.alpha)
+                self.flat.params.sub_(d)
+            self._record(sq)
             comm_s = time.perf_counter() - t0
-        self.optimizer.step()
-        self.step_count += 1
-        return float(loss.detach()), comm_s
+        elif self.variant == "sync" and self.epoch_step % self.tau == 0:
+            t0 = time.perf_counter()
+            c, active = self.client.sync_round(self.rounds, self.flat.params, self.replicas,
+                                               self.alpha * self.replicas, x is not None)
+            self.rounds += 1
+            self._center = c
+            if active:
+                with torch.no_grad():
+                    diff = self.flat.params - c
+                    self.flat.params.sub_(diff, alpha=self.alpha)
+                self._record(float(diff.pow(2).sum()))
+            go_on = active > 0
+            comm_s = time.perf_counter() - t0
+        if x is not None:
+            self.optimizer.step()
+            self.step_count += 1
+        self.epoch_step += 1
+        if self.variant == "async":
+            go_on = more
+        return StepResult(loss_value, comm_s, 0 if y is None else len(y), go_on)
+
+    def _record(self, sq: float) -> None:
+        self.distances.append(math.sqrt(sq))
+        self.exchanges += 1
 
     def end_epoch(self) -> dict[str, Any]:
+        if self.variant == "sync" and self._center is not None:
+            center = self._center  # the epoch's last round was a vote: the center it returned is final
+        else:
+            center = torch.empty_like(self.flat.params)
+            self.client.pull(center)
         d = self.distances
-        stats = {"exchanges": self.exchanges, "elastic_distance": d[-1] if d else 0.0,
+        stats = {"exchanges": self.exchanges,
+                 "elastic_distance": float((self.flat.params - center).pow(2).sum().sqrt()),
                  "elastic_distance_mean": sum(d) / len(d) if d else 0.0}
-        self.distances, self.exchanges = [], 0
+        self.distances, self.exchanges, self.epoch_step, self._center = [], 0, 0, None
         return stats

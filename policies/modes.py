@@ -1,13 +1,17 @@
 """What each synchronization mode needs, and the transport protocol its replica-side rule uses.
 
 A mode's update rule lives in its own file (allreduce.py, downpour.py, easgd.py) as a
-`*Worker` class with `step(x, y) -> (loss, comm_s)` and `end_epoch() -> stats`. Workers talk
+`*Worker` class with `step(x, y, more) -> StepResult` and `end_epoch() -> stats`. A worker whose
+`lock_step` is true (allreduce, synchronous EASGD) takes the same steps as every other replica:
+the replica keeps calling `step(None, None, False)` (an empty step) after its own data ran out
+until a step's result says no replica has a batch left (`go_on` false). Workers talk
 to the parameter shards only through `ShardClient`: Ray actors in production
 (actors/shard.py), plain in-process `ShardState`s in tests.
 """
 from __future__ import annotations
 
-from typing import Protocol
+import math
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -17,6 +21,19 @@ SHARDED_MODES = ("downpour", "easgd")  # modes whose reference parameters live i
 
 def needs_shards(mode: str) -> bool:
     return mode in SHARDED_MODES
+
+
+class StepResult(NamedTuple):
+    loss: float  # mean loss of the step (allreduce: across replicas; else this replica's batch)
+    comm_s: float  # seconds waiting for communication
+    rows: int  # rows the step trained on (allreduce: across replicas)
+    go_on: bool  # lock-step workers: some replica has another batch; others: this one has
+
+
+def check_finite(loss: float) -> None:
+    """A non-finite loss ends the run before the step is applied (FloatingPointError)."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"the loss is {loss}")
 
 
 class ShardClient(Protocol):
@@ -44,5 +61,14 @@ class ShardClient(Protocol):
     def elastic(self, x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, float]:
         """Asynchronous EASGD exchange on every shard: returns (d, ||x - c||^2)."""
 
-    def sync_round(self, round_id: int, x: torch.Tensor, replicas: int, beta: float) -> torch.Tensor:
-        """Synchronous EASGD barrier: contributes x, returns the center before the round."""
+    def sync_round(self, round_id: int, x: torch.Tensor, replicas: int, beta: float,
+                   has_data: bool) -> tuple[torch.Tensor, int]:
+        """Synchronous EASGD barrier: contributes x and whether this replica has a batch for
+        this step; returns (the center before the round, how many replicas have one). A round
+        where none has is only a vote to end the epoch: the center does not move."""
+
+    def set_buffers(self, rank: int, buffers: dict) -> None:
+        """This replica's module buffers (e.g. BatchNorm statistics) at the end of its epoch."""
+
+    def buffers(self) -> dict:
+        """The reference model's buffers: the replicas' latest, averaged."""

@@ -29,15 +29,20 @@ def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
 class FlatParams:
     """Makes a model's parameters (and their grads) views into two flat tensors, so a whole
     model moves as one buffer: pulls write straight into the parameters, pushes read straight
-    from the gradients, with no per-tensor work."""
+    from the gradients, with no per-tensor work. The flat tensors live on the parameters'
+    device (a GPU replica keeps them on its GPU); only the shard boundary crosses to numpy."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         params = [p for p in params if p.requires_grad]
         if any(p.dtype != torch.float32 for p in params):
             raise TypeError("parameter-server modes need float32 parameters")
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"parameter-server modes need every parameter on one device, got {sorted(map(str, devices))}")
+        device = devices.pop()
         n = sum(p.numel() for p in params)
-        self.params = torch.empty(n, dtype=torch.float32)
-        self.grads = torch.zeros(n, dtype=torch.float32)
+        self.params = torch.empty(n, dtype=torch.float32, device=device)
+        self.grads = torch.zeros(n, dtype=torch.float32, device=device)
         offset = 0
         for p in params:
             k = p.numel()
@@ -46,6 +51,21 @@ class FlatParams:
             p.grad = self.grads[offset : offset + k].view_as(p)
             offset += k
         self.numel = n
+        self.device = device
+
+
+def average_buffers(by_rank: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The reference model's buffers from the replicas' own: floating buffers (running means and
+    variances) averaged, integer ones (batch counters) the largest."""
+    if not by_rank:
+        return {}
+    states = list(by_rank.values())
+    out = {}
+    for name in states[0]:
+        values = np.stack([np.asarray(s[name]) for s in states])
+        merged = values.mean(0).astype(values.dtype) if np.issubdtype(values.dtype, np.floating) else values.max(0)
+        out[name] = np.asarray(merged, dtype=values.dtype)
+    return out
 
 
 @dataclass
@@ -60,6 +80,8 @@ class ShardState:
     version: int = 0  # updates applied so far
     clocks: dict[int, int] = field(default_factory=dict)  # active replica rank -> last step it reported
     gone: set = field(default_factory=set)  # ranks that died: never waited for again
+    max_lead: int = 0  # the largest lead over the slowest active replica seen at a push (SSP check)
+    buffers: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # rank -> module buffers
     _opt: Optional[torch.optim.Optimizer] = None
     _param: Optional[torch.nn.Parameter] = None
     _sync: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # round -> contributions
@@ -97,6 +119,7 @@ class ShardState:
         """A replica died: the slowest-replica clock never waits for it again."""
         self.clocks.pop(rank, None)
         self.gone.add(rank)
+        self.buffers.pop(rank, None)
 
     def idle(self, rank: int) -> None:
         """A replica has no more partitions this epoch: nobody waits for it until it reports
@@ -105,9 +128,14 @@ class ShardState:
         self.clocks.pop(rank, None)
 
     def report_clock(self, rank: int, step: int) -> int:
-        """Record a replica's step; returns the slowest active replica's step (for SSP)."""
+        """Record a replica's step; returns the slowest active replica's step (for SSP). Also
+        records how far ahead of the slowest other active replica the pushing one is (the
+        bound `max_staleness` enforces, observed here rather than by the replica itself)."""
         if rank not in self.gone:
             self.clocks[rank] = max(step, self.clocks.get(rank, step))
+            others = [c for r, c in self.clocks.items() if r != rank]
+            if others:
+                self.max_lead = max(self.max_lead, self.clocks[rank] - min(others))
         return min(self.clocks.values(), default=step)
 
     # ---- EASGD ---------------------------------------------------------------------------
@@ -121,27 +149,32 @@ class ShardState:
         self.version += 1
         return d, sq
 
-    def sync_contribute(self, round_id: int, x: np.ndarray | torch.Tensor, replicas: int, beta: float) -> bool:
-        """Synchronous EASGD: collect x_i for a round; when all `replicas` are in, set
-        c <- (1 - beta) c + beta mean_i x_i. Returns True when this call closed the round."""
+    def sync_contribute(self, round_id: int, x: np.ndarray | torch.Tensor, replicas: int, beta: float,
+                        has_data: bool = True) -> bool:
+        """Synchronous EASGD: collect x_i (and whether replica i has a batch for this step) for
+        a round; when all `replicas` are in and at least one has a batch, set
+        c <- (1 - beta) c + beta mean_i x_i (a round where none has is only the vote that ends
+        the epoch: the center stays). Returns True when this call closed the round."""
         bucket = self._sync.setdefault(round_id, [])
-        bucket.append(torch.as_tensor(x).clone())
+        bucket.append((torch.as_tensor(x).clone(), bool(has_data)))
         if len(bucket) < replicas:
             return False
-        mean = torch.stack(bucket).mean(0)
-        self._closed[round_id] = [self.values.clone(), replicas]
-        self.values.mul_(1 - beta).add_(mean, alpha=beta)
-        self.version += 1
+        active = sum(h for _, h in bucket)
+        self._closed[round_id] = [self.values.clone(), replicas, active]
+        if active:
+            mean = torch.stack([v for v, _ in bucket]).mean(0)
+            self.values.mul_(1 - beta).add_(mean, alpha=beta)
+            self.version += 1
         del self._sync[round_id]
         return True
 
-    def sync_center_before(self, round_id: int) -> Optional[torch.Tensor]:
-        """The center as it was when a closed round started (every replica's x_i moves toward
-        the same c), or None while the round is still open."""
+    def sync_center_before(self, round_id: int) -> Optional[tuple[torch.Tensor, int]]:
+        """(The center as it was when a closed round started: every replica's x_i moves toward
+        the same c; how many replicas had a batch), or None while the round is still open."""
         entry = self._closed.get(round_id)
         if entry is None:
             return None
         entry[1] -= 1
         if entry[1] == 0:
             del self._closed[round_id]
-        return entry[0]
+        return entry[0], entry[2]

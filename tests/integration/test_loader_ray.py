@@ -17,6 +17,7 @@ from orchestrator.sources import load_dataset
 from orchestrator.tracking import Tracker
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import job_config
+from tests.faults import KillReplica
 from tests.integration.test_allreduce_ray import StepWatch
 
 pytestmark = pytest.mark.ray
@@ -67,9 +68,10 @@ def test_allreduce_serves_every_partition_once_in_lock_step(ray_cluster, parquet
                    checkpoint={"storage": str(tmp_path)})
     trainer = ElasticTrainer(cfg, show_progress=False)
     trainer._trace_ids = True
-    trainer.fit()
-    seen = ids_of(trainer.controller.consumed[0])
-    assert len(seen) == len(set(seen))  # no row twice; the ragged ends of partitions are dropped
+    train_ids = sorted(trainer.check().train.ids)
+    result = trainer.fit()
+    assert ids_of(trainer.controller.consumed[0]) == train_ids  # every row once: no ragged end dropped
+    assert result.rows_per_epoch == [len(train_ids)]
     steps = [len(s) for s in trainer.controller.consumed[0].values()]
     assert steps[0] == steps[1]
 
@@ -82,17 +84,10 @@ def test_a_killed_replica_leaves_every_row_once_plus_the_reported_redo(ray_clust
     watch = StepWatch()
     ctl = Controller(cfg, dataset, Tracker(None, "tests", None), time.perf_counter(), display=watch, trace_ids=True)
 
-    def kill_mid_epoch():
-        while watch.step < 30:
-            time.sleep(0.02)
-        ray.kill(ctl.replicas[2], no_restart=True)
-
     try:
         ctl.step()
-        killer = threading.Thread(target=kill_mid_epoch)
-        killer.start()
-        assert ctl.step() is State.RUNNING  # the epoch finishes without replica 2
-        killer.join(timeout=30)
+        with KillReplica(ctl, rank=2, at_step=30):
+            assert ctl.step() is State.RUNNING  # the epoch finishes without replica 2
         status = ray.get(ctl.server.status.remote(), timeout=30)
         ctl.step()  # and the next epoch runs on the survivors
     finally:
@@ -155,7 +150,7 @@ def test_readers_see_every_partition_once_and_an_unreported_epoch_cannot_be_foll
                         continue
                     lease, part = item
                     assert lease["epoch"] == epoch
-                    for x, _, idx in readers[r].batches(lease, part, None):
+                    for x, _, idx in readers[r].batches(lease, part):
                         assert (x[:, 0] == lease["partition"]).all()
                         seen += part["ids"][idx.numpy()].tolist()
             assert sorted(seen) == list(range(parts * rows))  # every row once

@@ -50,7 +50,16 @@ class LocalShardClient:
             sq += q
         return torch.cat(ds), sq
 
-    def sync_round(self, round_id, x, replicas, beta):
+    def sync_round(self, round_id, x, replicas, beta, has_data=True):
         for (lo, hi), s in zip(self.bounds, self.states):
-            s.sync_contribute(round_id, x[lo:hi], replicas, beta)
-        return torch.cat([s.sync_center_before(round_id) for s in self.states])
+            s.sync_contribute(round_id, x[lo:hi], replicas, beta, has_data)
+        replies = [s.sync_center_before(round_id) for s in self.states]
+        return torch.cat([c for c, _ in replies]), replies[0][1]
+
+    def set_buffers(self, rank, buffers):
+        self.states[0].buffers[rank] = buffers
+
+    def buffers(self):
+        from policies.sharding import average_buffers
+
+        return average_buffers(self.states[0].buffers)

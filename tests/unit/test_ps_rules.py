@@ -145,7 +145,103 @@ def test_easgd_sync_round_moves_center_toward_the_mean():
     assert s.sync_center_before(0) is None  # round still open: nothing to read yet
     assert s.sync_contribute(0, xs[1], replicas=2, beta=0.9)
     torch.testing.assert_close(s.values, torch.full((4,), 0.9 * 2.0))
-    torch.testing.assert_close(s.sync_center_before(0), c0)
+    center, active = s.sync_center_before(0)
+    torch.testing.assert_close(center, c0)
+    assert active == 2
+
+
+def test_a_sync_round_where_no_replica_has_data_is_only_a_vote():
+    s = ShardState(torch.zeros(3))
+    s.sync_contribute(0, torch.ones(3), replicas=2, beta=0.9, has_data=False)
+    assert s.sync_contribute(0, torch.ones(3), replicas=2, beta=0.9, has_data=False)
+    assert torch.equal(s.values, torch.zeros(3)) and s.version == 0
+    assert s.sync_center_before(0)[1] == 0
+
+
+class BlockingRounds:
+    """LocalShardClient's sync rounds as a real barrier for replicas running in threads."""
+
+    def __init__(self, client):
+        import threading
+
+        self.client, self.cond = client, threading.Condition()
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def sync_round(self, round_id, x, replicas, beta, has_data=True):
+        with self.cond:
+            for (lo, hi), st_ in zip(self.client.bounds, self.client.states):
+                st_.sync_contribute(round_id, x[lo:hi], replicas, beta, has_data)
+            self.cond.notify_all()
+            assert self.cond.wait_for(lambda: round_id in self.client.states[0]._closed, timeout=10), "round never closed"
+            replies = [st_.sync_center_before(round_id) for st_ in self.client.states]
+            return torch.cat([c for c, _ in replies]), replies[0][1]
+
+
+def test_sync_easgd_is_lock_step_with_uneven_data():
+    """Replica 0 holds 7 batches, replica 1 holds 2: both end the epoch after the same step
+    (replica 1 taking empty steps and meeting every round), nobody waits at a round the other
+    skips, and the elastic distance each reports is ||x_i - c|| at the end."""
+    import threading
+
+    data = batches(n=9)
+    models = [model(), model()]
+    flats = [FlatParams(list(m.parameters())) for m in models]
+    client = BlockingRounds(LocalShardClient(flats[0].params.clone(), 2, replicas=2))
+    workers = [EasgdWorker(m, f, torch.optim.SGD(m.parameters(), lr=0.1), client, replicas=2, alpha=0.45, tau=2,
+                           variant="sync") for m, f in zip(models, flats)]
+    mine = [data[:7], data[7:]]
+    steps, stats = {}, {}
+
+    def replica(rank):
+        w, queue, n = workers[rank], list(mine[rank]), 0
+        while True:
+            x, y = queue.pop(0) if queue else (None, None)
+            n += 1
+            if not w.step(x, y, bool(queue)).go_on:
+                break
+        steps[rank], stats[rank] = n, w.end_epoch()
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    assert steps == {0: 9, 1: 9}  # 7 real steps, then the vote round at step 8 (tau = 2)
+    assert [w.step_count for w in workers] == [7, 2]
+    center = client.values()
+    for w, f in zip(workers, flats):
+        assert stats[workers.index(w)]["elastic_distance"] == pytest.approx(float((f.params - center).norm()), rel=1e-5)
+
+
+def test_average_buffers_means_floats_and_keeps_the_largest_count():
+    import numpy as np
+
+    from policies.sharding import average_buffers
+
+    out = average_buffers({0: {"m": np.array([1.0, 3.0], np.float32), "n": np.array(4)},
+                           1: {"m": np.array([3.0, 5.0], np.float32), "n": np.array(6)}})
+    assert out["m"].tolist() == [2.0, 4.0] and out["m"].dtype == np.float32 and int(out["n"]) == 6
+    assert average_buffers({}) == {}
+
+
+def test_the_shard_observes_the_lead_over_the_slowest_replica():
+    s = ShardState(torch.zeros(1))
+    s.init_clocks(2)
+    s.report_clock(0, 5)  # replica 1 still at 0
+    s.report_clock(1, 2)
+    s.report_clock(0, 6)
+    assert s.max_lead == 5
+    s.forget(1)
+    s.report_clock(0, 50)  # alone: nobody to lead
+    assert s.max_lead == 5
+
+
+def test_flat_params_stay_on_the_parameters_device():
+    m = model()
+    flat = FlatParams(list(m.parameters()))
+    assert flat.params.device == next(m.parameters()).device == flat.grads.device == flat.device
+    with pytest.raises(ValueError, match="one device"):
+        FlatParams([torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, device="meta"))])
 
 
 def test_warmstart_holds_other_replicas_until_rank_0_has_trained():
