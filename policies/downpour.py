@@ -10,8 +10,10 @@ arrives by the shard's own optimizer, SGD or Adagrad (eta_i = gamma / sqrt(sum o
 updates), DistBelief's stabilizer), with staleness = shard version at apply - version the
 gradient was computed from; optionally eta / staleness.
 
-Options: `max_staleness` s (stale synchronous parallel: a replica more than s steps ahead of
-the slowest one waits), `warmstart_steps` K (rank 0 trains alone for its first K steps, then
+Options: `max_staleness` s (stale synchronous parallel: a replica starts a step only while it
+is at most s steps ahead of the slowest replica still working this epoch, so completed steps
+differ by at most s + 1; shard 0 forgets a dead replica's clock as soon as the driver sees it
+die), `warmstart_steps` K (rank 0 trains alone for its first K steps, then
 everyone), `max_in_flight` (pushes outstanding before a replica waits: compute overlaps
 communication up to that bound).
 """

@@ -4,8 +4,9 @@ exactly once per epoch whoever joins, dies or runs fast.
 Pure state and decisions (the `PartitionServer` actor wraps it; tests use it directly):
 - each epoch has an order of partitions, a reproducible shuffle of (seed, epoch);
 - `shared` leasing (downpour, easgd): one queue, a fast replica simply leases more;
-- `pinned` leasing (allreduce): replica r gets positions r, r + R, ... of the epoch's order, so
-  every replica gets the same number of partitions and steps stay in lock-step;
+- `pinned` leasing (allreduce): replica r gets positions r, r + R, ... of the epoch's order
+  (its queue is its own, so grants need no balancing; lock-step comes from the replicas' own
+  flags, see policies/allreduce.py);
 - a grant hands out one or two partitions (shared: guided self-scheduling, a fair share of
   what is left up to the cap, `MAX_GRANT`; pinned: as many as the cap allows) and
   says when the queue is empty, so a replica makes about half as many server calls as it reads
