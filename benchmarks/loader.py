@@ -10,10 +10,15 @@ over the epochs after the first. The sides run interleaved epoch by epoch.
   whole run (the replicas' code, used as ModelReplica and the controller use it: each epoch's
   first grants are computed on the driver and sent with the epoch call, beside one server call
   that starts the epoch and reports the last epoch's final completions). Two servers: `ours`
-  shares one queue (downpour, easgd), `ours_pinned` pins partitions round-robin and drops each
-  partition's ragged end (allreduce);
-- Ray Data: `read_parquet(...).materialize()` (also in the object store), `streaming_split(2,
-  equal=True)`, `iter_torch_batches(batch_size=64, local_shuffle_buffer_size=...)` per epoch;
+  shares one queue (downpour, easgd), `ours_pinned` pins partitions round-robin (allreduce);
+  both read every row, each partition cut into batches of 64 with a short last one;
+- Ray Data, default: `read_parquet(...).materialize()` (also in the object store),
+  `streaming_split(2, equal=True)`, `iter_torch_batches(batch_size=64,
+  local_shuffle_buffer_size=256)` per epoch;
+- Ray Data, tuned: read into one block per consumer, the features turned into a tensor column
+  before `materialize()` (outside the timing), `streaming_split(2, equal=True)`,
+  `iter_torch_batches(batch_size=64, prefetch_batches=PREFETCH)` without any shuffle (it does
+  less than ours: rows come in file order every epoch);
 - the limit: each consumer gathers shuffled batches (index_select, the fastest CPU gather) from
   its own half, already an in-memory tensor.
 
@@ -24,13 +29,15 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from typing import Optional
 
 import numpy as np
 
 from common import median, parse_args, report
 
 DIM, BATCH, CONSUMERS = 784, 64, 2
+# Ray Data's tuned side: prefetch_batches 1 is the default; 0 and 4 were no faster in trials on
+# this 2-core machine (prefetch threads compete with the consumer for the same cores)
+PREFETCH = 1
 
 
 def write_parquet(directory: str, rows: int, files: int = 6) -> None:
@@ -64,18 +71,18 @@ def consumer_class():
 
             self.readers[side] = PartitionReader(server, refs[0], rank, BATCH, True, torch.device("cpu"), 120)
 
-        def ours(self, side: str, first_grant: dict, steps: Optional[int]) -> tuple[int, list[int]]:
+        def ours(self, side: str, first_grant: dict) -> tuple[int, list[int]]:
             """As ModelReplica.run_epoch: every batch of the partitions granted this epoch; the
             last completions go back to the driver, which reports them when the next epoch starts."""
             reader, n = self.readers[side], 0
-            for lease, part in reader.partitions(first_grant):
-                for x, y, _ in reader.batches(lease, part, steps):
-                    n += int(x.shape[0] > 0)
+            for x, y, _, _ in reader.epoch_batches(first_grant):
+                n += int(x.shape[0] > 0)
             return n, reader.unreported
 
-        def ray_data(self, it) -> int:
+        def ray_data(self, it, tuned: bool) -> int:
             n = 0
-            for batch in it.iter_torch_batches(batch_size=BATCH, local_shuffle_buffer_size=4 * BATCH):
+            options = ({"prefetch_batches": PREFETCH} if tuned else {"local_shuffle_buffer_size": 4 * BATCH})
+            for batch in it.iter_torch_batches(batch_size=BATCH, **options):
                 n += int(batch["features"].shape[0] > 0)
             return n
 
@@ -104,14 +111,14 @@ class OursSide:
     once the consumers are done; `close` reports the last completions and checks that every
     epoch was served whole."""
 
-    def __init__(self, name: str, consumers: list, refs: list, rows: list[int], pinned: bool, steps: Optional[int]):
+    def __init__(self, name: str, consumers: list, refs: list, rows: list[int], pinned: bool):
         import ray
 
         from actors.partition_server import PartitionServer
         from policies.leases import first_grant_messages
 
         self.first_grants = first_grant_messages  # imported here, outside the timed epochs
-        self.name, self.consumers, self.steps, self.unreported = name, consumers, steps, {}
+        self.name, self.consumers, self.unreported = name, consumers, {}
         self.plan = (rows, len(consumers), 0, pinned, True)
         self.server = PartitionServer.remote(*self.plan)
         ray.get([c.set_data.remote(name, self.server, [refs], r) for r, c in enumerate(consumers)])
@@ -121,7 +128,7 @@ class OursSide:
 
         ranks = list(range(len(self.consumers)))
         first = self.first_grants(*self.plan, epoch, ranks)
-        calls = [c.ours.remote(self.name, first[r], self.steps) for r, c in enumerate(self.consumers)]
+        calls = [c.ours.remote(self.name, first[r]) for r, c in enumerate(self.consumers)]
         started = self.server.start_epoch.remote(epoch, ranks, self.unreported)
         done = ray.get(calls)
         ray.get(started)
@@ -153,54 +160,73 @@ def main() -> None:
 
     from orchestrator.data import partition
     from orchestrator.sources import read_table, table_to_split
-    from policies.allreduce import steps_per_partition
 
     rows, epochs = (60_000, 30) if args.quick else (120_000, 60)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
-    Consumer = consumer_class()
-    consumers = [Consumer.remote() for _ in range(CONSUMERS)]
-    ray.get([c.warm_up.remote() for c in consumers])
-    results: dict = {"rows": rows, "batch": BATCH, "epochs": epochs, "partitions": 4 * CONSUMERS}
-    with tempfile.TemporaryDirectory() as tmp:
-        write_parquet(tmp, rows)
+    try:
+        Consumer = consumer_class()
+        consumers = [Consumer.remote() for _ in range(CONSUMERS)]
+        ray.get([c.warm_up.remote() for c in consumers])
+        results: dict = {"rows": rows, "batch": BATCH, "epochs": epochs, "partitions": 4 * CONSUMERS,
+                         "ray_data_tuned": {"blocks": CONSUMERS, "tensor_column": True, "local_shuffle": None,
+                                            "prefetch_batches": PREFETCH}}
+        with tempfile.TemporaryDirectory() as tmp:
+            write_parquet(tmp, rows)
 
-        t0 = time.perf_counter()
-        split = table_to_split(read_table(tmp), "label", ["features"], None, None, tmp)
-        parts = partition(split, 4 * CONSUMERS, seed=0)
-        refs = [ray.put({"x": p.x, "y": p.y, "ids": p.ids}) for p in parts]
-        sizes = [len(p) for p in parts]
-        shared = OursSide("shared", consumers, refs, sizes, pinned=False, steps=None)
-        results["ours_setup_s"] = time.perf_counter() - t0
-        pinned = OursSide("pinned", consumers, refs, sizes, pinned=True, steps=steps_per_partition(sizes, BATCH))
+            t0 = time.perf_counter()
+            split = table_to_split(read_table(tmp), "label", ["features"], None, None, tmp)
+            parts = partition(split, 4 * CONSUMERS, seed=0)
+            refs = [ray.put({"x": p.x, "y": p.y, "ids": p.ids}) for p in parts]
+            sizes = [len(p) for p in parts]
+            shared = OursSide("shared", consumers, refs, sizes, pinned=False)
+            results["ours_setup_s"] = time.perf_counter() - t0
+            pinned = OursSide("pinned", consumers, refs, sizes, pinned=True)
 
-        t0 = time.perf_counter()
-        ds = ray.data.read_parquet(tmp).materialize()
-        iterators = ds.streaming_split(CONSUMERS, equal=True)
-        results["ray_data_setup_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            ds = ray.data.read_parquet(tmp).materialize()
+            iterators = ds.streaming_split(CONSUMERS, equal=True)
+            results["ray_data_setup_s"] = time.perf_counter() - t0
 
-        half = len(split) // CONSUMERS
-        ray.get([c.load_half.remote(split.x[i * half:(i + 1) * half], split.y[i * half:(i + 1) * half])
-                 for i, c in enumerate(consumers)])
-        rates = timed_epochs({
-            "ours": shared,
-            "ours_pinned": pinned,
-            "ray_data": lambda e: sum(ray.get([c.ray_data.remote(it) for c, it in zip(consumers, iterators)])),
-            "in_memory": lambda e: sum(ray.get([c.in_memory.remote(e) for c in consumers])),
-        }, epochs)
-        shared.close()
-        pinned.close()
-        results.update({f"{name}_rates": r for name, r in rates.items()})
-    ray.shutdown()
+            t0 = time.perf_counter()
+            # one block per consumer; the fixed-size-list column becomes a tensor column (numpy
+            # batches), so batches are cut from one ndarray without a per-batch list conversion
+            tuned_ds = (ray.data.read_parquet(tmp, override_num_blocks=CONSUMERS)
+                        .map_batches(lambda b: b, batch_format="numpy", batch_size=None).materialize())
+            tuned_iterators = tuned_ds.streaming_split(CONSUMERS, equal=True)
+            results["ray_data_tuned_setup_s"] = time.perf_counter() - t0
+            results["ray_data_blocks"] = {"default": ds.num_blocks(), "tuned": tuned_ds.num_blocks()}
 
-    sides = ("ours", "ours_pinned", "ray_data", "in_memory")
+            half = len(split) // CONSUMERS
+            ray.get([c.load_half.remote(split.x[i * half:(i + 1) * half], split.y[i * half:(i + 1) * half])
+                     for i, c in enumerate(consumers)])
+
+            def ray_data(its: list, tuned: bool):
+                return lambda e: sum(ray.get([c.ray_data.remote(it, tuned) for c, it in zip(consumers, its)]))
+
+            rates = timed_epochs({
+                "ours": shared,
+                "ours_pinned": pinned,
+                "ray_data": ray_data(iterators, False),
+                "ray_data_tuned": ray_data(tuned_iterators, True),
+                "in_memory": lambda e: sum(ray.get([c.in_memory.remote(e) for c in consumers])),
+            }, epochs)
+            shared.close()
+            pinned.close()
+            results.update({f"{name}_rates": r for name, r in rates.items()})
+    finally:
+        ray.shutdown()
+
+    sides = ("ours", "ours_pinned", "ray_data", "ray_data_tuned", "in_memory")
     steady = {k: median(results[f"{k}_rates"][1:]) for k in sides}
     results["steady_batches_per_s"] = steady
     for k, v in steady.items():
-        print(f"{k:>12}: {v:8.0f} batches/s (first epoch {results[f'{k}_rates'][0]:.0f})")
+        print(f"{k:>14}: {v:8.0f} batches/s (first epoch {results[f'{k}_rates'][0]:.0f})")
     ratios = {"ours_vs_ray_data": steady["ours"] / steady["ray_data"],
+              "ours_vs_ray_data_tuned": steady["ours"] / steady["ray_data_tuned"],
               "ours_vs_in_memory_limit": steady["ours"] / steady["in_memory"],
               "ours_pinned_vs_in_memory_limit": steady["ours_pinned"] / steady["in_memory"],
-              "ours_vs_ray_data_first_epoch": results["ours_rates"][0] / results["ray_data_rates"][0]}
+              "ours_vs_ray_data_first_epoch": results["ours_rates"][0] / results["ray_data_rates"][0],
+              "ours_vs_ray_data_tuned_first_epoch": results["ours_rates"][0] / results["ray_data_tuned_rates"][0]}
     report("loader", args.quick, results, ratios, args.json)
 
 

@@ -1,10 +1,16 @@
-"""Parameter shards: push+pull bandwidth against raw ray.put + ray.get, and each mode's
-samples/s on the CNN against allreduce.
+"""Parameter shards: push+pull bandwidth against plain Ray actors moving the same bytes, and
+each mode's samples/s on the CNN against allreduce.
 
 Part 1. A model-sized float32 vector (~1.6 MB = the CNN, 16 MB, 100 MB) is pushed to S shards
 (the shards apply it with SGD) and pulled back, S in 1, 2, 4, through the same RayShardClient
-replicas use. The reference moves the same bytes with plain `ray.put` + `ray.get` (once for the
-push direction, once for the pull). Bandwidth = bytes moved (2 x model) / seconds.
+replicas use. The reference is the least a Ray program can do to move those bytes the same way:
+S plain actors (`Echo`), each sent its slice of the same array in one call (it keeps the
+array and returns nothing) and asked for it back in a second call (it returns the array it
+kept), the S calls of each direction in flight together, the pulled slices copied into one
+tensor: the same actor round trips, slices and copy out as our client's push, drain and pull,
+minus the shards' work (the SGD update, versions and clocks). Both are timed the same way,
+alternating rep by rep (median of the reps after one warm-up round). Bandwidth = bytes moved
+(2 x model) / seconds.
 
 Part 2. The CNN on mnist5k with 2 replicas for a few epochs in allreduce, downpour and easgd
 (the examples' settings); steady samples/s of each sharded mode / allreduce's.
@@ -24,43 +30,71 @@ from common import median, parse_args, report
 SIZES_MB = {"1.6MB": 421_642 * 4 / 1e6, "16MB": 16.0, "100MB": 100.0}
 
 
-def push_pull_gbps(numel: int, shards: int, reps: int) -> float:
+def echo_class():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        """A plain actor that holds what it is sent and sends it back: no work on the bytes.
+        (A plain actor: an asyncio one, as the shards are, was slower per call in a trial here.)"""
+
+        def __init__(self) -> None:
+            self.values = None
+
+        def push(self, values: np.ndarray) -> None:
+            self.values = values  # zero-copy view of the object-store copy, as a shard reads a gradient
+
+        def pull(self) -> np.ndarray:
+            return self.values
+
+    return Echo
+
+
+def push_pull_gbps(numel: int, shards: int, reps: int) -> tuple[float, float]:
+    """(ours, plain actors) GB/s of one push+pull of a `numel` float32 vector split over `shards`
+    actors. Ours: RayShardClient push (one call per shard), drain (await them), pull (one call per
+    shard, each slice copied into one tensor). Plain actors: the same calls to Echo actors. The
+    two alternate rep by rep after one warm-up each, so the machine's drift hits both alike."""
+    import warnings
+
+    import ray
     import torch
 
     from actors.shard import RayShardClient, create_shards
     from policies.sharding import shard_bounds
 
-    import ray
-
     bounds = shard_bounds(numel, shards)
-    actors = create_shards(np.zeros(numel, np.float32), bounds, "sgd", 1e-3, 0.0, 0.0, replicas=1)
-    client = RayShardClient(actors, bounds, max_in_flight=1, timeout_s=120)
+    shard_actors = create_shards(np.zeros(numel, np.float32), bounds, "sgd", 1e-3, 0.0, 0.0, replicas=1)
+    client = RayShardClient(shard_actors, bounds, max_in_flight=1, timeout_s=120)
+    Echo = echo_class()
+    echoes = [Echo.remote() for _ in bounds]
     grad, params = torch.full((numel,), 1e-3), torch.empty(numel)
-    versions = client.pull(params)  # warm-up: actors up, first transfer done
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    flat = grad.numpy()
+    versions = client.pull(params)
+
+    def ours() -> None:
+        nonlocal versions
         client.push(grad, versions, 0, 1, False)
         client.drain()
         versions = client.pull(params)
-        times.append(time.perf_counter() - t0)
-    for a in actors:
+
+    def plain() -> None:
+        ray.get([a.push.remote(flat[lo:hi]) for a, (lo, hi) in zip(echoes, bounds)], timeout=120)
+        replies = ray.get([a.pull.remote() for a in echoes], timeout=120)
+        with warnings.catch_warnings():  # a read-only array from the object store; only read
+            warnings.simplefilter("ignore", UserWarning)
+            for (lo, hi), values in zip(bounds, replies):
+                params[lo:hi].copy_(torch.from_numpy(values))
+
+    times: dict = {ours: [], plain: []}
+    for _ in range(reps + 1):  # the first round is the warm-up: actors up, first transfer done
+        for side in times:
+            t0 = time.perf_counter()
+            side()
+            times[side].append(time.perf_counter() - t0)
+    for a in shard_actors + echoes:
         ray.kill(a)
-    return 2 * numel * 4 / median(times) / 1e9
-
-
-def raw_put_get_gbps(numel: int, reps: int) -> float:
-    import ray
-
-    arr = np.full(numel, 1e-3, np.float32)
-    out = np.empty_like(arr)
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        for _direction in range(2):  # the bytes of a push and of a pull
-            out[:] = ray.get(ray.put(arr))
-        times.append(time.perf_counter() - t0)
-    return 2 * numel * 4 / median(times[1:]) / 1e9
+    return 2 * numel * 4 / median(times[ours][1:]) / 1e9, 2 * numel * 4 / median(times[plain][1:]) / 1e9
 
 
 def mode_samples_per_s(mode: str, epochs: int, storage: str) -> float:
@@ -77,24 +111,25 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     import ray
 
-    reps, epochs = (3, 3) if args.quick else (7, 6)
+    reps, epochs = (5, 3) if args.quick else (15, 6)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
-    results: dict = {"bandwidth_gbps": {}, "raw_gbps": {}, "samples_per_s": {}}
-    ratios: dict[str, float] = {}
-    for label, mb in SIZES_MB.items():
-        numel = int(mb * 1e6 / 4)
-        raw = raw_put_get_gbps(numel, reps)
-        results["raw_gbps"][label] = raw
-        for shards in (1, 2, 4):
-            ours = push_pull_gbps(numel, shards, reps)
-            results["bandwidth_gbps"][f"{label}_{shards}shards"] = ours
-            ratios[f"push_pull_vs_raw_put_get_{label}_{shards}shards"] = ours / raw
-            print(f"{label:>6} {shards} shards: {ours:6.3f} GB/s  (raw put+get {raw:6.3f} GB/s)", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("allreduce", "downpour", "easgd"):
-            results["samples_per_s"][mode] = mode_samples_per_s(mode, epochs, tmp)
-            print(f"{mode}: {results['samples_per_s'][mode]:.0f} samples/s", flush=True)
-    ray.shutdown()
+    try:
+        results: dict = {"bandwidth_gbps": {}, "raw_actor_gbps": {}, "samples_per_s": {}}
+        ratios: dict[str, float] = {}
+        for label, mb in SIZES_MB.items():
+            numel = int(mb * 1e6 / 4)
+            for shards in (1, 2, 4):
+                ours, raw = push_pull_gbps(numel, shards, reps)
+                results["raw_actor_gbps"][f"{label}_{shards}shards"] = raw
+                results["bandwidth_gbps"][f"{label}_{shards}shards"] = ours
+                ratios[f"push_pull_vs_raw_actors_{label}_{shards}shards"] = ours / raw
+                print(f"{label:>6} {shards} shards: {ours:6.3f} GB/s  (plain actors {raw:6.3f} GB/s)", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            for mode in ("allreduce", "downpour", "easgd"):
+                results["samples_per_s"][mode] = mode_samples_per_s(mode, epochs, tmp)
+                print(f"{mode}: {results['samples_per_s'][mode]:.0f} samples/s", flush=True)
+    finally:
+        ray.shutdown()
     base = results["samples_per_s"]["allreduce"]
     for mode in ("downpour", "easgd"):
         ratios[f"{mode}_vs_allreduce_samples_per_s"] = results["samples_per_s"][mode] / base

@@ -1,11 +1,19 @@
-"""allreduce (2 replicas) vs Ray Train TorchTrainer (2 workers, DDP) vs the linear-scaling limit.
+"""allreduce (2 replicas) vs Ray Train TorchTrainer (2 workers, DDP) vs single-process PyTorch.
 
-Same model (the CNN), data (mnist5k, same partitions per rank), per-worker batch (64), lr and
-ragged-end rule. Three figures for each side:
-  steady   samples/s inside the step loops (between epoch boundaries)
+Same model (the CNN), data (mnist5k: the same 8 partitions, the same pinned round-robin
+assignment per epoch, the same in-partition order), per-worker batch (64, the last batch of a
+partition short: every row is used), lr, momentum, and the same evaluation (each worker its
+half of the test split, batches of 64 under torch.inference_mode, correct and summed
+cross-entropy). Figures of both distributed sides, taken the same way:
+  steady   samples / seconds inside the step loops, the slowest worker's per epoch, summed
   whole    samples/s over whole epochs (evaluation and reporting included)
   t97      seconds from the call to fit() until test accuracy first reached 97%
-The linear limit is 2 x the steady samples/s of one single-threaded PyTorch process.
+The limits:
+  linear limit   2 x the samples/s of one single-threaded PyTorch process (batch 64)
+  single process one PyTorch process with 1 thread and with 2 threads training on the same
+                 global batches (at each step rank 0's batch then rank 1's, concatenated),
+                 evaluating the whole test split in batches of 64 after each epoch; t97 is
+                 seconds from the model being built to 97% test accuracy.
 
     python benchmarks/throughput.py [--quick] [--json PATH]
 """
@@ -19,16 +27,52 @@ import time
 from common import REPO, median, parse_args, report  # noqa: F401  (REPO puts the project on sys.path)
 
 WORKERS, BATCH, LR, MOMENTUM, SEED, TARGET = 2, 64, 0.05, 0.9, 0, 0.97
+PARTITIONS = 4 * WORKERS  # the default data.partitions: 4 per replica
+
+
+def epoch_batches(sizes: list[int], rank: int, epoch: int) -> list[tuple[int, "torch.Tensor"]]:
+    """(partition, row positions) of every step `rank` takes in `epoch`, as our replicas take
+    them: the partitions pinned to `rank` (PartitionLedger, pinned), each in its lease's
+    shuffled order, cut into batches of BATCH, the last one of each partition short."""
+    import numpy as np
+    import torch
+
+    from policies.leases import PartitionLedger
+
+    ledger = PartitionLedger(len(sizes), WORKERS, SEED, pinned=True)
+    ledger.start_epoch(epoch)
+    steps = []
+    while (lease := ledger.lease(rank)) is not None:
+        order = torch.from_numpy(np.random.default_rng(lease.seed).permutation(sizes[lease.partition]))
+        steps += [(lease.partition, idx) for idx in order.split(BATCH)]
+    return steps
+
+
+def evaluate(model, x, y) -> tuple[int, float, int]:
+    """As ModelReplica.evaluate: batches of BATCH under inference_mode; (correct, summed loss, rows)."""
+    import torch
+    import torch.nn.functional as F
+
+    model.eval()
+    correct, loss_sum = 0, 0.0
+    with torch.inference_mode():
+        for lo in range(0, len(y), BATCH):
+            out = model(x[lo:lo + BATCH])
+            loss_sum += float(F.cross_entropy(out, y[lo:lo + BATCH], reduction="sum"))
+            correct += int((out.argmax(1) == y[lo:lo + BATCH]).sum())
+    return correct, loss_sum, len(y)
 
 
 def single_process_steady(steps: int) -> float:
-    """Samples/s of one single-threaded PyTorch process (after a warm-up)."""
+    """Samples/s of one single-threaded PyTorch process (after a warm-up), batches gathered
+    with index_select as every other side does."""
     import torch
     import torch.nn.functional as F
 
     from examples.models import mnist_cnn
     from orchestrator.data import load_source
 
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     d = load_source("builtin:mnist5k")
     x, y = torch.from_numpy(d.train.x), torch.from_numpy(d.train.y)
@@ -42,9 +86,59 @@ def single_process_steady(steps: int) -> float:
             t0 = time.perf_counter()
         idx = perm[(i * BATCH) % (len(y) - BATCH):][:BATCH]
         opt.zero_grad()
-        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        F.cross_entropy(model(torch.index_select(x, 0, idx)), torch.index_select(y, 0, idx)).backward()
         opt.step()
-    return steps * BATCH / (time.perf_counter() - t0)
+    rate = steps * BATCH / (time.perf_counter() - t0)
+    torch.set_num_threads(threads)
+    return rate
+
+
+def single_process_to_target(threads: int, epochs: int) -> dict:
+    """One PyTorch process with `threads` threads on the distributed sides' global batches (at
+    each step the concatenation of rank 0's and rank 1's batch: with equal halves, the mean loss
+    over it is DDP's mean of the two workers' means), the same lr and momentum; evaluates the
+    whole test split after each epoch and stops at TARGET (or after `epochs`)."""
+    import torch
+    import torch.nn.functional as F
+
+    from examples.models import mnist_cnn
+    from orchestrator.data import load_source, partition
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    d = load_source("builtin:mnist5k")
+    parts = partition(d.train, PARTITIONS, SEED)
+    sizes = [len(p) for p in parts]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    x = torch.cat([torch.from_numpy(p.x) for p in parts])
+    y = torch.cat([torch.from_numpy(p.y) for p in parts])
+    tx, ty = torch.from_numpy(d.test.x), torch.from_numpy(d.test.y)
+    plans = [[[(p, idx + offsets[p]) for p, idx in epoch_batches(sizes, r, e)] for r in range(WORKERS)]
+             for e in range(1, epochs + 1)]  # the data order, computed before the clock starts
+    torch.manual_seed(SEED)
+    model = mnist_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    t0 = time.perf_counter()
+    history, t97, samples, train_s = [], None, 0, 0.0
+    for epoch, per_rank in enumerate(plans, start=1):
+        assert len({len(steps) for steps in per_rank}) == 1, "the workers take different numbers of steps"
+        model.train()
+        t_loop = time.perf_counter()
+        for step in zip(*per_rank):
+            idx = torch.cat([i for _, i in step])
+            opt.zero_grad()
+            F.cross_entropy(model(torch.index_select(x, 0, idx)), torch.index_select(y, 0, idx)).backward()
+            opt.step()
+            samples += len(idx)
+        train_s += time.perf_counter() - t_loop
+        correct, loss_sum, rows = evaluate(model, tx, ty)
+        elapsed = time.perf_counter() - t0
+        history.append({"epoch": epoch, "acc": correct / rows, "test_loss": loss_sum / rows, "t": elapsed})
+        if correct / rows >= TARGET:
+            t97 = elapsed
+            break
+    torch.set_num_threads(saved)
+    return {"t97": t97, "epochs": len(history), "steady": samples / train_s, "history": history}
 
 
 def ours(epochs: int, storage: str) -> dict:
@@ -61,12 +155,13 @@ def ours(epochs: int, storage: str) -> dict:
     })
     r = ElasticTrainer(cfg, show_progress=False).fit()
     return {"steady": r.steady_samples_per_s, "whole": r.samples_per_s, "t97": r.time_to_target_s,
-            "startup_s": r.startup_s, "final_accuracy": r.final.test_accuracy}
+            "startup_s": r.startup_s, "final_accuracy": r.final.test_accuracy,
+            "rows_per_epoch": list(getattr(r, "rows_per_epoch", []))}
 
 
 def ray_train_loop(config: dict) -> None:
-    """What a Ray Train user writes: prepare_model (DDP), per-epoch evaluation, ray.train.report."""
-    import numpy as np
+    """What a Ray Train user writes: prepare_model (DDP), per-epoch evaluation, ray.train.report;
+    the batches are ours (epoch_batches) and the figures are gathered as our controller does."""
     import ray.train
     import torch
     import torch.distributed as dist
@@ -75,18 +170,15 @@ def ray_train_loop(config: dict) -> None:
 
     from examples.models import mnist_cnn
     from orchestrator.data import eval_slices, load_source, partition
-    from policies.allreduce import steps_per_partition
-    from policies.leases import PartitionLedger
 
     t_start = time.time()
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     d = load_source("builtin:mnist5k")
-    # the same partitions, the same per-epoch assignment and in-partition order as ours
-    parts = partition(d.train, 4 * world, SEED)
+    parts = partition(d.train, PARTITIONS, SEED)  # the same partitions as ours
     tensors = [(torch.from_numpy(p.x), torch.from_numpy(p.y)) for p in parts]
-    steps = steps_per_partition([len(p) for p in parts], BATCH)
+    sizes = [len(p) for p in parts]
     lo, hi = eval_slices(len(d.test), world)[rank]
     tx, ty = torch.from_numpy(d.test.x[lo:hi]), torch.from_numpy(d.test.y[lo:hi])
     torch.manual_seed(SEED)
@@ -95,27 +187,24 @@ def ray_train_loop(config: dict) -> None:
     history, t_first = [], time.time()
     for epoch in range(1, config["epochs"] + 1):
         model.train()
-        ledger = PartitionLedger(len(parts), world, SEED, pinned=True)
-        ledger.start_epoch(epoch)
-        n_parts = 0
+        samples = 0
         t0 = time.perf_counter()
-        while (lease := ledger.lease(rank)) is not None:
-            x, y = tensors[lease.partition]
-            order = torch.from_numpy(np.random.default_rng(lease.seed).permutation(len(y)))
-            for idx in order[: steps * BATCH].split(BATCH):  # batches cut as ours are
-                opt.zero_grad()
-                F.cross_entropy(model(torch.index_select(x, 0, idx)), torch.index_select(y, 0, idx)).backward()
-                opt.step()
-            n_parts += 1
-        train_s = time.perf_counter() - t0
-        model.eval()
-        with torch.no_grad():
-            out = model(tx)
-            stats = torch.tensor([(out.argmax(1) == ty).sum().item(), len(ty)], dtype=torch.float64)
-        dist.all_reduce(stats)
-        acc = float(stats[0] / stats[1])
-        ray.train.report({"epoch": epoch, "test_accuracy": acc})
-        history.append({"epoch": epoch, "train_s": train_s, "samples": n_parts * steps * BATCH * world,
+        # the same partitions in the same order as ours; each partition's batches in its
+        # lease's order, every row used (the last batch of a partition short)
+        for p, idx in epoch_batches(sizes, rank, epoch):
+            x, y = tensors[p]
+            opt.zero_grad()
+            F.cross_entropy(model(torch.index_select(x, 0, idx)), torch.index_select(y, 0, idx)).backward()
+            opt.step()
+            samples += len(idx)
+        train_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        correct, loss_sum, rows = evaluate(model, tx, ty)
+        sums = torch.tensor([correct, loss_sum, rows, samples], dtype=torch.float64)
+        dist.all_reduce(sums)  # as our controller sums the replicas' evaluations and samples
+        dist.all_reduce(train_s, op=dist.ReduceOp.MAX)  # the slowest worker's step loop, as ours
+        acc = float(sums[0] / sums[2])
+        ray.train.report({"epoch": epoch, "test_accuracy": acc, "test_loss": float(sums[1] / sums[2])})
+        history.append({"epoch": epoch, "train_s": float(train_s[0]), "samples": int(sums[3]),
                         "acc": acc, "t_end": time.time()})
     if rank == 0:
         with open(config["out"], "w") as f:
@@ -139,7 +228,8 @@ def ray_train(epochs: int, storage: str) -> dict:
     samples = sum(e["samples"] for e in hist)
     t97 = next((e["t_end"] - t_call for e in hist if e["acc"] >= TARGET), None)
     return {"steady": samples / sum(e["train_s"] for e in hist), "whole": samples / (hist[-1]["t_end"] - h["t_first"]),
-            "t97": t97, "startup_s": h["t_first"] - t_call, "final_accuracy": hist[-1]["acc"]}
+            "t97": t97, "startup_s": h["t_first"] - t_call, "final_accuracy": hist[-1]["acc"],
+            "rows_per_epoch": [e["samples"] for e in hist]}
 
 
 def main() -> None:
@@ -148,14 +238,21 @@ def main() -> None:
 
     reps, epochs = (2, 6) if args.quick else (3, 8)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
-    runs: dict[str, list] = {"single_process_steady": [], "ours": [], "ray_train": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(reps):
-            runs["single_process_steady"].append(single_process_steady(150 if args.quick else 300))
-            runs["ours"].append(ours(epochs, tmp))
-            runs["ray_train"].append(ray_train(epochs, tmp))
-            print(f"rep {rep + 1}/{reps}: " + json.dumps({k: v[-1] for k, v in runs.items()}))
-    ray.shutdown()
+    runs: dict[str, list] = {"single_process_steady": [], "single_process_1t": [], "single_process_2t": [],
+                             "ours": [], "ray_train": []}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for rep in range(reps):
+                runs["single_process_steady"].append(single_process_steady(150 if args.quick else 300))
+                runs["single_process_1t"].append(single_process_to_target(1, epochs))
+                runs["single_process_2t"].append(single_process_to_target(2, epochs))
+                runs["ours"].append(ours(epochs, tmp))
+                runs["ray_train"].append(ray_train(epochs, tmp))
+                print(f"rep {rep + 1}/{reps}: " + json.dumps(
+                    {k: ({kk: vv for kk, vv in v[-1].items() if kk != "history"} if isinstance(v[-1], dict) else v[-1])
+                     for k, v in runs.items()}), flush=True)
+    finally:
+        ray.shutdown()
 
     def med(side: str, key: str):
         vals = [r[key] for r in runs[side] if r[key] is not None]
@@ -165,6 +262,8 @@ def main() -> None:
     results = {"linear_limit_samples_per_s": limit, "epochs": epochs, "repetitions": reps, "runs": runs}
     for side in ("ours", "ray_train"):
         results[side] = {k: med(side, k) for k in ("steady", "whole", "t97", "startup_s", "final_accuracy")}
+    for side in ("single_process_1t", "single_process_2t"):
+        results[side] = {k: med(side, k) for k in ("t97", "epochs", "steady")}
     o, t = results["ours"], results["ray_train"]
     ratios = {
         "ours_vs_raytrain_steady": o["steady"] / t["steady"],
@@ -176,6 +275,10 @@ def main() -> None:
     }
     if o["t97"] and t["t97"]:
         ratios["ours_vs_raytrain_time_to_97"] = t["t97"] / o["t97"]
+    for threads in (1, 2):
+        single = results[f"single_process_{threads}t"]["t97"]
+        if o["t97"] and single:
+            ratios[f"ours_vs_single_process_{threads}t_time_to_97"] = single / o["t97"]
     report("throughput", args.quick, results, ratios, args.json)
 
 
