@@ -8,11 +8,36 @@ from typing import Any
 import pyarrow.fs as pafs
 import torch
 
+from orchestrator.errors import ConfigError
+from orchestrator.checks import bounded, writable_local_dir
+
+CHECK_TIMEOUT_S = 30.0  # resolving a remote store (s3:// may look up the bucket's region)
+
 
 def _resolve(uri: str) -> tuple[pafs.FileSystem, str]:
     if "://" not in uri:
         return pafs.LocalFileSystem(), os.path.abspath(uri)
     return pafs.FileSystem.from_uri(uri)
+
+
+def check_storage(storage: str) -> None:
+    """checkpoint.storage must name a filesystem pyarrow knows and, when local, a place a
+    directory can be written; ConfigError otherwise. Nothing is created."""
+    def reach() -> tuple[pafs.FileSystem, str]:
+        fs, root = _resolve(storage)
+        if not isinstance(fs, pafs.LocalFileSystem):
+            fs.get_file_info(root)  # the store answers (a missing path is fine: it is created)
+        return fs, root
+
+    try:
+        fs, root = bounded(reach, CHECK_TIMEOUT_S, f"opening {storage}")
+    except Exception as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        raise ConfigError(f"config error: checkpoint.storage: cannot open {storage} ({reason})") from None
+    if isinstance(fs, pafs.LocalFileSystem):
+        why = writable_local_dir(root)
+        if why:
+            raise ConfigError(f"config error: checkpoint.storage: cannot write checkpoints to {storage} ({why})")
 
 
 def save_checkpoint(storage: str, run_id: str, name: str, state: dict[str, Any]) -> str:

@@ -41,12 +41,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from orchestrator.trainer import ElasticTrainer
 
         trainer = ElasticTrainer(config, show_progress=not args.no_progress)
-        trainer.check()  # bad input stops here, before Ray or MLflow start
+        trainer.check()  # bad input stops here, before Ray or MLflow start (fit() checks the cluster)
     except ConfigError as exc:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         result = trainer.fit()
+    except ConfigError as exc:  # found once connected to Ray (the cluster cannot hold the job); no actor started
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except TrainingError as exc:
         print(f"orchestrator: training failed: {exc}", file=sys.stderr)
         return EXIT_FAILED

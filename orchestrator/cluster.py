@@ -1,10 +1,16 @@
-"""Connecting to Ray: an existing session, RAY_ADDRESS, or an embedded local cluster."""
+"""Connecting to Ray: an existing session, RAY_ADDRESS, or an embedded local cluster; and
+whether the connected cluster can hold the job's replicas."""
 from __future__ import annotations
 
 import logging
 import os
 
 import ray
+
+from orchestrator.checks import bounded
+from orchestrator.errors import ConfigError, TrainingError
+
+RESOURCES_TIMEOUT_S = 30.0
 
 
 def connect(logical_cpus: float) -> bool:
@@ -24,3 +30,27 @@ def connect(logical_cpus: float) -> bool:
     num_cpus = max(os.cpu_count() or 1, int(-(-logical_cpus // 1)))
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     return True
+
+
+def check_fits(replicas: int, cpus_per_replica: float, gpus_per_replica: float) -> None:
+    """The connected cluster can hold the replicas (shards and the partition server reserve no
+    CPU): ConfigError naming the short resource otherwise, instead of actors that never start."""
+    def look() -> tuple[dict, list[dict]]:
+        return ray.cluster_resources(), [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+
+    try:
+        total, nodes = bounded(look, RESOURCES_TIMEOUT_S, "the Ray cluster's resources")
+    except TimeoutError as exc:
+        raise TrainingError(str(exc)) from None
+    for key, each in (("CPU", cpus_per_replica), ("GPU", gpus_per_replica)):
+        if each <= 0:
+            continue
+        need, have = replicas * each, total.get(key, 0.0)
+        if need > have + 1e-9:
+            raise ConfigError(f"config error: scaling: {replicas} replicas x {each:g} {key} need {need:g} {key}, "
+                              f"the cluster has {have:g}")
+        largest = max((n.get(key, 0.0) for n in nodes), default=have)
+        if each > largest + 1e-9:
+            field = "cpus_per_replica" if key == "CPU" else "gpus_per_replica"
+            raise ConfigError(f"config error: scaling.{field}: one replica needs {each:g} {key}, "
+                              f"the largest node has {largest:g}")

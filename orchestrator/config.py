@@ -16,7 +16,8 @@ from orchestrator.errors import ConfigError
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan (also `1e400`, which overflows to inf) are rejected in every float field
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -82,9 +83,16 @@ class DataConfig(_Section):
 
 
 class OptimizerConfig(_Section):
-    name: Literal["sgd", "adam", "adagrad"] = Field("sgd", description="Optimizer every replica applies.")
+    name: Literal["sgd", "adam", "adagrad"] = Field(
+        "sgd", description="The update rule: allreduce replicas step with it; downpour shards apply it (sgd or "
+        "adagrad); easgd replicas take their local steps with it (sgd: plain or, with strategy.momentum > 0, "
+        "EAMSGD's Nesterov momentum; adam and adagrad need strategy.momentum 0)."
+    )
     lr: float = Field(0.05, gt=0, description="Learning rate (per step, for the global batch).")
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only).")
+    momentum: float = Field(
+        0.9, ge=0, lt=1, description="SGD momentum (sgd in allreduce and on downpour shards; easgd uses "
+        "strategy.momentum instead)."
+    )
     weight_decay: float = Field(0.0, ge=0, description="L2 penalty added to the gradient.")
 
 
@@ -114,19 +122,28 @@ class StrategyConfig(_Section):
         None, gt=0, le=1, description="easgd: elastic coefficient; default 0.9 / replicas (beta = 0.9)."
     )
     variant: Literal["async", "sync"] = Field("async", description="easgd: asynchronous, or synchronous at a barrier.")
-    momentum: float = Field(0.0, ge=0, lt=1, description="easgd: local Nesterov momentum (EAMSGD) when > 0.")
+    momentum: float = Field(
+        0.0, ge=0, lt=1, description="easgd: local Nesterov momentum (EAMSGD) when > 0; optimizer.name sgd only."
+    )
 
 
 class ScalingConfig(_Section):
     replicas: int = Field(2, ge=1, description="Number of ModelReplica actors.")
     cpus_per_replica: float = Field(1.0, gt=0, description="Logical CPUs per replica (also its torch threads).")
-    gpus_per_replica: float = Field(0.0, ge=0, description="GPUs per replica; > 0 selects the NCCL backend.")
-    shards: int = Field(1, ge=1, description="ParameterShard actors (downpour, easgd); they reserve no CPU.")
+    gpus_per_replica: float = Field(
+        0.0, ge=0, description="GPUs per replica; > 0 selects the NCCL backend (allreduce: 0 or at least 1, "
+        "NCCL cannot put two ranks on one GPU)."
+    )
+    shards: int = Field(
+        1, ge=1, description="ParameterShard actors (downpour, easgd); they reserve no CPU; at most one per "
+        "model parameter."
+    )
 
 
 class FaultsConfig(_Section):
     slow_replicas: dict[int, float] = Field(
-        default_factory=dict, description="Straggler experiments: replica rank -> seconds of delay added to each step."
+        default_factory=dict, description="Straggler experiments: replica rank (< scaling.replicas) -> seconds of "
+        "delay added to each step."
     )
 
     @field_validator("slow_replicas")
@@ -189,6 +206,26 @@ class JobConfig(_Section):
             raise ValueError(f"optimizer.name: downpour shards apply sgd or adagrad, not {self.optimizer.name}")
         return self
 
+    @model_validator(mode="after")
+    def _optimizer_fits(self) -> "JobConfig":
+        s, opt = self.strategy, self.optimizer
+        if s.mode == "easgd" and opt.name != "sgd" and s.momentum > 0:
+            raise ValueError(f"strategy.momentum is EAMSGD's Nesterov momentum for optimizer.name sgd; set it to 0 "
+                             f"with optimizer.name {opt.name} (got {s.momentum})")
+        return self
+
+    @model_validator(mode="after")
+    def _scaling_fits(self) -> "JobConfig":
+        gpus = self.scaling.gpus_per_replica
+        if self.strategy.mode == "allreduce" and 0 < gpus < 1:
+            raise ValueError(f"scaling.gpus_per_replica: allreduce needs a whole GPU per replica (NCCL cannot put "
+                             f"two ranks on one GPU), got {gpus}")
+        missing = sorted(r for r in self.faults.slow_replicas if r >= self.scaling.replicas)
+        if missing:
+            raise ValueError(f"faults.slow_replicas: no replica of rank {missing[0]}; ranks are 0.."
+                             f"{self.scaling.replicas - 1} (scaling.replicas {self.scaling.replicas})")
+        return self
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> "JobConfig":
         """Validate a nested dict plus `section.key=value` overrides; ConfigError on bad input."""
@@ -207,10 +244,16 @@ class JobConfig(_Section):
         try:
             with open(path, encoding="utf-8") as f:
                 raw = yaml.safe_load(f) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason}: byte "
+                              f"0x{exc.object[exc.start]:02x})") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path} cannot be read ({exc.strerror or exc})") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"config file {path}{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+            problem = " ".join(str(getattr(exc, "problem", None) or getattr(exc, "reason", None) or exc).split())
+            raise ConfigError(f"config file {path}{where} is not valid YAML: {problem}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
         return cls.from_dict(raw, overrides)

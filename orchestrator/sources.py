@@ -17,29 +17,49 @@ import pyarrow.fs as pafs
 
 from orchestrator.data import Dataset, Split, load_source
 from orchestrator.errors import ConfigError
+from orchestrator.checks import bounded
 
+LIST_TIMEOUT_S = 60.0  # resolving and listing a source (remote stores retry on their own)
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".arrow": "ipc", ".ipc": "ipc",
            ".feather": "ipc"}
 
 
-def _filesystem(source: str) -> tuple[pafs.FileSystem, str]:
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _filesystem(source: str, field: str = "data.source") -> tuple[pafs.FileSystem, str]:
     if "://" not in source:
         return pafs.LocalFileSystem(), os.path.abspath(source)
     try:
-        return pafs.FileSystem.from_uri(source)
+        return bounded(lambda: pafs.FileSystem.from_uri(source), LIST_TIMEOUT_S, f"opening {source}")
     except Exception as exc:
-        raise ConfigError(f"config error: data.source: cannot open {source} ({exc})") from None
+        raise ConfigError(f"config error: {field}: cannot open {source} ({_one_line(exc)})") from None
+
+
+def _list(fs: pafs.FileSystem, path: str, field: str, source: str) -> list[str]:
+    """The data files at `path` (itself, if a file); the same one-line error for a path that is
+    missing and for a store that cannot be listed (unreachable, no permission, timed out)."""
+    def listing() -> Optional[list[str]]:
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            return None
+        if info.type == pafs.FileType.File:
+            return [path]
+        return [f.path for f in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+                if f.type == pafs.FileType.File and not os.path.basename(f.path).startswith((".", "_"))]
+
+    try:
+        names = bounded(listing, LIST_TIMEOUT_S, f"listing {source}")
+    except Exception as exc:
+        raise ConfigError(f"config error: {field}: cannot list {source} ({_one_line(exc)})") from None
+    if names is None:
+        raise ConfigError(f"config error: {field}: no such file or directory: {source}")
+    return names
 
 
 def _format_of(fs: pafs.FileSystem, path: str, field: str, source: str) -> str:
-    info = fs.get_file_info(path)
-    if info.type == pafs.FileType.NotFound:
-        raise ConfigError(f"config error: {field}: no such file or directory: {source}")
-    if info.type == pafs.FileType.File:
-        names = [path]
-    else:
-        names = [f.path for f in fs.get_file_info(pafs.FileSelector(path, recursive=True))
-                 if f.type == pafs.FileType.File and not os.path.basename(f.path).startswith((".", "_"))]
+    names = _list(fs, path, field, source)
     exts = {os.path.splitext(n.removesuffix(".gz"))[1].lower() for n in names}
     known = {FORMATS[e] for e in exts if e in FORMATS}
     if len(known) != 1:
@@ -50,7 +70,7 @@ def _format_of(fs: pafs.FileSystem, path: str, field: str, source: str) -> str:
 
 def read_table(source: str, field: str = "data.source") -> pa.Table:
     """A whole file or directory as one Arrow table (pyarrow.dataset, any pyarrow filesystem)."""
-    fs, path = _filesystem(source)
+    fs, path = _filesystem(source, field)
     fmt = _format_of(fs, path, field, source)
     try:
         return pads.dataset(path, filesystem=fs, format=fmt).to_table()
@@ -137,6 +157,9 @@ def load_dataset(data_cfg, in_memory: Any = None) -> Dataset:
     if data_cfg.test_source:
         test = table_to_split(read_table(data_cfg.test_source, "data.test_source"), *args, source=data_cfg.test_source)
         train = whole
+        if test.x.shape[1:] != train.x.shape[1:]:
+            raise ConfigError(f"config error: data.test_source: {data_cfg.test_source} rows have features of shape "
+                              f"{list(test.x.shape[1:])}, the train data {list(train.x.shape[1:])}")
     else:
         order = np.random.default_rng(data_cfg.seed).permutation(len(whole))
         n_test = int(round(len(whole) * data_cfg.test_fraction))

@@ -1,59 +1,203 @@
 """MLflow tracking from one place (the driver): one run per job, through MlflowClient so a
-job never disturbs the caller's active fluent run."""
+job never disturbs the caller's active fluent run.
+
+Every write after the run is created goes through one writer thread, in order, so a slow or
+failing store never stalls or crashes training: a write that fails is reported once on stderr
+and the run goes on. `events.jsonl` is re-logged as each event happens (events are few: start,
+one per epoch, checkpoints, stop), so a run that is killed keeps its record.
+"""
 from __future__ import annotations
 
 import json
 import os
 import platform
+import queue
+import socket
+import sys
+import threading
 import time
-from typing import Any, Optional
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, Callable, Optional
 
 import mlflow
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
+from orchestrator.checks import bounded, writable_local_dir
+from orchestrator.errors import ConfigError, TrainingError
+
 MAX_BATCH = 900  # MLflow accepts up to 1000 metrics per log_batch
+HEALTH_TIMEOUT_S = 3.0  # the check before anything starts
+OPEN_TIMEOUT_S = 60.0  # creating the experiment and the run
+WRITE_TIMEOUT_S = 60.0  # a write the caller waits for (params, texts)
+FILE_TIMEOUT_S = 300.0  # an artifact file (the model)
+FINISH_TIMEOUT_S = 60.0  # the writes still queued and the run's end status
+DB_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
+
+
+def check_store(tracking_uri: Optional[str]) -> None:
+    """The tracking store answers (an HTTP server within HEALTH_TIMEOUT_S, a database port) or,
+    for a local store (sqlite, file), its directory can be written. ConfigError otherwise;
+    nothing is created."""
+    uri = tracking_uri or mlflow.get_tracking_uri()
+    field = "tracking.tracking_uri" if tracking_uri else f"tracking.tracking_uri (default {uri})"
+    scheme = urllib.parse.urlparse(uri).scheme.lower()
+    backend = scheme.split("+")[0]
+    if scheme in ("http", "https"):
+        why = _http_unreachable(uri)
+        if why:
+            raise ConfigError(f"config error: {field}: no MLflow server answers at {uri} ({why})")
+    elif backend == "sqlite":
+        from sqlalchemy.engine import make_url
+
+        path = make_url(uri).database
+        if path and path != ":memory:":
+            path = os.path.abspath(path)
+            why = (None if os.access(path, os.W_OK) else f"{path} is not writable") if os.path.isfile(path) \
+                else writable_local_dir(os.path.dirname(path))
+            if why:
+                raise ConfigError(f"config error: {field}: cannot write the MLflow store {uri} ({why})")
+    elif scheme in ("", "file"):
+        path = urllib.parse.urlparse(uri).path if scheme == "file" else uri
+        why = writable_local_dir(path)
+        if why:
+            raise ConfigError(f"config error: {field}: cannot write the MLflow store {uri} ({why})")
+    elif backend in DB_PORTS:
+        from sqlalchemy.engine import make_url
+
+        url = make_url(uri)
+        host, port = url.host or "localhost", url.port or DB_PORTS[backend]
+        try:
+            socket.create_connection((host, port), timeout=HEALTH_TIMEOUT_S).close()
+        except OSError as exc:
+            raise ConfigError(f"config error: {field}: no database answers at {host}:{port} "
+                              f"within {HEALTH_TIMEOUT_S:g}s ({exc.strerror or exc})") from None
+
+
+def _http_unreachable(uri: str) -> Optional[str]:
+    """None if something answers GET <uri>/health within HEALTH_TIMEOUT_S, else why not."""
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S):
+            return None
+    except urllib.error.HTTPError as exc:  # it answered; 5xx is a server (or proxy) that cannot serve
+        return f"HTTP {exc.code} from /health" if exc.code >= 500 else None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, TimeoutError):
+            return f"no answer within {HEALTH_TIMEOUT_S:g}s"
+        return getattr(reason, "strerror", None) or str(reason) or type(reason).__name__
+
+
+class _Writer:
+    """One daemon thread that performs the run's writes in the order they were asked for."""
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._warn = warn
+        self._warned: set[str] = set()
+        threading.Thread(target=self._loop, name="mlflow writer", daemon=True).start()
+
+    def post(self, what: str, fn: Callable[[], Any]) -> threading.Event:
+        done = threading.Event()
+        self._jobs.put((what, fn, done))
+        return done
+
+    def call(self, what: str, fn: Callable[[], Any], timeout_s: float) -> bool:
+        """Post and wait up to timeout_s; False (and a warning) when it has not happened by then."""
+        if self.post(what, fn).wait(timeout_s):
+            return True
+        self._say(what, f"MLflow did not answer within {timeout_s:g}s; it is still tried in the background")
+        return False
+
+    def _loop(self) -> None:
+        while True:
+            what, fn, done = self._jobs.get()
+            try:
+                fn()
+            except Exception as exc:  # a tracking hiccup never ends the run
+                self._say(what, " ".join(str(exc).split())[:300] or type(exc).__name__)
+            finally:
+                done.set()
+
+    def _say(self, what: str, why: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            self._warn(f"tracking: {what}: {why}")
+
+
+def _stderr(line: str) -> None:
+    print(f"orchestrator: {line}", file=sys.stderr, flush=True)
 
 
 class Tracker:
-    def __init__(self, tracking_uri: Optional[str], experiment: str, run_name: Optional[str]) -> None:
+    def __init__(self, tracking_uri: Optional[str], experiment: str, run_name: Optional[str],
+                 warn: Callable[[str], None] = _stderr) -> None:
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
         self.client = MlflowClient(self.tracking_uri)
-        exp = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
-        self.run_id = self.client.create_run(self.experiment_id, run_name=run_name).info.run_id
+
+        def open_run() -> tuple[str, str]:
+            exp = self.client.get_experiment_by_name(experiment)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+            return exp_id, self.client.create_run(exp_id, run_name=run_name).info.run_id
+
+        try:
+            self.experiment_id, self.run_id = bounded(open_run, OPEN_TIMEOUT_S, f"MLflow at {self.tracking_uri}")
+        except TimeoutError as exc:
+            raise TrainingError(f"tracking: {exc}") from None
         self.events: list[dict[str, Any]] = []
+        self._writer = _Writer(warn)
+        self._events_written = 0  # how many of self.events the run's events.jsonl holds
 
     def log_params(self, params: dict[str, Any]) -> None:
         items = [Param(k, json.dumps(v) if isinstance(v, (list, dict)) else str(v)) for k, v in params.items()]
         for i in range(0, len(items), 90):
-            self.client.log_batch(self.run_id, params=items[i : i + 90])
+            chunk = items[i : i + 90]
+            self._writer.call("params", lambda c=chunk: self.client.log_batch(self.run_id, params=c), WRITE_TIMEOUT_S)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        rows = [RunTag(k, str(v)) for k, v in tags.items()]
+        self._writer.call("tags", lambda: self.client.log_batch(self.run_id, tags=rows), WRITE_TIMEOUT_S)
 
     def log_metrics(self, rows: list[tuple[str, float, int]]) -> None:
-        """(key, value, step) rows, batched."""
+        """(key, value, step) rows, batched; written in the background."""
         now = int(time.time() * 1000)
         metrics = [Metric(k, float(v), now, int(s)) for k, v, s in rows]
         for i in range(0, len(metrics), MAX_BATCH):
-            self.client.log_batch(self.run_id, metrics=metrics[i : i + MAX_BATCH])
+            chunk = metrics[i : i + MAX_BATCH]
+            self._writer.post("metrics", lambda c=chunk: self.client.log_batch(self.run_id, metrics=c))
 
     def event(self, kind: str, t0: float, **fields: Any) -> dict[str, Any]:
-        """Record an event (kept for events.jsonl and the result) with seconds since fit()."""
+        """Record an event (for the result) with seconds since fit(); the run's events.jsonl is
+        re-logged in the background so it holds every event so far."""
         ev = {"t": round(time.perf_counter() - t0, 3), "kind": kind, **fields}
         self.events.append(ev)
+        self._writer.post("events.jsonl", self._write_events)
         return ev
 
+    def _write_events(self) -> None:
+        n = len(self.events)
+        if n > self._events_written:  # a later event's write already covered this one
+            self.client.log_text(self.run_id, "".join(json.dumps(e) + "\n" for e in self.events[:n]), "events.jsonl")
+            self._events_written = n
+
     def log_text(self, text: str, name: str) -> None:
-        self.client.log_text(self.run_id, text, name)
+        self._writer.call(name, lambda: self.client.log_text(self.run_id, text, name), WRITE_TIMEOUT_S)
 
     def log_file(self, path: str) -> None:
-        self.client.log_artifact(self.run_id, path)
+        self._writer.call(os.path.basename(path), lambda: self.client.log_artifact(self.run_id, path), FILE_TIMEOUT_S)
 
-    def finish(self, status: str) -> None:
-        self.log_text("".join(json.dumps(e) + "\n" for e in self.events), "events.jsonl")
-        self.client.set_terminated(self.run_id, status)
+    def flush(self, timeout_s: float = FINISH_TIMEOUT_S) -> bool:
+        """Wait up to timeout_s for every write asked for so far."""
+        return self._writer.post("flush", lambda: None).wait(timeout_s)
+
+    def finish(self, status: str, timeout_s: float = FINISH_TIMEOUT_S) -> bool:
+        """Write what is queued and events.jsonl, then end the run with `status` (FINISHED,
+        FAILED, KILLED); waits up to timeout_s (the writes go on in the background after that)."""
+        self._writer.post("events.jsonl", self._write_events)
+        return self._writer.call(f"ending the run as {status}", lambda: self.client.set_terminated(self.run_id, status),
+                                 timeout_s)
 
     def where(self) -> str:
         return f"MLflow run {self.run_id} (experiment {self.experiment_id}) at {self.tracking_uri}"

@@ -15,11 +15,23 @@ from orchestrator.result import FinalMetrics, TrainResult
 
 
 def check_inputs(config: JobConfig, data: Any = None) -> Dataset:
-    """Everything that can be checked before anything starts: the factory imports and returns
-    a module, the data loads, the model accepts the data's shape. ConfigError otherwise."""
+    """Everything that can be checked before anything starts: checkpoint.storage can be written,
+    the tracking store answers, the factory imports and returns a module (with at least one
+    parameter per shard), the data loads, the model accepts the data's shape. ConfigError
+    otherwise; nothing is written."""
     import torch
 
+    from orchestrator.checkpoint import check_storage
+    from orchestrator.tracking import check_store
+    from policies.modes import needs_shards
+
+    check_storage(config.checkpoint.storage)
+    check_store(config.tracking.tracking_uri)
     model = build_model(config.model.factory, config.model.kwargs, config.data.seed)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if needs_shards(config.strategy.mode) and config.scaling.shards > n_params:
+        raise ConfigError(f"config error: scaling.shards: {config.scaling.shards} shards for the {n_params} "
+                          f"parameters of {config.model.factory}; at most one shard per parameter")
     dataset = load_dataset(config.data, data)
     sample = torch.from_numpy(dataset.train.x[:2])
     try:
@@ -71,7 +83,14 @@ class ElasticTrainer:
         t0 = time.perf_counter()
         cfg = self.config
         dataset = self.check()
+        connected_here = not ray.is_initialized()
         started_ray = cluster.connect(cfg.scaling.replicas * cfg.scaling.cpus_per_replica)
+        try:  # before any actor: a cluster that cannot hold the replicas is bad input
+            cluster.check_fits(cfg.scaling.replicas, cfg.scaling.cpus_per_replica, cfg.scaling.gpus_per_replica)
+        except BaseException:
+            if connected_here:  # leave nothing behind: stop the cluster we started, or leave the one we joined
+                ray.shutdown()
+            raise
         previous_sigterm = _sigterm_as_interrupt()  # after ray.init, which installs its own
         display = ProgressDisplay(cfg.stop.epochs, enabled=self.show_progress)
         self.controller = ctl = Controller(cfg, dataset, None, t0, display, trace_ids=self._trace_ids)
@@ -79,17 +98,18 @@ class ElasticTrainer:
         try:
             ctl.launch()  # replica processes boot while MLflow opens its store
             ctl.tracker = tracker = _open_tracking(cfg)
+            _describe_run(tracker, cfg)
             display.line(f"tracking to {tracker.where()}")
             totals = ctl.run()
             status = "FINISHED"
         except KeyboardInterrupt:
             status = "KILLED"
-            _save_on_interrupt(ctl, display)
+            _end_on_interrupt(ctl, tracker, display, t0)
             raise
         finally:
             display.close()
             ctl.shutdown()
-            if tracker is not None and status != "FINISHED":
+            if tracker is not None and status == "FAILED":
                 tracker.event("ended", t0, status=status)
                 tracker.finish(status)
             if started_ray:
@@ -110,6 +130,7 @@ class ElasticTrainer:
         return result
 
 
+INTERRUPT_RECORD_TIMEOUT_S = 1.0  # `ray job stop` sends SIGKILL 3 s after SIGTERM: the record goes first
 INTERRUPT_CHECKPOINT_TIMEOUT_S = 15.0
 
 
@@ -118,33 +139,46 @@ def _raise_interrupt(signum, frame):
 
 
 def _sigterm_as_interrupt():
-    """SIGTERM (`ray job stop`, a scheduler) ends the run like Ctrl-C: checkpoint, MLflow KILLED.
-    Only the main thread can set handlers; returns the previous handler to restore."""
+    """SIGTERM (`ray job stop`, a scheduler) ends the run like Ctrl-C: MLflow KILLED, then a
+    checkpoint if time allows. Only the main thread can set handlers; returns the previous
+    handler to restore."""
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
-def _save_on_interrupt(ctl, display) -> None:
-    """Ctrl-C / SIGTERM: keep what was learned. Replicas finish the step loop they are in, so
-    rank 0 answers once its current epoch ends; past the timeout the run ends without it."""
-    if ctl.tracker is None or not ctl.replicas or ctl.steps_per_epoch == 0:  # never got going
+def _end_on_interrupt(ctl, tracker, display, t0: float) -> None:
+    """Ctrl-C / SIGTERM. First the record, within about a second: the MLflow run is marked
+    KILLED and events.jsonl written (a SIGKILL may follow soon). Then keep what was learned if
+    time allows: replicas finish the step loop they are in, so rank 0 answers once its current
+    epoch ends; the checkpoint's path is added to the run's events."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated SIGTERM does not cut this short
+    if tracker is not None:
+        tracker.event("ended", t0, status="KILLED")
+        tracker.finish("KILLED", timeout_s=INTERRUPT_RECORD_TIMEOUT_S)
+    if tracker is None or not ctl.replicas or ctl.steps_per_epoch == 0:  # never got going
         return
     try:
-        path = ctl.checkpoint("interrupted.pt", INTERRUPT_CHECKPOINT_TIMEOUT_S)
+        path = ctl.checkpoint("interrupted.pt", INTERRUPT_CHECKPOINT_TIMEOUT_S)  # records a checkpoint event
         display.line(f"interrupted: checkpoint written to {path}")
     except Exception as exc:  # the run is ending either way; say why nothing was saved
         display.line(f"interrupted: no checkpoint ({exc})")
+    tracker.flush(INTERRUPT_RECORD_TIMEOUT_S)
 
 
 def _open_tracking(cfg: JobConfig):
-    from orchestrator.tracking import Tracker, environment_tags
+    from orchestrator.tracking import Tracker
 
-    tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.tracking.run_name)
+    return Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.tracking.run_name)
+
+
+def _describe_run(tracker, cfg: JobConfig) -> None:
+    from orchestrator.tracking import environment_tags
+
     tracker.log_params(cfg.flat())
     tracker.set_tags({"mode": cfg.strategy.mode, "replicas": cfg.scaling.replicas, **environment_tags()})
     tracker.log_text(cfg.to_yaml(), "config.yaml")
-    return tracker
 
 
 def _result(cfg: JobConfig, totals, tracker, wall_s: float) -> TrainResult:

@@ -42,6 +42,16 @@ def test_yaml_round_trip(tmp_path):
     ({}, ["data.source=builtin:imagenet"], "data.source"),
     ({}, ["model.factory=nocolon"], "model.factory"),
     ({}, ["stop.target_accuracy=1.5"], "stop.target_accuracy"),
+    ({}, ["optimizer.lr=inf"], "optimizer.lr: Input should be a finite number"),
+    ({}, ["optimizer.lr=1e400"], "optimizer.lr: Input should be a finite number"),
+    ({}, ["optimizer.weight_decay=nan"], "optimizer.weight_decay: Input should be a finite number"),
+    ({}, ["stop.max_wall_s=.inf"], "stop.max_wall_s: Input should be a finite number"),
+    ({}, ["faults.slow_replicas={0: .inf}"], "faults.slow_replicas.0"),
+    ({}, ["scaling.replicas=2", "faults.slow_replicas={2: 0.1}"], "faults.slow_replicas: no replica of rank 2"),
+    ({}, ["strategy.mode=allreduce", "scaling.gpus_per_replica=0.25"], "scaling.gpus_per_replica"),
+    ({}, ["strategy.mode=easgd", "optimizer.name=adam", "strategy.momentum=0.9"],
+     "strategy.momentum is EAMSGD's Nesterov momentum for optimizer.name sgd"),
+    ({}, ["strategy.mode=easgd", "optimizer.name=adagrad", "strategy.momentum=0.1"], "strategy.momentum"),
 ])
 def test_bad_input_names_the_field(raw, overrides, field):
     with pytest.raises(ConfigError) as exc:
@@ -69,3 +79,20 @@ def test_docs_config_reference_is_current():
     path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "config.md")
     with open(path) as f:
         assert f.read().strip() == reference_markdown().strip(), "run: python -m orchestrator config-reference > docs/config.md"
+
+
+def test_rules_that_still_allow_what_works():
+    easgd_adam = JobConfig.from_dict({}, ["strategy.mode=easgd", "optimizer.name=adam", "strategy.momentum=0"])
+    assert easgd_adam.optimizer.name == "adam"  # the replicas' local optimizer
+    assert JobConfig.from_dict({}, ["strategy.mode=easgd", "strategy.momentum=0.9"]).strategy.momentum == 0.9
+    assert JobConfig.from_dict({}, ["strategy.mode=downpour", "scaling.gpus_per_replica=0.5"]).scaling.gpus_per_replica == 0.5
+    assert JobConfig.from_dict({}, ["scaling.gpus_per_replica=1"]).scaling.gpus_per_replica == 1
+    assert JobConfig.from_dict({}, ["scaling.replicas=3", "faults.slow_replicas={2: 0.1}"]).faults.slow_replicas == {2: 0.1}
+
+
+def test_config_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(b"optimizer:\n  name: \xe9\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text") as exc:
+        JobConfig.from_yaml(path)
+    assert "\n" not in str(exc.value)

@@ -82,3 +82,23 @@ def test_bad_data_gets_one_line_naming_the_problem(tmp_path, capsys, monkeypatch
     assert main(["run", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_a_store_that_cannot_be_listed_is_one_line_naming_the_field(tmp_path):
+    import socket
+
+    from orchestrator.errors import ConfigError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    table, _, _ = blobs()
+    pq.write_table(table, tmp_path / "train.parquet")
+    unreachable = f"s3://bucket/test?region=us-east-1&scheme=http&endpoint_override=127.0.0.1:{port}"
+    for cfg, field in ((DataConfig(source=unreachable), "data.source"),
+                       (DataConfig(source=str(tmp_path / "train.parquet"), test_source=unreachable), "data.test_source"),
+                       (DataConfig(source="nosuch://x"), "data.source")):
+        with pytest.raises(ConfigError) as exc:
+            load_dataset(cfg)
+        msg = str(exc.value)
+        assert msg.startswith(f"config error: {field}: cannot ") and "\n" not in msg, msg

@@ -1,0 +1,45 @@
+"""Helpers for the checks made before anything starts: a timeout for blocking calls that have
+none of their own (filesystem listings, store lookups), and whether a local directory can be written."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Optional
+
+
+def bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """fn() in a daemon thread; its result, its exception, or TimeoutError after timeout_s
+    (the thread is left to finish on its own and never keeps the process alive)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"bounded: {what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what}: no answer within {timeout_s:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def writable_local_dir(path: str) -> Optional[str]:
+    """None if a directory can be created at `path` (or is there) and written to, else why not.
+    Checks the nearest existing ancestor with os.access; creates nothing."""
+    path = os.path.abspath(path)
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"{probe} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK) or os.statvfs(probe).f_flag & os.ST_RDONLY:
+        return f"{probe} is not writable"
+    return None

@@ -1,0 +1,73 @@
+"""Tracking: events reach the MLflow run as they happen; a slow or failing store never stalls
+or crashes the run; ending a run is bounded in time."""
+import json
+import threading
+import time
+
+from mlflow.tracking import MlflowClient
+
+from orchestrator.tracking import Tracker
+
+
+def events_in_run(uri, run_id, tmp_path):
+    path = MlflowClient(uri).download_artifacts(run_id, "events.jsonl", str(tmp_path / f"dl{time.monotonic_ns()}"))
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_events_are_in_the_run_as_they_happen(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = Tracker(uri, "events", None)
+    t0 = time.perf_counter()
+    tracker.event("started", t0, replicas=2)
+    assert tracker.flush(10)
+    assert [e["kind"] for e in events_in_run(uri, tracker.run_id, tmp_path)] == ["started"]
+    tracker.event("epoch_end", t0, epoch=1)
+    assert tracker.flush(10)
+    assert [e["kind"] for e in events_in_run(uri, tracker.run_id, tmp_path)] == ["started", "epoch_end"]
+    assert MlflowClient(uri).get_run(tracker.run_id).info.status == "RUNNING"
+    tracker.event("ended", t0, status="KILLED")
+    assert tracker.finish("KILLED", timeout_s=10)
+    assert MlflowClient(uri).get_run(tracker.run_id).info.status == "KILLED"
+    assert events_in_run(uri, tracker.run_id, tmp_path)[-1] == {**tracker.events[-1], "status": "KILLED"}
+
+
+class Flaky:
+    """An MlflowClient stand-in whose writes fail or hang."""
+
+    def __init__(self, client, hang: threading.Event):
+        self.client, self.hang, self.calls = client, hang, []
+
+    def log_text(self, *a, **k):
+        self.calls.append("log_text")
+        raise ConnectionError("store went away")
+
+    def log_batch(self, *a, **k):
+        self.calls.append("log_batch")
+        raise ConnectionError("store went away")
+
+    def set_terminated(self, *a, **k):
+        self.hang.wait(30)
+
+
+def test_a_failing_or_hanging_store_never_stops_the_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    warnings = []
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "flaky", None, warn=warnings.append)
+    hang = threading.Event()
+    tracker.client = Flaky(tracker.client, hang)
+    t0 = time.perf_counter()
+    for epoch in range(3):  # none of these raises
+        tracker.log_metrics([("test_accuracy", 0.5, epoch)])
+        tracker.event("epoch_end", t0, epoch=epoch)
+    tracker.log_text("x", "result.json")
+    assert tracker.flush(10)
+    assert len(tracker.events) == 3 and "log_batch" in tracker.client.calls
+    kinds = sorted(w.split(":")[1].strip() for w in warnings)
+    assert kinds == ["events.jsonl", "metrics", "result.json"], warnings  # each kind reported once
+    start = time.monotonic()
+    assert tracker.finish("KILLED", timeout_s=0.5) is False  # the store hangs: the caller does not
+    assert time.monotonic() - start < 5
+    assert any("ending the run as KILLED" in w for w in warnings)
+    hang.set()
