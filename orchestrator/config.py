@@ -56,11 +56,13 @@ class DataConfig(_Section):
     id_column: Optional[str] = Field(None, description="Column of row ids (reported in traces); default: row number.")
     test_fraction: float = Field(0.2, gt=0, lt=1, description="Share of rows held out for testing (file sources).")
     test_source: Optional[str] = Field(None, description="A separate test set (same format rules); overrides test_fraction.")
-    batch_size: int = Field(64, gt=0, description="Samples per step per replica.")
+    batch_size: int = Field(64, gt=0, description="Samples per step per replica; the last batch of each "
+                            "partition is shorter when the partition's rows are not a multiple.")
     seed: int = Field(0, description="Seed for the split, partition order and shuffling; runs are reproducible.")
     partitions: Optional[int] = Field(
-        None, gt=0, description="Partitions the train split is cut into; default 4 x replicas (allreduce needs a "
-        "multiple of scaling.replicas)."
+        None, gt=0, description="Partitions the train split is cut into; default 4 x replicas. Any count works in "
+        "every mode (lock-step modes give a replica with fewer batches empty steps); a multiple of "
+        "scaling.replicas keeps allreduce replicas equally busy."
     )
     shuffle: bool = Field(True, description="Reshuffle partition order and rows within partitions every epoch.")
 
@@ -198,10 +200,6 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _mode_fits(self) -> "JobConfig":
-        parts = self.data.partitions
-        if self.strategy.mode == "allreduce" and parts is not None and parts % self.scaling.replicas:
-            raise ValueError(f"data.partitions: allreduce needs a multiple of scaling.replicas "
-                             f"({self.scaling.replicas}) so every replica takes the same steps, got {parts}")
         if self.strategy.mode == "downpour" and self.optimizer.name not in ("sgd", "adagrad"):
             raise ValueError(f"optimizer.name: downpour shards apply sgd or adagrad, not {self.optimizer.name}")
         return self

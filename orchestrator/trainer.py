@@ -46,10 +46,6 @@ def check_inputs(config: JobConfig, data: Any = None) -> Dataset:
     parts = config.data.partitions or 4 * config.scaling.replicas
     if parts > len(dataset.train):
         raise ConfigError(f"config error: data.partitions: {parts} partitions for {len(dataset.train)} train rows")
-    rows = len(dataset.train) // parts
-    if config.strategy.mode == "allreduce" and rows < config.data.batch_size:
-        raise ConfigError(f"config error: data.batch_size: {config.data.batch_size} is more than the {rows} rows "
-                          f"of each of {parts} partitions (lower data.batch_size or data.partitions)")
     return dataset
 
 
@@ -190,5 +186,6 @@ def _result(cfg: JobConfig, totals, tracker, wall_s: float) -> TrainResult:
         startup_s=totals.startup_s, time_to_target_s=totals.time_to_target_s,
         final=FinalMetrics(totals.test_accuracy, totals.test_loss, totals.train_loss),
         stop_reason=totals.stop_reason, checkpoint=totals.checkpoint,
-        tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id, events=tracker.events,
+        tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id,
+        rows_per_epoch=list(totals.rows_per_epoch), events=tracker.events,
     )
