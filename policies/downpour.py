@@ -49,7 +49,6 @@ class DownpourWorker:
     versions: list[int] = field(default_factory=list)
     stalenesses: list[int] = field(default_factory=list)
     pushes: int = 0
-    max_lead: int = 0
     _min_clock: int = 0
     lock_step = False
 
@@ -91,9 +90,9 @@ class DownpourWorker:
         self._min_clock = max(self._min_clock, min_clock)
 
     def _bound_lead(self) -> None:
-        """SSP: never run more than max_staleness steps ahead of the slowest replica."""
+        """SSP: start a step only while at most max_staleness steps ahead of the slowest replica
+        (the lead itself is observed by shard 0, ShardState.max_lead)."""
         if self.step_count - self._min_clock <= self.max_staleness:
-            self.max_lead = max(self.max_lead, self.step_count - self._min_clock)
             return
 
         def caught_up() -> bool:
@@ -101,7 +100,6 @@ class DownpourWorker:
             return self.step_count - self._min_clock <= self.max_staleness
 
         self._wait_for(caught_up, "max_staleness")
-        self.max_lead = max(self.max_lead, self.step_count - self._min_clock)
 
     def _wait_for(self, condition, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -117,6 +115,6 @@ class DownpourWorker:
         self.client.idle(self.rank)
         s = self.stalenesses
         stats = {"pushes": self.pushes, "staleness_mean": sum(s) / len(s) if s else 0.0,
-                 "staleness_max": max(s) if s else 0, "max_lead": self.max_lead}
+                 "staleness_max": max(s) if s else 0}
         self.stalenesses, self.pushes = [], 0
         return stats
