@@ -140,8 +140,9 @@ class ModelReplica:
         starts the epoch with. A non-finite loss ends the run (RuntimeError naming the step)."""
         self.model.train()
         consumed, comm_s, steps, samples, loss = [], 0.0, 0, 0, float("nan")
-        t_epoch = t_window = time.perf_counter()
-        window = 0
+        t_epoch = t_window = t_sent = time.perf_counter()
+        window, rows = 0, []
+        send_every = float(self.cfg["tracking"]["progress_interval_s"])
         lock_step = self.worker.lock_step
         batches = self.reader.epoch_batches(first_grant)
         following = next(batches, None)
@@ -169,9 +170,12 @@ class ModelReplica:
                     consumed.append(current[3]["ids"][current[2].numpy()].tolist())
             if steps % log_every == 0:
                 now = time.perf_counter()
-                yield {"kind": "progress", "rank": self.rank, "epoch": epoch, "step": self.step,
-                       "step_in_epoch": steps, "loss": loss, "samples_per_s": window / (now - t_window)}
+                rows.append({"rank": self.rank, "epoch": epoch, "step": self.step, "step_in_epoch": steps,
+                             "loss": loss, "samples_per_s": window / (now - t_window)})
                 t_window, window = now, 0
+                if now - t_sent >= send_every:  # each message to the driver costs the step loop
+                    yield {"kind": "progress", "rank": self.rank, "rows": rows}
+                    rows, t_sent = [], now
             if lock_step and not result.go_on:
                 break
         train_s = time.perf_counter() - t_epoch
@@ -182,7 +186,7 @@ class ModelReplica:
         yield {"kind": "epoch", "rank": self.rank, "steps": steps, "samples": samples, "train_s": train_s,
                "comm_s": comm_s, "consumed": consumed, "partitions": list(self.reader.read),
                "unreported": self.reader.unreported, "eval": evaluation,
-               "loss": loss, "mode": mode_stats}
+               "loss": loss, "mode": mode_stats, "progress": rows}
 
     @torch.inference_mode()
     def evaluate(self) -> tuple[int, float, int]:

@@ -175,6 +175,11 @@ class TrackingConfig(_Section):
     )
     run_name: Optional[str] = Field(None, description="MLflow run name; default: MLflow picks one.")
     log_every_steps: int = Field(10, ge=1, description="Log train loss and samples/s every this many steps.")
+    progress_interval_s: float = Field(
+        1.0, ge=0, description="Replicas send their progress rows (one every log_every_steps steps, each with its own "
+        "step and figures) to the driver at most this often, and the rest with the epoch's end; 0 = each row at once. "
+        "Sending less often costs the step loops less."
+    )
 
 
 class CheckpointConfig(_Section):

@@ -359,12 +359,14 @@ class Controller:
                     raise TrainingError(f"replica {rank} epoch {epoch}: {exc.cause if hasattr(exc, 'cause') else exc}") from None
                 if item["kind"] == "epoch":
                     finals.append(item)
-                    continue
-                self.progress[rank] = item["step"]
-                if rank == first:
-                    progress.append(item)
+                rows = item["progress"] if item["kind"] == "epoch" else item["rows"]
+                if rows:
+                    self.progress[rank] = rows[-1]["step"]
+                if rank == first and rows:
+                    progress += rows
                     if self.display is not None:
-                        self.display.steps(epoch, item["step_in_epoch"], item["loss"], self.steps_per_epoch)
+                        last = rows[-1]
+                        self.display.steps(epoch, last["step_in_epoch"], last["loss"], self.steps_per_epoch)
         return finals, progress, dead
 
     # ---- FINISHING: final checkpoint and artifacts -----------------------------------------

@@ -78,7 +78,7 @@ def test_allreduce_serves_every_partition_once_in_lock_step(ray_cluster, parquet
 
 def test_a_killed_replica_leaves_every_row_once_plus_the_reported_redo(ray_cluster, parquet_dir):
     cfg = blob_job(parquet_dir, strategy={"mode": "downpour"}, data={"batch_size": 4, "partitions": 30},
-                   faults={"slow_replicas": {0: 0.004, 1: 0.004, 2: 0.004}}, tracking={"log_every_steps": 5},
+                   faults={"slow_replicas": {0: 0.004, 1: 0.004, 2: 0.004}}, tracking={"log_every_steps": 5, "progress_interval_s": 0},
                    scaling={"replicas": 3, "cpus_per_replica": 0.5, "shards": 1}, stop={"epochs": 3})
     dataset = load_dataset(cfg.data)
     watch = StepWatch()

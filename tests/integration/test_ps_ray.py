@@ -153,7 +153,7 @@ def test_max_staleness_survives_a_killed_replica(ray_cluster, tmp_path):
     """The survivors stop waiting for a dead replica's clock as soon as its death is seen."""
     cfg = job_config(strategy={"mode": "downpour", "max_staleness": 3, "timeout_s": 20}, stop={"epochs": 3},
                      data={"batch_size": 8}, faults={"slow_replicas": {0: 0.002, 1: 0.002, 2: 0.002}},
-                     tracking={"log_every_steps": 5}, optimizer={"momentum": 0.0},
+                     tracking={"log_every_steps": 5, "progress_interval_s": 0}, optimizer={"momentum": 0.0},
                      scaling={"replicas": 3, "cpus_per_replica": 0.5, "shards": 2},
                      checkpoint={"storage": str(tmp_path / "ck")})
     trainer = ElasticTrainer(cfg, show_progress=False)
