@@ -75,7 +75,7 @@ class ModelReplica:
         self.worker = self._make_worker(config, shards, bounds)
         self.step_delay_s = float(config["faults"]["slow_replicas"].get(rank, 0.0))
         self.step = 0
-        self._buffer_names = [name for name, _ in self.model.named_buffers()]
+        self._has_buffers = any(True for _ in self.model.buffers())
 
     def _make_worker(self, config: dict[str, Any], shards, bounds):
         """The mode's update rule (policies/<mode>.py) wired to this replica's transport."""
@@ -133,10 +133,11 @@ class ModelReplica:
         """Lease partitions and take steps of the mode's rule over every row of them until the
         server has no more for this replica this epoch (lock-step modes: until no replica has a
         batch left, with empty steps meanwhile); then (allreduce) evaluate this replica's test
-        slice. A Ray streaming generator: yields a progress row every `log_every` steps
-        (display, step metrics, stall check) and last the totals (one call per epoch, no call
-        per step), which carry the partitions finished since the last grant request
-        (`unreported`) for the controller to report. `first_grant`: the grant this replica
+        slice. A Ray streaming generator: makes a progress row every `log_every` steps (display,
+        step metrics, stall check) and sends the rows made so far at most every
+        `tracking.progress_interval_s`; yields last the totals with the rows not yet sent (one
+        call per epoch, no call per step), and the partitions finished since the last grant
+        request (`unreported`) for the controller to report. `first_grant`: the grant this replica
         starts the epoch with. A non-finite loss ends the run (RuntimeError naming the step)."""
         self.model.train()
         consumed, comm_s, steps, samples, loss = [], 0.0, 0, 0, float("nan")
@@ -180,7 +181,7 @@ class ModelReplica:
                 break
         train_s = time.perf_counter() - t_epoch
         mode_stats = self.worker.end_epoch()  # e.g. waits for this epoch's pushes
-        if self.flat is not None and self._buffer_names:  # the reference model's buffers: the replicas' averaged
+        if self.flat is not None and self._has_buffers:  # the reference model's buffers: the replicas' averaged
             self.client.set_buffers(self.rank, self.local_buffers())
         evaluation = self.evaluate() if self.flat is None else None  # sharded modes: see evaluate_reference
         yield {"kind": "epoch", "rank": self.rank, "steps": steps, "samples": samples, "train_s": train_s,

@@ -9,7 +9,7 @@ import pyarrow.fs as pafs
 import torch
 
 from orchestrator.errors import ConfigError
-from orchestrator.checks import bounded, writable_local_dir
+from orchestrator.checks import bounded, one_line, writable_local_dir
 
 CHECK_TIMEOUT_S = 30.0  # resolving a remote store (s3:// may look up the bucket's region)
 
@@ -32,8 +32,7 @@ def check_storage(storage: str) -> None:
     try:
         fs, root = bounded(reach, CHECK_TIMEOUT_S, f"opening {storage}")
     except Exception as exc:
-        reason = " ".join(str(exc).split()) or type(exc).__name__
-        raise ConfigError(f"config error: checkpoint.storage: cannot open {storage} ({reason})") from None
+        raise ConfigError(f"config error: checkpoint.storage: cannot open {storage} ({one_line(exc)})") from None
     if isinstance(fs, pafs.LocalFileSystem):
         why = writable_local_dir(root)
         if why:

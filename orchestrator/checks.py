@@ -28,6 +28,11 @@ def bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     return box.get("value")
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (its type's name when it has none)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def writable_local_dir(path: str) -> Optional[str]:
     """None if a directory can be created at `path` (or is there) and written to, else why not.
     Checks the nearest existing ancestor with os.access; creates nothing."""

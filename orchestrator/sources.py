@@ -17,15 +17,11 @@ import pyarrow.fs as pafs
 
 from orchestrator.data import Dataset, Split, load_source
 from orchestrator.errors import ConfigError
-from orchestrator.checks import bounded
+from orchestrator.checks import bounded, one_line
 
 LIST_TIMEOUT_S = 60.0  # resolving and listing a source (remote stores retry on their own)
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".arrow": "ipc", ".ipc": "ipc",
            ".feather": "ipc"}
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _filesystem(source: str, field: str = "data.source") -> tuple[pafs.FileSystem, str]:
@@ -34,7 +30,7 @@ def _filesystem(source: str, field: str = "data.source") -> tuple[pafs.FileSyste
     try:
         return bounded(lambda: pafs.FileSystem.from_uri(source), LIST_TIMEOUT_S, f"opening {source}")
     except Exception as exc:
-        raise ConfigError(f"config error: {field}: cannot open {source} ({_one_line(exc)})") from None
+        raise ConfigError(f"config error: {field}: cannot open {source} ({one_line(exc)})") from None
 
 
 def _list(fs: pafs.FileSystem, path: str, field: str, source: str) -> list[str]:
@@ -52,7 +48,7 @@ def _list(fs: pafs.FileSystem, path: str, field: str, source: str) -> list[str]:
     try:
         names = bounded(listing, LIST_TIMEOUT_S, f"listing {source}")
     except Exception as exc:
-        raise ConfigError(f"config error: {field}: cannot list {source} ({_one_line(exc)})") from None
+        raise ConfigError(f"config error: {field}: cannot list {source} ({one_line(exc)})") from None
     if names is None:
         raise ConfigError(f"config error: {field}: no such file or directory: {source}")
     return names

@@ -25,7 +25,7 @@ import mlflow
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from orchestrator.checks import bounded, writable_local_dir
+from orchestrator.checks import bounded, one_line, writable_local_dir
 from orchestrator.errors import ConfigError, TrainingError
 
 MAX_BATCH = 900  # MLflow accepts up to 1000 metrics per log_batch
@@ -117,7 +117,7 @@ class _Writer:
             try:
                 fn()
             except Exception as exc:  # a tracking hiccup never ends the run
-                self._say(what, " ".join(str(exc).split())[:300] or type(exc).__name__)
+                self._say(what, one_line(exc)[:300])
             finally:
                 done.set()
 
