@@ -88,6 +88,7 @@ def test_sync_easgd_reports_the_elastic_distance_it_has(ray_cluster):
         ctl.step()
         center = np.concatenate(ray.get([s.values.remote() for s in ctl.shards], timeout=30))
         xs = ray.get([r.flat_parameters.remote() for r in ctl.replicas], timeout=30)
+        assert ctl.tracker.flush()  # metrics are written by a background thread
     finally:
         ctl.shutdown()
     from mlflow.tracking import MlflowClient
