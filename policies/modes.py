@@ -23,6 +23,12 @@ def needs_shards(mode: str) -> bool:
     return mode in SHARDED_MODES
 
 
+class Interrupted(Exception):
+    """A step could not complete because the membership changed under it (a peer died, the
+    controller aborted a round). The step is not applied; the replica ends its segment and
+    waits for the controller to regroup."""
+
+
 class StepResult(NamedTuple):
     loss: float  # mean loss of the step (allreduce: across replicas; else this replica's batch)
     comm_s: float  # seconds waiting for communication
