@@ -140,6 +140,33 @@ class ScalingConfig(_Section):
         1, ge=1, description="ParameterShard actors (downpour, easgd); they reserve no CPU; at most one per "
         "model parameter."
     )
+    min_replicas: int = Field(
+        1, ge=1, description="The fewest replicas the run goes on with once fault_tolerance.max_replica_restarts "
+        "is spent (a dead replica is then dropped, not replaced); below it the run fails."
+    )
+
+
+class FaultToleranceConfig(_Section):
+    max_replica_restarts: int = Field(
+        3, ge=0, description="Replicas replaced per run (a dead, hung or raising replica is replaced by a new "
+        "actor or a spare); past it a dead replica is dropped if scaling.min_replicas allows, else the run fails."
+    )
+    restart_backoff_s: float = Field(
+        0.0, ge=0, description="Seconds to wait before the n-th replacement in a row: restart_backoff_s * "
+        "2^(n-1), at most 30 s; 0 replaces at once. A run that goes one epoch without a failure starts over at n = 1."
+    )
+    spares: int = Field(
+        0, ge=0, description="Idle replicas started with the run (model built, no CPU reserved): a failed replica "
+        "is replaced at once by a spare, which is then started afresh in the background."
+    )
+    hang_timeout_s: float = Field(
+        60.0, gt=0, description="A replica that reports no progress for this long is hung: it is killed and "
+        "replaced. allreduce: also the process group's collective timeout."
+    )
+    shard_snapshot_every_s: float = Field(
+        5.0, gt=0, description="downpour, easgd: seconds between snapshots of each parameter shard, from which a "
+        "dead shard is rebuilt (the replicas replay the updates they pushed since)."
+    )
 
 
 class FaultsConfig(_Section):
@@ -201,6 +228,9 @@ class JobConfig(_Section):
     stop: StopConfig = Field(default_factory=StopConfig, description="When to stop.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    fault_tolerance: FaultToleranceConfig = Field(
+        default_factory=FaultToleranceConfig, description="What happens when replicas or shards fail."
+    )
     faults: FaultsConfig = Field(default_factory=FaultsConfig, description="Fault injection for experiments.")
 
     @model_validator(mode="after")
@@ -223,6 +253,9 @@ class JobConfig(_Section):
         if self.strategy.mode == "allreduce" and 0 < gpus < 1:
             raise ValueError(f"scaling.gpus_per_replica: allreduce needs a whole GPU per replica (NCCL cannot put "
                              f"two ranks on one GPU), got {gpus}")
+        if self.scaling.min_replicas > self.scaling.replicas:
+            raise ValueError(f"scaling.min_replicas ({self.scaling.min_replicas}) is more than scaling.replicas "
+                             f"({self.scaling.replicas})")
         missing = sorted(r for r in self.faults.slow_replicas if r >= self.scaling.replicas)
         if missing:
             raise ValueError(f"faults.slow_replicas: no replica of rank {missing[0]}; ranks are 0.."

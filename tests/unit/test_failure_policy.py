@@ -1,0 +1,52 @@
+"""The failure policy, as a plain object (no Ray)."""
+import pytest
+
+from policies.failure import Drop, Fail, FailurePolicy, Replace, ReplicaFailure, error_detail
+
+
+def died(rank=1, replacement=False):
+    return ReplicaFailure(rank, "died", "ActorDiedError", replacement=replacement)
+
+
+def test_replaces_until_the_budget_then_drops_while_min_replicas_allows():
+    policy = FailurePolicy(max_restarts=2, min_replicas=2)
+    assert isinstance(policy.decide(died(), survivors=2), Replace)
+    assert isinstance(policy.decide(died(), survivors=2), Replace)
+    third = policy.decide(died(), survivors=2)
+    assert isinstance(third, Drop) and "max_replica_restarts (2) spent" in third.reason
+    last = policy.decide(died(), survivors=1)
+    assert isinstance(last, Fail) and "1 replicas left < scaling.min_replicas 2" in last.reason
+
+
+def test_backoff_doubles_in_a_row_is_capped_and_starts_over_after_a_clean_epoch():
+    policy = FailurePolicy(max_restarts=10, backoff_s=1.0)
+    assert [policy.decide(died(), 1).backoff_s for _ in range(3)] == [1.0, 2.0, 4.0]
+    policy.epoch_without_failure()
+    assert policy.decide(died(), 1).backoff_s == 1.0
+    policy.in_a_row = 20
+    assert policy.decide(died(), 1).backoff_s == 30.0
+    assert FailurePolicy(max_restarts=1).decide(died(), 1).backoff_s == 0.0
+
+
+def test_the_same_user_error_twice_on_a_fresh_replica_ends_the_run():
+    policy = FailurePolicy(max_restarts=5)
+    detail = error_detail("ValueError", "bad batch\nmore lines")
+    assert detail == "ValueError: bad batch"
+    first = policy.decide(ReplicaFailure(0, "error", detail, "Traceback ..."), survivors=1)
+    assert isinstance(first, Replace)
+    again = policy.decide(ReplicaFailure(0, "error", detail, "Traceback (most recent call last)", replacement=True), 1)
+    assert isinstance(again, Fail) and "same error twice in a row" in again.reason and "Traceback" in again.reason
+
+
+def test_a_different_error_or_an_original_replica_is_retried():
+    policy = FailurePolicy(max_restarts=5)
+    policy.decide(ReplicaFailure(0, "error", "ValueError: a"), 1)
+    assert isinstance(policy.decide(ReplicaFailure(0, "error", "ValueError: b", replacement=True), 1), Replace)
+    assert isinstance(policy.decide(ReplicaFailure(1, "error", "ValueError: b"), 1), Replace)  # another rank
+    policy.decide(died(0, replacement=True), 1)  # a death in between clears the streak
+    assert isinstance(policy.decide(ReplicaFailure(0, "error", "ValueError: b", replacement=True), 1), Replace)
+
+
+def test_an_unknown_cause_is_refused():
+    with pytest.raises(ValueError):
+        ReplicaFailure(0, "tired", "")
