@@ -6,6 +6,12 @@ split across shards, small ones are packed together. `ShardState` is everything 
 (its slice, a version counter, the server-side optimizer, per-replica clocks) and every update
 it applies; the `ParameterShard` actor is a thin Ray wrapper around it, and tests use it
 directly without Ray.
+
+Recovery (actors/shard.py, ShardGroup): `ShardState.snapshot()` is a plain picklable dict
+(numpy arrays, no tensors) that `ShardState.from_snapshot` / `restore` turn back into the same
+state bit for bit, server-optimizer state included; `replay_gradient` / `replay_elastic`
+re-apply an update logged by a replica with exactly the step it had the first time, so a shard
+restored from a snapshot and given the same updates in the same order ends identical.
 """
 from __future__ import annotations
 
@@ -104,13 +110,28 @@ class ShardState:
         """Apply one pushed (accumulated) gradient; returns its staleness: the updates applied
         since the version the gradient was computed from. With `staleness_lr` the step is
         eta / staleness (eta when the gradient is fresh)."""
-        staleness = self.version - version_seen
+        staleness = max(0, self.version - version_seen)  # < 0 only for a version seen before a rebuild
+        self._step(grad, staleness, staleness_lr)
+        return staleness
+
+    def _step(self, grad: np.ndarray | torch.Tensor, staleness: int, staleness_lr: bool) -> None:
         self._param.grad.copy_(torch.as_tensor(grad))
         for group in self._opt.param_groups:
             group["lr"] = self.lr / max(1, staleness) if staleness_lr else self.lr
         self._opt.step()
         self.version += 1
-        return staleness
+
+    def replay_gradient(self, grad: np.ndarray | torch.Tensor, staleness: int, staleness_lr: bool) -> int:
+        """Re-apply a gradient this shard's predecessor acknowledged: the same optimizer step
+        (the learning rate it had at `staleness`), whatever the version now. Returns the new
+        version."""
+        self._step(grad, staleness, staleness_lr)
+        return self.version
+
+    def welcome(self, rank: int, step: int) -> None:
+        """A replacement replica takes a rank: active again (even if forgotten) at clock `step`."""
+        self.gone.discard(rank)
+        self.clocks[rank] = step
 
     def init_clocks(self, replicas: int) -> None:
         self.clocks = {r: 0 for r in range(replicas)}
@@ -149,6 +170,12 @@ class ShardState:
         self.version += 1
         return d, sq
 
+    def replay_elastic(self, d: np.ndarray | torch.Tensor) -> int:
+        """Re-apply an acknowledged asynchronous EASGD move: c <- c + d. Returns the new version."""
+        self.values.add_(torch.as_tensor(d))
+        self.version += 1
+        return self.version
+
     def sync_contribute(self, round_id: int, x: np.ndarray | torch.Tensor, replicas: int, beta: float,
                         has_data: bool = True) -> bool:
         """Synchronous EASGD: collect x_i (and whether replica i has a batch for this step) for
@@ -178,3 +205,76 @@ class ShardState:
         if entry[1] == 0:
             del self._closed[round_id]
         return entry[0], entry[2]
+
+    def abort_open_rounds(self) -> list[int]:
+        """Drop the contributions of every open synchronous round (closed rounds keep their
+        effect). Returns the aborted round ids."""
+        aborted = sorted(self._sync)
+        self._sync.clear()
+        return aborted
+
+    # ---- snapshots -----------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """Everything needed to rebuild this shard, as a picklable dict of copies (numpy arrays,
+        no tensors, nothing shared with the live state): values, version, the server optimizer's
+        state_dict (momentum buffer / Adagrad sums and step), hyper-parameters, clocks, gone,
+        max_lead and buffers. Open synchronous rounds are not included (they are aborted, not
+        replayed, when a shard is rebuilt)."""
+        return {
+            "values": self.values.detach().numpy().copy(),
+            "version": self.version,
+            "optimizer": self.optimizer, "lr": self.lr, "momentum": self.momentum,
+            "weight_decay": self.weight_decay,
+            "opt_state": _to_numpy(self._opt.state_dict()),
+            "clocks": dict(self.clocks), "gone": set(self.gone), "max_lead": self.max_lead,
+            "buffers": {r: {k: np.array(v, copy=True) for k, v in b.items()} for r, b in self.buffers.items()},
+        }
+
+    def restore(self, snapshot: dict) -> None:
+        """Make this shard exactly the one `snapshot` was taken of (its values are copied in
+        place, so the optimizer keeps working on the same tensor)."""
+        values = torch.tensor(np.asarray(snapshot["values"], dtype=np.float32))
+        if values.shape != self.values.shape:
+            raise ValueError(f"snapshot holds {tuple(values.shape)} values, this shard {tuple(self.values.shape)}")
+        if snapshot["optimizer"] != self.optimizer:
+            raise ValueError(f"snapshot of a {snapshot['optimizer']} shard restored into a {self.optimizer} one")
+        self.values.copy_(values)
+        self.version = int(snapshot["version"])
+        self.lr, self.momentum, self.weight_decay = snapshot["lr"], snapshot["momentum"], snapshot["weight_decay"]
+        self._opt.load_state_dict(_to_torch(snapshot["opt_state"]))
+        self.clocks = dict(snapshot["clocks"])
+        self.gone = set(snapshot["gone"])
+        self.max_lead = int(snapshot["max_lead"])
+        self.buffers = {r: {k: np.array(v, copy=True) for k, v in b.items()} for r, b in snapshot["buffers"].items()}
+        self._sync.clear()
+        self._closed.clear()
+
+    @classmethod
+    def from_snapshot(cls, snapshot: dict) -> "ShardState":
+        """A new shard identical to the one `snapshot` was taken of."""
+        state = cls(torch.tensor(np.asarray(snapshot["values"], dtype=np.float32)), snapshot["optimizer"],
+                    snapshot["lr"], snapshot["momentum"], snapshot["weight_decay"])
+        state.restore(snapshot)
+        return state
+
+
+def _to_numpy(obj):
+    """An optimizer state_dict with every tensor as a numpy copy (0-d tensors stay 0-d arrays)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy().copy()
+    if isinstance(obj, dict):
+        return {k: _to_numpy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_numpy(v) for v in obj)
+    return obj
+
+
+def _to_torch(obj):
+    """The inverse of _to_numpy: numpy arrays back to tensors of the same dtype and shape."""
+    if isinstance(obj, np.ndarray):
+        return torch.tensor(obj)
+    if isinstance(obj, dict):
+        return {k: _to_torch(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_torch(v) for v in obj)
+    return obj
