@@ -1,23 +1,52 @@
 """ParameterShard: a Ray actor holding one slice of the reference parameters (policies/sharding.py
-ShardState), and RayShardClient: how a replica talks to all shards.
+ShardState); RayShardClient: how a replica talks to all shards; ShardGroup: how the driver
+creates, snapshots and rebuilds them.
 
 Shards are asyncio actors: every method runs on one event loop, so each update is applied
 atomically, and the synchronous EASGD barrier can wait without blocking other replicas' calls.
 They take no CPU reservation, so they fit beside replicas on a small machine. Buffers travel as
 flat numpy arrays through the object store (one message per shard per push or pull, zero-copy
 reads on the receiving side); nothing is pickled per tensor.
+
+Recovery (nothing acknowledged is lost):
+- The driver's `ShardGroup.poll()` snapshots every shard each `snapshot_every_s`. A snapshot is
+  the return value of `ParameterShard.snapshot`, so the driver owns it and it outlives the shard.
+  Once the driver holds a completed snapshot it tells the shard (`confirm_snapshot`), and the
+  shard reports that version in its replies.
+- Each `RayShardClient` keeps a log of the updates each shard acknowledged to it (Downpour
+  gradients with the staleness they were applied at, asynchronous EASGD moves d) after the
+  shard's latest confirmed snapshot; older entries are dropped as replies report newer snapshots.
+- `poll()` notices a dead shard (a ping or snapshot call failing) and starts a new actor with
+  the same name from the latest snapshot. A client whose call fails with the actor gone looks the
+  name up again (for at most `timeout_s`), replays its own logged entries that the snapshot does
+  not hold, in its order, then re-sends the calls that were never acknowledged. Replayed
+  gradients take exactly the step they took the first time; with several clients only the
+  interleaving between clients can differ (exact for plain SGD up to float rounding).
+- Not replayed: synchronous EASGD rounds (a rebuild aborts open rounds on every shard and the
+  waiting clients raise policies.modes.Interrupted; the controller restarts the round), module
+  buffers and SSP clocks newer than the snapshot (buffers are re-sent at each epoch end; clocks
+  restart: a rank is waited for again once its client reconnects or pushes).
 """
 from __future__ import annotations
 
 import asyncio
+import time
+import uuid
 import warnings
 from collections import deque
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import ray
 import torch
+from ray.exceptions import GetTimeoutError, RayActorError
 
+from policies.modes import Interrupted
 from policies.sharding import ShardState, average_buffers
+
+INLINE_BYTES = 100 * 1024  # push slices up to this size are copied into the client's log, larger ones put once
+RECOVERY_POLL_S = 0.05  # how often a client looks up a dead shard's name while it is being rebuilt
 
 
 def _view(array: np.ndarray) -> torch.Tensor:
@@ -32,28 +61,123 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
+class _Round:
+    """A synchronous EASGD round being waited for on one shard."""
+
+    __slots__ = ("event", "aborted")
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.aborted = False
+
+
 @ray.remote(num_cpus=0)
 class ParameterShard:
-    def __init__(self, values: np.ndarray, optimizer: str, lr: float, momentum: float, weight_decay: float,
-                 replicas: int) -> None:
-        self.state = ShardState(torch.from_numpy(np.array(values, dtype=np.float32)), optimizer, lr, momentum,
-                                weight_decay)
-        self.state.init_clocks(replicas)
-        self._rounds: dict[int, asyncio.Event] = {}
+    """One shard. Built from initial `values`, or (a rebuild) from a `snapshot` taken of a
+    predecessor, as incarnation `generation` of its slot.
 
+    Versions count updates applied. `lineage` maps every earlier incarnation whose state this
+    one holds to the version it held it up to, so a replayed entry (generation, version) is
+    applied only if the restored state does not already contain it."""
+
+    def __init__(self, values: Optional[np.ndarray], optimizer: str, lr: float, momentum: float,
+                 weight_decay: float, replicas: int, snapshot: Optional[dict] = None, generation: int = 0) -> None:
+        if snapshot is None:
+            self.state = ShardState(torch.from_numpy(np.array(values, dtype=np.float32)), optimizer, lr, momentum,
+                                    weight_decay)
+            self.state.init_clocks(replicas)
+            self.lineage: dict[int, int] = {}
+            self.restored_from: Optional[int] = None
+        else:
+            self.state = ShardState.from_snapshot(snapshot)
+            self.state.clocks = {}  # stale by up to a snapshot interval: ranks report again on reconnecting
+            self.lineage = dict(snapshot.get("lineage", {}))
+            self.restored_from = self.state.version
+        self.generation = generation
+        self.durable = self.state.version  # the newest snapshot of this lineage the driver holds
+        self.replayed = self.resent = self.dropped = 0
+        self.seen = self.state.version  # the predecessor's newest version a reconnecting client saw
+        self._rounds: dict[int, _Round] = {}
+
+    # ---- replicas ------------------------------------------------------------------------
     async def pull(self) -> tuple[int, np.ndarray]:
         return self.state.version, self.state.values.numpy()
 
-    async def push(self, grad: np.ndarray, version_seen: int, rank: int, step: int, staleness_lr: bool) -> tuple[int, int]:
-        """Apply a gradient; returns (its staleness, the slowest replica's step)."""
+    async def push(self, grad: np.ndarray, version_seen: int, rank: int, step: int, staleness_lr: bool,
+                   resent: bool = False) -> tuple[int, int, int, int]:
+        """Apply a gradient; returns (its staleness, the slowest replica's step, the version it
+        made, the newest confirmed snapshot version). `resent`: a push whose acknowledgement was
+        lost with a previous incarnation (counted for the recovery report)."""
         staleness = self.state.apply_gradient(_view(grad), version_seen, staleness_lr)
-        return staleness, self.state.report_clock(rank, step)
+        self.resent += bool(resent)
+        return staleness, self.state.report_clock(rank, step), self.state.version, self.durable
+
+    async def elastic(self, x: np.ndarray, alpha: float, resent: bool = False) -> tuple[np.ndarray, float, int, int]:
+        """Asynchronous EASGD exchange: (d, ||x - c||^2, the version it made, the newest
+        confirmed snapshot version)."""
+        d, sq = self.state.elastic_exchange(_view(x), alpha)
+        self.resent += bool(resent)
+        return d.numpy(), sq, self.state.version, self.durable
+
+    async def sync_round(self, round_id: int, x: np.ndarray, replicas: int, beta: float, has_data: bool,
+                         timeout_s: float) -> tuple[np.ndarray, int]:
+        """(center before the round, replicas with a batch); (empty, -1) if the round was aborted."""
+        rnd = self._rounds.setdefault(round_id, _Round())
+        if self.state.sync_contribute(round_id, _view(x), replicas, beta, has_data):
+            rnd.event.set()
+        await asyncio.wait_for(rnd.event.wait(), timeout_s)
+        if rnd.aborted:
+            return np.empty(0, np.float32), -1
+        center, active = self.state.sync_center_before(round_id)
+        if round_id not in self.state._closed:
+            self._rounds.pop(round_id, None)
+        return center.numpy(), active
+
+    async def abort_rounds(self) -> int:
+        """Every sync_round call now waiting returns at once with active = -1, and the open
+        rounds' contributions are dropped (calls arriving later start the round afresh).
+        Rounds already closed keep their effect. Returns how many rounds were aborted."""
+        aborted = set(self.state.abort_open_rounds())
+        for round_id in aborted:
+            rnd = self._rounds.pop(round_id, None)
+            if rnd is not None:
+                rnd.aborted = True
+                rnd.event.set()
+        return len(aborted)
+
+    async def replay(self, client_id: str, generation: int, last_seen: int, entries: list, dropped: int,
+                     clock: Optional[tuple[int, int]]) -> tuple[list[Optional[int]], int]:
+        """A reconnecting client's log: [(generation, version, kind, payload, staleness,
+        staleness_lr)] in the order the client's updates were acknowledged. Entries the restored
+        state already holds are skipped (None in the reply); the others are applied in order
+        (kind "grad": the same optimizer step; "elastic": c += d) and get the new version they
+        made. `last_seen`: the newest version the client saw from incarnation `generation`;
+        `dropped`: logged entries it had to discard (lost); `clock`: its (rank, step) if it is
+        training. Returns (the new versions, the confirmed snapshot version)."""
+        payloads = [p for _, _, _, p, _, _ in entries]
+        refs = [p for p in payloads if isinstance(p, ray.ObjectRef)]
+        if refs:
+            resolved = iter(await asyncio.gather(*refs))
+            payloads = [next(resolved) if isinstance(p, ray.ObjectRef) else p for p in payloads]
+        if generation == self.generation - 1 or generation in self.lineage:
+            self.seen = max(self.seen, last_seen)
+        self.dropped += dropped
+        out: list[Optional[int]] = []
+        for (gen, version, kind, _, staleness, staleness_lr), payload in zip(entries, payloads):
+            if self.restored_from is None or gen == self.generation or version <= self.lineage.get(gen, -1):
+                out.append(None)  # already part of this shard's state
+                continue
+            if kind == "grad":
+                out.append(self.state.replay_gradient(_view(payload), staleness, staleness_lr))
+            else:
+                out.append(self.state.replay_elastic(_view(payload)))
+            self.replayed += 1
+        if clock is not None:
+            self.state.report_clock(*clock)
+        return out, self.durable
 
     async def min_clock(self) -> int:
         return min(self.state.clocks.values(), default=0)
-
-    async def forget_replica(self, rank: int) -> None:
-        self.state.forget(rank)
 
     async def idle(self, rank: int) -> None:
         self.state.idle(rank)
@@ -61,20 +185,39 @@ class ParameterShard:
     async def version(self) -> int:
         return self.state.version
 
-    async def elastic(self, x: np.ndarray, alpha: float) -> tuple[np.ndarray, float]:
-        d, sq = self.state.elastic_exchange(_view(x), alpha)
-        return d.numpy(), sq
+    async def set_buffers(self, rank: int, buffers: dict) -> None:
+        self.state.buffers[rank] = buffers
 
-    async def sync_round(self, round_id: int, x: np.ndarray, replicas: int, beta: float, has_data: bool,
-                         timeout_s: float) -> tuple[np.ndarray, int]:
-        event = self._rounds.setdefault(round_id, asyncio.Event())
-        if self.state.sync_contribute(round_id, _view(x), replicas, beta, has_data):
-            event.set()
-        await asyncio.wait_for(event.wait(), timeout_s)
-        center, active = self.state.sync_center_before(round_id)
-        if round_id not in self.state._closed:
-            self._rounds.pop(round_id, None)
-        return center.numpy(), active
+    async def buffers(self) -> dict:
+        return average_buffers(self.state.buffers)
+
+    # ---- driver --------------------------------------------------------------------------
+    async def status(self) -> tuple[int, int, int]:
+        """(generation, version, newest confirmed snapshot version): the driver's ping."""
+        return self.generation, self.state.version, self.durable
+
+    @ray.method(num_returns=2)
+    async def snapshot(self) -> tuple[int, dict]:
+        """(version, ShardState.snapshot() plus this shard's lineage). Two objects, so the
+        driver reads the version without fetching the values."""
+        snap = self.state.snapshot()
+        snap["lineage"] = {**self.lineage, self.generation: self.state.version}
+        return self.state.version, snap
+
+    async def confirm_snapshot(self, version: int) -> None:
+        """The driver holds a completed snapshot at `version`: clients may drop older log entries."""
+        self.durable = max(self.durable, version)
+
+    async def recovery_info(self) -> dict[str, Any]:
+        return {"generation": self.generation, "restored_from": self.restored_from, "replayed": self.replayed,
+                "resent": self.resent, "dropped": self.dropped, "seen": self.seen, "version": self.state.version}
+
+    async def forget_replica(self, rank: int) -> None:
+        self.state.forget(rank)
+
+    async def welcome_replica(self, rank: int, step: int) -> None:
+        """A replacement replica takes `rank` (forgotten or not): active again at clock `step`."""
+        self.state.welcome(rank, step)
 
     async def values(self) -> np.ndarray:
         return self.state.values.numpy()
@@ -82,89 +225,575 @@ class ParameterShard:
     async def observed_max_lead(self) -> int:
         return self.state.max_lead
 
-    async def set_buffers(self, rank: int, buffers: dict) -> None:
-        self.state.buffers[rank] = buffers
 
-    async def buffers(self) -> dict:
-        return average_buffers(self.state.buffers)
+# ---- replicas' side ------------------------------------------------------------------------
+@dataclass
+class ShardDirectory:
+    """What a replica needs to reach the shards: small and picklable. `names` None: plain
+    handles that cannot be looked up again (no recovery)."""
+
+    names: Optional[list[str]]
+    namespace: Optional[str]
+    bounds: list[tuple[int, int]]
+    handles: list
+    generations: list[int]
+    log_limit_bytes: int = 512 * 2**20  # the client's replay log, over all shards
+
+
+@dataclass
+class _Entry:
+    """An update a shard acknowledged to this client, kept until a confirmed snapshot holds it."""
+
+    generation: int
+    version: int
+    kind: str  # "grad" | "elastic"
+    payload: Any  # numpy array or ObjectRef
+    staleness: int
+    staleness_lr: bool
+    nbytes: int
+
+
+@dataclass
+class _Push:
+    """One shard's part of a push still in flight."""
+
+    shard: int
+    handle: Any
+    generation: int
+    payload: Any
+    version_seen: int
+    rank: int
+    step: int
+    staleness_lr: bool
+    nbytes: int
+    ref: Any = None
+    acknowledged: bool = False  # by an incarnation that died before the reply was read
 
 
 class RayShardClient:
     """policies.modes.ShardClient over ParameterShard actors; pushes go out in the background
-    with at most `max_in_flight` outstanding."""
+    with at most `max_in_flight` outstanding.
 
-    def __init__(self, shards: list, bounds: list[tuple[int, int]], max_in_flight: int, timeout_s: float) -> None:
-        self.shards, self.bounds = shards, bounds
+    Guarantee: when a shard dies and the driver's ShardGroup rebuilds it within `timeout_s`, every
+    call this client makes still completes: the client reconnects by name, replays the updates
+    the dead shard acknowledged to it after its last confirmed snapshot, re-sends its
+    unacknowledged pushes / exchanges, and retries the call (sync_round excepted: it raises
+    Interrupted). If no shard answers under the name within `timeout_s`, the original
+    RayActorError is raised. The log holds at most `directory.log_limit_bytes`; entries dropped
+    beyond that are reported to the rebuilt shard as lost.
+
+    `RayShardClient(directory, max_in_flight, timeout_s)`; the old form
+    `RayShardClient(handles, bounds, max_in_flight, timeout_s)` still works, without recovery."""
+
+    def __init__(self, directory, max_in_flight, timeout_s, *legacy) -> None:
+        if not isinstance(directory, ShardDirectory):
+            handles, bounds = list(directory), list(max_in_flight)
+            directory = ShardDirectory(None, None, bounds, handles, [0] * len(handles))
+            max_in_flight, timeout_s = timeout_s, legacy[0]
+        self.directory = directory
+        self.handles = list(directory.handles)
+        self.bounds = list(directory.bounds)
+        self.generations = list(directory.generations)
         self.max_in_flight, self.timeout_s = max_in_flight, timeout_s
-        self.in_flight: deque[list] = deque()
+        self.client_id = uuid.uuid4().hex
+        self.in_flight: deque[list[_Push]] = deque()
         self._stale: list[int] = []
         self._min_clock = 0
+        n = len(self.handles)
+        self._logging = directory.names is not None
+        self._log: list[deque[_Entry]] = [deque() for _ in range(n)]
+        self._log_bytes = [0] * n
+        self._dropped = [0] * n
+        self._seen = [0] * n  # newest version seen from the current incarnation of each shard
+        self._clock: Optional[tuple[int, int]] = None  # (rank, step) last pushed; None while idle
+        self.reconnects = 0
 
+    @property
+    def shards(self) -> list:
+        return self.handles
+
+    # ---- ShardClient ---------------------------------------------------------------------
     def pull(self, into: torch.Tensor) -> list[int]:
-        replies = ray.get([s.pull.remote() for s in self.shards], timeout=self.timeout_s)
-        for (lo, hi), (_, values) in zip(self.bounds, replies):
+        handles = list(self.handles)
+        refs = [h.pull.remote() for h in handles]
+        versions = []
+        for i, ((lo, hi), ref) in enumerate(zip(self.bounds, refs)):
+            version, values = self._get(i, handles[i], ref, "pull")
             into[lo:hi].copy_(_view(values))  # host -> the replica's device
-        return [v for v, _ in replies]
+            self._seen[i] = max(self._seen[i], version)
+            versions.append(version)
+        return versions
 
     def push(self, grad: torch.Tensor, versions: list[int], rank: int, step: int, staleness_lr: bool) -> None:
         flat = _host(grad)
-        self.in_flight.append([s.push.remote(flat[lo:hi], v, rank, step, staleness_lr)
-                               for s, (lo, hi), v in zip(self.shards, self.bounds, versions)])
+        item = []
+        for i, ((lo, hi), v) in enumerate(zip(self.bounds, versions)):
+            part = flat[lo:hi]
+            if not self._logging:
+                payload = part  # serialized by .remote() below; nothing keeps it
+            elif part.nbytes > INLINE_BYTES:
+                payload = ray.put(part)  # the copy .remote() would make anyway, kept for a replay
+            else:
+                payload = part.copy()
+            p = _Push(i, self.handles[i], self.generations[i], payload, v, rank, step, staleness_lr, part.nbytes)
+            p.ref = p.handle.push.remote(payload, v, rank, step, staleness_lr)
+            item.append(p)
+        self._clock = (rank, step)
+        self.in_flight.append(item)
         while len(self.in_flight) > self.max_in_flight:
-            self._record(self.in_flight.popleft())
+            self._record(self.in_flight[0])
+            self.in_flight.popleft()
 
-    def _record(self, refs: list) -> None:
-        replies = ray.get(refs, timeout=self.timeout_s)
-        self._stale += [s for s, _ in replies]
+    def _record(self, item: list[_Push]) -> None:
+        """Wait for one push's replies (the item stays in flight meanwhile, so a reconnect
+        re-sends it), log what was acknowledged."""
+        replies = []
+        for p in item:
+            for _ in range(3):
+                try:
+                    replies.append(ray.get(p.ref, timeout=self.timeout_s))
+                    break
+                except RayActorError as e:
+                    self._reconnect(p.shard, p.handle, e)  # re-sends p
+            else:
+                raise RuntimeError(f"shard {p.shard} died three times during one push")
+        for p, (staleness, _, version, durable) in zip(item, replies):
+            self._stale.append(staleness)
+            self._acknowledged(p.shard, p.generation, version, durable, "grad", p.payload, staleness,
+                               p.staleness_lr, p.nbytes)
         self._min_clock = max(self._min_clock, replies[0][1])
 
     def completed(self) -> tuple[list[int], int]:
         while self.in_flight:
-            ready, _ = ray.wait(self.in_flight[0], num_returns=len(self.in_flight[0]), timeout=0)
-            if len(ready) < len(self.in_flight[0]):
+            refs = [p.ref for p in self.in_flight[0]]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) < len(refs):
                 break
-            self._record(self.in_flight.popleft())
+            self._record(self.in_flight[0])
+            self.in_flight.popleft()
         out, self._stale = self._stale, []
         return out, self._min_clock
 
     def drain(self) -> None:
         while self.in_flight:
-            self._record(self.in_flight.popleft())
+            self._record(self.in_flight[0])
+            self.in_flight.popleft()
 
     def min_clock(self) -> int:
-        self._min_clock = ray.get(self.shards[0].min_clock.remote(), timeout=self.timeout_s)
+        self._min_clock = self._call(0, "min_clock")
         return self._min_clock
 
     def version(self) -> int:
-        return ray.get(self.shards[0].version.remote(), timeout=self.timeout_s)
+        return self._call(0, "version")
 
     def idle(self, rank: int) -> None:
-        ray.get(self.shards[0].idle.remote(rank), timeout=self.timeout_s)
+        self._clock = None
+        self._call(0, "idle", rank)
 
     def elastic(self, x: torch.Tensor, alpha: float) -> tuple[torch.Tensor, float]:
         flat = _host(x)
-        replies = ray.get([s.elastic.remote(flat[lo:hi], alpha) for s, (lo, hi) in zip(self.shards, self.bounds)],
-                          timeout=self.timeout_s)
-        d = torch.from_numpy(np.concatenate([d for d, _ in replies])).to(x.device)
-        return d, sum(q for _, q in replies)
+        handles = list(self.handles)
+        refs = [h.elastic.remote(flat[lo:hi], alpha) for h, (lo, hi) in zip(handles, self.bounds)]
+        ds, total = [], 0.0
+        for i, ((lo, hi), ref) in enumerate(zip(self.bounds, refs)):
+            generation = self.generations[i]
+            try:
+                d, sq, version, durable = ray.get(ref, timeout=self.timeout_s)
+            except RayActorError as e:
+                self._reconnect(i, handles[i], e)
+                generation = self.generations[i]
+                d, sq, version, durable = self._call(i, "elastic", flat[lo:hi], alpha, True)
+            self._acknowledged(i, generation, version, durable, "elastic", d, 0, False, d.nbytes)
+            ds.append(d)
+            total += sq
+        return torch.from_numpy(np.concatenate(ds)).to(x.device), total
 
     def sync_round(self, round_id: int, x: torch.Tensor, replicas: int, beta: float,
                    has_data: bool) -> tuple[torch.Tensor, int]:
+        """The barrier; raises Interrupted if a shard died during the round (after reconnecting
+        to its replacement) or the round was aborted. Rounds are not replayed."""
         flat = _host(x)
-        refs = [s.sync_round.remote(round_id, flat[lo:hi], replicas, beta, has_data, self.timeout_s)
-                for s, (lo, hi) in zip(self.shards, self.bounds)]
-        replies = ray.get(refs, timeout=self.timeout_s + 5)
+        handles = list(self.handles)
+        refs = [h.sync_round.remote(round_id, flat[lo:hi], replicas, beta, has_data, self.timeout_s)
+                for h, (lo, hi) in zip(handles, self.bounds)]
+        index = {ref: i for i, ref in enumerate(refs)}
+        replies: list = [None] * len(refs)
+        pending, deadline = list(refs), time.monotonic() + self.timeout_s + 5
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise GetTimeoutError(f"sync round {round_id}: no answer from the shards in {self.timeout_s + 5:.0f}s")
+            i = index[ready[0]]
+            try:
+                replies[i] = ray.get(ready[0])
+            except RayActorError as e:
+                self._reconnect(i, handles[i], e)
+                raise Interrupted(f"shard {i} was lost during synchronous round {round_id}") from e
+            if replies[i][1] == -1:
+                raise Interrupted(f"synchronous round {round_id} was aborted on shard {i}")
         return torch.from_numpy(np.concatenate([c for c, _ in replies])).to(x.device), replies[0][1]
 
     def set_buffers(self, rank: int, buffers: dict) -> None:
-        ray.get(self.shards[0].set_buffers.remote(rank, buffers), timeout=self.timeout_s)
+        self._call(0, "set_buffers", rank, buffers)
 
     def buffers(self) -> dict:
-        return ray.get(self.shards[0].buffers.remote(), timeout=self.timeout_s)
+        return self._call(0, "buffers")
+
+    def reconnect(self) -> int:
+        """Ask every shard for its status, reconnecting to (and replaying into) any that was
+        rebuilt; returns how many were. A replica with nothing else to send calls this so its log
+        still reaches a rebuilt shard."""
+        before = self.reconnects
+        for i in range(len(self.handles)):
+            self._call(i, "status")
+        return self.reconnects - before
+
+    # ---- recovery ------------------------------------------------------------------------
+    def _get(self, i: int, handle, ref, method: str, *args):
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except RayActorError as e:
+            self._reconnect(i, handle, e)
+            return self._call(i, method, *args)
+
+    def _call(self, i: int, method: str, *args):
+        """Call shard i and wait for the reply, reconnecting if it has been rebuilt."""
+        for _ in range(3):
+            handle = self.handles[i]
+            try:
+                return ray.get(getattr(handle, method).remote(*args), timeout=self.timeout_s)
+            except RayActorError as e:
+                self._reconnect(i, handle, e)
+        raise RuntimeError(f"shard {i} died three times during one {method} call")
+
+    def _acknowledged(self, i: int, generation: int, version: int, durable: int, kind: str, payload,
+                      staleness: int, staleness_lr: bool, nbytes: int) -> None:
+        if generation != self.generations[i]:
+            return  # from an incarnation already replaced: the reconnect re-sent this update
+        self._seen[i] = max(self._seen[i], version)
+        if not self._logging:
+            return
+        log = self._log[i]
+        log.append(_Entry(generation, version, kind, payload, staleness, staleness_lr, nbytes))
+        self._log_bytes[i] += nbytes
+        while log and (log[0].version <= durable or self._log_bytes[i] > self.directory.log_limit_bytes / len(self._log)):
+            dropped = log.popleft()
+            self._log_bytes[i] -= dropped.nbytes
+            if dropped.version > durable:
+                self._dropped[i] += 1  # over the limit: lost if this shard dies before its next snapshot
+
+    def _reconnect(self, i: int, failed, error: BaseException) -> None:
+        """Shard i's actor `failed` is gone: wait (at most timeout_s) for a new actor under its
+        name, replay the log into it, re-send every push in flight to the old one, use it."""
+        if self.handles[i]._actor_id != failed._actor_id:
+            return  # an earlier call already reconnected
+        if self.directory.names is None:
+            raise error
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                handle = ray.get_actor(self.directory.names[i], namespace=self.directory.namespace)
+                if handle._actor_id != failed._actor_id:
+                    generation, _, _ = ray.get(handle.status.remote(),
+                                               timeout=max(0.1, deadline - time.monotonic()))
+                    break
+            except (ValueError, RayActorError, GetTimeoutError):
+                pass  # not rebuilt yet (or the new one died too)
+            if time.monotonic() > deadline:
+                raise error
+            time.sleep(RECOVERY_POLL_S)
+        self._harvest(i, failed)
+        log = list(self._log[i])
+        entries = [(e.generation, e.version, e.kind, e.payload, e.staleness, e.staleness_lr) for e in log]
+        new_versions, _ = ray.get(handle.replay.remote(self.client_id, self.generations[i], self._seen[i], entries,
+                                                       self._dropped[i], self._clock),
+                                  timeout=max(self.timeout_s, 1.0))
+        self._log[i] = deque()
+        self._log_bytes[i] = 0
+        for e, v in zip(log, new_versions):
+            if v is not None:  # replayed: now part of the new incarnation, until its next snapshot
+                e.generation, e.version = generation, v
+                self._log[i].append(e)
+                self._log_bytes[i] += e.nbytes
+        self._dropped[i] = 0
+        self.handles[i], self.generations[i] = handle, generation
+        self._seen[i] = max([v for v in new_versions if v is not None], default=0)
+        for item in self.in_flight:  # pushes never acknowledged: send again, in their order
+            for p in item:
+                if p.shard == i and p.handle._actor_id == failed._actor_id and not p.acknowledged:
+                    p.handle, p.generation = handle, generation
+                    p.ref = handle.push.remote(p.payload, p.version_seen, p.rank, p.step, p.staleness_lr, True)
+        self.reconnects += 1
+
+    def _harvest(self, i: int, failed) -> None:
+        """Pushes in flight to the dead actor that it did acknowledge (their replies not read
+        yet) go into the log, to be replayed like the others; the rest will be re-sent."""
+        mine = [p for item in self.in_flight for p in item
+                if p.shard == i and p.handle._actor_id == failed._actor_id and not p.acknowledged]
+        if not mine:
+            return
+        ray.wait([p.ref for p in mine], num_returns=len(mine), timeout=2.0)  # the dead actor's calls settle
+        for p in mine:
+            try:
+                staleness, _, version, durable = ray.get(p.ref, timeout=0)
+            except (RayActorError, GetTimeoutError):
+                break  # applied in order: nothing after the first unacknowledged one was either
+            p.acknowledged = True  # _record reads the reply again but logs nothing (old generation)
+            self._acknowledged(i, p.generation, version, durable, "grad", p.payload, staleness, p.staleness_lr,
+                               p.nbytes)
+
+
+# ---- driver's side -------------------------------------------------------------------------
+@dataclass
+class _Slot:
+    """The driver's view of shard i."""
+
+    handle: Any
+    generation: int = 0
+    snapshot_ref: Any = None  # the latest completed snapshot (the driver owns the object)
+    snapshot_version: int = 0
+    pending_snapshot: Optional[tuple] = None  # (version ref, snapshot ref)
+    last_snapshot_at: float = 0.0
+    ping: Any = None
+    known_version: Optional[int] = None  # the newest version the driver saw
+    state: str = "up"  # up | dead | starting
+    dead_at: float = 0.0
+    detected_by: str = ""
+    version_at_death: Optional[int] = None
+    rebuilt_from: int = 0
+    starting: Any = None  # status ref of a new incarnation
+    recovery_s: float = 0.0
+    settling: bool = False
+    settle_deadline: float = 0.0
+    info: Any = None  # pending recovery_info ref
+
+
+class ShardGroup:
+    """The driver's parameter shards: named actors `{name_prefix}-shard-{i}`, snapshotted every
+    `snapshot_every_s` and rebuilt from their latest snapshot when they die (see the module doc).
+
+    The controller calls `poll()` from its loop (it never blocks on a shard: tens of ms), hands
+    `directory()` to replicas, and logs the events `poll()` returns. `handles[i]` is always the
+    current incarnation of shard i."""
+
+    def __init__(self, handles: list, bounds: list[tuple[int, int]], names: list[str], namespace: str,
+                 shard_args: tuple, snapshot_every_s: float, settle_s: float, log_limit_bytes: int) -> None:
+        self.bounds, self.names, self.namespace = bounds, names, namespace
+        self._args = shard_args  # (optimizer, lr, momentum, weight_decay, replicas)
+        self.snapshot_every_s, self.settle_s, self.log_limit_bytes = snapshot_every_s, settle_s, log_limit_bytes
+        self._slots = [_Slot(h) for h in handles]
+        self._membership: dict[int, Optional[int]] = {}  # rank -> None (forgotten) | step it was welcomed at
+        self.rebuilds = 0
+
+    @classmethod
+    def create(cls, initial: np.ndarray, bounds: list[tuple[int, int]], optimizer: str, lr: float, momentum: float,
+               weight_decay: float, replicas: int, snapshot_every_s: float, name_prefix: str,
+               namespace: Optional[str] = None, settle_s: float = 10.0, log_limit_bytes: int = 512 * 2**20,
+               timeout_s: float = 60.0) -> "ShardGroup":
+        """One named ParameterShard per bound, each given its slice; returns once every shard
+        answered its first snapshot (snapshot 0: a rebuild never lacks one). `settle_s`: how
+        long after a rebuild poll() waits for clients to replay before reporting what is lost."""
+        namespace = namespace or ray.get_runtime_context().namespace
+        names = [f"{name_prefix}-shard-{i}" for i in range(len(bounds))]
+        args = (optimizer, lr, momentum, weight_decay, replicas)
+        handles = [ParameterShard.options(name=name, namespace=namespace, max_restarts=0).remote(initial[lo:hi], *args)
+                   for name, (lo, hi) in zip(names, bounds)]
+        group = cls(handles, bounds, names, namespace, args, snapshot_every_s, settle_s, log_limit_bytes)
+        try:
+            group.snapshot_now(timeout_s)
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    @property
+    def handles(self) -> list:
+        return [s.handle for s in self._slots]
+
+    def directory(self) -> ShardDirectory:
+        """What replicas build their RayShardClient from (picklable; current handles as hints)."""
+        return ShardDirectory(list(self.names), self.namespace, list(self.bounds), self.handles,
+                              [s.generation for s in self._slots], self.log_limit_bytes)
+
+    # ---- snapshots -----------------------------------------------------------------------
+    def snapshot_now(self, timeout_s: float = 60.0) -> list[int]:
+        """Snapshot every live shard and wait for all; returns their versions."""
+        taken = []
+        for slot in self._slots:
+            if slot.state == "up":
+                version_ref, snap_ref = slot.handle.snapshot.remote()
+                taken.append((slot, version_ref, snap_ref))
+        versions = ray.get([v for _, v, _ in taken], timeout=timeout_s)
+        now = time.monotonic()
+        for (slot, _, snap_ref), version in zip(taken, versions):
+            self._keep_snapshot(slot, version, snap_ref, now)
+        return versions
+
+    def _keep_snapshot(self, slot: _Slot, version: int, snap_ref, now: float) -> None:
+        slot.snapshot_ref, slot.snapshot_version = snap_ref, version
+        slot.pending_snapshot, slot.last_snapshot_at = None, now
+        slot.known_version = max(version, slot.known_version or 0)
+        slot.handle.confirm_snapshot.remote(version)
+
+    # ---- the controller's loop -----------------------------------------------------------
+    def poll(self, now: Optional[float] = None) -> list[dict]:
+        """Snapshot shards that are due, notice dead ones, rebuild them, and report each rebuild
+        once its clients have replayed (or `settle_s` passed): one event per rebuild,
+        {"kind": "shard_rebuilt", "shard", "generation", "detected_by", "snapshot_version",
+        "version_at_death", "replayed_updates", "resent_updates", "lost_updates", "recovery_s"}.
+        lost_updates = the newest version the driver or a reconnecting client saw - (snapshot
+        version + replayed), plus log entries clients had to drop; 0 when nothing acknowledged was
+        lost. Never waits on a shard."""
+        now = time.monotonic() if now is None else now
+        events = []
+        for i, slot in enumerate(self._slots):
+            if slot.state == "up":
+                self._check(i, slot, now)
+            if slot.state == "dead":
+                self._rebuild(i, slot, now)
+            if slot.state == "starting":
+                self._check_started(i, slot, now)
+            if slot.state == "up" and slot.settling:
+                event = self._check_settled(i, slot, now)
+                if event:
+                    events.append(event)
+        return events
+
+    def _check(self, i: int, slot: _Slot, now: float) -> None:
+        try:
+            if slot.pending_snapshot is not None:
+                version_ref, snap_ref = slot.pending_snapshot
+                if ray.wait([version_ref], timeout=0, fetch_local=False)[0]:
+                    self._keep_snapshot(slot, ray.get(version_ref), snap_ref, now)
+        except RayActorError:
+            return self._died(i, slot, "snapshot", now)
+        try:
+            if slot.ping is not None and ray.wait([slot.ping], timeout=0)[0]:
+                _, version, _ = ray.get(slot.ping)
+                slot.known_version = max(version, slot.known_version or 0)
+                slot.ping = None
+        except RayActorError:
+            return self._died(i, slot, "ping", now)
+        if slot.ping is None:
+            slot.ping = slot.handle.status.remote()
+        if slot.pending_snapshot is None and now - slot.last_snapshot_at >= self.snapshot_every_s:
+            slot.pending_snapshot = tuple(slot.handle.snapshot.remote())
+            slot.last_snapshot_at = now
+
+    def _died(self, i: int, slot: _Slot, detected_by: str, now: float) -> None:
+        slot.state, slot.dead_at, slot.detected_by = "dead", time.monotonic(), detected_by
+        slot.version_at_death = slot.known_version
+        slot.ping = slot.pending_snapshot = slot.info = None
+        slot.settling = False
+        for other in self._slots:  # a synchronous round cannot close without this shard
+            if other is not slot and other.state == "up":
+                other.handle.abort_rounds.remote()
+
+    def _rebuild(self, i: int, slot: _Slot, now: float) -> None:
+        try:
+            handle = ParameterShard.options(name=self.names[i], namespace=self.namespace, max_restarts=0).remote(
+                None, *self._args, snapshot=slot.snapshot_ref, generation=slot.generation + 1)
+        except ValueError:
+            return  # the dead actor still holds the name: next poll
+        slot.handle, slot.generation, slot.state = handle, slot.generation + 1, "starting"
+        slot.rebuilt_from = slot.snapshot_version
+        for rank, step in self._membership.items():  # the snapshot may predate these
+            if step is None:
+                handle.forget_replica.remote(rank)
+            else:
+                handle.welcome_replica.remote(rank, step)
+        slot.starting = handle.status.remote()
+        self.rebuilds += 1
+
+    def _check_started(self, i: int, slot: _Slot, now: float) -> None:
+        if not ray.wait([slot.starting], timeout=0)[0]:
+            return
+        try:
+            ray.get(slot.starting)
+        except RayActorError:
+            slot.state = "dead"  # the new incarnation died too: try again (same snapshot)
+            return
+        slot.recovery_s = time.monotonic() - slot.dead_at
+        slot.state, slot.starting, slot.settling = "up", None, True
+        slot.settle_deadline = now + self.settle_s
+        slot.last_snapshot_at = now  # its restored state is the latest snapshot
+
+    def _check_settled(self, i: int, slot: _Slot, now: float) -> Optional[dict]:
+        if slot.info is None:
+            slot.info = slot.handle.recovery_info.remote()
+            return None
+        if not ray.wait([slot.info], timeout=0)[0]:
+            return None
+        try:
+            info = ray.get(slot.info)
+        except RayActorError:
+            return None  # died again: _check notices
+        slot.info = None
+        seen = max(slot.version_at_death or 0, info["seen"])
+        lost = max(0, seen - (info["restored_from"] + info["replayed"])) + info["dropped"]
+        if lost and now < slot.settle_deadline:
+            return None
+        slot.settling = False
+        return {"kind": "shard_rebuilt", "shard": i, "generation": slot.generation, "detected_by": slot.detected_by,
+                "snapshot_version": slot.rebuilt_from, "version_at_death": seen if seen else slot.version_at_death,
+                "replayed_updates": info["replayed"], "resent_updates": info["resent"], "lost_updates": lost,
+                "recovery_s": round(slot.recovery_s, 3)}
+
+    # ---- control calls -------------------------------------------------------------------
+    def _all(self, method: str, *args, timeout_s: float = 10.0) -> list:
+        """Call every live shard; a shard dying meanwhile is left to poll() (None in its place)."""
+        refs = [getattr(s.handle, method).remote(*args) if s.state == "up" else None for s in self._slots]
+        out = []
+        for ref in refs:
+            try:
+                out.append(None if ref is None else ray.get(ref, timeout=timeout_s))
+            except RayActorError:
+                out.append(None)
+        return out
+
+    def forget_replica(self, rank: int, timeout_s: float = 10.0, wait: bool = True) -> None:
+        """A replica died: no shard's staleness clock waits for `rank` again (kept across rebuilds)."""
+        self._membership[rank] = None
+        if wait:
+            self._all("forget_replica", rank, timeout_s=timeout_s)
+        else:
+            for s in self._slots:
+                if s.state == "up":
+                    s.handle.forget_replica.remote(rank)
+
+    def welcome_replica(self, rank: int, step: int, timeout_s: float = 10.0) -> None:
+        """A replacement replica takes `rank` at clock `step` on every shard (kept across rebuilds)."""
+        self._membership[rank] = step
+        self._all("welcome_replica", rank, step, timeout_s=timeout_s)
+
+    def observed_max_lead(self, timeout_s: float = 10.0) -> int:
+        """The largest lead over the slowest replica any shard saw at a push (SSP check)."""
+        return max([v for v in self._all("observed_max_lead", timeout_s=timeout_s) if v is not None], default=0)
+
+    def abort_rounds(self, timeout_s: float = 10.0) -> int:
+        """Abort every open synchronous EASGD round on every shard (ParameterShard.abort_rounds)."""
+        return sum(v or 0 for v in self._all("abort_rounds", timeout_s=timeout_s))
+
+    def values(self, timeout_s: float = 30.0) -> np.ndarray:
+        """The reference parameters, concatenated (raises if a shard is down)."""
+        return np.concatenate(ray.get([s.handle.values.remote() for s in self._slots], timeout=timeout_s))
+
+    def buffers(self, timeout_s: float = 30.0) -> dict:
+        return ray.get(self._slots[0].handle.buffers.remote(), timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        """Kill every shard (their snapshots go with the group)."""
+        for slot in self._slots:
+            try:
+                ray.kill(slot.handle, no_restart=True)
+            except Exception:
+                pass
+            slot.snapshot_ref = slot.pending_snapshot = slot.ping = slot.info = slot.starting = None
 
 
 def create_shards(initial: np.ndarray, bounds: list[tuple[int, int]], optimizer: str, lr: float, momentum: float,
                   weight_decay: float, replicas: int) -> list:
-    """One ParameterShard per bound, each given its slice (one object-store put per shard)."""
+    """One anonymous ParameterShard per bound, each given its slice (one object-store put per
+    shard). No snapshots and no recovery: ShardGroup.create replaces this."""
     return [ParameterShard.remote(initial[lo:hi], optimizer, lr, momentum, weight_decay, replicas)
             for lo, hi in bounds]
