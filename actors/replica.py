@@ -5,10 +5,22 @@ A replica runs a whole epoch on its own (`run_epoch`) and is never called per st
 progress rows back to the driver as a Ray streaming generator while the epoch runs. (A second
 concurrency group for polling was tried first: running the step loop off the actor's main
 thread cost ~10% of step throughput.)
+
+Membership changes: a step that cannot complete because a peer died (a failed collective, an
+aborted EASGD round) raises `Interrupted`; the replica leaves its process group at once (which
+fails its peers' pending collectives too, so nobody waits for the collective timeout), keeps
+its place in the epoch (the interrupted batch is taken again), and ends the segment with an
+"interrupted" item. The controller then re-forms the group (`join_group` with a fresh store per
+generation), hands state to newcomers (`export_state` / `load_state` / `sync_from_shards`), and
+calls `run_epoch(..., resume=True)`. A spare is a replica built with `rank=None`: its process
+and model exist, it holds no CPU and no data until `assign` gives it a rank.
+
+Actors import only `actors` and `policies`, never the driver package.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from datetime import timedelta
 from typing import Any, Iterator, Optional
@@ -21,11 +33,9 @@ import torch.nn.functional as F
 
 from actors.partition_server import PartitionReader
 from actors.shard import RayShardClient
-from orchestrator.factory import build_model, make_optimizer
-from policies.allreduce import AllReduceWorker
-from policies.downpour import DownpourWorker
-from policies.easgd import EasgdWorker, default_alpha
-from policies.sharding import FlatParams
+from policies.factory import build_model
+from policies.modes import Interrupted
+from policies.registry import Transport, build_worker, mode_spec
 
 
 def free_port() -> int:
@@ -37,17 +47,77 @@ def free_port() -> int:
 
 
 class ProcessGroupReducer:
-    """Sums a bucket across replicas with an asynchronous torch.distributed all-reduce, and
-    broadcasts rank 0's buffers (the process group's timeout bounds every wait)."""
+    """Sums a bucket across replicas with an asynchronous all-reduce on this generation's gloo
+    process group, and broadcasts group rank 0's buffers.
+
+    Gloo cannot abort a collective, and a member that is not a dead rank's ring neighbour would
+    wait for the full collective timeout. So every wait is cut into WAIT_SLICE_S slices; between
+    slices the replica looks for the generation's abort flag in its TCP store. The first member
+    whose collective fails (a neighbour of the dead one: at once) sets the flag, and every other
+    member leaves its wait within a slice. Failed or aborted waits raise `Interrupted` (never
+    inside the backward pass's hooks). Each generation has its own store and group; the old
+    group is abandoned, not destroyed (destroying it would wait for its stuck work)."""
+
+    WAIT_SLICE_S = 0.2
+
+    def __init__(self) -> None:
+        self.pg = None
+        self.store = None
+        self.abandoned: list = []  # past generations' groups and stores: freeing one waits for its stuck work
+
+    def configure(self, store, pg, keep: Any = None) -> None:
+        if self.pg is not None:
+            self.abandoned.append((self.pg, self.store, getattr(self, "_keep", None)))
+        self.store, self.pg, self._keep = store, pg, keep
 
     def start(self, tensor: torch.Tensor):
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+        try:
+            return self.pg.allreduce([tensor])
+        except Exception as exc:  # the group is already broken: report it at wait()
+            return exc
 
     def wait(self, handle) -> None:
-        handle.wait()
+        if isinstance(handle, Exception):
+            self.abort()
+            raise Interrupted(f"all-reduce failed: {_first_line(handle)}")
+        slice_ = timedelta(seconds=self.WAIT_SLICE_S)
+        while True:
+            try:
+                handle.wait(slice_)
+                return
+            except Exception as exc:
+                if "timed out" not in str(exc).lower():
+                    self.abort()
+                    raise Interrupted(f"collective failed: {_first_line(exc)}") from None
+            if self.aborted():
+                raise Interrupted("collective aborted: another member saw the group fail")
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        dist.broadcast(tensor, src=0)
+        try:
+            work = self.pg.broadcast(tensor, 0)
+        except Exception as exc:
+            work = exc
+        self.wait(work)
+
+    def abort(self) -> None:
+        """Tell the other members this generation is over (best effort: the store's host may be
+        the one that died, which the others notice by themselves)."""
+        with contextlib.suppress(Exception):
+            self.store.set("abort", "1")
+
+    def aborted(self) -> bool:
+        try:
+            return bool(self.store.check(["abort"]))
+        except Exception:  # the store's host is gone: so is the generation
+            return True
+
+
+_UNREAD = object()  # the cursor has not looked ahead yet
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def replica_device(gpus_per_replica: float) -> torch.device:
@@ -63,53 +133,107 @@ def replica_device(gpus_per_replica: float) -> torch.device:
 
 @ray.remote
 class ModelReplica:
-    def __init__(self, rank: int, world_size: int, config: dict[str, Any], shards: Optional[list] = None,
-                 bounds: Optional[list[tuple[int, int]]] = None) -> None:
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank: Optional[int], world_size: int, config: dict[str, Any], shards: Any = None) -> None:
+        """`rank` None: a spare (see `assign`). `shards`: the shard directory (sharded modes)."""
         self.cfg = config
         torch.set_num_threads(max(1, int(config["scaling"]["cpus_per_replica"])))
         self.device = replica_device(config["scaling"]["gpus_per_replica"])
         self.model = build_model(config["model"]["factory"], config["model"]["kwargs"], config["data"]["seed"]).to(self.device)
-        self.flat: Optional[FlatParams] = None
-        self.client: Optional[RayShardClient] = None
-        self.worker = self._make_worker(config, shards, bounds)
-        self.step_delay_s = float(config["faults"]["slow_replicas"].get(rank, 0.0))
+        self.spec = mode_spec(config["strategy"]["mode"])
+        self.shards = shards
+        self.flat = None
+        self.client = None
+        self.worker = None
+        self.reducer = None
+        self.rank, self.world_size = None, world_size
         self.step = 0
+        self.generation = 0
+        self._cursor: Optional[dict[str, Any]] = None  # the epoch in progress: its batches and where we are
         self._has_buffers = any(True for _ in self.model.buffers())
+        if rank is not None:
+            self.assign(rank, world_size)
 
-    def _make_worker(self, config: dict[str, Any], shards, bounds):
-        """The mode's update rule (policies/<mode>.py) wired to this replica's transport."""
-        s, opt = config["strategy"], config["optimizer"]
-        if s["mode"] == "allreduce":
-            optimizer = make_optimizer(opt["name"], self.model.parameters(), opt["lr"], opt["momentum"], opt["weight_decay"])
-            return AllReduceWorker(self.model, optimizer, int(s["bucket_mb"] * 2**20), ProcessGroupReducer())
-        self.flat = FlatParams(list(self.model.parameters()))
-        self.client = RayShardClient(shards, bounds, s["max_in_flight"], s["timeout_s"])
-        if s["mode"] == "downpour":
-            return DownpourWorker(self.model, self.flat, self.client, self.rank, lr=opt["lr"], n_fetch=s["n_fetch"],
-                                  n_push=s["n_push"], max_staleness=s["max_staleness"], staleness_lr=s["staleness_lr"],
-                                  warmstart_steps=s["warmstart_steps"], timeout_s=s["timeout_s"])
-        if opt["name"] == "sgd":  # EAMSGD when strategy.momentum > 0
-            local = torch.optim.SGD(self.model.parameters(), lr=opt["lr"], momentum=s["momentum"],
-                                    nesterov=s["momentum"] > 0, weight_decay=opt["weight_decay"])
-        else:
-            local = make_optimizer(opt["name"], self.model.parameters(), opt["lr"], 0.0, opt["weight_decay"])
-        alpha = s["alpha"] if s["alpha"] is not None else default_alpha(self.world_size)
-        return EasgdWorker(self.model, self.flat, local, self.client, self.world_size, alpha, s["tau"], s["variant"])
+    def assign(self, rank: int, world_size: int) -> int:
+        """Take a rank: build the mode's worker (a spare does this when it is put to use).
+        Returns the process id (the controller and fault injection address the process by it)."""
+        s = self.cfg["strategy"]
+        self.rank, self.world_size = rank, world_size
+        client = None
+        if self.spec.sharded:
+            client = RayShardClient(self.shards, s["max_in_flight"], s["timeout_s"])
+        self.reducer = ProcessGroupReducer()
+        self.worker, self.flat = build_worker(self.model, self.cfg, rank, world_size, Transport(self.reducer, client))
+        self.client = client
+        self.step_delay_s = float(self.cfg["faults"]["slow_replicas"].get(rank, 0.0))
+        return os.getpid()
+
+    def pid(self) -> int:
+        return os.getpid()
 
     # ---- process group -------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
-        """Where rank 0 will host the TCP store the process group meets at."""
+        """Where this replica, as group rank 0, will host the TCP store the group meets at (a
+        new port each generation: a fresh store)."""
         return ray.util.get_node_ip_address(), free_port()
 
-    def join_group(self, addr: str, port: int, timeout_s: float) -> int:
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        return self.rank
+    def join_group(self, addr: str, port: int, group_rank: int, world_size: int, generation: int,
+                   timeout_s: float) -> int:
+        """Join generation `generation` of the process group: a fresh TCP store (hosted by group
+        rank 0 on a new port) and a new gloo group over it, in this same process. `timeout_s`
+        bounds every collective: a peer that stops answering fails the step."""
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore(addr, port, world_size, group_rank == 0, timeout=timeout)
+        prefixed = dist.PrefixStore(f"generation-{generation}", store)
+        if self.device.type == "cuda":
+            pg = dist.ProcessGroupNCCL(prefixed, group_rank, world_size)
+        else:
+            pg = dist.ProcessGroupGloo(prefixed, group_rank, world_size, timeout)
+        self.reducer.configure(prefixed, pg, keep=store)  # group rank 0 hosts the store: kept with the group
+        self.generation, self.world_size = generation, world_size
+        return group_rank
 
+    def leave_group(self) -> None:
+        """This generation is over for this replica: tell the other members (they leave their
+        waits within a slice); the group itself is abandoned when the next one is formed."""
+        if getattr(self, "reducer", None) is not None and self.reducer.pg is not None:
+            self.reducer.abort()
+
+    def regroup(self, world_size: int, generation: int) -> None:
+        """Modes without a process group: the new membership (e.g. synchronous EASGD's round size)."""
+        self.generation, self.world_size = generation, world_size
+        regroup = getattr(self.worker, "regroup", None)
+        if regroup is not None:
+            regroup(world_size, generation)
+
+    # ---- state transfer ------------------------------------------------------------------
+    def export_state(self) -> dict[str, Any]:
+        """This replica's own parameters, buffers and optimizer state, and its step count."""
+        opt = getattr(self.worker, "optimizer", None)
+        return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+                "optimizer": opt.state_dict() if opt is not None else None, "step": self.step}
+
+    def load_state(self, state: dict[str, Any]) -> int:
+        """Become a copy of the replica `state` was exported from (allreduce's state transfer)."""
+        self.model.load_state_dict(state["model"])
+        opt = getattr(self.worker, "optimizer", None)
+        if opt is not None and state["optimizer"] is not None:
+            opt.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        return self.step
+
+    def sync_from_shards(self, step: int) -> int:
+        """Sharded modes: start from the shards' reference parameters (Downpour's server copy,
+        EASGD's center) and the module buffers averaged there, at step `step`."""
+        with torch.no_grad():
+            self.client.pull(self.flat.params)
+            if self._has_buffers:
+                buffers = dict(self.model.named_buffers())
+                for name, value in self.client.buffers().items():
+                    buffers[name].copy_(torch.from_numpy(value))
+        self.step = step
+        if hasattr(self.worker, "step_count"):
+            self.worker.step_count = step
+        return step
 
     # ---- data ----------------------------------------------------------------------------
     def set_data(self, server, train_parts: list, test_part: list, test_slice: tuple[int, int]) -> int:
@@ -129,7 +253,8 @@ class ModelReplica:
 
     # ---- training ------------------------------------------------------------------------
     def run_epoch(self, epoch: int, log_every: int, trace_ids: bool = False,
-                  first_grant: Optional[dict] = None) -> Iterator[dict[str, Any]]:
+                  first_grant: Optional[dict] = None, resume: bool = False,
+                  announce: bool = False) -> Iterator[dict[str, Any]]:
         """Lease partitions and take steps of the mode's rule over every row of them until the
         server has no more for this replica this epoch (lock-step modes: until no replica has a
         batch left, with empty steps meanwhile); then (allreduce) evaluate this replica's test
@@ -138,31 +263,56 @@ class ModelReplica:
         `tracking.progress_interval_s`; yields last the totals with the rows not yet sent (one
         call per epoch, no call per step), and the partitions finished since the last grant
         request (`unreported`) for the controller to report. `first_grant`: the grant this replica
-        starts the epoch with. A non-finite loss ends the run (RuntimeError naming the step)."""
+        starts the epoch with. `resume`: go on with the epoch where the last segment was
+        interrupted (the interrupted batch first). `announce`: yield {"kind": "stepping"} with
+        the wall time once the first step of this segment is done. A step interrupted by a
+        membership change ends the segment with a {"kind": "interrupted"} item; a non-finite
+        loss ends the run (RuntimeError naming the step); any other error leaves the process
+        group first, so peers are not left waiting."""
         self.model.train()
+        cur = self._cursor if resume and self._cursor is not None and self._cursor["epoch"] == epoch else None
+        if cur is None:
+            batches = self.reader.epoch_batches(first_grant)
+            cur = self._cursor = {"epoch": epoch, "batches": batches, "pending": next(batches, None),
+                                  "following": _UNREAD, "ended": False}
         consumed, comm_s, steps, samples, loss = [], 0.0, 0, 0, float("nan")
         t_epoch = t_window = t_sent = time.perf_counter()
         window, rows = 0, []
         send_every = float(self.cfg["tracking"]["progress_interval_s"])
         lock_step = self.worker.lock_step
-        batches = self.reader.epoch_batches(first_grant)
-        following = next(batches, None)
-        while following is not None or lock_step:
-            current = following
-            following = next(batches, None) if current is not None else None  # look ahead one batch
+        while cur["pending"] is not None or (lock_step and not cur["ended"]):
+            current = cur["pending"]  # kept in the cursor until its step is done: retried after an interruption
+            if current is not None and cur["following"] is _UNREAD:
+                cur["following"] = next(cur["batches"], None)  # look ahead one batch
+            following = cur["following"] if current is not None else None
             x, y = (None, None) if current is None else current[:2]
             if self.step_delay_s and current is not None:
                 time.sleep(self.step_delay_s)  # faults.slow_replicas: a deliberate straggler
             try:
                 result = self.worker.step(x, y, following is not None)
+            except Interrupted as exc:
+                self.leave_group()  # fail the peers' pending collectives now, not at their timeout
+                yield self._segment_end("interrupted", epoch, steps, samples, t_epoch, comm_s, consumed, loss,
+                                        rows, reason=str(exc))
+                return
             except FloatingPointError as exc:
+                self.leave_group()
                 lr = self.cfg["optimizer"]["lr"]
                 raise RuntimeError(f"training diverged: {exc} at step {self.step + 1} (epoch {epoch}) with "
                                    f"optimizer.lr {lr:g}; the step was not applied and the last checkpoint is kept; "
                                    "lower optimizer.lr") from None
+            except Exception:
+                self.leave_group()
+                raise
+            cur["pending"], cur["following"] = following, _UNREAD
+            if lock_step and not result.go_on:
+                cur["ended"] = True
             comm_s += result.comm_s
             steps += 1
             self.step += 1
+            if announce:
+                announce = False
+                yield {"kind": "stepping", "rank": self.rank, "t_wall": time.time(), "step": self.step}
             if current is not None:
                 samples += len(y)
                 window += len(y)
@@ -177,17 +327,31 @@ class ModelReplica:
                 if now - t_sent >= send_every:  # each message to the driver costs the step loop
                     yield {"kind": "progress", "rank": self.rank, "rows": rows}
                     rows, t_sent = [], now
-            if lock_step and not result.go_on:
+            if cur["ended"]:
                 break
-        train_s = time.perf_counter() - t_epoch
-        mode_stats = self.worker.end_epoch()  # e.g. waits for this epoch's pushes
+        cur["ended"] = True
+        try:
+            mode_stats = self.worker.end_epoch()  # e.g. waits for this epoch's pushes
+        except Interrupted as exc:
+            self.leave_group()  # resuming redoes only the end of the epoch
+            yield self._segment_end("interrupted", epoch, steps, samples, t_epoch, comm_s, consumed, loss, rows,
+                                    reason=str(exc))
+            return
         if self.flat is not None and self._has_buffers:  # the reference model's buffers: the replicas' averaged
             self.client.set_buffers(self.rank, self.local_buffers())
         evaluation = self.evaluate() if self.flat is None else None  # sharded modes: see evaluate_reference
-        yield {"kind": "epoch", "rank": self.rank, "steps": steps, "samples": samples, "train_s": train_s,
-               "comm_s": comm_s, "consumed": consumed, "partitions": list(self.reader.read),
-               "unreported": self.reader.unreported, "eval": evaluation,
-               "loss": loss, "mode": mode_stats, "progress": rows}
+        self._cursor = None
+        yield self._segment_end("epoch", epoch, steps, samples, t_epoch, comm_s, consumed, loss, rows,
+                                eval=evaluation, mode=mode_stats, partitions=list(self.reader.read),
+                                unreported=self.reader.unreported)
+
+    def _segment_end(self, kind: str, epoch: int, steps: int, samples: int, t_epoch: float, comm_s: float,
+                     consumed: list, loss: float, rows: list, **more: Any) -> dict[str, Any]:
+        out = {"kind": kind, "rank": self.rank, "epoch": epoch, "steps": steps, "samples": samples,
+               "train_s": time.perf_counter() - t_epoch, "comm_s": comm_s, "consumed": consumed, "loss": loss,
+               "progress": rows, "step": self.step, "partitions": [], "unreported": [], "eval": None, "mode": None}
+        out.update(more)
+        return out
 
     @torch.inference_mode()
     def evaluate(self) -> tuple[int, float, int]:

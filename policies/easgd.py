@@ -17,8 +17,11 @@ Synchronous EASGD is lock-step (like allreduce): every replica meets every round
 it holds. Each round also counts the replicas that have a batch for that step; a replica whose
 data ran out keeps taking empty steps and meeting rounds until a round where no replica has a
 batch, which ends the epoch for all of them after the same step (that round is only a vote: the
-center and the replicas stay where they are). Rounds are numbered by the replicas' common round
-count, and the exchange happens every tau steps of the epoch.
+center and the replicas stay where they are). Rounds are numbered by the membership generation
+and the replicas' common round count in it, and the exchange happens every tau steps of the
+epoch (counted from the last regroup). A round that a dead member never reaches is aborted by
+the controller: the step raises `Interrupted` and is not applied, and the group meets again in
+the next generation.
 
 Reported per epoch: `elastic_distance` = ||x_i - c|| when the replica ends its epoch (the
 center as the last round returned it, or pulled, for async), averaged over replicas by the
@@ -56,7 +59,8 @@ class EasgdWorker:
     variant: str = "async"  # async | sync
     step_count: int = 0
     epoch_step: int = 0  # sync: steps (real or empty) this epoch
-    rounds: int = 0  # sync: rounds met so far (the same count on every replica)
+    rounds: int = 0  # sync: rounds met so far in this generation (the same count on every replica)
+    generation: int = 0  # sync: the membership generation; rounds are numbered (generation, rounds)
     distances: list[float] = field(default_factory=list)
     exchanges: int = 0
     _center: Optional[torch.Tensor] = None  # sync: the center the last round returned
@@ -84,7 +88,7 @@ class EasgdWorker:
             comm_s = time.perf_counter() - t0
         elif self.variant == "sync" and self.epoch_step % self.tau == 0:
             t0 = time.perf_counter()
-            c, active = self.client.sync_round(self.rounds, self.flat.params, self.replicas,
+            c, active = self.client.sync_round((self.generation, self.rounds), self.flat.params, self.replicas,
                                                self.alpha * self.replicas, x is not None)
             self.rounds += 1
             self._center = c
@@ -102,6 +106,11 @@ class EasgdWorker:
         if self.variant == "async":
             go_on = more
         return StepResult(loss_value, comm_s, 0 if y is None else len(y), go_on)
+
+    def regroup(self, replicas: int, generation: int) -> None:
+        """A new membership (a replica replaced or dropped): rounds of `replicas` members,
+        numbered afresh in `generation`, every member's next step meets a round."""
+        self.replicas, self.generation, self.rounds, self.epoch_step = replicas, generation, 0, 0
 
     def _record(self, sq: float) -> None:
         self.distances.append(math.sqrt(sq))

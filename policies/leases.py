@@ -99,7 +99,8 @@ class PartitionLedger:
 
     def release(self, rank: int, survivors: Optional[list[int]] = None) -> list[int]:
         """A replica died: its leased partitions go back to be served again (to the front of the
-        shared queue, or spread over the survivors' pinned queues). Returns them."""
+        shared queue, or spread over the `survivors`' pinned queues; `survivors` [rank]: the
+        replacement that takes the rank gets them, then the rest of the queue). Returns them."""
         back = sorted(p for p, r in self.leased.items() if r == rank)
         for p in back:
             del self.leased[p]
@@ -107,8 +108,8 @@ class PartitionLedger:
         if self.pinned:
             rest = list(self.queues.pop(rank, deque()))
             alive = survivors or [r for r in self.queues]
-            for i, p in enumerate(back + rest):
-                self.queues[alive[i % len(alive)]].append(p)
+            for i, p in enumerate(back + rest):  # survivors [rank]: its replacement takes the same queue
+                self.queues.setdefault(alive[i % len(alive)], deque()).append(p)
         else:
             self.queues[-1].extendleft(reversed(back))
         return back

@@ -1,0 +1,145 @@
+"""The replica group: the ModelReplica actors, their ranks, the membership generation, the
+process group's rendezvous, spares and state transfer. The controller decides when; this
+class does it, with a timeout on every call.
+
+Ranks are stable names: a replacement takes the rank of the replica it replaces, so the
+partition ledger's queue, the test slice and the metrics all follow it. Group ranks (positions
+in the torch.distributed group) are the members' positions in rank order, recomputed each
+generation. Each generation meets at a fresh TCP store (a new port on the new group rank 0):
+re-initialising on the old store would hang in its barrier.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import ray
+
+from orchestrator.config import JobConfig
+from orchestrator.errors import TrainingError
+from policies.registry import mode_spec
+
+READY_TIMEOUT_S = 120.0  # a new actor imports torch and builds the model
+
+
+class ReplicaGroup:
+    def __init__(self, config: JobConfig, shards: Any = None) -> None:
+        self.cfg = config
+        self.raw = config.model_dump()
+        self.spec = mode_spec(config.strategy.mode)
+        self.shards = shards  # the shard directory replicas resolve shards through (sharded modes)
+        self.members: dict[int, Any] = {}  # rank -> ModelReplica
+        self.pids: dict[int, int] = {}
+        self.replacements: set[int] = set()  # ranks whose actor replaced a failed one
+        self.generation = 0
+        self.spares: list[Any] = []
+        self.timeout_s = config.strategy.timeout_s
+
+    # ---- actors --------------------------------------------------------------------------
+    def _actor(self, rank: Optional[int], spare: bool = False):
+        from actors.replica import ModelReplica
+
+        s = self.cfg.scaling
+        cpus = 0 if spare else s.cpus_per_replica  # a spare holds memory, not CPU
+        return ModelReplica.options(num_cpus=cpus, num_gpus=0 if spare else s.gpus_per_replica,
+                                    max_restarts=0).remote(rank, s.replicas, self.raw, self.shards)
+
+    def launch(self) -> None:
+        """Ask Ray for the replicas and spares and return at once (their processes boot meanwhile)."""
+        n = self.cfg.scaling.replicas
+        self.members = {rank: self._actor(rank) for rank in range(n)}
+        self.spares = [self._actor(None, spare=True) for _ in range(self.cfg.fault_tolerance.spares)]
+
+    def wait_ready(self) -> None:
+        ranks = sorted(self.members)
+        pids = self._get([self.members[r].pid.remote() for r in ranks], "replicas starting", READY_TIMEOUT_S)
+        self.pids = dict(zip(ranks, pids))
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.members)
+
+    def handles(self) -> list[Any]:
+        return [self.members[r] for r in self.ranks]
+
+    def remove(self, rank: int) -> None:
+        """Stop the actor of `rank` (already dead, hung or failed) and forget it."""
+        actor = self.members.pop(rank, None)
+        self.pids.pop(rank, None)
+        if actor is not None:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+
+    def replace(self, rank: int) -> tuple[str, float]:
+        """Put a new replica in `rank`'s place: a spare at once if one is ready (a new spare is
+        then started in the background), else a new actor. Returns (how, seconds taken)."""
+        t0 = time.perf_counter()
+        how = "new_actor"
+        actor = None
+        while self.spares and actor is None:
+            spare = self.spares.pop(0)
+            try:
+                self.pids[rank] = self._get(spare.assign.remote(rank, self.cfg.scaling.replicas), "spare", self.timeout_s)
+                actor, how = spare, "spare"
+            except TrainingError:  # the spare itself died: try the next, or a new actor
+                continue
+            self.spares.append(self._actor(None, spare=True))
+        if actor is None:
+            actor = self._actor(rank)
+            self.pids[rank] = self._get(actor.pid.remote(), f"replacement for replica {rank}", READY_TIMEOUT_S)
+        self.members[rank] = actor
+        self.replacements.add(rank)
+        return how, time.perf_counter() - t0
+
+    # ---- membership ----------------------------------------------------------------------
+    def form(self) -> int:
+        """Start a new generation over the current members: the process group (modes that use
+        one) re-formed at a fresh store, or the members told the new size (lock-step EASGD's
+        rounds). Survivors stay the same processes. Returns the generation."""
+        self.generation += 1
+        ranks, world = self.ranks, len(self.members)
+        if self.spec.process_group:
+            head = self.members[ranks[0]]
+            addr, port = self._get(head.rendezvous_address.remote(), "rendezvous", self.timeout_s)
+            timeout = self.cfg.fault_tolerance.hang_timeout_s
+            self._get([self.members[r].join_group.remote(addr, port, i, world, self.generation, timeout)
+                       for i, r in enumerate(ranks)], f"process group generation {self.generation}", self.timeout_s + 60)
+        else:
+            self._get([self.members[r].regroup.remote(world, self.generation) for r in ranks], "regroup",
+                      self.timeout_s)
+        return self.generation
+
+    def transfer_state(self, donor: int, to: list[int]) -> None:
+        """allreduce: `to` become copies of `donor` (parameters, buffers, optimizer state, step),
+        through the object store."""
+        if not to:
+            return
+        state = self.members[donor].export_state.remote()
+        self._get([self.members[r].load_state.remote(state) for r in to], f"state from replica {donor}",
+                  self.timeout_s)
+
+    def call(self, ranks: list[int], method: str, *args: Any, what: str = "", timeout_s: Optional[float] = None,
+             per_rank: Optional[Callable[[int], tuple]] = None) -> list[Any]:
+        """Call `method` on the replicas of `ranks` (arguments per rank from `per_rank`)."""
+        refs = [getattr(self.members[r], method).remote(*(per_rank(r) if per_rank else args)) for r in ranks]
+        return self._get(refs, what or method, timeout_s or self.timeout_s)
+
+    def shutdown(self) -> None:
+        for actor in list(self.members.values()) + self.spares:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        self.members, self.spares = {}, []
+
+    def _get(self, refs, what: str, timeout: float):
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TrainingError(f"{what}: no answer within {timeout:.0f}s") from None
+        except ray.exceptions.RayActorError as exc:
+            raise TrainingError(f"{what}: a replica died ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+        except ray.exceptions.RayTaskError as exc:
+            raise TrainingError(f"{what}: {exc.cause if hasattr(exc, 'cause') else exc}") from None

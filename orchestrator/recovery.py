@@ -1,0 +1,283 @@
+"""Running and Reconfiguring: reading the replicas' epoch streams, seeing failures, and carrying
+out the failure policy's decisions.
+
+Failures are seen here, within seconds:
+- died: a stream's next item raises RayActorError (the process or its node is gone: ~0.05 s);
+- error: it raises RayTaskError (the user's model or data raised; the replica left its process
+  group first, so its peers fail at once);
+- hung: no item from a replica for fault_tolerance.hang_timeout_s (lock-step modes: plus
+  HANG_GRACE_S, since its peers wait for it in the collective until the same timeout and end
+  their segments "interrupted"; the one still silent is the hung one). It is killed.
+Each becomes a `ReplicaFailure` value; lock-step modes (allreduce, synchronous EASGD) first let
+every other member end its segment (their step fails: a broken collective, an aborted round),
+then the policy decides; in the asynchronous modes the survivors keep training while the
+replacement joins.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from orchestrator.errors import TrainingError
+from orchestrator.segment import EpochSegment, Plan, Recovery
+from policies.failure import Drop, Fail, Replace, ReplicaFailure, error_detail
+
+if TYPE_CHECKING:
+    from orchestrator.controller import Controller, State
+
+TICK_S = 0.5  # the loop's longest wait: shard snapshots, hang checks
+HANG_GRACE_S = 5.0
+MAX_PASSES = 8
+
+
+def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
+    """Read the epoch's streams until the epoch ends or a failure needs a decision."""
+    from orchestrator.controller import Errored, Reconfiguring, Running
+
+    while True:
+        if seg.failures and (not ctl.lock_step or not seg.streams):
+            return judge(ctl, seg)
+        if not seg.streams:
+            nxt = close_pass(ctl, seg)
+            if nxt is None:
+                continue  # a further pass of the epoch started
+            return nxt
+        ready, _ = ray.wait(list(seg.streams.values()), num_returns=1, timeout=TICK_S)
+        for rank, stream in list(seg.streams.items()):
+            if stream in ready:
+                read_item(ctl, seg, rank, stream)
+        poll_shards(ctl, seg)
+        check_hangs(ctl, seg)
+
+
+def read_item(ctl: "Controller", seg: EpochSegment, rank: int, stream: Any) -> None:
+    try:
+        item = ray.get(next(stream), timeout=ctl.cfg.strategy.timeout_s)
+    except StopIteration:
+        del seg.streams[rank]
+        return
+    except ray.exceptions.RayActorError as exc:
+        fail(ctl, seg, ReplicaFailure(rank, "died", f"{type(exc).__name__}: the replica's process is gone",
+                                      replacement=rank in ctl.group.replacements))
+        return
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        if "training diverged" in str(cause):  # not a fault of this replica: every replica would diverge
+            raise TrainingError(f"replica {rank} epoch {seg.epoch}: {cause}") from None
+        tb = "".join(traceback.format_exception(cause)) if isinstance(cause, BaseException) else str(exc)
+        fail(ctl, seg, ReplicaFailure(rank, "error", error_detail(type(cause).__name__, str(cause)), tb,
+                                      replacement=rank in ctl.group.replacements))
+        return
+    seg.heard[rank] = time.perf_counter()
+    kind = item["kind"]
+    if kind == "stepping":
+        stepped(ctl, seg, rank, item["t_wall"])
+        return
+    if kind in ("epoch", "interrupted"):
+        seg.items.append(item)
+        seg.ended[rank] = item
+    rows = item["progress"] if kind != "progress" else item["rows"]
+    if rows:
+        ctl.progress[rank] = rows[-1]["step"]
+    if rank == min(ctl.group.members, default=rank) and rows:
+        seg.progress += rows
+        last = rows[-1]
+        ctl.report.steps(seg.epoch, last["step_in_epoch"], last["loss"], ctl.steps_per_epoch)
+
+
+def fail(ctl: "Controller", seg: EpochSegment, failure: ReplicaFailure) -> None:
+    """A failure seen: stop reading the replica, record it, and make sure nobody waits for it."""
+    seg.streams.pop(failure.rank, None)
+    seg.heard.pop(failure.rank, None)
+    now = time.time()
+    if seg.t_first_failure is None:
+        seg.t_first_failure = now
+    seg.failures.append(failure)
+    seg.had_failure = True
+    for rec in seg.recoveries:
+        rec.waiting.discard(failure.rank)
+    ctl.report.event("replica_failed", rank=failure.rank, epoch=seg.epoch, cause=failure.cause,
+                     detected_by=DETECTED_BY[failure.cause], detail=failure.detail, t_wall=round(now, 3),
+                     **({"traceback": failure.traceback} if failure.traceback else {}))
+    ctl.report.say(f"replica {failure.rank} {failure.cause} in epoch {seg.epoch}: {failure.detail}")
+    if failure.cause != "died":  # a hung or raising replica's process is stopped now (its sockets close)
+        ctl.group.remove(failure.rank)
+    sg = ctl.shard_group
+    if sg is not None:
+        sg.forget_replica(failure.rank)  # the survivors' slowest-replica clock (SSP) must not wait for it
+        if ctl.lock_step:
+            sg.abort_rounds()  # synchronous EASGD: the survivors' pending round ends now
+
+
+DETECTED_BY = {"died": "actor died (its epoch stream failed)", "error": "exception raised in the replica",
+               "hung": "no progress for fault_tolerance.hang_timeout_s"}
+
+
+def check_hangs(ctl: "Controller", seg: EpochSegment) -> None:
+    limit = ctl.cfg.fault_tolerance.hang_timeout_s + (HANG_GRACE_S if ctl.lock_step else 0.0)
+    now = time.perf_counter()
+    for rank in [r for r, t in seg.heard.items() if now - t > limit and r in seg.streams]:
+        fail(ctl, seg, ReplicaFailure(rank, "hung", f"no progress for {now - seg.heard.get(rank, now):.0f}s",
+                                      replacement=rank in ctl.group.replacements))
+
+
+def poll_shards(ctl: "Controller", seg: EpochSegment) -> None:
+    if ctl.shard_group is None:
+        return
+    for event in ctl.shard_group.poll():
+        kind = event.pop("kind", "shard_rebuilt")
+        ctl.report.event(kind, epoch=seg.epoch, **event)
+        ctl.report.say(f"shard {event.get('shard')} died and was rebuilt from its snapshot "
+                       f"({event.get('lost_updates')} acknowledged updates lost)")
+
+
+def stepped(ctl: "Controller", seg: EpochSegment, rank: int, t_wall: float) -> None:
+    """A member took its first step after a reconfiguration; the recovery's event once all have."""
+    for rec in list(seg.recoveries):
+        if rank in rec.waiting:
+            rec.waiting.discard(rank)
+            rec.stepping_at = max(rec.stepping_at, t_wall)
+            if not rec.waiting:
+                seg.recoveries.remove(rec)
+                recovery_s = rec.stepping_at - rec.t_detect_wall
+                ctl.report.event(rec.event.pop("kind"), **rec.event, stepping_at=round(rec.stepping_at, 3),
+                                 recovery_s=round(recovery_s, 3))
+                ctl.report.say(f"recovered: every replica stepping {recovery_s:.2f}s after the failure was seen")
+
+
+def judge(ctl: "Controller", seg: EpochSegment) -> "State":
+    """The failure policy decides each failure; Fail ends the run, else Reconfiguring."""
+    from orchestrator.controller import Errored, Reconfiguring
+
+    failures, seg.failures = seg.failures, []
+    decisions = []
+    failed = {f.rank for f in failures}
+    for f in failures:
+        survivors = len([r for r in ctl.group.members if r not in failed]) + sum(
+            isinstance(d, Replace) for d in decisions)
+        decision = ctl.failure_policy.decide(f, survivors)
+        ctl.report.event("failure_decision", rank=f.rank, decision=type(decision).__name__.lower(),
+                         reason=decision.reason.splitlines()[0])
+        if isinstance(decision, Fail):
+            return Errored(TrainingError(f"epoch {seg.epoch}: {decision.reason}"))
+        decisions.append(decision)
+    steps = {r: item["step"] for r, item in seg.ended.items()
+             if r not in failed and item["kind"] == "interrupted"}
+    plan = Plan(failures, decisions, seg.t_first_failure or time.time(), steps)
+    seg.t_first_failure = None
+    return Reconfiguring(plan, seg)
+
+
+def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegment:
+    """Carry the plan out and return the same epoch, going on."""
+    t0 = time.perf_counter()
+    group, lock = ctl.group, ctl.lock_step
+    replaced, dropped, how = [], [], {}
+    for d in plan.decisions:
+        group.remove(d.rank)  # a dead actor: a no-op; ensures nothing of it is left
+        if isinstance(d, Replace):
+            if d.backoff_s:
+                time.sleep(d.backoff_s)
+            how[d.rank], _ = group.replace(d.rank)
+            replaced.append(d.rank)
+        elif isinstance(d, Drop):
+            dropped.append(d.rank)
+    members = group.ranks
+    survivors = [r for r in members if r not in replaced]
+    report_finished_passes(ctl, seg, {f.rank for f in plan.failures})
+    if not survivors and not replaced:
+        raise TrainingError(f"epoch {seg.epoch}: no replica left")
+    # the ledger: the failed replicas' unfinished partitions are served again
+    back = {}
+    for rank in replaced + dropped:
+        to = [rank] if rank in replaced and ctl.spec.pinned else (survivors or replaced)
+        back[rank] = ctl.get(ctl.server.release.remote(rank, to), "partition server")
+    # state: newcomers (and any survivor that applied a step the others did not) copy a survivor
+    donor, donor_step = pick_donor(ctl, plan, survivors)
+    if ctl.spec.sharded:
+        if replaced:
+            group.call(replaced, "sync_from_shards", donor_step, what="state from the shards")
+            for r in replaced:
+                ctl.shard_group.welcome_replica(r, donor_step)
+    elif donor is not None:
+        behind = [r for r in survivors if plan.steps_at_interrupt.get(r, donor_step) != donor_step]
+        group.transfer_state(donor, replaced + behind)
+    if lock or ctl.spec.process_group:
+        group.form()
+    if replaced:
+        ctl.give_data(replaced)
+    if dropped:
+        ctl.reslice_tests()
+    ctl.totals.replica_restarts += len(replaced)
+    ctl.report.metrics([("replicas_alive", len(members), ctl.totals.steps),
+                        ("replica_restarts", ctl.totals.replica_restarts, ctl.totals.steps)])
+    # the epoch goes on: lock-step members all resume together; else only the newcomers start
+    restart = members if lock else replaced
+    for rank in restart:
+        ctl.open_stream(seg, rank, resume=rank in survivors, announce=True)
+    seg.disturbed = True
+    steps_lost = (1 + max(plan.steps_at_interrupt.values()) - donor_step) if (lock and plan.steps_at_interrupt) else 0
+    event = {"kind": "replica_replaced" if replaced else "replica_dropped", "epoch": seg.epoch,
+             "ranks": replaced or dropped, "how": {str(r): how[r] for r in replaced}, "dropped": dropped,
+             "causes": {str(f.rank): f.cause for f in plan.failures}, "generation": group.generation,
+             "survivors_kept": survivors, "steps_lost": steps_lost, "resumed_from_step": donor_step,
+             "partitions_served_again": sorted(p for ps in back.values() for p in ps),
+             "reconfigure_s": round(time.perf_counter() - t0, 3)}
+    if restart:
+        seg.recoveries.append(Recovery(event, plan.t_detect_wall, set(restart)))
+    else:
+        ctl.report.event(event.pop("kind"), **event)
+    ctl.report.say(f"{'replaced' if replaced else 'dropped'} replica(s) {replaced or dropped} "
+                   f"({', '.join(how.values()) or 'no replacement'}); generation {group.generation}")
+    return seg
+
+
+def report_finished_passes(ctl: "Controller", seg: EpochSegment, failed: set[int]) -> None:
+    """Survivors that had ended their pass before the failure: their last completions go to the
+    ledger now (their next stream starts a new pass and would overwrite them)."""
+    if seg.started is not None:
+        ctl.get(seg.started, f"partition server, start of epoch {seg.epoch}")
+        seg.started = None
+    done = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch" and r not in failed}
+    if done:
+        ctl.get(ctl.server.finish.remote(done), "partition server")
+    seg.ended = {}
+
+
+def pick_donor(ctl: "Controller", plan: Plan, survivors: list[int]) -> tuple[Any, int]:
+    """The survivor every newcomer copies: in lock-step modes the one with the fewest steps
+    applied, so a step that some survivor applied and another did not is dropped everywhere."""
+    if not survivors:
+        return None, max(ctl.progress.values(), default=0)
+    if plan.steps_at_interrupt:
+        donor = min(plan.steps_at_interrupt, key=lambda r: (plan.steps_at_interrupt[r], r))
+        return donor, plan.steps_at_interrupt[donor]
+    step = min(ctl.progress.get(r, 0) for r in survivors)
+    return survivors[0], step
+
+
+def close_pass(ctl: "Controller", seg: EpochSegment):
+    """Every stream ended with no failure pending. An undisturbed epoch ends here (its last
+    completions are reported with the next start_epoch); else ask the server's ledger whether
+    every partition was served, and start a further pass over what is left if not."""
+    if seg.started is not None:
+        ctl.get(seg.started, f"partition server, start of epoch {seg.epoch}")
+        seg.started = None
+    completed = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch"}
+    if not seg.disturbed:
+        ctl._unreported = completed
+        return ctl.end_epoch(seg)
+    status = ctl.get(ctl.server.finish.remote(completed), "partition server")
+    seg.ended = {}
+    if status["complete"]:
+        ctl.redone += status["redone"]
+        return ctl.end_epoch(seg)
+    seg.passes += 1
+    if seg.passes > MAX_PASSES:
+        raise TrainingError(f"epoch {seg.epoch}: {status['remaining']} partitions were never served")
+    for rank in ctl.group.ranks:  # a further pass: every member asks the server for what is left
+        ctl.open_stream(seg, rank, announce=rank in seg.awaiting_steps())
+    return None

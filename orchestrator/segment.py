@@ -1,0 +1,77 @@
+"""What the Running and Reconfiguring states carry: the epoch in flight and the plan.
+
+`EpochSegment` is the driver's view of one epoch while it runs: the replicas' open epoch
+streams, what each sent, failures seen and not yet judged, and recoveries waiting for every
+member to step again. It holds no copy of which partitions were served: the PartitionServer
+is the one ledger of that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from policies.failure import Decision, ReplicaFailure
+
+
+@dataclass
+class Recovery:
+    """A reconfiguration waiting for its members' first steps (to time it)."""
+
+    event: dict[str, Any]  # the replica_replaced / replica_dropped event's fields so far
+    t_detect_wall: float  # when the first failure of the plan was seen
+    waiting: set[int]  # ranks that have not stepped since
+    stepping_at: float = 0.0
+
+
+@dataclass
+class Plan:
+    """What Reconfiguring carries out: the failures and the policy's decision for each."""
+
+    failures: list[ReplicaFailure]
+    decisions: list[Decision]
+    t_detect_wall: float
+    steps_at_interrupt: dict[int, int] = field(default_factory=dict)  # lock-step survivors' steps
+
+
+@dataclass
+class EpochSegment:
+    epoch: int
+    t_start: float
+    streams: dict[int, Any] = field(default_factory=dict)  # rank -> its open run_epoch stream
+    heard: dict[int, float] = field(default_factory=dict)  # rank -> perf_counter of its last item
+    items: list[dict[str, Any]] = field(default_factory=list)  # segment ends: "epoch" / "interrupted"
+    ended: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its last segment end this pass
+    progress: list[dict[str, Any]] = field(default_factory=list)  # the lowest rank's progress rows
+    failures: list[ReplicaFailure] = field(default_factory=list)  # seen, not yet judged
+    t_first_failure: Optional[float] = None
+    recoveries: list[Recovery] = field(default_factory=list)
+    started: Any = None  # the server's start_epoch call, checked once the replicas are done
+    disturbed: bool = False  # the membership changed: the end of the epoch asks the server's ledger
+    had_failure: bool = False
+    passes: int = 1
+
+    def merged(self) -> list[dict[str, Any]]:
+        """One totals row per rank (a rank runs several segments when the epoch was interrupted
+        or needed a second pass); evaluation, loss and mode figures from its last epoch end."""
+        merged: dict[int, dict[str, Any]] = {}
+        for s in self.items:
+            m = merged.get(s["rank"])
+            if m is None:
+                merged[s["rank"]] = dict(s)
+                continue
+            for key in ("steps", "samples", "train_s", "comm_s"):
+                m[key] += s[key]
+            m["consumed"] = m["consumed"] + s["consumed"]
+            m["partitions"] = m["partitions"] + s["partitions"]
+            if s["kind"] == "epoch":
+                m.update(eval=s["eval"], loss=s["loss"], mode=s["mode"], kind="epoch")
+        return [merged[r] for r in sorted(merged)]
+
+    def consumed(self) -> dict[int, list[list[int]]]:
+        out: dict[int, list[list[int]]] = {}
+        for s in self.items:
+            out.setdefault(s["rank"], []).extend(s["consumed"])
+        return out
+
+    def awaiting_steps(self) -> set[int]:
+        return set().union(*(r.waiting for r in self.recoveries)) if self.recoveries else set()

@@ -1,0 +1,115 @@
+"""The one registry of synchronization modes: what each mode needs and how its worker is built.
+
+Everything that differs between modes outside its update rule is a field here, so the driver
+and the replicas never branch on a mode's name:
+- `sharded`: its reference parameters live in ParameterShards (downpour's server copy, EASGD's
+  center); evaluation and checkpoints use them;
+- `lock_step(strategy)`: every replica takes the same steps (allreduce, synchronous EASGD); a
+  failure interrupts every member and the group is re-formed before anyone steps again; in the
+  other modes the survivors keep stepping while a replacement joins;
+- `pinned`: partitions are each replica's own (one grant call per epoch) rather than shared;
+- `process_group`: the replicas form a torch.distributed process group;
+- `server_optimizer(optimizer_name)`: what the shards apply;
+- `build_worker(...)`: the update rule (policies/<mode>.py) wired to a replica's transport;
+- `metrics(stats)`: the mode's own per-epoch figures, combined across replicas.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from policies.allreduce import AllReduceWorker
+from policies.downpour import DownpourWorker
+from policies.easgd import EasgdWorker, default_alpha
+from policies.factory import make_optimizer
+from policies.sharding import FlatParams
+
+
+@dataclass(frozen=True)
+class Transport:
+    """What a replica gives its worker to talk through: a torch.distributed reducer
+    (allreduce) or a shard client (downpour, easgd)."""
+
+    reducer: Any = None
+    client: Any = None
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    name: str
+    sharded: bool
+    pinned: bool
+    process_group: bool
+    lock_step: Callable[[dict[str, Any]], bool]
+    server_optimizer: Callable[[str], str]
+    build_worker: Callable[..., Any]
+    metrics: Callable[[list[dict[str, Any]]], dict[str, float]]
+
+
+def _allreduce_worker(model, flat, cfg, rank, world, transport):
+    opt = cfg["optimizer"]
+    optimizer = make_optimizer(opt["name"], model.parameters(), opt["lr"], opt["momentum"], opt["weight_decay"])
+    return AllReduceWorker(model, optimizer, int(cfg["strategy"]["bucket_mb"] * 2**20), transport.reducer)
+
+
+def _downpour_worker(model, flat, cfg, rank, world, transport):
+    s, opt = cfg["strategy"], cfg["optimizer"]
+    return DownpourWorker(model, flat, transport.client, rank, lr=opt["lr"], n_fetch=s["n_fetch"], n_push=s["n_push"],
+                          max_staleness=s["max_staleness"], staleness_lr=s["staleness_lr"],
+                          warmstart_steps=s["warmstart_steps"], timeout_s=s["timeout_s"])
+
+
+def _easgd_worker(model, flat, cfg, rank, world, transport):
+    s, opt = cfg["strategy"], cfg["optimizer"]
+    if opt["name"] == "sgd":  # EAMSGD when strategy.momentum > 0
+        local = torch.optim.SGD(model.parameters(), lr=opt["lr"], momentum=s["momentum"], nesterov=s["momentum"] > 0,
+                                weight_decay=opt["weight_decay"])
+    else:
+        local = make_optimizer(opt["name"], model.parameters(), opt["lr"], 0.0, opt["weight_decay"])
+    alpha = s["alpha"] if s["alpha"] is not None else default_alpha(world)
+    return EasgdWorker(model, flat, local, transport.client, world, alpha, s["tau"], s["variant"])
+
+
+def _downpour_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
+    modes = [s["mode"] for s in stats]
+    slowest = max(s["train_s"] for s in stats)
+    pushes = sum(m["pushes"] for m in modes)
+    return {"staleness_mean": sum(m["staleness_mean"] * m["pushes"] for m in modes) / max(pushes, 1),
+            "staleness_max": max(m["staleness_max"] for m in modes),
+            "pushes_per_s": pushes / max(slowest, 1e-9)}
+
+
+def _easgd_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
+    modes = [s["mode"] for s in stats]
+    slowest = max(s["train_s"] for s in stats)
+    return {"elastic_distance": sum(m["elastic_distance"] for m in modes) / len(modes),
+            "elastic_distance_mean": sum(m["elastic_distance_mean"] for m in modes) / len(modes),
+            "exchanges_per_s": sum(m["exchanges"] for m in modes) / max(slowest, 1e-9)}
+
+
+MODES: dict[str, ModeSpec] = {
+    "allreduce": ModeSpec("allreduce", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
+                          server_optimizer=lambda name: name, build_worker=_allreduce_worker,
+                          metrics=lambda stats: {}),
+    "downpour": ModeSpec("downpour", sharded=True, pinned=False, process_group=False, lock_step=lambda s: False,
+                         server_optimizer=lambda name: name, build_worker=_downpour_worker,
+                         metrics=_downpour_metrics),
+    "easgd": ModeSpec("easgd", sharded=True, pinned=False, process_group=False,
+                      lock_step=lambda s: s["variant"] == "sync",
+                      server_optimizer=lambda name: "sgd",  # the shards only hold the center
+                      build_worker=_easgd_worker, metrics=_easgd_metrics),
+}
+
+
+def mode_spec(name: str) -> ModeSpec:
+    return MODES[name]
+
+
+def build_worker(model: torch.nn.Module, cfg: dict[str, Any], rank: int, world: int,
+                 transport: Transport) -> tuple[Any, Optional[FlatParams]]:
+    """(The mode's worker, the flat parameter view sharded modes push and pull through)."""
+    spec = MODES[cfg["strategy"]["mode"]]
+    flat = FlatParams(list(model.parameters())) if spec.sharded else None
+    return spec.build_worker(model, flat, cfg, rank, world, transport), flat
