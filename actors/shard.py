@@ -270,6 +270,14 @@ class _Push:
     acknowledged: bool = False  # by an incarnation that died before the reply was read
 
 
+def _two_args(args: tuple, kwargs: dict) -> tuple[int, float]:
+    """(max_in_flight, timeout_s) given positionally or by keyword."""
+    values = dict(zip(("max_in_flight", "timeout_s"), args), **kwargs)
+    if set(values) != {"max_in_flight", "timeout_s"} or len(args) > 2:
+        raise TypeError("RayShardClient(directory, max_in_flight, timeout_s)")
+    return int(values["max_in_flight"]), float(values["timeout_s"])
+
+
 class RayShardClient:
     """policies.modes.ShardClient over ParameterShard actors; pushes go out in the background
     with at most `max_in_flight` outstanding.
@@ -285,11 +293,11 @@ class RayShardClient:
     `RayShardClient(directory, max_in_flight, timeout_s)`; the old form
     `RayShardClient(handles, bounds, max_in_flight, timeout_s)` still works, without recovery."""
 
-    def __init__(self, directory, max_in_flight, timeout_s, *legacy) -> None:
-        if not isinstance(directory, ShardDirectory):
-            handles, bounds = list(directory), list(max_in_flight)
-            directory = ShardDirectory(None, None, bounds, handles, [0] * len(handles))
-            max_in_flight, timeout_s = timeout_s, legacy[0]
+    def __init__(self, directory, *args, **kwargs) -> None:
+        if not isinstance(directory, ShardDirectory):  # (handles, bounds, max_in_flight, timeout_s)
+            handles, (bounds, *args) = list(directory), args
+            directory = ShardDirectory(None, None, list(bounds), handles, [0] * len(handles))
+        max_in_flight, timeout_s = _two_args(args, kwargs)
         self.directory = directory
         self.handles = list(directory.handles)
         self.bounds = list(directory.bounds)
@@ -696,7 +704,7 @@ class ShardGroup:
         except ValueError:
             return  # the dead actor still holds the name: next poll
         slot.handle, slot.generation, slot.state = handle, slot.generation + 1, "starting"
-        slot.rebuilt_from = slot.snapshot_version
+        slot.rebuilt_from = slot.known_version = slot.snapshot_version  # versions restart from the snapshot
         for rank, step in self._membership.items():  # the snapshot may predate these
             if step is None:
                 handle.forget_replica.remote(rank)

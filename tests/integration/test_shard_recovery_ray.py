@@ -59,6 +59,7 @@ class Worker(threading.Thread):
                     d, _ = client.elastic(x, 0.1)
                     self.updates.append(d.numpy().copy())
                 self.done_steps = step + 1
+                self.max_log = max(getattr(self, "max_log", 0), max(len(log) for log in client._log))
                 time.sleep(0.01)
             client.drain()
             self.reconnects = client.reconnects
@@ -66,11 +67,16 @@ class Worker(threading.Thread):
             self.error = e
 
 
+POLL_S: list[float] = []  # how long each poll() took
+
+
 def poll_until(group, condition, timeout_s: float, events: list) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"timed out; events so far: {events}"
+        t0 = time.perf_counter()
         events += group.poll()
+        POLL_S.append(time.perf_counter() - t0)
         time.sleep(0.1)
 
 
@@ -78,6 +84,7 @@ def poll_until(group, condition, timeout_s: float, events: list) -> None:
 def test_a_killed_shard_is_rebuilt_and_no_acknowledged_update_is_lost(ray_cluster, kind):
     group = make_group()
     initial = group.values()
+    POLL_S.clear()
     steps = 120
     workers = [Worker(group.directory(), rank, kind, steps) for rank in (0, 1)]
     events: list[dict] = []
@@ -100,11 +107,16 @@ def test_a_killed_shard_is_rebuilt_and_no_acknowledged_update_is_lost(ray_cluste
         group.shutdown()
 
     (event,) = events
-    print(f"\nrebuild: {event}; rebuilt {rebuilt_in:.2f}s after the kill")
+    polls = sorted(POLL_S)
+    print(f"\nrebuild: {event}; rebuilt {rebuilt_in:.2f}s after the kill; poll() median "
+          f"{1e3 * polls[len(polls) // 2]:.1f} ms, max {1e3 * polls[-1]:.1f} ms over {len(polls)}")
+    assert polls[len(polls) // 2] < 0.05  # the controller's loop is not held up
     assert event["shard"] == 1 and event["lost_updates"] == 0
     assert event["replayed_updates"] > 0  # there were acknowledged updates newer than the snapshot
-    assert event["snapshot_version"] > 0 and event["recovery_s"] < 5
+    assert event["snapshot_version"] > 0 and event["recovery_s"] < 10  # ~2-4 s here: a new worker process importing torch
     assert sum(w.reconnects for w in workers) >= 1
+    # confirmed snapshots prune the replay log (unpruned, shard 0's would hold all `steps` pushes)
+    assert max(w.max_log for w in workers) < 0.75 * steps
     # every update applied exactly once on both shards (the rebuilt one counts from its snapshot)
     assert versions == [2 * steps, 2 * steps]
     reference = ShardState(torch.from_numpy(initial.copy()), "sgd", LR)
