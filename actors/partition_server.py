@@ -38,7 +38,7 @@ class PartitionServer:
         the replicas."""
         try:
             self.finish(completed or {})
-            self.ledger.start_epoch(epoch)
+            self.ledger.start_epoch(epoch, list(ranks))
         except (RuntimeError, ValueError) as exc:
             self.refused[epoch] = str(exc)
             raise

@@ -63,12 +63,13 @@ class ProcessGroupReducer:
     def __init__(self) -> None:
         self.pg = None
         self.store = None
+        self.timeout_s = 60.0
         self.abandoned: list = []  # past generations' groups and stores: freeing one waits for its stuck work
 
-    def configure(self, store, pg, keep: Any = None) -> None:
+    def configure(self, store, pg, timeout_s: float, keep: Any = None) -> None:
         if self.pg is not None:
             self.abandoned.append((self.pg, self.store, getattr(self, "_keep", None)))
-        self.store, self.pg, self._keep = store, pg, keep
+        self.store, self.pg, self.timeout_s, self._keep = store, pg, timeout_s, keep
 
     def start(self, tensor: torch.Tensor):
         try:
@@ -81,6 +82,7 @@ class ProcessGroupReducer:
             self.abort()
             raise Interrupted(f"all-reduce failed: {_first_line(handle)}")
         slice_ = timedelta(seconds=self.WAIT_SLICE_S)
+        deadline = time.monotonic() + self.timeout_s
         while True:
             try:
                 handle.wait(slice_)
@@ -91,6 +93,9 @@ class ProcessGroupReducer:
                     raise Interrupted(f"collective failed: {_first_line(exc)}") from None
             if self.aborted():
                 raise Interrupted("collective aborted: another member saw the group fail")
+            if time.monotonic() > deadline:  # a member stopped answering (hung): this generation is over
+                self.abort()
+                raise Interrupted(f"collective timed out after {self.timeout_s:.0f}s")
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         try:
@@ -188,7 +193,7 @@ class ModelReplica:
             pg = dist.ProcessGroupNCCL(prefixed, group_rank, world_size)
         else:
             pg = dist.ProcessGroupGloo(prefixed, group_rank, world_size, timeout)
-        self.reducer.configure(prefixed, pg, keep=store)  # group rank 0 hosts the store: kept with the group
+        self.reducer.configure(prefixed, pg, timeout_s, keep=store)  # group rank 0 hosts the store: kept with the group
         self.generation, self.world_size = generation, world_size
         return group_rank
 

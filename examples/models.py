@@ -1,6 +1,9 @@
 """Model factories: `model.factory: examples.models:<name>`. Copy one to start your own."""
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 from torch import nn
 
 
@@ -41,3 +44,29 @@ def mlp_bn(in_features: int = 784, hidden: int = 64, num_classes: int = 10) -> n
     return nn.Sequential(
         nn.Flatten(), nn.Linear(in_features, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, num_classes)
     )
+
+
+class _FailingMLP(nn.Module):
+    """tiny_mlp whose forward raises after `fail_after_calls` calls in its process."""
+
+    def __init__(self, inner: nn.Module, fail_after_calls: int, once_marker: Optional[str]) -> None:
+        super().__init__()
+        self.inner, self.fail_after_calls, self.once_marker = inner, fail_after_calls, once_marker
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls > self.fail_after_calls and self.training:
+            if self.once_marker is None or not os.path.exists(self.once_marker):
+                if self.once_marker is not None:
+                    open(self.once_marker, "w").close()
+                raise RuntimeError(f"injected failure in forward (call {self.calls})")
+        return self.inner(x)
+
+
+def failing_mlp(in_features: int = 32, num_classes: int = 4, fail_after_calls: int = 20,
+                once_marker: Optional[str] = None) -> nn.Module:
+    """Chaos experiments: tiny_mlp whose training forward raises a RuntimeError after
+    `fail_after_calls` calls in each replica's process, as a bug in user code would. With
+    `once_marker` (a file path) only the first replica to get there raises, once."""
+    return _FailingMLP(tiny_mlp(in_features=in_features, num_classes=num_classes), fail_after_calls, once_marker)

@@ -265,7 +265,11 @@ class Controller:
         """Start `epoch` on every member: the first grants (the same pure plan the server
         follows) go with the epoch call; the server call that starts the epoch, sent right
         after, also reports the last epoch's final completions."""
-        seg = EpochSegment(epoch, time.perf_counter())
+        return self.open_epoch(EpochSegment(epoch, time.perf_counter()), announce)
+
+    def open_epoch(self, seg: EpochSegment, announce: frozenset = frozenset()) -> EpochSegment:
+        epoch = seg.epoch
+        seg.begun, seg.t_start = True, time.perf_counter()
         ranks = self.group.ranks
         first = first_grant_messages(*self._plan, epoch, ranks)
         for rank in ranks:
@@ -343,9 +347,9 @@ class Controller:
             tot.stop_reason = decision.reason
             self.report.event("stop", reason=decision.reason)
             return Finishing()
-        nxt = self.begin_epoch(epoch + 1, announce=frozenset(seg.awaiting_steps()))
-        nxt.recoveries = seg.recoveries  # still timing a recovery whose newcomer had nothing left last epoch
-        return Running(nxt)
+        # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
+        # it carries on timing a recovery whose newcomer had nothing left to do in this one
+        return Running(EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False))
 
     def finish_epochs(self) -> dict[str, Any]:
         """Report the last epoch's final completions; the server's status, which must say the

@@ -16,7 +16,6 @@ replacement joins.
 from __future__ import annotations
 
 import time
-import traceback
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -37,6 +36,8 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
     """Read the epoch's streams until the epoch ends or a failure needs a decision."""
     from orchestrator.controller import Errored, Reconfiguring, Running
 
+    if not seg.begun:
+        ctl.open_epoch(seg, frozenset(seg.awaiting_steps()))
     while True:
         if seg.failures and (not ctl.lock_step or not seg.streams):
             return judge(ctl, seg)
@@ -51,6 +52,8 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
                 read_item(ctl, seg, rank, stream)
         poll_shards(ctl, seg)
         check_hangs(ctl, seg)
+        if seg.failures and ctl.lock_step and ctl.shard_group is not None:
+            ctl.shard_group.abort_rounds()  # again each tick: a survivor may reach the round after an abort
 
 
 def read_item(ctl: "Controller", seg: EpochSegment, rank: int, stream: Any) -> None:
@@ -67,7 +70,7 @@ def read_item(ctl: "Controller", seg: EpochSegment, rank: int, stream: Any) -> N
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         if "training diverged" in str(cause):  # not a fault of this replica: every replica would diverge
             raise TrainingError(f"replica {rank} epoch {seg.epoch}: {cause}") from None
-        tb = "".join(traceback.format_exception(cause)) if isinstance(cause, BaseException) else str(exc)
+        tb = str(exc)  # the replica's own traceback, as Ray carried it back
         fail(ctl, seg, ReplicaFailure(rank, "error", error_detail(type(cause).__name__, str(cause)), tb,
                                       replacement=rank in ctl.group.replacements))
         return

@@ -49,6 +49,7 @@ class EpochSegment:
     disturbed: bool = False  # the membership changed: the end of the epoch asks the server's ledger
     had_failure: bool = False
     passes: int = 1
+    begun: bool = True  # False: the epoch's streams are opened when Running next runs
 
     def merged(self) -> list[dict[str, Any]]:
         """One totals row per rank (a rank runs several segments when the epoch was interrupted

@@ -64,14 +64,19 @@ class PartitionLedger:
     done: dict[int, int] = field(default_factory=dict)  # partition -> rank that completed it
     redone: list[dict] = field(default_factory=list)  # partitions released by a dead replica
 
-    def start_epoch(self, epoch: int) -> None:
+    def start_epoch(self, epoch: int, ranks: Optional[list[int]] = None) -> None:
+        """Begin `epoch` over the replicas `ranks` (default 0..replicas-1): the membership may
+        have changed since the last epoch (a replica dropped)."""
+        if ranks:
+            self.replicas = len(ranks)
+        ranks = list(ranks) if ranks else list(range(self.replicas))
         if self.leased or (self.epoch and len(self.done) < self.partitions):
             raise RuntimeError(f"epoch {self.epoch} is not finished: {self.partitions - len(self.done)} partitions left")
         self.epoch = epoch
         order = (np.random.default_rng([self.seed, epoch]).permutation(self.partitions) if self.shuffle
                  else np.arange(self.partitions))
         if self.pinned:
-            self.queues = {r: deque(int(p) for p in order[r :: self.replicas]) for r in range(self.replicas)}
+            self.queues = {r: deque(int(p) for p in order[i :: len(ranks)]) for i, r in enumerate(ranks)}
         else:
             self.queues = {-1: deque(int(p) for p in order)}
         self.done, self.redone = {}, []
@@ -128,7 +133,7 @@ def first_grants(partitions: int, replicas: int, seed: int, pinned: bool, shuffl
     settings, so the driver hands them to the replicas while the server records the same ones
     (`PartitionLedger.start_epoch`, then `grant` for each rank in the same order)."""
     plan = PartitionLedger(partitions, replicas, seed, pinned, shuffle)
-    plan.start_epoch(epoch)
+    plan.start_epoch(epoch, ranks)
     return {rank: plan.grant(rank) for rank in ranks}
 
 

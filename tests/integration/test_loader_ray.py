@@ -11,13 +11,13 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from orchestrator.controller import Controller, State
+from orchestrator.chaos import Fault, FaultInjector
+from orchestrator.controller import Controller, Errored
 from orchestrator.data import partition
 from orchestrator.sources import load_dataset
 from orchestrator.tracking import Tracker
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import job_config
-from tests.faults import KillReplica
 from tests.integration.test_allreduce_ray import StepWatch
 
 pytestmark = pytest.mark.ray
@@ -79,17 +79,18 @@ def test_allreduce_serves_every_partition_once_in_lock_step(ray_cluster, parquet
 def test_a_killed_replica_leaves_every_row_once_plus_the_reported_redo(ray_cluster, parquet_dir):
     cfg = blob_job(parquet_dir, strategy={"mode": "downpour"}, data={"batch_size": 4, "partitions": 30},
                    faults={"slow_replicas": {0: 0.004, 1: 0.004, 2: 0.004}}, tracking={"log_every_steps": 5, "progress_interval_s": 0},
-                   scaling={"replicas": 3, "cpus_per_replica": 0.5, "shards": 1}, stop={"epochs": 3})
+                   scaling={"replicas": 3, "cpus_per_replica": 0.5, "shards": 1}, stop={"epochs": 3},
+                   fault_tolerance={"max_replica_restarts": 0})  # the dead replica is dropped, not replaced
     dataset = load_dataset(cfg.data)
     watch = StepWatch()
     ctl = Controller(cfg, dataset, Tracker(None, "tests", None), time.perf_counter(), display=watch, trace_ids=True)
 
     try:
         ctl.step()
-        with KillReplica(ctl, rank=2, at_step=30):
-            assert ctl.step() is State.RUNNING  # the epoch finishes without replica 2
+        with FaultInjector(ctl, [Fault("kill_replica", 2, at_step=30)]):
+            assert not isinstance(ctl.run_epoch(), Errored)  # the epoch finishes without replica 2
         status = ray.get(ctl.server.status.remote(), timeout=30)
-        ctl.step()  # and the next epoch runs on the survivors
+        ctl.run_epoch()  # and the next epoch runs on the survivors
     finally:
         ctl.shutdown()
     parts = partition(dataset.train, 30, cfg.data.seed)
@@ -101,8 +102,8 @@ def test_a_killed_replica_leaves_every_row_once_plus_the_reported_redo(ray_clust
     redone = {r["partition"] for r in ctl.redone}
     assert all(status["done"][p] in (0, 1) for p in redone)  # served again, by a survivor
     assert ids_of(ctl.consumed[1]) == sorted(dataset.train.ids)
-    lost = [e for e in ctl.tracker.events if e["kind"] == "replica_lost"]
-    assert lost and lost[0]["rank"] == 2 and lost[0]["partitions_served_again"]
+    lost = [e for e in ctl.tracker.events if e["kind"] == "replica_dropped"]
+    assert lost and lost[0]["ranks"] == [2] and lost[0]["partitions_served_again"]
 
 
 def test_path_uri_and_in_memory_sources_train_the_same(ray_cluster, parquet_dir, tmp_path):

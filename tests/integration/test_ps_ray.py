@@ -9,12 +9,12 @@ import pytest
 import ray
 
 from orchestrator.checkpoint import load_checkpoint
-from orchestrator.controller import Controller, State
+from orchestrator.chaos import Fault, FaultInjector
+from orchestrator.controller import Controller
 from orchestrator.data import load_source
 from orchestrator.tracking import Tracker
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import job_config
-from tests.faults import KillReplica
 
 pytestmark = pytest.mark.ray
 
@@ -62,8 +62,7 @@ def test_the_checkpoint_holds_the_shards_parameters(ray_cluster, tmp_path, mode)
                      checkpoint={"storage": str(tmp_path / "ck")})
     ctl = controller(cfg)
     try:
-        ctl.step()
-        ctl.step()
+        ctl.run_epoch()
         path = ctl.checkpoint("check.pt", 30)
         shards = np.concatenate(ray.get([s.values.remote() for s in ctl.shards], timeout=30))
         local = ray.get(ctl.replicas[0].flat_parameters.remote(), timeout=30)
@@ -84,8 +83,7 @@ def test_sync_easgd_reports_the_elastic_distance_it_has(ray_cluster):
                      scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 2})
     ctl = controller(cfg)
     try:
-        ctl.step()
-        ctl.step()
+        ctl.run_epoch()
         center = np.concatenate(ray.get([s.values.remote() for s in ctl.shards], timeout=30))
         xs = ray.get([r.flat_parameters.remote() for r in ctl.replicas], timeout=30)
         assert ctl.tracker.flush()  # metrics are written by a background thread
@@ -159,10 +157,10 @@ def test_max_staleness_survives_a_killed_replica(ray_cluster, tmp_path):
                      checkpoint={"storage": str(tmp_path / "ck")})
     trainer = ElasticTrainer(cfg, show_progress=False)
     started = time.perf_counter()
-    with KillReplica(lambda: trainer.controller, rank=2, at_step=40) as kill:
+    with FaultInjector(lambda: trainer.controller, [Fault("kill_replica", 2, at_step=40)]) as kill:
         result = trainer.fit()
-    assert kill.killed_at is not None and result.epochs == 3
-    assert any(e["kind"] == "replica_lost" and e["rank"] == 2 for e in result.events)
+    assert kill.fired and result.epochs == 3
+    assert any(e["kind"] == "replica_replaced" and e["ranks"] == [2] for e in result.events)
     assert result.final.test_accuracy > 0.9
     assert time.perf_counter() - started < 60  # no survivor sat out strategy.timeout_s
 
@@ -180,8 +178,8 @@ def test_batchnorm_buffers_are_consistent_in_every_mode(ray_cluster, tmp_path, s
                      checkpoint={"storage": str(tmp_path / "ck")})
     ctl = controller(cfg)
     try:
-        while ctl.step() is State.RUNNING and ctl.totals.epochs < 2:
-            pass
+        ctl.run_epoch()
+        ctl.run_epoch()
         local = ray.get([r.local_buffers.remote() for r in ctl.replicas], timeout=30)
         saved = load_checkpoint(ctl.checkpoint("bn.pt", 30))["model"]
     finally:

@@ -1,0 +1,120 @@
+"""Per-replica recovery on real Ray actors and real gloo groups: a killed, hung or raising
+replica is replaced and the survivors keep their processes (small synthetic jobs; the mnist5k
+chaos runs per mode are in tests/e2e/test_chaos_e2e.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+
+from orchestrator.chaos import Fault, FaultInjector
+from orchestrator.errors import TrainingError
+from orchestrator.trainer import ElasticTrainer
+from tests.conftest import job_config
+
+pytestmark = pytest.mark.ray
+
+
+def events(result, kind):
+    return [e for e in result.events if e["kind"] == kind]
+
+
+def fit_with(cfg, faults):
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    ids = {}
+
+    def controller():
+        ctl = trainer.controller
+        if ctl is not None and ctl.group.pids and not ids:
+            ids.update({r: a._actor_id.hex() for r, a in ctl.group.members.items()})
+        return ctl
+
+    with FaultInjector(controller, faults) as inj:
+        result = trainer.fit()
+    return result, inj, ids, trainer
+
+
+@pytest.mark.parametrize("replicas,victim", [(3, 1), (4, 2)])
+def test_allreduce_survives_a_middle_rank_kill_without_the_collective_timeout(ray_cluster, tmp_path, replicas, victim):
+    """The dead rank's ring neighbours fail at once; the others leave through the generation's
+    abort flag, not the collective timeout (fault_tolerance.hang_timeout_s, 60 s here)."""
+    cfg = job_config(scaling={"replicas": replicas, "cpus_per_replica": 0.5}, stop={"epochs": 3},
+                     data={"batch_size": 8}, tracking={"progress_interval_s": 0, "log_every_steps": 1},
+                     checkpoint={"storage": str(tmp_path / "ck")})
+    result, inj, ids, trainer = fit_with(cfg, [Fault("kill_replica", victim, at_step=40)])
+    assert inj.fired and result.epochs == 3
+    [replaced] = events(result, "replica_replaced")
+    assert replaced["ranks"] == [victim] and replaced["survivors_kept"] == [r for r in range(replicas) if r != victim]
+    assert replaced["recovery_s"] < cfg.fault_tolerance.hang_timeout_s / 2
+    assert replaced["steps_lost"] <= 1 and replaced["generation"] == 2
+    assert result.final.test_accuracy > 0.9
+
+
+def test_allreduce_replicas_stay_identical_after_a_replacement_and_keep_their_actors(ray_cluster, tmp_path):
+    from orchestrator.controller import Controller
+    import time
+
+    from orchestrator.data import load_source
+    from orchestrator.tracking import Tracker
+
+    cfg = job_config(scaling={"replicas": 3, "cpus_per_replica": 0.5}, stop={"epochs": 2}, data={"batch_size": 8},
+                     tracking={"progress_interval_s": 0, "log_every_steps": 1}, fault_tolerance={"spares": 1})
+    ctl = Controller(cfg, load_source(cfg.data.source, cfg.data.seed), Tracker(None, "tests", None), time.perf_counter())
+    try:
+        ctl.step()
+        before = {r: a._actor_id.hex() for r, a in ctl.group.members.items()}
+        with FaultInjector(ctl, [Fault("kill_replica", 1, at_step=20)]) as inj:
+            ctl.run_epoch()
+        after = {r: a._actor_id.hex() for r, a in ctl.group.members.items()}
+        flats = ray.get([r.flat_parameters.remote() for r in ctl.replicas], timeout=30)
+        status = ray.get(ctl.server.status.remote(), timeout=30)
+    finally:
+        ctl.shutdown()
+    assert inj.fired
+    assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
+    for f in flats[1:]:
+        np.testing.assert_array_equal(f, flats[0])  # the replacement copied a survivor; all stepped alike since
+    assert status["complete"]  # every partition served in the epoch of the kill
+    replaced = [e for e in ctl.tracker.events if e["kind"] == "replica_replaced"]
+    assert replaced and replaced[0]["how"] == {"1": "spare"}
+
+
+def test_a_hung_replica_is_killed_and_replaced(ray_cluster, tmp_path):
+    cfg = job_config(scaling={"replicas": 2, "cpus_per_replica": 0.5}, stop={"epochs": 3}, data={"batch_size": 8},
+                     tracking={"progress_interval_s": 0, "log_every_steps": 1}, fault_tolerance={"hang_timeout_s": 3},
+                     checkpoint={"storage": str(tmp_path / "ck")})
+    result, inj, ids, _ = fit_with(cfg, [Fault("hang_replica", 1, at_step=30)])
+    assert inj.fired and result.epochs == 3
+    failed = events(result, "replica_failed")
+    assert [f["cause"] for f in failed] == ["hung"] and failed[0]["rank"] == 1
+    assert events(result, "replica_replaced")[0]["ranks"] == [1]
+
+
+def test_a_user_error_is_replaced_once_and_reported_with_its_traceback(ray_cluster, tmp_path):
+    marker = tmp_path / "raised-once"
+    model = {"factory": "examples.models:failing_mlp", "kwargs": {"fail_after_calls": 25, "once_marker": str(marker)}}
+    cfg = job_config(model=model, stop={"epochs": 2}, scaling={"replicas": 2, "cpus_per_replica": 0.5},
+                     data={"batch_size": 8}, checkpoint={"storage": str(tmp_path / "ck")})
+    result, _, _, _ = fit_with(cfg, [])
+    [failed] = events(result, "replica_failed")
+    assert failed["cause"] == "error" and "injected failure in forward" in failed["detail"]
+    assert "line" in failed["traceback"] and "in forward" in failed["traceback"]  # the replica's traceback
+    assert events(result, "replica_replaced") and result.epochs == 2
+
+
+def test_the_same_user_error_twice_on_a_fresh_replica_ends_the_run(ray_cluster, tmp_path):
+    model = {"factory": "examples.models:failing_mlp", "kwargs": {"fail_after_calls": 25}}
+    cfg = job_config(model=model, stop={"epochs": 3}, scaling={"replicas": 2, "cpus_per_replica": 0.5},
+                     data={"batch_size": 8}, strategy={"mode": "downpour"}, checkpoint={"storage": str(tmp_path / "ck")})
+    with pytest.raises(TrainingError, match=r"(?s)same error twice in a row on a fresh replica.*injected failure"):
+        ElasticTrainer(cfg, show_progress=False).fit()
+
+
+def test_past_the_restart_budget_a_dead_replica_is_dropped_down_to_min_replicas(ray_cluster, tmp_path):
+    cfg = job_config(scaling={"replicas": 3, "cpus_per_replica": 0.5, "min_replicas": 2}, stop={"epochs": 3},
+                     data={"batch_size": 8}, tracking={"progress_interval_s": 0, "log_every_steps": 1},
+                     fault_tolerance={"max_replica_restarts": 0}, checkpoint={"storage": str(tmp_path / "ck")})
+    result, inj, _, _ = fit_with(cfg, [Fault("kill_replica", 2, at_step=30)])
+    [dropped] = events(result, "replica_dropped")
+    assert dropped["dropped"] == [2] and result.epochs == 3
+    assert events(result, "epoch_end")[-1]["replicas"] == 2
