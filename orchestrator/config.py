@@ -104,7 +104,7 @@ class StrategyConfig(_Section):
         "(asynchronous SGD via parameter shards) or easgd (elastic averaging); see docs/modes.md."
     )
     timeout_s: float = Field(
-        60.0, gt=0, description="Timeout of every collective and of a replica that makes no progress."
+        60.0, gt=0, description="Timeout of each call to the parameter shards and the partition server, and of the replicas' control calls (collectives and progress: fault_tolerance.hang_timeout_s)."
     )
     bucket_mb: float = Field(
         25.0, gt=0, description="Bucket size (MiB) for gradient all-reduce; the first bucket closes at "
