@@ -175,6 +175,28 @@ class ModelReplica:
     def pid(self) -> int:
         return os.getpid()
 
+    def warm_up(self, sample: list, rows: int = 32) -> float:
+        """A spare's rehearsal: one forward, backward and optimizer step on `rows` rows of
+        `sample` (a ref wrapped in a list) and a one-member gloo group, so the replica that takes
+        over pays none of the one-time set-up (torch.optim's first use imports ~1 s of modules;
+        gloo's first group; allocator, kernels). The model's state is put back as it was.
+        Returns the seconds."""
+        t0 = time.perf_counter()
+        data = ray.get(sample[0])
+        saved = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        x = torch.from_numpy(data["x"][:rows].copy()).to(self.device)
+        y = torch.from_numpy(data["y"][:rows].copy()).to(self.device)
+        self.model.train()
+        F.cross_entropy(self.model(x), y).backward()
+        torch.optim.SGD(self.model.parameters(), lr=0.0).step()
+        for p in self.model.parameters():
+            p.grad = None
+        self.model.load_state_dict(saved)
+        if self.spec.process_group and self.device.type == "cpu":
+            store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+            dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=30)).allreduce([torch.zeros(1)]).wait()
+        return time.perf_counter() - t0
+
     # ---- process group -------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
         """Where this replica, as group rank 0, will host the TCP store the group meets at (a

@@ -234,6 +234,7 @@ class Controller:
         self.group.wait_ready()
         self.group.form()
         self.test_ref = ray.put({"x": self.dataset.test.x, "y": self.dataset.test.y})
+        self.group.warm_spares(self.test_ref)
         self.give_data(self.group.ranks)
         self.totals.startup_s = time.perf_counter() - self.t0
         self._train_started = time.perf_counter()

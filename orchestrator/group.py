@@ -34,6 +34,7 @@ class ReplicaGroup:
         self.generation = 0
         self.spares: list[Any] = []
         self.timeout_s = config.strategy.timeout_s
+        self.sample = None  # a ref to a few rows spares rehearse a step on (set once data is in the store)
 
     # ---- actors --------------------------------------------------------------------------
     def _actor(self, rank: Optional[int], spare: bool = False):
@@ -49,6 +50,18 @@ class ReplicaGroup:
         n = self.cfg.scaling.replicas
         self.members = {rank: self._actor(rank) for rank in range(n)}
         self.spares = [self._actor(None, spare=True) for _ in range(self.cfg.fault_tolerance.spares)]
+
+    def warm_spares(self, sample: Any) -> None:
+        """Have every spare rehearse one step on `sample` (in the background)."""
+        self.sample = sample
+        for spare in self.spares:
+            spare.warm_up.remote([sample])
+
+    def _spare(self):
+        spare = self._actor(None, spare=True)
+        if self.sample is not None:
+            spare.warm_up.remote([self.sample])
+        return spare
 
     def wait_ready(self) -> None:
         ranks = sorted(self.members)
@@ -85,7 +98,7 @@ class ReplicaGroup:
                 actor, how = spare, "spare"
             except TrainingError:  # the spare itself died: try the next, or a new actor
                 continue
-            self.spares.append(self._actor(None, spare=True))
+            self.spares.append(self._spare())
         if actor is None:
             actor = self._actor(rank)
             self.pids[rank] = self._get(actor.pid.remote(), f"replacement for replica {rank}", READY_TIMEOUT_S)

@@ -177,6 +177,7 @@ def judge(ctl: "Controller", seg: EpochSegment) -> "State":
 def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegment:
     """Carry the plan out and return the same epoch, going on."""
     t0 = time.perf_counter()
+    timings: dict[str, float] = {}
     group, lock = ctl.group, ctl.lock_step
     replaced, dropped, how = [], [], {}
     for d in plan.decisions:
@@ -188,6 +189,7 @@ def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegmen
             replaced.append(d.rank)
         elif isinstance(d, Drop):
             dropped.append(d.rank)
+    timings["replace"] = time.perf_counter() - t0
     members = group.ranks
     survivors = [r for r in members if r not in replaced]
     report_finished_passes(ctl, seg, {f.rank for f in plan.failures})
@@ -199,6 +201,8 @@ def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegmen
         to = [rank] if rank in replaced and ctl.spec.pinned else (survivors or replaced)
         back[rank] = ctl.get(ctl.server.release.remote(rank, to), "partition server")
     # state: newcomers (and any survivor that applied a step the others did not) copy a survivor
+    t1 = time.perf_counter()
+    timings["ledger"] = t1 - t0 - timings["replace"]
     donor, donor_step = pick_donor(ctl, plan, survivors)
     if ctl.spec.sharded:
         if replaced:
@@ -208,12 +212,17 @@ def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegmen
     elif donor is not None:
         behind = [r for r in survivors if plan.steps_at_interrupt.get(r, donor_step) != donor_step]
         group.transfer_state(donor, replaced + behind)
+    t2 = time.perf_counter()
+    timings["state"] = t2 - t1
     if lock or ctl.spec.process_group:
         group.form()
+    t3 = time.perf_counter()
+    timings["group"] = t3 - t2
     if replaced:
         ctl.give_data(replaced)
     if dropped:
         ctl.reslice_tests()
+    timings["data"] = time.perf_counter() - t3
     ctl.totals.replica_restarts += len(replaced)
     ctl.report.metrics([("replicas_alive", len(members), ctl.totals.steps),
                         ("replica_restarts", ctl.totals.replica_restarts, ctl.totals.steps)])
@@ -228,7 +237,8 @@ def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegmen
              "causes": {str(f.rank): f.cause for f in plan.failures}, "generation": group.generation,
              "survivors_kept": survivors, "steps_lost": steps_lost, "resumed_from_step": donor_step,
              "partitions_served_again": sorted(p for ps in back.values() for p in ps),
-             "reconfigure_s": round(time.perf_counter() - t0, 3)}
+             "reconfigure_s": round(time.perf_counter() - t0, 3),
+             "reconfigure_parts_s": {k: round(v, 3) for k, v in timings.items()}}
     if restart:
         seg.recoveries.append(Recovery(event, plan.t_detect_wall, set(restart)))
     else:
