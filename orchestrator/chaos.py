@@ -11,8 +11,10 @@ Kinds (all act from outside, as the real thing would):
 - `hang_replica`: SIGSTOP the replica's process: it stops answering but its sockets stay open,
   as a replica stuck in a system call or a livelocked kernel would;
 - `kill_shard`: kill a parameter shard's actor (ray.kill: its process dies as on SIGKILL).
-Triggers: `at_step` (once any replica has reported that global step: set
-tracking.progress_interval_s 0 for step accuracy) or `at_s` (seconds after training starts).
+Triggers: `at_step` (once a progress row reports that global step or a later one: rows come
+every tracking.log_every_steps steps, and are sent at once with tracking.progress_interval_s 0,
+so the fault lands within log_every_steps of the step) or `at_s` (seconds after training
+starts).
 A fault whose target is a replica kills the process that holds that rank at the time it fires,
 so two faults on the same rank hit the original and then its replacement.
 """

@@ -322,8 +322,8 @@ class Controller:
         rows_out += [("test_accuracy", acc, tot.steps), ("test_loss", test_loss, tot.steps), ("epoch", epoch, tot.steps),
                      ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
         extra = self.spec.metrics([s for s in finals if s["mode"] is not None]) if finals else {}
-        if cfg.strategy.mode == "downpour" and self.shard_group is not None:  # the lead the shard saw at pushes
-            extra["max_lead"] = self.shard_group.observed_max_lead()
+        if self.shard_group is not None:
+            extra.update(self.spec.shard_metrics(self.shard_group))
         rows_out += [(k, v, tot.steps) for k, v in extra.items()]
         rows_out += [("epoch_rows", tot.rows_per_epoch[-1], tot.steps),
                      ("replicas_alive", len(self.group.members), tot.steps),

@@ -11,7 +11,9 @@ and the replicas never branch on a mode's name:
 - `process_group`: the replicas form a torch.distributed process group;
 - `server_optimizer(optimizer_name)`: what the shards apply;
 - `build_worker(...)`: the update rule (policies/<mode>.py) wired to a replica's transport;
-- `metrics(stats)`: the mode's own per-epoch figures, combined across replicas.
+- `metrics(stats)`: the mode's own per-epoch figures, combined across replicas;
+- `shard_metrics(shards)`: figures the shards observed (downpour: the largest lead over the
+  slowest replica at a push, `max_lead`).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class ModeSpec:
     server_optimizer: Callable[[str], str]
     build_worker: Callable[..., Any]
     metrics: Callable[[list[dict[str, Any]]], dict[str, float]]
+    shard_metrics: Callable[[Any], dict[str, float]] = lambda shards: {}
 
 
 def _allreduce_worker(model, flat, cfg, rank, world, transport):
@@ -95,7 +98,8 @@ MODES: dict[str, ModeSpec] = {
                           metrics=lambda stats: {}),
     "downpour": ModeSpec("downpour", sharded=True, pinned=False, process_group=False, lock_step=lambda s: False,
                          server_optimizer=lambda name: name, build_worker=_downpour_worker,
-                         metrics=_downpour_metrics),
+                         metrics=_downpour_metrics,
+                         shard_metrics=lambda shards: {"max_lead": shards.observed_max_lead()}),
     "easgd": ModeSpec("easgd", sharded=True, pinned=False, process_group=False,
                       lock_step=lambda s: s["variant"] == "sync",
                       server_optimizer=lambda name: "sgd",  # the shards only hold the center
