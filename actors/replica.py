@@ -319,8 +319,8 @@ class ModelReplica:
                 result = self.worker.step(x, y, following is not None)
             except Interrupted as exc:
                 self.leave_group()  # fail the peers' pending collectives now, not at their timeout
-                yield self._segment_end("interrupted", epoch, steps, samples, t_epoch, comm_s, consumed, loss,
-                                        rows, reason=str(exc))
+                yield self._segment_end("interrupted", epoch, steps, samples, time.perf_counter() - t_epoch, comm_s,
+                                        consumed, loss, rows, reason=str(exc))
                 return
             except FloatingPointError as exc:
                 self.leave_group()
@@ -357,25 +357,26 @@ class ModelReplica:
             if cur["ended"]:
                 break
         cur["ended"] = True
+        train_s = time.perf_counter() - t_epoch  # the step loop only: not the epoch's end or the evaluation
         try:
             mode_stats = self.worker.end_epoch()  # e.g. waits for this epoch's pushes
         except Interrupted as exc:
             self.leave_group()  # resuming redoes only the end of the epoch
-            yield self._segment_end("interrupted", epoch, steps, samples, t_epoch, comm_s, consumed, loss, rows,
+            yield self._segment_end("interrupted", epoch, steps, samples, train_s, comm_s, consumed, loss, rows,
                                     reason=str(exc))
             return
         if self.flat is not None and self._has_buffers:  # the reference model's buffers: the replicas' averaged
             self.client.set_buffers(self.rank, self.local_buffers())
         evaluation = self.evaluate() if self.flat is None else None  # sharded modes: see evaluate_reference
         self._cursor = None
-        yield self._segment_end("epoch", epoch, steps, samples, t_epoch, comm_s, consumed, loss, rows,
+        yield self._segment_end("epoch", epoch, steps, samples, train_s, comm_s, consumed, loss, rows,
                                 eval=evaluation, mode=mode_stats, partitions=list(self.reader.read),
                                 unreported=self.reader.unreported)
 
-    def _segment_end(self, kind: str, epoch: int, steps: int, samples: int, t_epoch: float, comm_s: float,
+    def _segment_end(self, kind: str, epoch: int, steps: int, samples: int, train_s: float, comm_s: float,
                      consumed: list, loss: float, rows: list, **more: Any) -> dict[str, Any]:
         out = {"kind": kind, "rank": self.rank, "epoch": epoch, "steps": steps, "samples": samples,
-               "train_s": time.perf_counter() - t_epoch, "comm_s": comm_s, "consumed": consumed, "loss": loss,
+               "train_s": train_s, "comm_s": comm_s, "consumed": consumed, "loss": loss,
                "progress": rows, "step": self.step, "partitions": [], "unreported": [], "eval": None, "mode": None}
         out.update(more)
         return out
