@@ -28,7 +28,6 @@ class PartitionServer:
         self.rows = rows
         self.ledger = PartitionLedger(len(rows), replicas, seed, pinned, shuffle)
         self.refused: dict[int, str] = {}  # epoch -> why it could not start
-        self.early: dict[int, list[tuple[int, list[int]]]] = {}  # epoch not started yet -> completions
 
     def start_epoch(self, epoch: int, ranks: list[int] = (),
                     completed: Optional[dict[int, list[int]]] = None) -> dict[int, dict[str, Any]]:
@@ -43,10 +42,7 @@ class PartitionServer:
         except (RuntimeError, ValueError) as exc:
             self.refused[epoch] = str(exc)
             raise
-        grants = {rank: self.grant(rank) for rank in ranks}
-        for rank, partitions in self.early.pop(epoch, []):  # finished before this call arrived
-            self.complete(rank, partitions)
-        return grants
+        return {rank: self.grant(rank) for rank in ranks}
 
     def grant(self, rank: int, completed: list[int] = (), epoch: Optional[int] = None) -> dict[str, Any]:
         """Record `completed` partitions of `rank` (of `epoch`, when given), then grant it the
@@ -63,13 +59,7 @@ class PartitionServer:
         self.complete(rank, completed)
         return grant_message(self.ledger.grant(rank), self.rows)
 
-    def complete(self, rank: int, partitions: list[int], epoch: Optional[int] = None) -> None:
-        """Record finished partitions. `epoch` ahead of the server's: the replica began with the
-        grants the driver computed and finished a partition before the driver's `start_epoch`
-        arrived; kept until then."""
-        if epoch is not None and epoch > self.ledger.epoch:
-            self.early.setdefault(epoch, []).append((rank, list(partitions)))
-            return
+    def complete(self, rank: int, partitions: list[int]) -> None:
         for p in partitions:
             self.ledger.complete(rank, p)
 
@@ -108,33 +98,27 @@ class PartitionReader:
     def partitions(self, first: Optional[dict] = None) -> Iterator[tuple[dict, dict]]:
         """The partitions granted to this replica this pass, in order. A grant holds one or two
         partitions; when the replica starts the last one it holds, it asks for the next grant
-        unless the server said the queue is empty; the answer, and the granted partitions' bytes,
-        arrive while the partition trains. Each finished partition is reported to the server at
-        once, without waiting for the answer (so a replica that dies leaves behind only the
-        partition it was in and the granted ones it had not started); the pass waits for those
-        reports only at its end. The pass's last completion is left in `self.unreported`: the
-        replica returns it with its epoch result and the driver reports it (with the next
-        `start_epoch`, or `finish`). `first`: the grant the epoch starts with
-        (`policies.leases.first_grant_messages`)."""
+        (reporting the partitions finished since its last request) unless the server said the
+        queue is empty; the answer, and the granted partitions' bytes, arrive while the partition
+        trains. The last completions are left in `self.unreported`: the replica returns them with
+        its epoch result and the driver reports them (with the next `start_epoch`, or `finish`),
+        which saves every replica a round trip per epoch. `first`: the grant the epoch starts
+        with (`policies.leases.first_grant_messages`)."""
         self.unreported = []
-        reports = []
         grant = self._fetch(first) if first is not None else self._grant([], None)
-        held, last = deque(grant["leases"]), grant["last"]
+        held, last, finished = deque(grant["leases"]), grant["last"], []
         while held:
             lease = held.popleft()
             pending = None
             if not held and not last:  # starting the last partition in hand: ask for more now
-                pending = self.prefetch.submit(self._grant, [], lease["epoch"])
+                pending, finished = self.prefetch.submit(self._grant, finished, lease["epoch"]), []
             yield lease, self.seen[lease["partition"]]
-            if pending is None and not held:  # the pass's last partition: reported with the epoch result
-                self.unreported = [lease["partition"]]
-            else:
-                reports.append(self.server.complete.remote(self.rank, [lease["partition"]], lease["epoch"]))
+            finished.append(lease["partition"])
             if pending is not None:
                 grant = pending.result(timeout=2 * self.timeout_s)
                 held.extend(grant["leases"])
                 last = grant["last"]
-        ray.get(reports, timeout=self.timeout_s)  # recorded before the driver starts the next epoch
+        self.unreported = finished
 
     def _grant(self, completed: list[int], epoch: Optional[int]) -> dict:
         """The next grant (reporting `completed`), asked again while the server has not yet
