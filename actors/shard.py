@@ -667,6 +667,20 @@ class ShardGroup:
                     events.append(event)
         return events
 
+    def settle_all(self, timeout_s: float = 5.0) -> list[dict]:
+        """The events of rebuilds still waiting for their clients' replay, as they stand now
+        (the run is ending: no more replay will come)."""
+        events = []
+        for i, slot in enumerate(self._slots):
+            if slot.state == "up" and slot.settling:
+                if slot.info is None:
+                    slot.info = slot.handle.recovery_info.remote()
+                ray.wait([slot.info], timeout=timeout_s)
+                event = self._check_settled(i, slot, float("inf"))
+                if event:
+                    events.append(event)
+        return events
+
     def _check(self, i: int, slot: _Slot, now: float) -> None:
         try:
             if slot.pending_snapshot is not None:

@@ -363,6 +363,10 @@ class Controller:
 
     # ---- Finishing: final checkpoint and artifacts -----------------------------------------
     def _finish(self) -> None:
+        if self.shard_group is not None:  # a rebuild still waiting for replay is reported as it stands
+            from orchestrator.recovery import report_shard_events
+
+            report_shard_events(self, self.shard_group.settle_all(), self.totals.epochs)
         self.finish_epochs()
         self.totals.checkpoint = self.checkpoint("model.pt", CONTROL_CALL_TIMEOUT_S)
         with tempfile.TemporaryDirectory() as tmp:

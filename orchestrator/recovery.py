@@ -130,9 +130,13 @@ def check_hangs(ctl: "Controller", seg: EpochSegment) -> None:
 def poll_shards(ctl: "Controller", seg: EpochSegment) -> None:
     if ctl.shard_group is None:
         return
-    for event in ctl.shard_group.poll():
+    report_shard_events(ctl, ctl.shard_group.poll(), seg.epoch)
+
+
+def report_shard_events(ctl: "Controller", events: list[dict], epoch: int) -> None:
+    for event in events:
         kind = event.pop("kind", "shard_rebuilt")
-        ctl.report.event(kind, epoch=seg.epoch, **event)
+        ctl.report.event(kind, epoch=epoch, **event)
         ctl.report.say(f"shard {event.get('shard')} died and was rebuilt from its snapshot "
                        f"({event.get('lost_updates')} acknowledged updates lost)")
 
