@@ -34,8 +34,6 @@ MAX_PASSES = 8
 
 def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
     """Read the epoch's streams until the epoch ends or a failure needs a decision."""
-    from orchestrator.controller import Errored, Reconfiguring, Running
-
     if not seg.begun:
         ctl.open_epoch(seg, frozenset(seg.awaiting_steps()))
     while True:

@@ -23,13 +23,13 @@ def check_inputs(config: JobConfig, data: Any = None) -> Dataset:
 
     from orchestrator.checkpoint import check_storage
     from orchestrator.tracking import check_store
-    from policies.modes import needs_shards
+    from policies.registry import mode_spec
 
     check_storage(config.checkpoint.storage)
     check_store(config.tracking.tracking_uri)
     model = build_model(config.model.factory, config.model.kwargs, config.data.seed)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if needs_shards(config.strategy.mode) and config.scaling.shards > n_params:
+    if mode_spec(config.strategy.mode).sharded and config.scaling.shards > n_params:
         raise ConfigError(f"config error: scaling.shards: {config.scaling.shards} shards for the {n_params} "
                           f"parameters of {config.model.factory}; at most one shard per parameter")
     dataset = load_dataset(config.data, data)

@@ -20,7 +20,7 @@ Rules, in order (each decision's `reason` names the rule and its numbers):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Union
 
 MAX_BACKOFF_S = 30.0
 CAUSES = ("died", "hung", "error")
@@ -103,6 +103,3 @@ def error_detail(exc_type: str, message: str) -> str:
     first = (message or "").strip().splitlines()
     return f"{exc_type}: {first[0] if first else ''}".strip()
 
-
-def backoff_for(decision: Optional[Decision]) -> float:
-    return decision.backoff_s if isinstance(decision, Replace) else 0.0

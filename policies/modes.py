@@ -15,14 +15,6 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-MODES = ("allreduce", "downpour", "easgd")
-SHARDED_MODES = ("downpour", "easgd")  # modes whose reference parameters live in ParameterShards
-
-
-def needs_shards(mode: str) -> bool:
-    return mode in SHARDED_MODES
-
-
 class Interrupted(Exception):
     """A step could not complete because the membership changed under it (a peer died, the
     controller aborted a round). The step is not applied; the replica ends its segment and
