@@ -57,11 +57,19 @@ class _FailingMLP(nn.Module):
     def forward(self, x):
         self.calls += 1
         if self.calls > self.fail_after_calls and self.training:
-            if self.once_marker is None or not os.path.exists(self.once_marker):
-                if self.once_marker is not None:
-                    open(self.once_marker, "w").close()
+            if self.once_marker is None or self._claim(self.once_marker):
                 raise RuntimeError(f"injected failure in forward (call {self.calls})")
         return self.inner(x)
+
+    @staticmethod
+    def _claim(path: str) -> bool:
+        """Create `path` atomically: True for the one process that created it (replicas in lock
+        step reach the failing call at the same moment, so an exists-then-create check races)."""
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
 
 
 def failing_mlp(in_features: int = 32, num_classes: int = 4, fail_after_calls: int = 20,
