@@ -98,6 +98,88 @@ class OptimizerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0, description="L2 penalty added to the gradient.")
 
 
+MODE_OPTIONS = {
+    "allreduce": ("bucket_mb",),
+    "downpour": ("n_fetch", "n_push", "max_in_flight", "max_staleness", "staleness_lr", "warmstart_steps"),
+    "easgd": ("tau", "alpha", "variant", "momentum"),
+}
+UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
+UNTIL_METRICS = {"test_accuracy": "max", "test_loss": "min", "train_loss": "min"}  # reached / fallen to
+
+
+class PhaseConfig(_Section):
+    """One phase of strategy.phases: a mode, that mode's options (each overrides the strategy.*
+    value of the same name) and when the phase ends."""
+
+    mode: Literal["allreduce", "downpour", "easgd"] = Field(description="The phase's synchronization mode.")
+    until: Optional[dict[str, float]] = Field(
+        None, description="One of {epochs: N}, {steps: N}, {seconds: S} spent in this phase, or {metric: threshold} "
+        "for test_accuracy (reached), test_loss or train_loss (fallen to)."
+    )
+    bucket_mb: Optional[float] = Field(None, gt=0, description="allreduce: as strategy.bucket_mb.")
+    n_fetch: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_fetch.")
+    n_push: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_push.")
+    max_in_flight: Optional[int] = Field(None, ge=1, description="downpour: as strategy.max_in_flight.")
+    max_staleness: Optional[int] = Field(None, ge=0, description="downpour: as strategy.max_staleness.")
+    staleness_lr: Optional[bool] = Field(None, description="downpour: as strategy.staleness_lr.")
+    warmstart_steps: Optional[int] = Field(None, ge=0, description="downpour: as strategy.warmstart_steps.")
+    tau: Optional[int] = Field(None, ge=1, description="easgd: as strategy.tau.")
+    alpha: Optional[float] = Field(None, gt=0, le=1, description="easgd: as strategy.alpha.")
+    variant: Optional[Literal["async", "sync"]] = Field(None, description="easgd: as strategy.variant.")
+    momentum: Optional[float] = Field(None, ge=0, lt=1, description="easgd: as strategy.momentum.")
+
+    @field_validator("until")
+    @classmethod
+    def _one_condition(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        if v is None:
+            return v
+        if len(v) != 1:
+            raise ValueError(f"give exactly one condition, got {sorted(v) or 'none'}")
+        (key, value), = v.items()
+        known = list(UNTIL_COUNTS) + list(UNTIL_METRICS)
+        if key not in known:
+            raise ValueError(f"unknown condition {key!r}; choose one of {', '.join(known)}")
+        if value <= 0 or (key in ("epochs", "steps") and value != int(value)):
+            raise ValueError(f"{key} must be {'a whole number ' if key in ('epochs', 'steps') else ''}> 0, got {value}")
+        return v
+
+    @model_validator(mode="after")
+    def _options_of_its_mode(self) -> "PhaseConfig":
+        for mode, options in MODE_OPTIONS.items():
+            given = [o for o in options if getattr(self, o) is not None]
+            if mode != self.mode and given:
+                raise ValueError(f"{given[0]} is {'an' if mode[0] in 'ae' else 'a'} {mode} option; this phase's mode is {self.mode}")
+        return self
+
+
+class AdaptiveConfig(_Section):
+    """strategy.switch adaptive: from the step times the replicas report, go asynchronous while a
+    replica straggles and come back when it recovers (policies/switching.py)."""
+
+    sync_mode: Literal["allreduce"] = Field("allreduce", description="The mode while no replica straggles.")
+    async_mode: Literal["downpour", "easgd"] = Field(
+        "downpour", description="The mode while one does (asynchronous: the others do not wait for it)."
+    )
+    slow_ratio: float = Field(
+        2.0, gt=1, description="A replica straggles when its compute time per step is at least this many times "
+        "the median replica's."
+    )
+    recover_ratio: float = Field(
+        1.4, gt=1, description="It has recovered when the slowest replica's ratio is at most this (below "
+        "slow_ratio: the gap is the hysteresis)."
+    )
+    patience: int = Field(
+        2, ge=1, description="Consecutive observations (one per replica progress report) a condition must hold."
+    )
+    min_phase_s: float = Field(3.0, ge=0, description="No switch sooner than this many seconds after the last one.")
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> "AdaptiveConfig":
+        if self.recover_ratio >= self.slow_ratio:
+            raise ValueError(f"recover_ratio ({self.recover_ratio}) must be below slow_ratio ({self.slow_ratio})")
+        return self
+
+
 class StrategyConfig(_Section):
     mode: Literal["allreduce", "downpour", "easgd"] = Field(
         "allreduce", description="Synchronization mode: allreduce (synchronous data parallel), downpour "
@@ -127,6 +209,63 @@ class StrategyConfig(_Section):
     momentum: float = Field(
         0.0, ge=0, lt=1, description="easgd: local Nesterov momentum (EAMSGD) when > 0; optimizer.name sgd only."
     )
+    phases: Optional[list[PhaseConfig]] = Field(
+        None, description="A run in phases, each {mode, that mode's options, until}: e.g. [{mode: downpour, n_push: "
+        "4, until: {epochs: 2}}, {mode: allreduce, until: {test_accuracy: 0.96}}, {mode: easgd, tau: 8}]. `until`: "
+        "epochs, steps or seconds spent in the phase, or a metric threshold (test_accuracy reached, test_loss or "
+        "train_loss fallen to); the last phase has none and runs until the run stops. A phase's options override "
+        "the strategy.* values above; none = one phase of strategy.mode. See docs/modes.md."
+    )
+    switch: Literal["schedule", "adaptive"] = Field(
+        "schedule", description="Who picks the mode: schedule (strategy.phases, or strategy.mode throughout) or "
+        "adaptive (strategy.adaptive switches between a synchronous and an asynchronous mode while the run goes)."
+    )
+    adaptive: AdaptiveConfig = Field(
+        default_factory=lambda: AdaptiveConfig(), description="The adaptive switch policy's rules (switch: adaptive)."
+    )
+
+    @model_validator(mode="after")
+    def _phases_fit(self) -> "StrategyConfig":
+        if self.phases is None:
+            if self.switch == "adaptive" and self.variant == "sync":
+                raise ValueError("switch adaptive switches to and from asynchronous EASGD; strategy.variant "
+                                 "sync cannot take part")
+            return self
+        if "mode" in self.model_fields_set:
+            raise ValueError("set mode (one mode) or phases, not both")
+        if self.switch == "adaptive":
+            raise ValueError("switch adaptive picks the modes itself; remove phases or use "
+                             "switch: schedule")
+        if not self.phases:
+            raise ValueError("phases: give at least one phase")
+        for i, phase in enumerate(self.phases):
+            last = i == len(self.phases) - 1
+            if last and phase.until is not None:
+                raise ValueError(f"phases[{i}]: the last phase runs until the run stops; remove its until")
+            if not last and phase.until is None:
+                raise ValueError(f"phases[{i}]: every phase but the last needs until (epochs, steps, "
+                                 "seconds or a metric threshold)")
+            variant = phase.variant if phase.variant is not None else self.variant
+            if len(self.phases) > 1 and phase.mode == "easgd" and variant == "sync":
+                raise ValueError(f"phases[{i}]: synchronous EASGD cannot switch mid-run (its rounds are "
+                                 "not paused yet); use variant async in a run with several phases")
+        return self
+
+    def plan(self) -> list[dict[str, Any]]:
+        """The strategy of each phase, in order: every strategy.* value with the phase's own
+        options over it, and `until` (None for the last). `switch: adaptive`: the synchronous
+        and the asynchronous mode it moves between (no until; the policy decides)."""
+        base = self.model_dump(exclude={"phases", "switch", "adaptive"})
+        if self.switch == "adaptive":
+            a = self.adaptive
+            return [{**base, "mode": m, "variant": "async", "until": None} for m in (a.sync_mode, a.async_mode)]
+        phases = self.phases or [PhaseConfig(mode=self.mode)]
+        return [{**base, **phase.model_dump(exclude_none=True, exclude={"until"}), "until": phase.until}
+                for phase in phases]
+
+    def modes(self) -> list[str]:
+        """Every mode the run can take."""
+        return [p["mode"] for p in self.plan()]
 
 
 class ScalingConfig(_Section):
@@ -169,18 +308,44 @@ class FaultToleranceConfig(_Section):
     )
 
 
+class SlowWindow(_Section):
+    """A deliberate straggler: replica `rank` slowed while its step count or the training time
+    is inside the window."""
+
+    rank: int = Field(ge=0, description="The replica to slow.")
+    delay_s: Optional[float] = Field(None, ge=0, description="Seconds added to each of its steps.")
+    factor: Optional[float] = Field(
+        None, ge=1, description="Or: its steps take this many times as long (a sleep of factor - 1 times the step's "
+        "own compute time)."
+    )
+    from_step: Optional[int] = Field(None, ge=0, description="From this step of the replica on (default: the start).")
+    to_step: Optional[int] = Field(None, ge=0, description="Until this step (default: the end).")
+    from_s: Optional[float] = Field(None, ge=0, description="From this many seconds after training started.")
+    to_s: Optional[float] = Field(None, ge=0, description="Until this many seconds after training started.")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> "SlowWindow":
+        if (self.delay_s is None) == (self.factor is None):
+            raise ValueError("give delay_s or factor (one of them)")
+        if (self.from_step is not None or self.to_step is not None) and (self.from_s is not None or self.to_s is not None):
+            raise ValueError("give the window in steps (from_step, to_step) or seconds (from_s, to_s), not both")
+        return self
+
+
 class FaultsConfig(_Section):
-    slow_replicas: dict[int, float] = Field(
-        default_factory=dict, description="Straggler experiments: replica rank (< scaling.replicas) -> seconds of "
-        "delay added to each step."
+    slow_replicas: list[SlowWindow] = Field(
+        default_factory=list, description="Straggler experiments: a list of windows {rank, delay_s or factor, "
+        "from_step/to_step or from_s/to_s}; or the short form {rank: seconds added to each step} (all run long)."
     )
 
-    @field_validator("slow_replicas")
+    @field_validator("slow_replicas", mode="before")
     @classmethod
-    def _non_negative(cls, v: dict[int, float]) -> dict[int, float]:
-        for rank, delay in v.items():
-            if rank < 0 or delay < 0:
-                raise ValueError(f"ranks and delays must be >= 0, got {rank}: {delay}")
+    def _short_form(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            for rank, delay in v.items():
+                if not isinstance(rank, int) or rank < 0 or not isinstance(delay, (int, float)) or delay < 0:
+                    raise ValueError(f"ranks and delays must be >= 0, got {rank}: {delay}")
+            return [{"rank": rank, "delay_s": delay} for rank, delay in v.items()]
         return v
 
 
@@ -235,28 +400,29 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _mode_fits(self) -> "JobConfig":
-        if self.strategy.mode == "downpour" and self.optimizer.name not in ("sgd", "adagrad"):
+        if "downpour" in self.strategy.modes() and self.optimizer.name not in ("sgd", "adagrad"):
             raise ValueError(f"optimizer.name: downpour shards apply sgd or adagrad, not {self.optimizer.name}")
         return self
 
     @model_validator(mode="after")
     def _optimizer_fits(self) -> "JobConfig":
-        s, opt = self.strategy, self.optimizer
-        if s.mode == "easgd" and opt.name != "sgd" and s.momentum > 0:
-            raise ValueError(f"strategy.momentum is EAMSGD's Nesterov momentum for optimizer.name sgd; set it to 0 "
-                             f"with optimizer.name {opt.name} (got {s.momentum})")
+        opt = self.optimizer
+        for phase in self.strategy.plan():
+            if phase["mode"] == "easgd" and opt.name != "sgd" and phase["momentum"] > 0:
+                raise ValueError(f"strategy.momentum is EAMSGD's Nesterov momentum for optimizer.name sgd; set it "
+                                 f"to 0 with optimizer.name {opt.name} (got {phase['momentum']})")
         return self
 
     @model_validator(mode="after")
     def _scaling_fits(self) -> "JobConfig":
         gpus = self.scaling.gpus_per_replica
-        if self.strategy.mode == "allreduce" and 0 < gpus < 1:
+        if "allreduce" in self.strategy.modes() and 0 < gpus < 1:
             raise ValueError(f"scaling.gpus_per_replica: allreduce needs a whole GPU per replica (NCCL cannot put "
                              f"two ranks on one GPU), got {gpus}")
         if self.scaling.min_replicas > self.scaling.replicas:
             raise ValueError(f"scaling.min_replicas ({self.scaling.min_replicas}) is more than scaling.replicas "
                              f"({self.scaling.replicas})")
-        missing = sorted(r for r in self.faults.slow_replicas if r >= self.scaling.replicas)
+        missing = sorted(w.rank for w in self.faults.slow_replicas if w.rank >= self.scaling.replicas)
         if missing:
             raise ValueError(f"faults.slow_replicas: no replica of rank {missing[0]}; ranks are 0.."
                              f"{self.scaling.replicas - 1} (scaling.replicas {self.scaling.replicas})")
@@ -357,16 +523,37 @@ def reference_markdown() -> str:
     lines = ["# Config reference", "",
              "Generated by `python -m orchestrator config-reference` from `orchestrator/config.py`.",
              "Every key can be set in the YAML file or with `--set section.key=value`.", ""]
+    nested: list[tuple[str, type]] = []
     for section, field in JobConfig.model_fields.items():
-        model = field.default_factory()  # type: ignore[misc]
-        lines += [f"## `{section}`: {field.description}", "",
-                  "| key | type | allowed | default | meaning |", "|---|---|---|---|---|"]
-        for name, f in type(model).model_fields.items():
-            ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            default = getattr(model, name)
-            shown = "none" if default is None else f"`{default}`"
-            ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<=", "min_length": "length >="}
-            allowed = ", ".join(f"{ops[k]} {getattr(m, k)}" for m in f.metadata for k in ops if hasattr(m, k))
-            lines.append(f"| `{section}.{name}` | `{ann}` | {allowed} | {shown} | {f.description} |")
-        lines.append("")
+        lines += [f"## `{section}`: {field.description}", ""]
+        lines += _field_table(section, type(field.default_factory()), nested)  # type: ignore[misc]
+    for name, model in nested:
+        lines += [f"## `{name}`", "", " ".join((model.__doc__ or "").split()), ""]
+        lines += _field_table(name, model, [])
     return "\n".join(lines)
+
+
+def _field_table(prefix: str, model: type, nested: list[tuple[str, type]]) -> list[str]:
+    """One table row per field; fields that are sections of their own (or lists of them) are
+    appended to `nested` and get a table below."""
+    import typing
+
+    lines = ["| key | type | allowed | default | meaning |", "|---|---|---|---|---|"]
+    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<=", "min_length": "length >="}
+    for name, f in model.model_fields.items():
+        inner = [a for a in typing.get_args(f.annotation) for a in (typing.get_args(a) or (a,))]
+        sub = next((a for a in [f.annotation, *inner] if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+        ann = ann.replace("orchestrator.config.", "")
+        if f.is_required():
+            shown = "required"
+        else:
+            default = f.get_default(call_default_factory=True)
+            shown = ("none" if default is None else "see below" if isinstance(default, BaseModel)
+                     else f"`{default}`")
+        allowed = ", ".join(f"{ops[k]} {getattr(m, k)}" for m in f.metadata for k in ops if hasattr(m, k))
+        lines.append(f"| `{prefix}.{name}` | `{ann}` | {allowed} | {shown} | {f.description} |")
+        if sub is not None:
+            nested.append((f"{prefix}.{name}" + ("[]" if "list" in ann else ""), sub))
+    lines.append("")
+    return lines

@@ -87,7 +87,8 @@ def test_rules_that_still_allow_what_works():
     assert JobConfig.from_dict({}, ["strategy.mode=easgd", "strategy.momentum=0.9"]).strategy.momentum == 0.9
     assert JobConfig.from_dict({}, ["strategy.mode=downpour", "scaling.gpus_per_replica=0.5"]).scaling.gpus_per_replica == 0.5
     assert JobConfig.from_dict({}, ["scaling.gpus_per_replica=1"]).scaling.gpus_per_replica == 1
-    assert JobConfig.from_dict({}, ["scaling.replicas=3", "faults.slow_replicas={2: 0.1}"]).faults.slow_replicas == {2: 0.1}
+    assert JobConfig.from_dict({}, ["scaling.replicas=3", "faults.slow_replicas={2: 0.1}"]).faults.slow_replicas[0].model_dump(
+        exclude_none=True) == {"rank": 2, "delay_s": 0.1}  # the short form: one window, the whole run
 
 
 def test_config_file_that_is_not_utf8(tmp_path):

@@ -1,0 +1,160 @@
+"""Switch policies: which synchronization mode runs when. Pure decisions, tested without Ray.
+
+The controller hands a policy an `Observation` at every decision point (each epoch's end, and
+during an epoch whenever a replica's progress report arrives) and carries out the `Switch` it
+returns, if any (orchestrator/switching.py). Both policies work on the run's *plan*: the list
+of phase strategies `StrategyConfig.plan()` gives, and `current` is the index of the phase that
+runs.
+
+- `SchedulePolicy` (strategy.phases): a phase ends when its `until` holds: `epochs` (epoch ends
+  since the phase began), `steps` (steps since), `seconds` (training seconds since), or a
+  metric threshold (`test_accuracy` reached; `test_loss`, `train_loss` fallen to; measured at
+  epoch ends). The last phase runs until the run stops.
+- `AdaptivePolicy` (strategy.switch adaptive): plan[0] is the synchronous mode, plan[1] the
+  asynchronous one. The signal is the spread of the replicas' compute time per step (each
+  replica's step time minus its time waiting for others; in a synchronous mode every replica
+  steps at the slowest one's pace, so only the compute time shows who is slow):
+  ratio = slowest / median of the others. Synchronous -> asynchronous when ratio >= slow_ratio;
+  asynchronous -> synchronous when ratio <= recover_ratio. Hysteresis: the two thresholds
+  differ, a condition must hold for `patience` consecutive observations, and no switch comes
+  sooner than `min_phase_s` after the last one.
+Every decision names its rule and the numbers behind it (the controller logs them as the
+`mode_switch` event).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any, Optional, Union
+
+METRIC_DIRECTION = {"test_accuracy": "max", "test_loss": "min", "train_loss": "min"}
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the controller knows at a decision point."""
+
+    epoch_end: bool  # at an epoch's end: `metrics` are fresh
+    epochs: int  # epochs finished in the run
+    step: int  # steps taken in the run
+    elapsed_s: float  # seconds of training so far
+    metrics: dict[str, float] = field(default_factory=dict)  # the latest epoch's test_accuracy, test_loss, train_loss
+    compute_s: dict[int, float] = field(default_factory=dict)  # rank -> compute seconds per step, latest window
+    comm_share: Optional[float] = None  # share of the step spent waiting for communication, latest window
+
+
+@dataclass(frozen=True)
+class Switch:
+    phase: int  # index into the plan of the phase to run next
+    mode: str
+    rule: str  # what ended the last phase: "until epochs", "until test_accuracy", "straggler", "recovered", ...
+    reason: str  # one line a person can read
+    numbers: dict[str, Any]  # the figures behind it
+
+
+@dataclass
+class _Mark:
+    epochs: int
+    step: int
+    elapsed_s: float
+
+
+class SchedulePolicy:
+    def __init__(self, plan: list[dict[str, Any]]) -> None:
+        self.plan = plan
+        self.current = 0
+        self.mark = _Mark(0, 0, 0.0)
+
+    def decide(self, obs: Observation) -> Optional[Switch]:
+        until = self.plan[self.current]["until"]
+        if until is None:
+            return None
+        (key, target), = until.items()
+        if key == "epochs":
+            spent = obs.epochs - self.mark.epochs
+            hit = obs.epoch_end and spent >= target
+            numbers = {"epochs_in_phase": spent, "target": target}
+        elif key == "steps":
+            spent = obs.step - self.mark.step
+            hit = spent >= target
+            numbers = {"steps_in_phase": spent, "target": target}
+        elif key == "seconds":
+            spent = obs.elapsed_s - self.mark.elapsed_s
+            hit = spent >= target
+            numbers = {"seconds_in_phase": round(spent, 3), "target": target}
+        else:
+            value = obs.metrics.get(key) if obs.epoch_end else None
+            hit = value is not None and (value >= target if METRIC_DIRECTION[key] == "max" else value <= target)
+            numbers = {key: value, "target": target}
+        if not hit:
+            return None
+        return self._advance(obs, f"until {key}", f"phase {self.current} ({self.plan[self.current]['mode']}) reached "
+                             f"{key} {target:g}", numbers)
+
+    def _advance(self, obs: Observation, rule: str, reason: str, numbers: dict[str, Any]) -> Switch:
+        self.current += 1
+        self.mark = _Mark(obs.epochs, obs.step, obs.elapsed_s)
+        return Switch(self.current, self.plan[self.current]["mode"], rule, reason, numbers)
+
+
+class AdaptivePolicy:
+    SYNC, ASYNC = 0, 1
+
+    def __init__(self, plan: list[dict[str, Any]], slow_ratio: float, recover_ratio: float, patience: int,
+                 min_phase_s: float) -> None:
+        if recover_ratio >= slow_ratio:
+            raise ValueError(f"recover_ratio ({recover_ratio}) must be below slow_ratio ({slow_ratio})")
+        self.plan = plan
+        self.slow_ratio, self.recover_ratio = slow_ratio, recover_ratio
+        self.patience, self.min_phase_s = patience, min_phase_s
+        self.current = self.SYNC
+        self.streak = 0
+        self.last_switch_s = 0.0
+
+    @staticmethod
+    def spread(compute_s: dict[int, float]) -> tuple[float, Optional[int]]:
+        """(slowest replica's compute time per step / the median of the others', its rank);
+        (1.0, None) with fewer than two replicas reporting."""
+        times = {r: t for r, t in compute_s.items() if t is not None and t > 0}
+        if len(times) < 2:
+            return 1.0, None
+        slow = max(times, key=lambda r: (times[r], -r))
+        others = median(t for r, t in times.items() if r != slow)
+        return times[slow] / others, slow
+
+    def decide(self, obs: Observation) -> Optional[Switch]:
+        ratio, slow = self.spread(obs.compute_s)
+        if slow is None:
+            return None
+        if self.current == self.SYNC:
+            holds, rule, threshold = ratio >= self.slow_ratio, "straggler", self.slow_ratio
+        else:
+            holds, rule, threshold = ratio <= self.recover_ratio, "recovered", self.recover_ratio
+        self.streak = self.streak + 1 if holds else 0
+        if self.streak < self.patience or obs.elapsed_s - self.last_switch_s < self.min_phase_s:
+            return None
+        self.streak = 0
+        self.last_switch_s = obs.elapsed_s
+        self.current = self.ASYNC if self.current == self.SYNC else self.SYNC
+        numbers = {"ratio": round(ratio, 3), "threshold": threshold, "slowest_rank": slow,
+                   "compute_s_by_rank": {str(r): round(t, 5) for r, t in sorted(obs.compute_s.items())},
+                   "observations": self.patience,
+                   **({"comm_share": round(obs.comm_share, 3)} if obs.comm_share is not None else {})}
+        if rule == "straggler":
+            reason = (f"replica {slow} computes {ratio:.2f}x as long per step as the others (>= {threshold:g}): "
+                      "go asynchronous")
+        else:
+            reason = f"the slowest replica is back to {ratio:.2f}x the others (<= {threshold:g}): go synchronous"
+        return Switch(self.current, self.plan[self.current]["mode"], rule, reason, numbers)
+
+
+SwitchPolicy = Union[SchedulePolicy, AdaptivePolicy]
+
+
+def make_switch_policy(strategy: Any) -> SwitchPolicy:
+    """The policy a StrategyConfig asks for, over its plan."""
+    plan = strategy.plan()
+    if strategy.switch == "adaptive":
+        a = strategy.adaptive
+        return AdaptivePolicy(plan, a.slow_ratio, a.recover_ratio, a.patience, a.min_phase_s)
+    return SchedulePolicy(plan)

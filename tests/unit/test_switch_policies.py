@@ -1,0 +1,83 @@
+"""The switch policies, without Ray: when a phase ends and why."""
+import pytest
+
+from orchestrator.config import JobConfig
+from policies.switching import AdaptivePolicy, Observation, SchedulePolicy, make_switch_policy
+
+
+def obs(epoch_end=False, epochs=0, step=0, elapsed_s=0.0, metrics=None, compute_s=None):
+    return Observation(epoch_end, epochs, step, elapsed_s, metrics or {}, compute_s or {})
+
+
+def schedule(*phases):
+    return make_switch_policy(JobConfig.from_dict({"strategy": {"phases": list(phases)}}).strategy)
+
+
+def test_the_contract_example_switches_after_two_epochs_then_at_the_accuracy_threshold():
+    pol = schedule({"mode": "downpour", "n_push": 4, "until": {"epochs": 2}},
+                   {"mode": "allreduce", "until": {"test_accuracy": 0.96}}, {"mode": "easgd", "tau": 8})
+    assert isinstance(pol, SchedulePolicy) and pol.plan[0]["n_push"] == 4 and pol.plan[2]["tau"] == 8
+    assert pol.decide(obs(True, 1, 60, 5.0, {"test_accuracy": 0.9})) is None
+    assert pol.decide(obs(False, 1, 100, 7.0)) is None  # mid-epoch: epochs count only at epoch ends
+    sw = pol.decide(obs(True, 2, 120, 9.0, {"test_accuracy": 0.93}))
+    assert (sw.phase, sw.mode, sw.rule) == (1, "allreduce", "until epochs") and sw.numbers["epochs_in_phase"] == 2
+    assert pol.decide(obs(True, 3, 180, 12.0, {"test_accuracy": 0.955})) is None
+    assert pol.decide(obs(False, 3, 200, 13.0, {"test_accuracy": 0.99})) is None  # metrics only at epoch ends
+    sw = pol.decide(obs(True, 4, 240, 15.0, {"test_accuracy": 0.961}))
+    assert (sw.phase, sw.mode, sw.rule) == (2, "easgd", "until test_accuracy")
+    assert pol.decide(obs(True, 9, 900, 99.0, {"test_accuracy": 0.99})) is None  # the last phase runs to the end
+
+
+def test_steps_and_seconds_count_from_the_phase_start_and_losses_must_fall():
+    pol = schedule({"mode": "allreduce", "until": {"steps": 50}}, {"mode": "downpour", "until": {"seconds": 4}},
+                   {"mode": "easgd", "until": {"test_loss": 0.2}}, {"mode": "allreduce"})
+    assert pol.decide(obs(step=49, elapsed_s=3.0)) is None
+    assert pol.decide(obs(step=50, elapsed_s=3.2)).mode == "downpour"
+    assert pol.decide(obs(step=90, elapsed_s=7.1)) is None  # 3.9 s in the phase
+    assert pol.decide(obs(step=95, elapsed_s=7.2)).numbers["seconds_in_phase"] == pytest.approx(4.0)
+    assert pol.decide(obs(True, 3, 100, 8.0, {"test_loss": 0.25})) is None
+    assert pol.decide(obs(True, 4, 120, 9.0, {"test_loss": 0.2})).mode == "allreduce"
+
+
+def test_one_mode_is_one_phase_that_never_switches():
+    pol = make_switch_policy(JobConfig.from_dict({"strategy": {"mode": "easgd", "tau": 2}}).strategy)
+    assert [p["mode"] for p in pol.plan] == ["easgd"] and pol.plan[0]["tau"] == 2
+    assert pol.decide(obs(True, 50, 10_000, 1e4, {"test_accuracy": 1.0})) is None
+
+
+def adaptive(**kw):
+    cfg = {"switch": "adaptive", "adaptive": {"patience": 2, "min_phase_s": 3.0, **kw}}
+    return make_switch_policy(JobConfig.from_dict({"strategy": cfg}).strategy)
+
+
+def test_adaptive_goes_asynchronous_while_a_replica_straggles_and_back_when_it_recovers():
+    pol = adaptive()
+    assert isinstance(pol, AdaptivePolicy) and [p["mode"] for p in pol.plan] == ["allreduce", "downpour"]
+    even = {0: 0.010, 1: 0.011}
+    slow = {0: 0.010, 1: 0.031}
+    assert pol.decide(obs(elapsed_s=4, compute_s=even)) is None
+    assert pol.decide(obs(elapsed_s=5, compute_s=slow)) is None  # once is not enough (patience 2)
+    sw = pol.decide(obs(elapsed_s=6, compute_s=slow))
+    assert (sw.mode, sw.rule, sw.numbers["slowest_rank"]) == ("downpour", "straggler", 1)
+    assert sw.numbers["ratio"] == pytest.approx(3.1) and sw.numbers["threshold"] == 2.0
+    assert pol.decide(obs(elapsed_s=7, compute_s=even)) is None
+    assert pol.decide(obs(elapsed_s=8, compute_s=even)) is None  # min_phase_s: 2 s since the switch
+    sw = pol.decide(obs(elapsed_s=9.5, compute_s=even))
+    assert (sw.mode, sw.rule) == ("allreduce", "recovered")
+
+
+def test_adaptive_hysteresis_keeps_the_mode_between_the_two_thresholds():
+    pol = adaptive(slow_ratio=2.0, recover_ratio=1.4, async_mode="easgd")
+    for t in range(10, 14):
+        pol.decide(obs(elapsed_s=t, compute_s={0: 0.01, 1: 0.025}))
+    assert pol.plan[pol.current]["mode"] == "easgd" and pol.plan[pol.current]["variant"] == "async"
+    for t in range(14, 40):  # 1.7x: not slow enough to leave sync, not fast enough to come back
+        assert pol.decide(obs(elapsed_s=t, compute_s={0: 0.01, 1: 0.017})) is None
+    assert pol.plan[pol.current]["mode"] == "easgd"
+
+
+def test_adaptive_needs_two_replicas_reporting_and_uses_the_median_of_the_others():
+    pol = adaptive(patience=1, min_phase_s=0)
+    assert pol.decide(obs(compute_s={0: 0.01})) is None
+    assert AdaptivePolicy.spread({0: 0.01, 1: 0.012, 2: 0.03}) == (pytest.approx(2.727, abs=1e-3), 2)
+    assert pol.decide(obs(compute_s={0: 0.01, 1: 0.012, 2: 0.03})).numbers["slowest_rank"] == 2
