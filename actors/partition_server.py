@@ -19,25 +19,37 @@ import torch
 
 from actors.shard import _view
 
-from policies.leases import PartitionLedger, grant_message
+from policies.leases import MAX_GRANT, PartitionLedger, grant_message
+
+PAUSE = "pause"  # what the reader yields where the server said pause (a phase switch)
+
+
+def is_pause(item: Any) -> bool:
+    """Compared by value: a pickled copy of a class that uses PAUSE holds its own copy of the string."""
+    return isinstance(item, str) and item == PAUSE
 
 
 @ray.remote(num_cpus=0)
 class PartitionServer:
-    def __init__(self, rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool) -> None:
+    def __init__(self, rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool,
+                 max_grant: int = MAX_GRANT) -> None:
         self.rows = rows
-        self.ledger = PartitionLedger(len(rows), replicas, seed, pinned, shuffle)
+        self.ledger = PartitionLedger(len(rows), replicas, seed, pinned, shuffle, max_grant)
         self.refused: dict[int, str] = {}  # epoch -> why it could not start
+        self.pausing = False
 
     def start_epoch(self, epoch: int, ranks: list[int] = (),
-                    completed: Optional[dict[int, list[int]]] = None) -> dict[int, dict[str, Any]]:
+                    completed: Optional[dict[int, list[int]]] = None,
+                    pinned: Optional[bool] = None) -> dict[int, dict[str, Any]]:
         """Record the previous epoch's last completions (`completed`, as for `finish`), check
         that it was served whole (a RuntimeError names what is left), begin `epoch` and grant
         the first partitions of each of `ranks`, in that order: the grants
         `policies.leases.first_grant_messages` computes, which the driver has already handed to
-        the replicas."""
+        the replicas. `pinned`: this epoch's leasing (the mode may have changed)."""
         try:
             self.finish(completed or {})
+            if pinned is not None:
+                self.ledger.pinned = pinned
             self.ledger.start_epoch(epoch, list(ranks))
         except (RuntimeError, ValueError) as exc:
             self.refused[epoch] = str(exc)
@@ -57,7 +69,17 @@ class PartitionServer:
                 return {"retry": True}
             raise RuntimeError(f"replica {rank} asked for partitions of epoch {epoch}, the server is in {self.ledger.epoch}")
         self.complete(rank, completed)
+        if self.pausing:
+            return {"pause": True, "leases": [], "last": False}
         return grant_message(self.ledger.grant(rank), self.rows)
+
+    def pause(self, on: bool, share: bool = False) -> None:
+        """A phase switch: while on, a replica asking for partitions is told to pause (it stops
+        at that partition boundary and asks again when resumed). `share`: the rest of this
+        epoch is leased from one shared queue (the next mode is asynchronous)."""
+        self.pausing = on
+        if share:
+            self.ledger.share_rest()
 
     def complete(self, rank: int, partitions: list[int]) -> None:
         for p in partitions:
@@ -106,7 +128,12 @@ class PartitionReader:
         with (`policies.leases.first_grant_messages`)."""
         self.unreported = []
         grant = self._fetch(first) if first is not None else self._grant([], None)
-        held, last, finished = deque(grant["leases"]), grant["last"], []
+        epoch = grant["leases"][0]["epoch"] if grant["leases"] else None
+        finished = []
+        while grant.get("pause"):  # a phase switch: stop here, ask again when resumed
+            yield PAUSE
+            grant, finished = self._grant(finished, epoch), []
+        held, last = deque(grant["leases"]), grant["last"]
         while held:
             lease = held.popleft()
             pending = None
@@ -116,6 +143,9 @@ class PartitionReader:
             finished.append(lease["partition"])
             if pending is not None:
                 grant = pending.result(timeout=2 * self.timeout_s)
+                while grant.get("pause"):
+                    yield PAUSE
+                    grant, finished = self._grant(finished, lease["epoch"]), []
                 held.extend(grant["leases"])
                 last = grant["last"]
         self.unreported = finished
@@ -147,7 +177,11 @@ class PartitionReader:
         positions in the partition, the partition's columns; `part["ids"][positions]` are the
         row ids). The partitions read whole are listed in `self.read` when the pass ends."""
         self.read = []
-        for lease, part in self.partitions(first):
+        for item in self.partitions(first):
+            if is_pause(item):
+                yield PAUSE
+                continue
+            lease, part = item
             for x, y, idx in self.batches(lease, part):
                 yield x, y, idx, part
             self.read.append(lease["partition"])

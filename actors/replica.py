@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from actors.partition_server import PartitionReader
+from actors.partition_server import PartitionReader, is_pause
 from actors.shard import RayShardClient
 from policies.factory import build_model
 from policies.modes import Interrupted
@@ -118,6 +118,7 @@ class ProcessGroupReducer:
 
 
 _UNREAD = object()  # the cursor has not looked ahead yet
+_FETCH = object()  # the cursor's next batch is to be asked for (the epoch was paused for a phase switch)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -150,30 +151,95 @@ class ModelReplica:
         self.client = None
         self.worker = None
         self.reducer = None
+        self.slow: list[dict[str, Any]] = []
+        self.t_train_wall = time.time()  # when the run's training started (faults.slow_replicas from_s/to_s)
         self.rank, self.world_size = None, world_size
         self.step = 0
         self.generation = 0
         self._cursor: Optional[dict[str, Any]] = None  # the epoch in progress: its batches and where we are
         self._has_buffers = any(True for _ in self.model.buffers())
+        if config.get("multi_phase"):  # torch.optim's first use imports ~1 s of modules: not in a switch
+            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
         if rank is not None:
             self.assign(rank, world_size)
 
-    def assign(self, rank: int, world_size: int) -> int:
+    def assign(self, rank: int, world_size: int, strategy: Optional[dict[str, Any]] = None) -> int:
         """Take a rank: build the mode's worker (a spare does this when it is put to use).
+        `strategy`: the phase's strategy when it is not the one the replica was built with.
         Returns the process id (the controller and fault injection address the process by it)."""
-        s = self.cfg["strategy"]
+        if strategy is not None:
+            self.cfg["strategy"] = strategy
+            self.spec = mode_spec(strategy["mode"])
         self.rank, self.world_size = rank, world_size
-        client = None
-        if self.spec.sharded:
-            client = RayShardClient(self.shards, s["max_in_flight"], s["timeout_s"])
         self.reducer = ProcessGroupReducer()
-        self.worker, self.flat = build_worker(self.model, self.cfg, rank, world_size, Transport(self.reducer, client))
-        self.client = client
-        self.step_delay_s = float(self.cfg["faults"]["slow_replicas"].get(rank, 0.0))
+        self._build_worker()
+        self.slow = [w for w in self.cfg["faults"]["slow_replicas"] if w["rank"] == rank]
         return os.getpid()
+
+    def _build_worker(self) -> None:
+        s = self.cfg["strategy"]
+        if self.spec.sharded and self.client is None:
+            self.client = RayShardClient(self.shards, s["max_in_flight"], s["timeout_s"])
+        self.worker, self.flat = build_worker(self.model, self.cfg, self.rank, self.world_size,
+                                              Transport(self.reducer, self.client if self.spec.sharded else None))
+
+    def set_mode(self, strategy: dict[str, Any], load_reference: bool) -> dict[str, Any]:
+        """Change the update rule in place (a phase switch): the old worker lets go of the model
+        (allreduce's gradient hooks removed), the new mode's worker is built over the same model,
+        data cursor and step count. `load_reference`: first copy the shards' reference
+        parameters and buffers into the model (downpour's server copy, EASGD's center), so every
+        replica starts the new phase from the same point. The new worker's optimizer starts
+        fresh. Returns what was carried and what reset, for the switch event."""
+        old = self.worker
+        release = getattr(old, "release", None)
+        if release is not None:
+            release()
+        self.cfg["strategy"] = strategy
+        self.spec = mode_spec(strategy["mode"])
+        if load_reference:
+            self._load_reference()
+        self._build_worker()
+        if hasattr(self.worker, "step_count"):
+            self.worker.step_count = self.step
+        had_state = bool(getattr(getattr(old, "optimizer", None), "state", None))
+        return {"rank": self.rank, "step": self.step, "local_optimizer": "reset" if had_state else "none"}
+
+    def _load_reference(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            self.client.pull(flat)
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            if self._has_buffers:
+                buffers = dict(self.model.named_buffers())
+                for name, value in self.client.buffers().items():
+                    buffers[name].copy_(torch.from_numpy(value))
+
+    def _slow_down(self, compute_s: float) -> None:
+        """faults.slow_replicas: sleep as the windows active now say (a deliberate straggler)."""
+        elapsed = time.time() - self.t_train_wall
+        delay = 0.0
+        for w in self.slow:
+            if w["from_step"] is not None and self.step < w["from_step"]:
+                continue
+            if w["to_step"] is not None and self.step >= w["to_step"]:
+                continue
+            if w["from_s"] is not None and elapsed < w["from_s"]:
+                continue
+            if w["to_s"] is not None and elapsed >= w["to_s"]:
+                continue
+            delay += w["delay_s"] if w["delay_s"] is not None else (w["factor"] - 1.0) * compute_s
+        if delay > 0:
+            time.sleep(delay)
 
     def pid(self) -> int:
         return os.getpid()
+
+    def current_step(self) -> int:
+        return self.step
 
     def warm_up(self, sample: list, rows: int = 32) -> float:
         """A spare's rehearsal: one forward, backward and optimizer step on `rows` rows of
@@ -263,10 +329,13 @@ class ModelReplica:
         return step
 
     # ---- data ----------------------------------------------------------------------------
-    def set_data(self, server, train_parts: list, test_part: list, test_slice: tuple[int, int]) -> int:
+    def set_data(self, server, train_parts: list, test_part: list, test_slice: tuple[int, int],
+                 t_train_wall: Optional[float] = None) -> int:
         """The PartitionServer to lease train partitions from, the train partitions' refs, and
         this replica's slice of the test split (refs wrapped in lists so Ray passes them through
-        unresolved)."""
+        unresolved). `t_train_wall`: when the run's training started (wall clock)."""
+        if t_train_wall is not None:
+            self.t_train_wall = t_train_wall
         self.reader = PartitionReader(server, train_parts[0], self.rank, self.cfg["data"]["batch_size"], self.cfg["data"]["shuffle"],
                                       self.device, self.cfg["strategy"]["timeout_s"])
         return self.set_test_slice(test_part, test_slice)
@@ -305,18 +374,29 @@ class ModelReplica:
         consumed, comm_s, steps, samples, loss = [], 0.0, 0, 0, float("nan")
         t_epoch = t_window = t_sent = time.perf_counter()
         window, rows = 0, []
+        win_compute, win_comm, win_real = 0.0, 0.0, 0  # this progress window: compute and wait seconds, real steps
         send_every = float(self.cfg["tracking"]["progress_interval_s"])
         lock_step = self.worker.lock_step
-        while cur["pending"] is not None or (lock_step and not cur["ended"]):
+        while True:
+            if cur["pending"] is _FETCH:  # after a pause: ask the server again
+                cur["pending"] = next(cur["batches"], None)
             current = cur["pending"]  # kept in the cursor until its step is done: retried after an interruption
-            if current is not None and cur["following"] is _UNREAD:
+            if current is None and not (lock_step and not cur["ended"]):
+                break
+            current_pause = is_pause(current)
+            if current_pause and not lock_step:  # a phase switch: stop at this partition boundary
+                cur["pending"] = _FETCH
+                yield from self._pause(epoch, steps, samples, time.perf_counter() - t_epoch, comm_s, consumed, loss, rows)
+                return
+            real = current is not None and not current_pause
+            if real and cur["following"] is _UNREAD:
                 cur["following"] = next(cur["batches"], None)  # look ahead one batch
-            following = cur["following"] if current is not None else None
-            x, y = (None, None) if current is None else current[:2]
-            if self.step_delay_s and current is not None:
-                time.sleep(self.step_delay_s)  # faults.slow_replicas: a deliberate straggler
+            following = cur["following"] if real else None
+            x, y = current[:2] if real else (None, None)
+            pause = current_pause or is_pause(following)  # lock-step: every member stops after this step
+            t_step = time.perf_counter()
             try:
-                result = self.worker.step(x, y, following is not None)
+                result = self.worker.step(x, y, following is not None or current_pause, pause)
             except Interrupted as exc:
                 self.leave_group()  # fail the peers' pending collectives now, not at their timeout
                 yield self._segment_end("interrupted", epoch, steps, samples, time.perf_counter() - t_epoch, comm_s,
@@ -331,31 +411,46 @@ class ModelReplica:
             except Exception:
                 self.leave_group()
                 raise
+            compute = time.perf_counter() - t_step - result.comm_s
+            if self.slow and real:
+                self._slow_down(compute)
+                compute = time.perf_counter() - t_step - result.comm_s
             cur["pending"], cur["following"] = following, _UNREAD
+            if lock_step and pause:
+                cur["pending"] = _FETCH
             if lock_step and not result.go_on:
                 cur["ended"] = True
             comm_s += result.comm_s
+            win_comm += result.comm_s
             steps += 1
             self.step += 1
             if announce:
                 announce = False
-                yield {"kind": "stepping", "rank": self.rank, "t_wall": time.time(), "step": self.step}
-            if current is not None:
+                yield {"kind": "stepping", "rank": self.rank, "t_wall": time.time(), "step": self.step,
+                       "mode": self.spec.name}
+            if real:
                 samples += len(y)
                 window += len(y)
+                win_compute += compute
+                win_real += 1
                 loss = result.loss
                 if trace_ids:
                     consumed.append(current[3]["ids"][current[2].numpy()].tolist())
             if steps % log_every == 0:
                 now = time.perf_counter()
                 rows.append({"rank": self.rank, "epoch": epoch, "step": self.step, "step_in_epoch": steps,
-                             "loss": loss, "samples_per_s": window / (now - t_window)})
-                t_window, window = now, 0
+                             "loss": loss, "samples_per_s": window / (now - t_window),
+                             "compute_s": win_compute / win_real if win_real else None,
+                             "comm_share": win_comm / (now - t_window)})
+                t_window, window, win_compute, win_comm, win_real = now, 0, 0.0, 0.0, 0
                 if now - t_sent >= send_every:  # each message to the driver costs the step loop
                     yield {"kind": "progress", "rank": self.rank, "rows": rows}
                     rows, t_sent = [], now
             if cur["ended"]:
                 break
+            if lock_step and result.paused:
+                yield from self._pause(epoch, steps, samples, time.perf_counter() - t_epoch, comm_s, consumed, loss, rows)
+                return
         cur["ended"] = True
         train_s = time.perf_counter() - t_epoch  # the step loop only: not the epoch's end or the evaluation
         try:
@@ -372,6 +467,21 @@ class ModelReplica:
         yield self._segment_end("epoch", epoch, steps, samples, train_s, comm_s, consumed, loss, rows,
                                 eval=evaluation, mode=mode_stats, partitions=list(self.reader.read),
                                 unreported=self.reader.unreported)
+
+    def _pause(self, epoch: int, steps: int, samples: int, train_s: float, comm_s: float, consumed: list,
+               loss: float, rows: list) -> Iterator[dict[str, Any]]:
+        """End the segment for a phase switch, keeping the epoch's cursor: the mode's end of
+        epoch first (pushes acknowledged, buffers synchronized), then a "paused" item."""
+        try:
+            mode_stats = self.worker.end_epoch()
+        except Interrupted as exc:
+            self.leave_group()
+            yield self._segment_end("interrupted", epoch, steps, samples, train_s, comm_s, consumed, loss, rows,
+                                    reason=str(exc))
+            return
+        if self.flat is not None and self._has_buffers:
+            self.client.set_buffers(self.rank, self.local_buffers())
+        yield self._segment_end("paused", epoch, steps, samples, train_s, comm_s, consumed, loss, rows, mode=mode_stats)
 
     def _segment_end(self, kind: str, epoch: int, steps: int, samples: int, train_s: float, comm_s: float,
                      consumed: list, loss: float, rows: list, **more: Any) -> dict[str, Any]:

@@ -222,6 +222,13 @@ class ParameterShard:
     async def values(self) -> np.ndarray:
         return self.state.values.numpy()
 
+    async def reseed(self, values: Optional[np.ndarray], optimizer: str, clocks: dict[int, int]) -> int:
+        """A phase switch: take `values` (None: keep the current ones), start the server
+        optimizer `optimizer` afresh, and set the replicas' clocks. Returns the version."""
+        self.state.reseed(None if values is None else torch.from_numpy(np.array(values, dtype=np.float32)),
+                          optimizer, clocks)
+        return self.state.version
+
     async def observed_max_lead(self) -> int:
         return self.state.max_lead
 
@@ -795,6 +802,19 @@ class ShardGroup:
     def abort_rounds(self, timeout_s: float = 10.0) -> int:
         """Abort every open synchronous EASGD round on every shard (ParameterShard.abort_rounds)."""
         return sum(v or 0 for v in self._all("abort_rounds", timeout_s=timeout_s))
+
+    def reseed(self, values: Optional[np.ndarray], optimizer: str, clocks: dict[int, int],
+               timeout_s: float = 60.0) -> None:
+        """A phase switch: every shard takes its slice of `values` (None: keeps its own), a fresh
+        server optimizer and the replicas' clocks; then a snapshot, so a rebuild starts from the
+        new contents."""
+        self._args = (optimizer, *self._args[1:])
+        refs = [s.handle.reseed.remote(None if values is None else values[lo:hi], optimizer, clocks)
+                for s, (lo, hi) in zip(self._slots, self.bounds)]
+        ray.get(refs, timeout=timeout_s)
+        for rank, step in clocks.items():
+            self._membership[rank] = step
+        self.snapshot_now(timeout_s)
 
     def values(self, timeout_s: float = 30.0) -> np.ndarray:
         """The reference parameters, concatenated (raises if a shard is down)."""

@@ -14,8 +14,9 @@ controller acts, actors hold state and move tensors.
   policy (policies/failure.py) judges it; Fail -> Errored;
 - Reconfiguring(plan, segment): carries the decisions out (orchestrator/recovery.py): failed
   replicas replaced (a spare or a new actor) or dropped, their partitions back to the pool,
-  state handed to the newcomers, the process group re-formed; -> Running(same segment): the
-  epoch goes on where it was;
+  state handed to the newcomers, the process group re-formed; or a phase switch the switch
+  policy decided (orchestrator/switching.py): state consolidated, every replica's update rule
+  changed in place; -> Running(same segment): the epoch goes on where it was;
 - Finishing: final checkpoint and artifacts.
 
 Who owns what: the replica group (orchestrator/group.py) owns the actors, ranks and
@@ -42,11 +43,13 @@ from orchestrator.group import ReplicaGroup
 from orchestrator.progress import ProgressDisplay
 from orchestrator.reporting import Reporter
 from orchestrator.segment import EpochSegment, Plan
+from orchestrator.switching import MODE_CODES, SwitchPlan
 from orchestrator.tracking import Tracker
 from policies.failure import FailurePolicy
-from policies.leases import first_grant_messages
+from policies.leases import MAX_GRANT, first_grant_messages
 from policies.registry import mode_spec
 from policies.stop import EpochSnapshot, StopPolicy
+from policies.switching import make_switch_policy
 
 CONTROL_CALL_TIMEOUT_S = 30.0
 
@@ -64,7 +67,7 @@ class Running:
 
 @dataclass
 class Reconfiguring:
-    plan: Plan
+    plan: Union[Plan, SwitchPlan]  # failures to repair, or a phase switch to carry out
     segment: EpochSegment
 
 
@@ -113,11 +116,19 @@ class Controller:
         self.dataset = dataset
         self.t0 = t0
         self.trace_ids = trace_ids
-        self.spec = mode_spec(config.strategy.mode)
-        self.lock_step = self.spec.lock_step(config.strategy.model_dump())
+        self.switch_policy = make_switch_policy(config.strategy)
+        self.set_strategy(self.switch_policy.plan[self.switch_policy.current])
+        self.pending_switch = None  # a SwitchPlan decided, not carried out yet (orchestrator/switching.py)
+        modes = config.strategy.modes()
+        sharded = [m for m in modes if mode_spec(m).sharded]
+        self.needs_shards = bool(sharded)  # any phase keeps its reference in shards
+        self.server_optimizer = (mode_spec("downpour" if "downpour" in sharded else sharded[0]).server_optimizer(
+            config.optimizer.name) if sharded else None)
+        self.phases: list[dict[str, Any]] = []  # the result JSON's record of which mode ran when
+        self.signals: dict[int, dict[str, Any]] = {}  # rank -> its latest progress row (the switch policy's input)
         self.report = Reporter(tracker, display, t0)
         self.state: State = Starting()
-        self.group = ReplicaGroup(config)
+        self.group = ReplicaGroup(config, strategy=self.strategy)
         self.shard_group = None
         self.totals = RunTotals()
         self.consumed: list[dict[int, list[list[int]]]] = []  # [epoch] {rank: [step] -> row ids} (trace_ids)
@@ -132,6 +143,25 @@ class Controller:
         self._train_started = 0.0
         self._unreported: dict[int, list[int]] = {}  # last epoch's final completions, not yet reported
         self._last_state: Optional[dict[str, Any]] = None
+
+    def set_strategy(self, strategy: dict[str, Any]) -> None:
+        """The phase that runs now: its strategy, its mode's registry entry, lock-step or not."""
+        self.strategy = strategy
+        self.spec = mode_spec(strategy["mode"])
+        self.lock_step = self.spec.lock_step(strategy)
+
+    @property
+    def train_started(self) -> float:
+        return self._train_started
+
+    def record_phase(self, sw: Any, step: int, acc_before: float, acc_after: float) -> None:
+        """Close the running phase's record and open the next one's."""
+        now = round(time.perf_counter() - self._train_started, 3)
+        if self.phases:
+            self.phases[-1].update(end_step=step, end_s=now, test_accuracy_at_end=round(acc_before, 4),
+                                   ended_by=sw.rule)
+        self.phases.append({"phase": sw.phase, "mode": sw.mode, "start_step": step, "start_s": now,
+                            "start_epoch": self.totals.epochs + 1, "test_accuracy_at_start": round(acc_after, 4)})
 
     # ---- the reporter's tracker (the trainer opens it while the actors boot) ---------------
     @property
@@ -154,7 +184,7 @@ class Controller:
     # ---- the state machine ---------------------------------------------------------------
     def step(self) -> State:
         """Run the current state once; the next state."""
-        from orchestrator import recovery
+        from orchestrator import recovery, switching
 
         state = self.state
         try:
@@ -162,6 +192,8 @@ class Controller:
                 nxt = Running(self._start())
             elif isinstance(state, Running):
                 nxt = recovery.run_segment(self, state.segment)
+            elif isinstance(state, Reconfiguring) and isinstance(state.plan, SwitchPlan):
+                nxt = Running(switching.carry_out(self, state.plan, state.segment))
             elif isinstance(state, Reconfiguring):
                 nxt = Running(recovery.reconfigure(self, state.plan, state.segment))
             elif isinstance(state, Finishing):
@@ -193,7 +225,7 @@ class Controller:
     def launch(self) -> None:
         """Ask Ray for the actors the mode needs and return at once: their worker processes boot
         (import torch, build the model) while the caller does other start-up work."""
-        if self.spec.sharded:
+        if self.needs_shards:
             self._launch_shards()
             self.group.shards = self.shard_group.directory()
         self.group.launch()
@@ -212,7 +244,7 @@ class Controller:
         initial = torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]).numpy()
         bounds = shard_bounds(initial.size, cfg.scaling.shards)
         opt = cfg.optimizer
-        self.shard_group = ShardGroup.create(initial, bounds, self.spec.server_optimizer(opt.name), opt.lr,
+        self.shard_group = ShardGroup.create(initial, bounds, self.server_optimizer, opt.lr,
                                              opt.momentum, opt.weight_decay, cfg.scaling.replicas,
                                              cfg.fault_tolerance.shard_snapshot_every_s,
                                              name_prefix=f"eo-{uuid.uuid4().hex[:12]}")
@@ -229,21 +261,28 @@ class Controller:
         bs = cfg.data.batch_size
         self.steps_per_epoch = -(-sum(-(-r // bs) for r in rows) // n)  # the display's estimate
         self._plan = (rows, n, cfg.data.seed, self.spec.pinned, cfg.data.shuffle)
-        self.server = PartitionServer.remote(*self._plan)
+        # a run that can switch modes is granted one partition at a time: every partition boundary
+        # is a point where a replica can hear a pause (two at a time saves calls otherwise)
+        self.max_grant = 1 if len(self.switch_policy.plan) > 1 else MAX_GRANT
+        self.server = PartitionServer.remote(*self._plan, self.max_grant)
         self.partition_refs = refs
         self.group.wait_ready()
         self.group.form()
         self.test_ref = ray.put({"x": self.dataset.test.x, "y": self.dataset.test.y})
         self.group.warm_spares(self.test_ref)
+        self._t_train_wall = time.time()
         self.give_data(self.group.ranks)
         self.totals.startup_s = time.perf_counter() - self.t0
         self._train_started = time.perf_counter()
+        self.phases = [{"phase": self.switch_policy.current, "mode": self.spec.name, "start_step": 0, "start_s": 0.0,
+                        "start_epoch": 1}]
         self.report.event("started", replicas=n, spares=cfg.fault_tolerance.spares,
                           steps_per_epoch=self.steps_per_epoch, partitions=len(parts),
                           rows_per_partition=[min(rows), max(rows)], startup_s=round(self.totals.startup_s, 3))
         self.report.say(f"started {n} replicas ({len(parts)} partitions, ~{self.steps_per_epoch} steps/epoch per "
                         f"replica) in {self.totals.startup_s:.1f}s")
-        self.report.metrics([("replicas_alive", n, 0), ("replica_restarts", 0, 0)])
+        self.report.metrics([("replicas_alive", n, 0), ("replica_restarts", 0, 0),
+                             ("mode", MODE_CODES[self.spec.name], 0)])
         return self.begin_epoch(1)
 
     def give_data(self, ranks: list[int]) -> None:
@@ -253,7 +292,8 @@ class Controller:
         slices = eval_slices(len(self.dataset.test), len(members))
         where = {r: slices[i] for i, r in enumerate(members)}
         self.group.call(ranks, "set_data", what="data",
-                        per_rank=lambda r: (self.server, [self.partition_refs], [self.test_ref], where[r]))
+                        per_rank=lambda r: (self.server, [self.partition_refs], [self.test_ref], where[r],
+                                            self._t_train_wall))
 
     def reslice_tests(self) -> None:
         members = self.group.ranks
@@ -272,10 +312,12 @@ class Controller:
         epoch = seg.epoch
         seg.begun, seg.t_start = True, time.perf_counter()
         ranks = self.group.ranks
-        first = first_grant_messages(*self._plan, epoch, ranks)
+        rows, n, seed, _, shuffle = self._plan
+        self._plan = (rows, n, seed, self.spec.pinned, shuffle)  # leasing follows the mode of the phase
+        first = first_grant_messages(*self._plan, epoch, ranks, self.max_grant)
         for rank in ranks:
             self.open_stream(seg, rank, first_grant=first.get(rank), announce=rank in announce)
-        seg.started = self.server.start_epoch.remote(epoch, ranks, self._unreported)
+        seg.started = self.server.start_epoch.remote(epoch, ranks, self._unreported, self.spec.pinned)
         self._unreported = {}
         return seg
 
@@ -348,6 +390,10 @@ class Controller:
             tot.stop_reason = decision.reason
             self.report.event("stop", reason=decision.reason)
             return Finishing()
+        from orchestrator import switching
+
+        switching.consider(self, None, epoch_end=True,
+                           metrics={"test_accuracy": acc, "test_loss": test_loss, "train_loss": tot.train_loss})
         # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
         # it carries on timing a recovery whose newcomer had nothing left to do in this one
         return Running(EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False))
@@ -363,6 +409,10 @@ class Controller:
 
     # ---- Finishing: final checkpoint and artifacts -----------------------------------------
     def _finish(self) -> None:
+        if self.phases:
+            self.phases[-1].update(end_step=max(self.progress.values(), default=0),
+                                   end_s=round(time.perf_counter() - self._train_started, 3),
+                                   test_accuracy_at_end=round(self.totals.test_accuracy, 4), ended_by="stop")
         if self.shard_group is not None:  # a rebuild still waiting for replay is reported as it stands
             from orchestrator.recovery import report_shard_events
 

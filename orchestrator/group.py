@@ -23,10 +23,11 @@ READY_TIMEOUT_S = 120.0  # a new actor imports torch and builds the model
 
 
 class ReplicaGroup:
-    def __init__(self, config: JobConfig, shards: Any = None) -> None:
+    def __init__(self, config: JobConfig, shards: Any = None, strategy: Optional[dict[str, Any]] = None) -> None:
         self.cfg = config
         self.raw = config.model_dump()
-        self.spec = mode_spec(config.strategy.mode)
+        self.raw["multi_phase"] = len(config.strategy.plan()) > 1
+        self.set_strategy(strategy or config.strategy.plan()[0])
         self.shards = shards  # the shard directory replicas resolve shards through (sharded modes)
         self.members: dict[int, Any] = {}  # rank -> ModelReplica
         self.pids: dict[int, int] = {}
@@ -35,6 +36,11 @@ class ReplicaGroup:
         self.spares: list[Any] = []
         self.timeout_s = config.strategy.timeout_s
         self.sample = None  # a ref to a few rows spares rehearse a step on (set once data is in the store)
+
+    def set_strategy(self, strategy: dict[str, Any]) -> None:
+        """The phase that runs now: new actors and spares put to use take its update rule."""
+        self.raw["strategy"] = strategy
+        self.spec = mode_spec(strategy["mode"])
 
     # ---- actors --------------------------------------------------------------------------
     def _actor(self, rank: Optional[int], spare: bool = False):
@@ -94,7 +100,8 @@ class ReplicaGroup:
         while self.spares and actor is None:
             spare = self.spares.pop(0)
             try:
-                self.pids[rank] = self._get(spare.assign.remote(rank, self.cfg.scaling.replicas), "spare", self.timeout_s)
+                self.pids[rank] = self._get(spare.assign.remote(rank, self.cfg.scaling.replicas, self.raw["strategy"]),
+                                            "spare", self.timeout_s)
                 actor, how = spare, "spare"
             except TrainingError:  # the spare itself died: try the next, or a new actor
                 continue

@@ -34,12 +34,19 @@ MAX_PASSES = 8
 
 def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
     """Read the epoch's streams until the epoch ends or a failure needs a decision."""
+    from orchestrator import switching
+    from orchestrator.controller import Reconfiguring
+
     if not seg.begun:
+        if ctl.pending_switch is not None:  # decided at the last epoch's end: switch before this one opens
+            return Reconfiguring(ctl.pending_switch, seg)
         ctl.open_epoch(seg, frozenset(seg.awaiting_steps()))
     while True:
         if seg.failures and (not ctl.lock_step or not seg.streams):
             return judge(ctl, seg)
         if not seg.streams:
+            if ctl.pending_switch is not None and any(i["kind"] == "paused" for i in seg.ended.values()):
+                return Reconfiguring(ctl.pending_switch, seg)
             nxt = close_pass(ctl, seg)
             if nxt is None:
                 continue  # a further pass of the epoch started
@@ -50,6 +57,9 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
                 read_item(ctl, seg, rank, stream)
         poll_shards(ctl, seg)
         check_hangs(ctl, seg)
+        if seg.fresh_signals or ctl.switch_policy.plan[ctl.switch_policy.current]["until"] is not None:
+            seg.fresh_signals = False
+            switching.consider(ctl, seg)
         if seg.failures and ctl.lock_step and ctl.shard_group is not None:
             ctl.shard_group.abort_rounds()  # again each tick: a survivor may reach the round after an abort
 
@@ -77,12 +87,20 @@ def read_item(ctl: "Controller", seg: EpochSegment, rank: int, stream: Any) -> N
     if kind == "stepping":
         stepped(ctl, seg, rank, item["t_wall"])
         return
-    if kind in ("epoch", "interrupted"):
+    if kind == "paused" and ctl.pending_switch is None:
+        # a stale pause: the replica's grant request was answered while the last switch was
+        # being decided, and it heard it only after resuming: it goes on at once
+        seg.items.append(item)
+        ctl.open_stream(seg, rank, resume=True)
+    elif kind in ("epoch", "interrupted", "paused"):
         seg.items.append(item)
         seg.ended[rank] = item
+        ctl.progress[rank] = item["step"]
     rows = item["progress"] if kind != "progress" else item["rows"]
     if rows:
-        ctl.progress[rank] = rows[-1]["step"]
+        ctl.progress[rank] = max(ctl.progress.get(rank, 0), rows[-1]["step"])
+        ctl.signals[rank] = rows[-1]
+        seg.fresh_signals = True
     if rank == min(ctl.group.members, default=rank) and rows:
         seg.progress += rows
         last = rows[-1]
@@ -147,10 +165,11 @@ def stepped(ctl: "Controller", seg: EpochSegment, rank: int, t_wall: float) -> N
             rec.stepping_at = max(rec.stepping_at, t_wall)
             if not rec.waiting:
                 seg.recoveries.remove(rec)
-                recovery_s = rec.stepping_at - rec.t_detect_wall
+                took = rec.stepping_at - rec.t_detect_wall
                 ctl.report.event(rec.event.pop("kind"), **rec.event, stepping_at=round(rec.stepping_at, 3),
-                                 recovery_s=round(recovery_s, 3))
-                ctl.report.say(f"recovered: every replica stepping {recovery_s:.2f}s after the failure was seen")
+                                 **{rec.duration_key: round(took, 3)})
+                what = "the failure was seen" if rec.duration_key == "recovery_s" else "the switch was decided"
+                ctl.report.say(f"every replica stepping {took:.2f}s after {what}")
 
 
 def judge(ctl: "Controller", seg: EpochSegment) -> "State":

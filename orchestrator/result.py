@@ -32,6 +32,9 @@ class TrainResult:
     tracking_uri: str
     experiment_id: str
     rows_per_epoch: list[int] = field(default_factory=list)  # train rows stepped on in each epoch (all replicas)
+    # which mode ran when: {phase, mode, start_step, end_step, start_s, end_s (training seconds), start_epoch,
+    # test_accuracy_at_start, test_accuracy_at_end, ended_by}
+    phases: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:

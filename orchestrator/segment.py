@@ -15,12 +15,14 @@ from policies.failure import Decision, ReplicaFailure
 
 @dataclass
 class Recovery:
-    """A reconfiguration waiting for its members' first steps (to time it)."""
+    """A reconfiguration (a recovery or a phase switch) waiting for its members' first steps (to
+    time it)."""
 
     event: dict[str, Any]  # the replica_replaced / replica_dropped event's fields so far
     t_detect_wall: float  # when the first failure of the plan was seen
     waiting: set[int]  # ranks that have not stepped since
     stepping_at: float = 0.0
+    duration_key: str = "recovery_s"  # the event's name for the time until every member stepped
 
 
 @dataclass
@@ -39,7 +41,7 @@ class EpochSegment:
     t_start: float
     streams: dict[int, Any] = field(default_factory=dict)  # rank -> its open run_epoch stream
     heard: dict[int, float] = field(default_factory=dict)  # rank -> perf_counter of its last item
-    items: list[dict[str, Any]] = field(default_factory=list)  # segment ends: "epoch" / "interrupted"
+    items: list[dict[str, Any]] = field(default_factory=list)  # segment ends: "epoch" / "interrupted" / "paused"
     ended: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its last segment end this pass
     progress: list[dict[str, Any]] = field(default_factory=list)  # the lowest rank's progress rows
     failures: list[ReplicaFailure] = field(default_factory=list)  # seen, not yet judged
@@ -50,6 +52,7 @@ class EpochSegment:
     had_failure: bool = False
     passes: int = 1
     begun: bool = True  # False: the epoch's streams are opened when Running next runs
+    fresh_signals: bool = False  # progress rows arrived since the switch policy last looked
 
     def merged(self) -> list[dict[str, Any]]:
         """One totals row per rank (a rank runs several segments when the epoch was interrupted

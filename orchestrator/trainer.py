@@ -29,7 +29,7 @@ def check_inputs(config: JobConfig, data: Any = None) -> Dataset:
     check_store(config.tracking.tracking_uri)
     model = build_model(config.model.factory, config.model.kwargs, config.data.seed)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if mode_spec(config.strategy.mode).sharded and config.scaling.shards > n_params:
+    if any(mode_spec(m).sharded for m in config.strategy.modes()) and config.scaling.shards > n_params:
         raise ConfigError(f"config error: scaling.shards: {config.scaling.shards} shards for the {n_params} "
                           f"parameters of {config.model.factory}; at most one shard per parameter")
     dataset = load_dataset(config.data, data)
@@ -112,7 +112,7 @@ class ElasticTrainer:
                 ray.shutdown()
             if previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, previous_sigterm)
-        result = _result(cfg, totals, tracker, time.perf_counter() - t0)
+        result = _result(cfg, totals, tracker, time.perf_counter() - t0, ctl.phases)
         tracker.event("finished", t0, wall_s=round(result.wall_s, 3))
         tracker.log_metrics([("wall_s", result.wall_s, totals.steps),
                              ("samples_per_s_whole", result.samples_per_s, totals.steps),
@@ -173,13 +173,22 @@ def _describe_run(tracker, cfg: JobConfig) -> None:
     from orchestrator.tracking import environment_tags
 
     tracker.log_params(cfg.flat())
-    tracker.set_tags({"mode": cfg.strategy.mode, "replicas": cfg.scaling.replicas, **environment_tags()})
+    tracker.set_tags({"mode": run_mode(cfg), "modes": " -> ".join(cfg.strategy.modes()),
+                      "replicas": cfg.scaling.replicas, **environment_tags()})
     tracker.log_text(cfg.to_yaml(), "config.yaml")
 
 
-def _result(cfg: JobConfig, totals, tracker, wall_s: float) -> TrainResult:
+def run_mode(cfg: JobConfig) -> str:
+    """The run's mode: its one mode, or `phases` / `adaptive` when it switches."""
+    if cfg.strategy.switch == "adaptive":
+        return "adaptive"
+    modes = cfg.strategy.modes()
+    return modes[0] if len(modes) == 1 else "phases"
+
+
+def _result(cfg: JobConfig, totals, tracker, wall_s: float, phases: list) -> TrainResult:
     return TrainResult(
-        mlflow_run_id=tracker.run_id, mode=cfg.strategy.mode, replicas=cfg.scaling.replicas,
+        mlflow_run_id=tracker.run_id, mode=run_mode(cfg), replicas=cfg.scaling.replicas, phases=phases,
         epochs=totals.epochs, steps=totals.steps, samples=totals.samples, wall_s=wall_s,
         samples_per_s=totals.samples / max(totals.epoch_wall_s, 1e-9),
         steady_samples_per_s=totals.samples / max(totals.train_s, 1e-9),

@@ -8,9 +8,10 @@ Gradients live in flat buckets: each parameter's `.grad` is a view into a contig
 so backward() writes straight into the buffer and the all-reduce needs no copy in or out.
 Buckets are filled in backward order (last layer first) and each bucket's all-reduce starts
 the moment its last gradient is accumulated, so communication of the late layers overlaps the
-backward pass of the early ones. The first bucket carries three extra floats that ride along
-with the gradients for free: the replica's summed loss, its rows this step, and whether it has
-another batch after this one.
+backward pass of the early ones. The first bucket carries four extra floats that ride along
+with the gradients for free: the replica's summed loss, its rows this step, whether it has
+another batch after this one, and whether it was told to pause (a phase switch: every replica
+stops after the same step).
 
 The communication is passed in as a `Reducer` (torch.distributed in a replica actor, a plain
 in-process sum in tests), so the rule is checked without Ray or process groups.
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 
 from policies.modes import StepResult, check_finite
 
-SLOTS = 3  # extra floats at the end of the first bucket: summed loss, rows, "has another batch"
+SLOTS = 4  # extra floats at the end of the first bucket: summed loss, rows, "has another batch", "pause"
 
 
 class Reducer(Protocol):
@@ -95,10 +96,18 @@ class GradientBuckets:
                 offset += p.numel()
             buffers.append(flat)
         self = cls(buffers, buffers[0][-SLOTS:], [len(g) for g in groups])
-        for b, group in enumerate(groups):
-            for p in group:
-                p.register_post_accumulate_grad_hook(lambda _p, b=b: self._grad_ready(b))
+        self.params = [p for group in groups for p in group]
+        self.hooks = [p.register_post_accumulate_grad_hook(lambda _p, b=b: self._grad_ready(b))
+                      for b, group in enumerate(groups) for p in group]
         return self
+
+    def detach(self) -> None:
+        """Let go of the parameters: hooks removed, `.grad` no longer views into the buckets."""
+        for h in self.hooks:
+            h.remove()
+        for p in self.params:
+            p.grad = None
+        self.hooks = []
 
     def begin_step(self, reducer: Any) -> None:
         """Zero the buffers in place (grads stay views) and arm the hooks for one backward."""
@@ -166,6 +175,7 @@ def allreduce_step(
     y: Optional[torch.Tensor],
     reducer: Reducer,
     more: bool = False,
+    pause: bool = False,
 ) -> StepResult:
     """One synchronous step on this replica's batch (`x` None: an empty step, this replica's
     data ran out but another's has not). `more`: this replica has another batch after this one.
@@ -175,21 +185,22 @@ def allreduce_step(
     if x is not None:
         loss = F.cross_entropy(model(x), y, reduction="sum")
         # before backward: the first bucket may leave early
-        buckets.slots.copy_(torch.stack([loss.detach(), loss.new_tensor(float(len(y))), loss.new_tensor(float(more))]))
+        buckets.slots.copy_(torch.stack([loss.detach(), loss.new_tensor(float(len(y))), loss.new_tensor(float(more)),
+                                         loss.new_tensor(float(pause))]))
         loss.backward()
     else:
-        buckets.slots.copy_(buckets.slots.new_tensor([0.0, 0.0, float(more)]))
+        buckets.slots.copy_(buckets.slots.new_tensor([0.0, 0.0, float(more), float(pause)]))
     t0 = time.perf_counter()
     buckets.finish_step()
     comm_s = time.perf_counter() - t0
-    loss_sum, rows, more_total = buckets.slots.tolist()
+    loss_sum, rows, more_total, pause_total = buckets.slots.tolist()
     mean_loss = loss_sum / rows if rows else 0.0
     check_finite(mean_loss)
     if rows:
         for b in buckets.buffers:
             b.div_(rows)
         optimizer.step()
-    return StepResult(mean_loss, comm_s, int(rows), more_total > 0)
+    return StepResult(mean_loss, comm_s, int(rows), more_total > 0, pause_total > 0)
 
 
 class AllReduceWorker:
@@ -204,10 +215,14 @@ class AllReduceWorker:
         self.reducer = reducer
         self.buffer_sync = BufferSync(model)
 
-    def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False) -> StepResult:
+    def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False,
+             pause: bool = False) -> StepResult:
         if self.buffer_sync:
             self.buffer_sync.sync(self.reducer)
-        return allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.reducer, more)
+        return allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.reducer, more, pause)
+
+    def release(self) -> None:
+        self.buckets.detach()
 
     def end_epoch(self) -> dict:
         if self.buffer_sync:  # every replica evaluates (and rank 0 checkpoints) rank 0's statistics

@@ -55,7 +55,7 @@ class DownpourWorker:
     def __post_init__(self) -> None:
         self.acc = torch.zeros_like(self.flat.grads)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, more: bool = False) -> StepResult:
+    def step(self, x: torch.Tensor, y: torch.Tensor, more: bool = False, pause: bool = False) -> StepResult:
         comm_s = 0.0
         t0 = time.perf_counter()
         if self.step_count == 0 and self.rank > 0 and self.warmstart_steps > 0:
@@ -107,6 +107,16 @@ class DownpourWorker:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replica {self.rank} waited {self.timeout_s:.0f}s for {what} (strategy.timeout_s)")
             time.sleep(SSP_POLL_S)
+
+    def release(self) -> None:
+        """A phase switch: push what was accumulated since the last push (n_push > 1) and wait
+        until the shards acknowledged every push, so they hold all this replica learned."""
+        if self.step_count % self.n_push and bool(self.acc.any()):
+            self.client.push(self.acc, self.versions, self.rank, self.step_count, self.staleness_lr)
+            self.acc.zero_()
+            self.pushes += 1
+        self.client.drain()
+        self._collect()
 
     def end_epoch(self) -> dict[str, Any]:
         """Wait for this epoch's pushes; report staleness and push counts, then reset them."""

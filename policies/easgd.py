@@ -69,7 +69,8 @@ class EasgdWorker:
     def lock_step(self) -> bool:
         return self.variant == "sync"
 
-    def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False) -> StepResult:
+    def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False,
+             pause: bool = False) -> StepResult:
         if x is not None:
             self.flat.grads.zero_()
             loss = F.cross_entropy(self.model(x), y)

@@ -58,6 +58,7 @@ class PartitionLedger:
     seed: int = 0
     pinned: bool = False
     shuffle: bool = True
+    max_grant: int = MAX_GRANT  # 1 in runs that switch modes: a replica asks at every partition boundary
     epoch: int = 0
     queues: dict[int, deque] = field(default_factory=dict)  # rank (or -1 = shared) -> partitions to serve
     leased: dict[int, int] = field(default_factory=dict)  # partition -> rank holding it
@@ -93,7 +94,7 @@ class PartitionLedger:
     def grant(self, rank: int) -> Grant:
         """The next partitions for `rank` (see `grant_size`) and whether its queue is now empty."""
         queue = self.queues.get(rank if self.pinned else -1) or deque()
-        n = grant_size(len(queue), None if self.pinned else self.replicas)
+        n = grant_size(len(queue), None if self.pinned else self.replicas, self.max_grant)
         return Grant(tuple(self.lease(rank) for _ in range(n)), not queue)
 
     def complete(self, rank: int, partition: int) -> None:
@@ -119,6 +120,15 @@ class PartitionLedger:
             self.queues[-1].extendleft(reversed(back))
         return back
 
+    def share_rest(self) -> None:
+        """From now on this epoch, one shared queue: the replicas' pinned queues are merged (in
+        the epoch's order, round by round) for an asynchronous mode after a phase switch."""
+        if not self.pinned:
+            return
+        queues = [self.queues[r] for r in sorted(self.queues)]
+        merged = deque(q[i] for i in range(max((len(q) for q in queues), default=0)) for q in queues if i < len(q))
+        self.queues, self.pinned = {-1: merged}, False
+
     @property
     def epoch_complete(self) -> bool:
         return len(self.done) == self.partitions
@@ -128,11 +138,11 @@ class PartitionLedger:
 
 
 def first_grants(partitions: int, replicas: int, seed: int, pinned: bool, shuffle: bool, epoch: int,
-                 ranks: list[int]) -> dict[int, Grant]:
+                 ranks: list[int], max_grant: int = MAX_GRANT) -> dict[int, Grant]:
     """The grants an epoch starts with, in `ranks` order: a pure function of the ledger's
     settings, so the driver hands them to the replicas while the server records the same ones
     (`PartitionLedger.start_epoch`, then `grant` for each rank in the same order)."""
-    plan = PartitionLedger(partitions, replicas, seed, pinned, shuffle)
+    plan = PartitionLedger(partitions, replicas, seed, pinned, shuffle, max_grant)
     plan.start_epoch(epoch, ranks)
     return {rank: plan.grant(rank) for rank in ranks}
 
@@ -145,8 +155,8 @@ def grant_message(grant: Grant, rows: list[int]) -> dict[str, Any]:
 
 
 def first_grant_messages(rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool, epoch: int,
-                         ranks: list[int]) -> dict[int, dict[str, Any]]:
+                         ranks: list[int], max_grant: int = MAX_GRANT) -> dict[int, dict[str, Any]]:
     """What `PartitionServer.start_epoch(epoch, ranks)` grants, computed by the driver, which
     hands the grants to the replicas without waiting for the server."""
-    plan = first_grants(len(rows), replicas, seed, pinned, shuffle, epoch, ranks)
+    plan = first_grants(len(rows), replicas, seed, pinned, shuffle, epoch, ranks, max_grant)
     return {rank: grant_message(g, rows) for rank, g in plan.items()}

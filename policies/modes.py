@@ -1,7 +1,8 @@
 """What each synchronization mode needs, and the transport protocol its replica-side rule uses.
 
 A mode's update rule lives in its own file (allreduce.py, downpour.py, easgd.py) as a
-`*Worker` class with `step(x, y, more) -> StepResult` and `end_epoch() -> stats`. A worker whose
+`*Worker` class with `step(x, y, more, pause) -> StepResult`, `end_epoch() -> stats` and
+`release()` (let go of the model before another mode's worker takes it: a phase switch). A worker whose
 `lock_step` is true (allreduce, synchronous EASGD) takes the same steps as every other replica:
 the replica keeps calling `step(None, None, False)` (an empty step) after its own data ran out
 until a step's result says no replica has a batch left (`go_on` false). Workers talk
@@ -26,6 +27,7 @@ class StepResult(NamedTuple):
     comm_s: float  # seconds waiting for communication
     rows: int  # rows the step trained on (allreduce: across replicas)
     go_on: bool  # lock-step workers: some replica has another batch; others: this one has
+    paused: bool = False  # lock-step workers: some replica was told to pause (a phase switch) after this step
 
 
 def check_finite(loss: float) -> None:

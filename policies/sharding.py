@@ -133,6 +133,18 @@ class ShardState:
         self.gone.discard(rank)
         self.clocks[rank] = step
 
+    def reseed(self, values: Optional[torch.Tensor], optimizer: str, clocks: dict[int, int]) -> None:
+        """A phase switch: new contents (None: keep them), the server optimizer `optimizer`
+        started afresh (its state belonged to the previous phase's updates), the replicas'
+        clocks set to where they are. Versions go on counting."""
+        if values is not None:
+            self.values.copy_(values)
+        self.optimizer = optimizer
+        self.__post_init__()
+        self.clocks = dict(clocks)
+        self.gone = set()
+        self.max_lead = 0
+
     def init_clocks(self, replicas: int) -> None:
         self.clocks = {r: 0 for r in range(replicas)}
 

@@ -1,0 +1,156 @@
+"""Phase switches: the controller asks the switch policy (policies/switching.py) at every
+decision point and carries out the switch it decides, losing nothing.
+
+When: at an epoch's end (`until` epochs or a metric; adaptive too), or mid-epoch (`until`
+steps or seconds; adaptive on the replicas' progress reports). A mid-epoch switch pauses the
+partition server: each replica stops at its next partition boundary (a lock-step mode: every
+replica after the same step, the pause rides on the step's all-reduce), ends its segment with
+a "paused" item and keeps its place in the epoch. A replica that already holds the last
+partitions it will get this epoch finishes them; when every stream has ended the switch is
+carried out (if nobody paused, at the epoch's end).
+
+How (`carry_out`), with every replica stopped:
+1. the reference parameters: allreduce -> downpour/easgd: the shards are re-seeded from the
+   replicas' current, identical parameters (the EASGD center = those parameters);
+   downpour <-> easgd: the shards' contents carry over; either way the shards' server
+   optimizer starts afresh (its state belonged to the other rule) and a snapshot is taken;
+2. every replica changes its update rule in place (`ModelReplica.set_mode`): a replica
+   leaving a sharded mode pushes what it accumulated and waits for its acknowledgements first;
+   entering from a sharded mode it loads the reference (Downpour's server copy, EASGD's center),
+   so every replica starts the phase from the same parameters; the new rule's local optimizer
+   starts fresh (said in the event);
+3. allreduce: the process group is formed (a new generation) if the new mode needs one;
+4. the partition server stops pausing; an asynchronous mode entered mid-epoch leases the rest
+   of the epoch from one shared queue; the next epochs lease as the new mode does;
+5. the replicas go on with the epoch where they were (no actor restart, no data reload). The
+   `mode_switch` event is logged once every replica has stepped in the new mode, with
+   `switch_s` from the decision until then, and the test accuracy right before and right after.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from orchestrator.segment import EpochSegment, Recovery
+from policies.registry import mode_spec
+from policies.switching import Observation, Switch
+
+if TYPE_CHECKING:
+    from orchestrator.controller import Controller
+
+MODE_CODES = {"allreduce": 0, "downpour": 1, "easgd": 2}  # the MLflow `mode` metric
+
+
+@dataclass
+class SwitchPlan:
+    """What Reconfiguring carries out for a phase switch."""
+
+    switch: Switch
+    t_decide_wall: float
+    t_decide: float
+    mid_epoch: bool
+
+
+def observe(ctl: "Controller", epoch_end: bool, metrics: Optional[dict[str, float]] = None) -> Observation:
+    rows = {r: row for r, row in ctl.signals.items() if r in ctl.group.members}
+    compute = {r: row["compute_s"] for r, row in rows.items() if row.get("compute_s")}
+    shares = [row["comm_share"] for row in rows.values() if row.get("comm_share") is not None]
+    return Observation(epoch_end, ctl.totals.epochs, max(ctl.progress.values(), default=0),
+                       time.perf_counter() - ctl.train_started, metrics or {}, compute,
+                       sum(shares) / len(shares) if shares else None)
+
+
+def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = False,
+             metrics: Optional[dict[str, float]] = None) -> None:
+    """Ask the policy; a switch it decides is recorded as pending (and, mid-epoch, the partition
+    server starts pausing the replicas)."""
+    if ctl.pending_switch is not None or len(ctl.switch_policy.plan) < 2:
+        return
+    sw = ctl.switch_policy.decide(observe(ctl, epoch_end, metrics))
+    if sw is None:
+        return
+    mid = not epoch_end and seg is not None and seg.begun
+    ctl.pending_switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid)
+    ctl.report.say(f"switch to {sw.mode} decided ({sw.rule}): {sw.reason}")
+    if mid:
+        ctl.get(ctl.server.pause.remote(True), "partition server")
+
+
+def evaluate(ctl: "Controller") -> float:
+    """Test accuracy of the current mode's reference model now (every replica its slice)."""
+    method = "evaluate_reference" if ctl.spec.sharded else "evaluate"
+    evals = ctl.group.call(ctl.group.ranks, method, what="evaluation", timeout_s=ctl.cfg.strategy.timeout_s)
+    correct, _, rows = map(sum, zip(*evals))
+    return correct / rows
+
+
+def carry_out(ctl: "Controller", plan: SwitchPlan, seg: EpochSegment) -> EpochSegment:
+    """Consolidate state, change every replica's rule, and let the epoch go on (module doc)."""
+    from orchestrator.recovery import report_finished_passes
+
+    t0 = time.perf_counter()
+    parts: dict[str, float] = {}
+    sw, group = plan.switch, ctl.group
+    old_spec, old_mode = ctl.spec, ctl.strategy["mode"]
+    new_strategy = ctl.switch_policy.plan[sw.phase]
+    new_spec = mode_spec(new_strategy["mode"])
+    paused = [r for r, item in seg.ended.items() if item["kind"] == "paused"] if seg.begun else []
+    if seg.begun:
+        report_finished_passes(ctl, seg, set())
+    ranks = group.ranks
+    acc_before = evaluate(ctl)
+    parts["evaluate_before"] = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    shards_did = "none"
+    if new_spec.sharded:
+        clocks = {r: step for r, step in zip(ranks, group.call(ranks, "current_step", what="steps"))}
+        if old_spec.sharded:
+            ctl.shard_group.reseed(None, ctl.server_optimizer, clocks, timeout_s=ctl.cfg.strategy.timeout_s)
+            shards_did = "contents carried over; server optimizer state reset"
+        else:
+            values = group.call([ranks[0]], "flat_parameters", what="parameters")[0]
+            ctl.shard_group.reseed(values, ctl.server_optimizer, clocks, timeout_s=ctl.cfg.strategy.timeout_s)
+            shards_did = "seeded from the replicas' parameters; server optimizer state reset"
+    parts["shards"] = time.perf_counter() - t1
+
+    t2 = time.perf_counter()
+    carried = group.call(ranks, "set_mode", new_strategy, old_spec.sharded, what="set mode")
+    group.set_strategy(new_strategy)
+    ctl.set_strategy(new_strategy)
+    parts["set_mode"] = time.perf_counter() - t2
+    t3 = time.perf_counter()
+    if new_spec.process_group or new_spec.lock_step(new_strategy):
+        group.form()
+    parts["group"] = time.perf_counter() - t3
+    acc_after = evaluate(ctl)
+
+    t4 = time.perf_counter()
+    ctl.get(ctl.server.pause.remote(False, share=seg.begun and not new_spec.pinned), "partition server")
+    parts["data"] = time.perf_counter() - t4
+    step = max(ctl.progress.values(), default=0)
+    ctl.record_phase(sw, step, acc_before, acc_after)
+    event = {"kind": "mode_switch", "epoch": seg.epoch, "from": old_mode, "to": new_spec.name, "phase": sw.phase,
+             "rule": sw.rule, "reason": sw.reason, "numbers": sw.numbers, "at_step": step,
+             "mid_epoch": bool(seg.begun), "test_accuracy_before": round(acc_before, 4),
+             "test_accuracy_after": round(acc_after, 4), "shards": shards_did,
+             "local_optimizer": sorted({c["local_optimizer"] for c in carried}),
+             "consolidate_s": round(time.perf_counter() - t0, 3),
+             "consolidate_parts_s": {k: round(v, 3) for k, v in parts.items()}}
+    ctl.pending_switch = None
+    if seg.begun:  # go on with the epoch: lock-step modes need every member, else those that paused
+        reopen = ranks if ctl.lock_step else paused
+        for rank in reopen:
+            ctl.open_stream(seg, rank, resume=True, announce=True)
+        seg.disturbed = True
+    else:
+        reopen = ranks  # they step when the next epoch opens
+    if reopen:
+        seg.recoveries.append(Recovery(event, plan.t_decide_wall, set(reopen), duration_key="switch_s"))
+    else:
+        ctl.report.event(event.pop("kind"), **event)
+    ctl.report.metrics([("mode", MODE_CODES[old_mode], max(step - 1, 0)), ("mode", MODE_CODES[new_spec.name], step)])
+    ctl.report.say(f"switched {old_mode} -> {new_spec.name} at step {step}: test_accuracy {acc_before:.4f} before, "
+                   f"{acc_after:.4f} after")
+    return seg
