@@ -145,7 +145,8 @@ class ModelReplica:
         torch.set_num_threads(max(1, int(config["scaling"]["cpus_per_replica"])))
         self.device = replica_device(config["scaling"]["gpus_per_replica"])
         self.model = build_model(config["model"]["factory"], config["model"]["kwargs"], config["data"]["seed"]).to(self.device)
-        self.spec = mode_spec(config["strategy"]["mode"])
+        self.base_optimizer = dict(config["optimizer"])
+        self._take_strategy(config["strategy"])
         self.shards = shards
         self.flat = None
         self.client = None
@@ -168,13 +169,18 @@ class ModelReplica:
         `strategy`: the phase's strategy when it is not the one the replica was built with.
         Returns the process id (the controller and fault injection address the process by it)."""
         if strategy is not None:
-            self.cfg["strategy"] = strategy
-            self.spec = mode_spec(strategy["mode"])
+            self._take_strategy(strategy)
         self.rank, self.world_size = rank, world_size
         self.reducer = ProcessGroupReducer()
         self._build_worker()
         self.slow = [w for w in self.cfg["faults"]["slow_replicas"] if w["rank"] == rank]
         return os.getpid()
+
+    def _take_strategy(self, strategy: dict[str, Any]) -> None:
+        """The phase's strategy, its mode, and the optimizer settings with the phase's overrides."""
+        self.cfg["strategy"] = strategy
+        self.cfg["optimizer"] = {**self.base_optimizer, **(strategy.get("optimizer") or {})}
+        self.spec = mode_spec(strategy["mode"])
 
     def _build_worker(self) -> None:
         s = self.cfg["strategy"]
@@ -194,8 +200,7 @@ class ModelReplica:
         release = getattr(old, "release", None)
         if release is not None:
             release()
-        self.cfg["strategy"] = strategy
-        self.spec = mode_spec(strategy["mode"])
+        self._take_strategy(strategy)
         if load_reference:
             self._load_reference()
         self._build_worker()

@@ -222,11 +222,12 @@ class ParameterShard:
     async def values(self) -> np.ndarray:
         return self.state.values.numpy()
 
-    async def reseed(self, values: Optional[np.ndarray], optimizer: str, clocks: dict[int, int]) -> int:
+    async def reseed(self, values: Optional[np.ndarray], optimizer: tuple, clocks: dict[int, int]) -> int:
         """A phase switch: take `values` (None: keep the current ones), start the server
-        optimizer `optimizer` afresh, and set the replicas' clocks. Returns the version."""
+        optimizer `optimizer` (name, lr, momentum, weight_decay) afresh, and set the replicas'
+        clocks. Returns the version."""
         self.state.reseed(None if values is None else torch.from_numpy(np.array(values, dtype=np.float32)),
-                          optimizer, clocks)
+                          optimizer[0], clocks, *optimizer[1:])
         return self.state.version
 
     async def observed_max_lead(self) -> int:
@@ -803,12 +804,12 @@ class ShardGroup:
         """Abort every open synchronous EASGD round on every shard (ParameterShard.abort_rounds)."""
         return sum(v or 0 for v in self._all("abort_rounds", timeout_s=timeout_s))
 
-    def reseed(self, values: Optional[np.ndarray], optimizer: str, clocks: dict[int, int],
+    def reseed(self, values: Optional[np.ndarray], optimizer: tuple, clocks: dict[int, int],
                timeout_s: float = 60.0) -> None:
         """A phase switch: every shard takes its slice of `values` (None: keeps its own), a fresh
-        server optimizer and the replicas' clocks; then a snapshot, so a rebuild starts from the
-        new contents."""
-        self._args = (optimizer, *self._args[1:])
+        server optimizer (name, lr, momentum, weight_decay) and the replicas' clocks; then a
+        snapshot, so a rebuild starts from the new contents."""
+        self._args = (*optimizer, self._args[-1])
         refs = [s.handle.reseed.remote(None if values is None else values[lo:hi], optimizer, clocks)
                 for s, (lo, hi) in zip(self._slots, self.bounds)]
         ray.get(refs, timeout=timeout_s)

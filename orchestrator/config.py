@@ -107,6 +107,15 @@ UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
 UNTIL_METRICS = {"test_accuracy": "max", "test_loss": "min", "train_loss": "min"}  # reached / fallen to
 
 
+class PhaseOptimizer(_Section):
+    """A phase's own optimizer settings: each given one overrides optimizer.* while the phase runs
+    (e.g. a lower momentum for downpour's shards than for allreduce)."""
+
+    lr: Optional[float] = Field(None, gt=0, description="As optimizer.lr.")
+    momentum: Optional[float] = Field(None, ge=0, lt=1, description="As optimizer.momentum.")
+    weight_decay: Optional[float] = Field(None, ge=0, description="As optimizer.weight_decay.")
+
+
 class PhaseConfig(_Section):
     """One phase of strategy.phases: a mode, that mode's options (each overrides the strategy.*
     value of the same name) and when the phase ends."""
@@ -116,6 +125,7 @@ class PhaseConfig(_Section):
         None, description="One of {epochs: N}, {steps: N}, {seconds: S} spent in this phase, or {metric: threshold} "
         "for test_accuracy (reached), test_loss or train_loss (fallen to)."
     )
+    optimizer: Optional[PhaseOptimizer] = Field(None, description="This phase's optimizer.* overrides.")
     bucket_mb: Optional[float] = Field(None, gt=0, description="allreduce: as strategy.bucket_mb.")
     n_fetch: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_fetch.")
     n_push: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_push.")
@@ -172,6 +182,10 @@ class AdaptiveConfig(_Section):
         2, ge=1, description="Consecutive observations (one per replica progress report) a condition must hold."
     )
     min_phase_s: float = Field(3.0, ge=0, description="No switch sooner than this many seconds after the last one.")
+    sync_optimizer: Optional[PhaseOptimizer] = Field(None, description="optimizer.* overrides in the synchronous mode.")
+    async_optimizer: Optional[PhaseOptimizer] = Field(
+        None, description="optimizer.* overrides in the asynchronous mode (e.g. a lower momentum for downpour)."
+    )
 
     @model_validator(mode="after")
     def _hysteresis(self) -> "AdaptiveConfig":
@@ -253,15 +267,20 @@ class StrategyConfig(_Section):
 
     def plan(self) -> list[dict[str, Any]]:
         """The strategy of each phase, in order: every strategy.* value with the phase's own
-        options over it, and `until` (None for the last). `switch: adaptive`: the synchronous
+        options over it, `until` (None for the last) and `optimizer` (its optimizer.* overrides). `switch: adaptive`: the synchronous
         and the asynchronous mode it moves between (no until; the policy decides)."""
         base = self.model_dump(exclude={"phases", "switch", "adaptive"})
+
+        def opt(o: Optional[PhaseOptimizer]) -> dict[str, Any]:
+            return o.model_dump(exclude_none=True) if o is not None else {}
+
         if self.switch == "adaptive":
             a = self.adaptive
-            return [{**base, "mode": m, "variant": "async", "until": None} for m in (a.sync_mode, a.async_mode)]
+            return [{**base, "mode": m, "variant": "async", "until": None, "optimizer": opt(o)}
+                    for m, o in ((a.sync_mode, a.sync_optimizer), (a.async_mode, a.async_optimizer))]
         phases = self.phases or [PhaseConfig(mode=self.mode)]
-        return [{**base, **phase.model_dump(exclude_none=True, exclude={"until"}), "until": phase.until}
-                for phase in phases]
+        return [{**base, **phase.model_dump(exclude_none=True, exclude={"until", "optimizer"}), "until": phase.until,
+                 "optimizer": opt(phase.optimizer)} for phase in phases]
 
     def modes(self) -> list[str]:
         """Every mode the run can take."""

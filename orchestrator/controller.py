@@ -150,6 +150,12 @@ class Controller:
         self.spec = mode_spec(strategy["mode"])
         self.lock_step = self.spec.lock_step(strategy)
 
+    def shard_optimizer(self, strategy: dict[str, Any]) -> tuple[str, float, float, float]:
+        """What the shards apply in this phase: (name, lr, momentum, weight_decay), the phase's
+        optimizer overrides over optimizer.*."""
+        opt = {**self.cfg.optimizer.model_dump(), **(strategy.get("optimizer") or {})}
+        return self.server_optimizer, opt["lr"], opt["momentum"], opt["weight_decay"]
+
     @property
     def train_started(self) -> float:
         return self._train_started
@@ -243,9 +249,9 @@ class Controller:
         model = build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed)
         initial = torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]).numpy()
         bounds = shard_bounds(initial.size, cfg.scaling.shards)
-        opt = cfg.optimizer
-        self.shard_group = ShardGroup.create(initial, bounds, self.server_optimizer, opt.lr,
-                                             opt.momentum, opt.weight_decay, cfg.scaling.replicas,
+        first_sharded = next(p for p in self.switch_policy.plan if mode_spec(p["mode"]).sharded)
+        name, lr, momentum, weight_decay = self.shard_optimizer(first_sharded)
+        self.shard_group = ShardGroup.create(initial, bounds, name, lr, momentum, weight_decay, cfg.scaling.replicas,
                                              cfg.fault_tolerance.shard_snapshot_every_s,
                                              name_prefix=f"eo-{uuid.uuid4().hex[:12]}")
 

@@ -107,11 +107,12 @@ def carry_out(ctl: "Controller", plan: SwitchPlan, seg: EpochSegment) -> EpochSe
     if new_spec.sharded:
         clocks = {r: step for r, step in zip(ranks, group.call(ranks, "current_step", what="steps"))}
         if old_spec.sharded:
-            ctl.shard_group.reseed(None, ctl.server_optimizer, clocks, timeout_s=ctl.cfg.strategy.timeout_s)
+            ctl.shard_group.reseed(None, ctl.shard_optimizer(new_strategy), clocks, timeout_s=ctl.cfg.strategy.timeout_s)
             shards_did = "contents carried over; server optimizer state reset"
         else:
             values = group.call([ranks[0]], "flat_parameters", what="parameters")[0]
-            ctl.shard_group.reseed(values, ctl.server_optimizer, clocks, timeout_s=ctl.cfg.strategy.timeout_s)
+            ctl.shard_group.reseed(values, ctl.shard_optimizer(new_strategy), clocks,
+                                   timeout_s=ctl.cfg.strategy.timeout_s)
             shards_did = "seeded from the replicas' parameters; server optimizer state reset"
     parts["shards"] = time.perf_counter() - t1
 

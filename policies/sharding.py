@@ -133,13 +133,14 @@ class ShardState:
         self.gone.discard(rank)
         self.clocks[rank] = step
 
-    def reseed(self, values: Optional[torch.Tensor], optimizer: str, clocks: dict[int, int]) -> None:
+    def reseed(self, values: Optional[torch.Tensor], optimizer: str, clocks: dict[int, int], lr: float,
+               momentum: float, weight_decay: float) -> None:
         """A phase switch: new contents (None: keep them), the server optimizer `optimizer`
         started afresh (its state belonged to the previous phase's updates), the replicas'
         clocks set to where they are. Versions go on counting."""
         if values is not None:
             self.values.copy_(values)
-        self.optimizer = optimizer
+        self.optimizer, self.lr, self.momentum, self.weight_decay = optimizer, lr, momentum, weight_decay
         self.__post_init__()
         self.clocks = dict(clocks)
         self.gone = set()
