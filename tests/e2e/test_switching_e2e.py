@@ -15,11 +15,12 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 
-# The consolidation is exact (the reference model before = the one after; 0.0 difference in
-# every run measured), so accuracy right after a switch may differ from right before only by
-# evaluation noise: none here (same parameters, same test rows). The next epoch's accuracy is
-# allowed the run-to-run spread of one epoch's accuracy at this stage of training: at most
-# 0.015 between runs of examples/mnist_phases.yaml measured at the same epoch.
+# The consolidation is exact: the reference model right after a switch holds the parameters it
+# held right before, evaluated on the same test rows, so the two accuracies are equal (they were
+# in every run measured: 3 runs of examples/mnist_phases.yaml, 2 switches each). The accuracy at
+# the first epoch end after a switch may fall below the one right before it by at most the
+# run-to-run spread of the accuracy at one epoch: measured over those 3 runs, at most 0.015 at
+# every epoch from the 4th on (0.036 at epoch 3, 0.156 at epoch 2, inside the downpour phase).
 AT_SWITCH = 0.0
 NEXT_EPOCH = 0.015
 
