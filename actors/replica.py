@@ -223,7 +223,7 @@ class ModelReplica:
                 for name, value in self.client.buffers().items():
                     buffers[name].copy_(torch.from_numpy(value))
 
-    def _slow_down(self, compute_s: float) -> None:
+    def _slow_down(self, step_s: float) -> None:
         """faults.slow_replicas: sleep as the windows active now say (a deliberate straggler)."""
         elapsed = time.time() - self.t_train_wall
         delay = 0.0
@@ -236,7 +236,7 @@ class ModelReplica:
                 continue
             if w["to_s"] is not None and elapsed >= w["to_s"]:
                 continue
-            delay += w["delay_s"] if w["delay_s"] is not None else (w["factor"] - 1.0) * compute_s
+            delay += w["delay_s"] if w["delay_s"] is not None else (w["factor"] - 1.0) * step_s
         if delay > 0:
             time.sleep(delay)
 
@@ -416,10 +416,9 @@ class ModelReplica:
             except Exception:
                 self.leave_group()
                 raise
-            compute = time.perf_counter() - t_step - result.comm_s
             if self.slow and real:
-                self._slow_down(compute)
-                compute = time.perf_counter() - t_step - result.comm_s
+                self._slow_down(time.perf_counter() - t_step)
+            compute = time.perf_counter() - t_step - result.comm_s  # a deliberate straggler's sleep included
             cur["pending"], cur["following"] = following, _UNREAD
             if lock_step and pause:
                 cur["pending"] = _FETCH
@@ -492,7 +491,8 @@ class ModelReplica:
                      consumed: list, loss: float, rows: list, **more: Any) -> dict[str, Any]:
         out = {"kind": kind, "rank": self.rank, "epoch": epoch, "steps": steps, "samples": samples,
                "train_s": train_s, "comm_s": comm_s, "consumed": consumed, "loss": loss,
-               "progress": rows, "step": self.step, "partitions": [], "unreported": [], "eval": None, "mode": None}
+               "progress": rows, "step": self.step, "partitions": [], "unreported": [], "eval": None, "mode": None,
+               "mode_name": self.spec.name}
         out.update(more)
         return out
 

@@ -13,16 +13,17 @@ ElasticTrainer(cfg).fit() (real Ray actors, shards, gloo groups; MLflow in a tem
     Ratio: switch_budget_vs_switch_s[<from>-><to>] = 1 s (the aim) / median switch_s: above 1 is
     under the aim.
 (b) First T0: allreduce's training seconds to 97% with no straggler (examples/mnist_allreduce.yaml).
-    Then replica 1 is slowed 3x (faults.slow_replicas factor 3: it sleeps twice its step's
-    compute time) from T0/3 to 2*T0/3 seconds after training starts, the middle third of a
+    Then replica 1 is slowed 3x (faults.slow_replicas factor 3: after each step it sleeps twice
+    that step's duration) from T0/3 to 2*T0/3 seconds after training starts, the middle third of a
     straggler-free run, in each of:
       allreduce  examples/mnist_allreduce.yaml
       downpour   examples/mnist_downpour.yaml
       easgd      examples/mnist_easgd.yaml
       adaptive   examples/mnist_adaptive.yaml (allreduce <-> downpour; its own straggler window
                  replaced by this one)
-    each with its own example's optimizer settings, the same data, model, batch, replicas,
-    progress_interval_s 0.25 for all, stop at 97% (stop.epochs 30). Figure: train_to_target_s =
+    each with its own example's optimizer settings, the same data, model, batch, replicas, 32
+    partitions, a progress row every 2 steps sent every 0.25 s (tracking.log_every_steps,
+    progress_interval_s) for all, stop at 97% (stop.epochs 30, stop.at_target true). Figure: train_to_target_s =
     time_to_target_s - startup_s (training seconds until the first epoch-end evaluation at or
     above 97%; every case evaluates at the same points: each epoch's end, on the same test set).
     Ratios: adaptive_vs_<mode> = that mode's train_to_target_s / adaptive's (median over the
@@ -58,7 +59,8 @@ def config(example: str, tmp: str, overrides: list[str], phases: Optional[list] 
     if phases is not None:
         raw["strategy"]["phases"] = phases
     base = [f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"checkpoint.storage={tmp}/ck",
-            "tracking.experiment=bench-switching", "tracking.progress_interval_s=0.25"]
+            "tracking.experiment=bench-switching", "tracking.progress_interval_s=0.25", "tracking.log_every_steps=2",
+            "data.partitions=32"]
     return JobConfig.from_dict(raw, base + overrides)
 
 
@@ -86,7 +88,7 @@ def switch_cycle(tmp: str) -> dict[str, Any]:
 
 
 def to_target(example: str, tmp: str, window: Optional[tuple[float, float]]) -> dict[str, Any]:
-    overrides = ["stop.epochs=30", f"stop.target_accuracy={TARGET}"]
+    overrides = ["stop.epochs=30", f"stop.target_accuracy={TARGET}", "stop.at_target=true"]
     slow = [{"rank": 1, "factor": FACTOR, "from_s": round(window[0], 3), "to_s": round(window[1], 3)}] if window else []
     overrides.append(f"faults.slow_replicas={json.dumps(slow)}")
     try:
@@ -152,7 +154,8 @@ def main() -> None:
     results["config"] = {"data": "builtin:mnist5k", "model": "examples.models:mnist_cnn", "replicas": 2,
                          "phase_s": PHASE_S, "cycle": CYCLE, "target": TARGET, "straggler": {"rank": 1, "factor": FACTOR,
                          "window": "T0/3 .. 2*T0/3 training seconds"}, "repetitions": reps,
-                         "overrides": ["tracking.progress_interval_s=0.25", "stop.epochs=30", "tracking (temp sqlite)"]}
+                         "overrides": ["tracking.progress_interval_s=0.25", "tracking.log_every_steps=2", "data.partitions=32",
+                                       "stop.epochs=30", "stop.at_target=true", "tracking (temp sqlite)"]}
     print("\nswitch_s by kind (median, min-max):")
     for k, v in summary["switch_s"].items():
         print(f"  {k:<22} {v['median']:.3f}  ({v['min']:.3f}-{v['max']:.3f}, n={v['n']})")

@@ -168,7 +168,8 @@ class AdaptiveConfig(_Section):
 
     sync_mode: Literal["allreduce"] = Field("allreduce", description="The mode while no replica straggles.")
     async_mode: Literal["downpour", "easgd"] = Field(
-        "downpour", description="The mode while one does (asynchronous: the others do not wait for it)."
+        "easgd", description="The mode while one does (asynchronous: the others do not wait for it); easgd runs "
+        "as variant async with the strategy.* easgd options."
     )
     slow_ratio: float = Field(
         2.0, gt=1, description="A replica straggles when its compute time per step is at least this many times "
@@ -334,8 +335,8 @@ class SlowWindow(_Section):
     rank: int = Field(ge=0, description="The replica to slow.")
     delay_s: Optional[float] = Field(None, ge=0, description="Seconds added to each of its steps.")
     factor: Optional[float] = Field(
-        None, ge=1, description="Or: its steps take this many times as long (a sleep of factor - 1 times the step's "
-        "own compute time)."
+        None, ge=1, description="Or: its steps take this many times as long (after each step it sleeps factor - 1 "
+        "times that step's duration)."
     )
     from_step: Optional[int] = Field(None, ge=0, description="From this step of the replica on (default: the start).")
     to_step: Optional[int] = Field(None, ge=0, description="Until this step (default: the end).")

@@ -369,7 +369,8 @@ class Controller:
                     for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"))]
         rows_out += [("test_accuracy", acc, tot.steps), ("test_loss", test_loss, tot.steps), ("epoch", epoch, tot.steps),
                      ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
-        extra = self.spec.metrics([s for s in finals if s["mode"] is not None]) if finals else {}
+        mine = [s for s in finals if s["mode"] is not None and s.get("mode_name") == self.spec.name]
+        extra = self.spec.metrics(mine) if mine else {}  # a rank that ended the epoch before a switch: not its figures
         if self.shard_group is not None:
             extra.update(self.spec.shard_metrics(self.shard_group))
         rows_out += [(k, v, tot.steps) for k, v in extra.items()]

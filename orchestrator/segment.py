@@ -68,7 +68,7 @@ class EpochSegment:
             m["consumed"] = m["consumed"] + s["consumed"]
             m["partitions"] = m["partitions"] + s["partitions"]
             if s["kind"] == "epoch":
-                m.update(eval=s["eval"], loss=s["loss"], mode=s["mode"], kind="epoch")
+                m.update(eval=s["eval"], loss=s["loss"], mode=s["mode"], mode_name=s["mode_name"], kind="epoch")
         return [merged[r] for r in sorted(merged)]
 
     def consumed(self) -> dict[int, list[list[int]]]:

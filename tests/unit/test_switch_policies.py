@@ -51,7 +51,8 @@ def adaptive(**kw):
 
 
 def test_adaptive_goes_asynchronous_while_a_replica_straggles_and_back_when_it_recovers():
-    pol = adaptive()
+    assert [p["mode"] for p in adaptive().plan] == ["allreduce", "easgd"]  # the default asynchronous mode
+    pol = adaptive(async_mode="downpour")
     assert isinstance(pol, AdaptivePolicy) and [p["mode"] for p in pol.plan] == ["allreduce", "downpour"]
     even = {0: 0.010, 1: 0.011}
     slow = {0: 0.010, 1: 0.031}
