@@ -288,6 +288,9 @@ class StrategyConfig(_Section):
         return [p["mode"] for p in self.plan()]
 
 
+_NOT_ACTED_ON_YET = " Elasticity: the controller does not act on it yet (docs/elasticity.md)."
+
+
 class ScalingConfig(_Section):
     replicas: int = Field(2, ge=1, description="Number of ModelReplica actors.")
     cpus_per_replica: float = Field(1.0, gt=0, description="Logical CPUs per replica (also its torch threads).")
@@ -303,6 +306,31 @@ class ScalingConfig(_Section):
         1, ge=1, description="The fewest replicas the run goes on with once fault_tolerance.max_replica_restarts "
         "is spent (a dead replica is then dropped, not replaced); below it the run fails."
     )
+    max_replicas: Optional[int] = Field(
+        None, ge=1, description="The most replicas the run may grow to when the cluster has room; none = "
+        "scaling.replicas (no growth)." + _NOT_ACTED_ON_YET
+    )
+    lr_scaling: Literal["linear", "none"] = Field(
+        "linear", description="How the learning rate follows the replica count on a resize: linear (optimizer.lr "
+        "x replicas / scaling.replicas, a rise reached by a warmup of lr_warmup_steps) or none (optimizer.lr "
+        "throughout)." + _NOT_ACTED_ON_YET
+    )
+    lr_warmup_steps: int = Field(
+        100, ge=0, description="Steps of the linear ramp from the current learning rate up to the new one after a "
+        "grow (lr_scaling linear); 0 = at once. A shrink lowers the rate at once." + _NOT_ACTED_ON_YET
+    )
+    poll_s: float = Field(
+        5.0, gt=0, description="Seconds between two looks at the cluster's resources by the scaling policy."
+        + _NOT_ACTED_ON_YET
+    )
+    grow_after: int = Field(
+        2, ge=1, description="Consecutive polls that must see room for another replica before the run grows (a "
+        "shrink after lost resources is at once)." + _NOT_ACTED_ON_YET
+    )
+
+    def max_or_replicas(self) -> int:
+        """max_replicas, or replicas when it is unset (no growth)."""
+        return self.max_replicas if self.max_replicas is not None else self.replicas
 
 
 class FaultToleranceConfig(_Section):
@@ -439,13 +467,21 @@ class JobConfig(_Section):
         if "allreduce" in self.strategy.modes() and 0 < gpus < 1:
             raise ValueError(f"scaling.gpus_per_replica: allreduce needs a whole GPU per replica (NCCL cannot put "
                              f"two ranks on one GPU), got {gpus}")
-        if self.scaling.min_replicas > self.scaling.replicas:
-            raise ValueError(f"scaling.min_replicas ({self.scaling.min_replicas}) is more than scaling.replicas "
-                             f"({self.scaling.replicas})")
         missing = sorted(w.rank for w in self.faults.slow_replicas if w.rank >= self.scaling.replicas)
         if missing:
             raise ValueError(f"faults.slow_replicas: no replica of rank {missing[0]}; ranks are 0.."
                              f"{self.scaling.replicas - 1} (scaling.replicas {self.scaling.replicas})")
+        return self
+
+    @model_validator(mode="after")
+    def _replica_range(self) -> "JobConfig":
+        s = self.scaling
+        if s.min_replicas > s.replicas:
+            raise ValueError(f"scaling.min_replicas ({s.min_replicas}) is more than scaling.replicas ({s.replicas}); "
+                             "need min_replicas <= replicas <= max_replicas")
+        if s.max_replicas is not None and s.max_replicas < s.replicas:
+            raise ValueError(f"scaling.max_replicas ({s.max_replicas}) is less than scaling.replicas ({s.replicas}); "
+                             "need min_replicas <= replicas <= max_replicas")
         return self
 
     @classmethod
