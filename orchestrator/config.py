@@ -427,7 +427,20 @@ class CheckpointConfig(_Section):
         "runs/checkpoints",
         description="Where checkpoints go: a local path or any pyarrow.fs URI (file://, s3://, gs://, hdfs://).",
     )
-    every_epochs: int = Field(0, ge=0, description="Also checkpoint every N epochs; 0 = only the final model.")
+    every_epochs: int = Field(
+        0, ge=0, description="Also checkpoint at the end of every N-th epoch; 0 = off (with every_s 0 too: only the "
+        "final model)."
+    )
+    every_s: float = Field(
+        0.0, ge=0, description="Also checkpoint at the first epoch end at least this many seconds after the last "
+        "checkpoint was written (or training started); checked only at epoch ends, so a checkpoint can come up to an "
+        "epoch later than this; 0 = off."
+    )
+    keep: int = Field(
+        3, ge=1, description="Checkpoints kept per run, each `<storage>/<run id>/ckpt-<step>-<tag>.pt` with a `.json` "
+        "sidecar (its length and sha256): after each save all but the newest `keep` (by step) are deleted. The "
+        "extra copies model.pt and interrupted.pt are never deleted."
+    )
 
 
 class JobConfig(_Section):

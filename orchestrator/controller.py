@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 
 import ray
 
-from orchestrator.checkpoint import save_checkpoint
+from orchestrator.checkpoint import CheckpointStore, save_checkpoint
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset, eval_slices, partition
 from orchestrator.errors import TrainingError
@@ -45,6 +45,7 @@ from orchestrator.reporting import Reporter
 from orchestrator.segment import EpochSegment, Plan
 from orchestrator.switching import MODE_CODES, SwitchPlan
 from orchestrator.tracking import Tracker
+from policies.checkpointing import due as checkpoint_due
 from policies.failure import FailurePolicy
 from policies.leases import MAX_GRANT, first_grant_messages
 from policies.registry import mode_spec
@@ -143,6 +144,8 @@ class Controller:
         self._train_started = 0.0
         self._unreported: dict[int, list[int]] = {}  # last epoch's final completions, not yet reported
         self._last_state: Optional[dict[str, Any]] = None
+        self._store: Optional[CheckpointStore] = None  # opened at the first checkpoint (the run id is known then)
+        self._last_checkpoint_s = 0.0  # perf_counter when the last checkpoint was written
 
     def set_strategy(self, strategy: dict[str, Any]) -> None:
         """The phase that runs now: its strategy, its mode's registry entry, lock-step or not."""
@@ -389,9 +392,10 @@ class Controller:
         if not seg.had_failure:
             self.failure_policy.epoch_without_failure()
 
-        every = cfg.checkpoint.every_epochs
-        if every and epoch % every == 0:
-            tot.checkpoint = self.checkpoint(f"epoch_{epoch:04d}.pt", CONTROL_CALL_TIMEOUT_S)
+        ck = cfg.checkpoint
+        if checkpoint_due(epoch, time.perf_counter(), max(self._last_checkpoint_s, self._train_started),
+                          ck.every_epochs, ck.every_s):
+            tot.checkpoint = self.checkpoint(f"epoch_{epoch:04d}", CONTROL_CALL_TIMEOUT_S)
         decision = self.stop_policy.decide(EpochSnapshot(epoch, acc, time.perf_counter() - self._train_started))
         if decision.stop:
             tot.stop_reason = decision.reason
@@ -425,7 +429,7 @@ class Controller:
 
             report_shard_events(self, self.shard_group.settle_all(), self.totals.epochs)
         self.finish_epochs()
-        self.totals.checkpoint = self.checkpoint("model.pt", CONTROL_CALL_TIMEOUT_S)
+        self.totals.checkpoint = self.checkpoint("final", CONTROL_CALL_TIMEOUT_S, named="model.pt")
         with tempfile.TemporaryDirectory() as tmp:
             import torch
 
@@ -433,17 +437,26 @@ class Controller:
             torch.save(self._last_state["model"], path)
             self.report.tracker.log_file(path)
 
-    def checkpoint(self, name: str, timeout_s: float) -> str:
+    def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None) -> str:
         """The lowest rank's model and optimizer state (all replicas hold the same parameters,
-        or the mode's reference) plus the run's position, written to
-        checkpoint.storage/<mlflow run id>/<name>."""
+        or the mode's reference) plus the run's position, saved in the run's checkpoint store as
+        checkpoint.storage/<mlflow run id>/ckpt-<run step>-<tag>.pt with its sidecar (the newest
+        checkpoint.keep kept) and, given `named`, also as checkpoint.storage/<mlflow run id>/<named>.
+        Returns the named copy's path if there is one, else the store's."""
         first = self.group.ranks[0]
-        state = self.group.call([first], "state", what=f"checkpoint {name}", timeout_s=timeout_s)[0]
-        state.update(epoch=self.totals.epochs, mlflow_run_id=self.tracker.run_id,
-                     config=self.cfg.model_dump(mode="json"))
-        path = save_checkpoint(self.cfg.checkpoint.storage, self.tracker.run_id, name, state)
+        state = self.group.call([first], "state", what=f"checkpoint {tag}", timeout_s=timeout_s)[0]
+        run_id = self.tracker.run_id
+        state.update(epoch=self.totals.epochs, mlflow_run_id=run_id, config=self.cfg.model_dump(mode="json"))
+        storage = self.cfg.checkpoint.storage
+        if self._store is None or self._store.run_name != run_id:
+            self._store = CheckpointStore(storage, run_id, self.cfg.checkpoint.keep)
+        # the run's step count (monotonic, the x-axis of the epoch metrics) orders the store
+        stored = self._store.save(state, step=self.totals.steps, epoch=self.totals.epochs, tag=tag)
+        path = save_checkpoint(storage, run_id, named, state) if named else stored
         self._last_state = state
-        self.report.event("checkpoint", path=path, epoch=self.totals.epochs)
+        self._last_checkpoint_s = time.perf_counter()
+        self.report.event("checkpoint", path=path, epoch=self.totals.epochs, step=self.totals.steps,
+                          **({"stored": stored} if named else {}))
         return path
 
     def shutdown(self) -> None:

@@ -156,7 +156,7 @@ def _end_on_interrupt(ctl, tracker, display, t0: float) -> None:
     if tracker is None or not ctl.replicas or ctl.steps_per_epoch == 0:  # never got going
         return
     try:
-        path = ctl.checkpoint("interrupted.pt", INTERRUPT_CHECKPOINT_TIMEOUT_S)  # records a checkpoint event
+        path = ctl.checkpoint("interrupted", INTERRUPT_CHECKPOINT_TIMEOUT_S, named="interrupted.pt")  # and an event
         display.line(f"interrupted: checkpoint written to {path}")
     except Exception as exc:  # the run is ending either way; say why nothing was saved
         display.line(f"interrupted: no checkpoint ({exc})")

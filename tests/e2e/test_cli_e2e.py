@@ -81,7 +81,7 @@ def test_sigterm_marks_the_run_killed_and_keeps_a_checkpoint(ray_head, tmp_path)
            "--set", "model.factory=examples.models:tiny_mlp", "--set", "data.source=builtin:synthetic",
            "--set", "stop.epochs=1000", "--set", "stop.target_accuracy=null", "--set", "data.batch_size=8",
            "--set", f"tracking.tracking_uri={store}", "--set", f"checkpoint.storage={tmp_path}/ck",
-           "--set", "checkpoint.every_epochs=2"]
+           "--set", "checkpoint.every_epochs=2", "--set", "checkpoint.keep=100"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:
@@ -98,7 +98,13 @@ def test_sigterm_marks_the_run_killed_and_keeps_a_checkpoint(ray_head, tmp_path)
     run = client.search_runs([client.get_experiment_by_name("mnist-allreduce").experiment_id])[0]
     assert run.info.status == "KILLED"
     ck = tmp_path / "ck" / run.info.run_id
-    assert (ck / "epoch_0002.pt").exists() and (ck / "interrupted.pt").exists()
+    assert (ck / "interrupted.pt").exists()
+    [epoch2] = ck.glob("ckpt-*-epoch_0002.pt")
+    assert (ck / f"{epoch2.name}.json").exists()  # its sidecar: length and sha256
+    from orchestrator.checkpoint import CheckpointStore
+
+    path, state = CheckpointStore(str(tmp_path / "ck"), run.info.run_id, keep=100).latest_good()
+    assert path.endswith("-interrupted.pt") and state["mlflow_run_id"] == run.info.run_id
     events = client.download_artifacts(run.info.run_id, "events.jsonl", str(tmp_path))
     assert '"status": "KILLED"' in open(events).read()
 
