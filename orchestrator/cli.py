@@ -48,7 +48,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for name, why in skipped:
                 print(f"orchestrator: skipped checkpoint {name}: {why}", file=sys.stderr)
             print(f"resuming MLflow run {resume['mlflow_run_id']} from {path} (epoch {resume['epoch']})", flush=True)
-            config = JobConfig.model_validate(resume["config"])
+            config = JobConfig.from_dict(resume["config"])
         else:
             config = JobConfig.from_yaml(args.config, args.overrides)
         if args.result_json:

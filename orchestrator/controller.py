@@ -312,6 +312,7 @@ class Controller:
                 setattr(self.totals, key, value)
         self.phases = run["phases"]
         self._train_started = time.perf_counter() - run["train_elapsed_s"]
+        self.t0 = time.perf_counter() - run["wall_elapsed_s"]  # time_to_target_s goes on counting from the first start
         ranks, step = self.group.ranks, state["step"]
         payload = ray.put({"model": state["model"], "optimizer": state["optimizer"], "step": step})
         self.group.call(ranks, "load_state", payload, what="state from the checkpoint")
@@ -333,7 +334,8 @@ class Controller:
 
         totals = {k: v for k, v in asdict(self.totals).items() if k not in ("checkpoint", "stop_reason")}
         return {"totals": totals, "policy": self.switch_policy.position(), "phases": [dict(p) for p in self.phases],
-                "train_elapsed_s": time.perf_counter() - self._train_started}
+                "train_elapsed_s": time.perf_counter() - self._train_started,
+                "wall_elapsed_s": time.perf_counter() - self.t0}
 
     def give_data(self, ranks: list[int]) -> None:
         """The partition server, the train partitions and each replica's test slice (slices

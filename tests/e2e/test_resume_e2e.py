@@ -58,7 +58,8 @@ def test_a_killed_driver_resumes_in_the_same_mlflow_run(ray_head, mlflow_server,
     ends = [e for e in result["events"] if e["kind"] == "epoch_end"]
     after = [e for e in ends if e["t_wall"] > resumed["t_wall"]]
     assert resumed["epoch"] >= 2 and after[0]["epoch"] == resumed["epoch"] + 1
-    assert after[0]["step"] > resumed["step"] >= max(m.step for m in before if m.step <= resumed["step"])
+    assert resumed["step"] in {m.step for m in before}  # the step of the checkpoint's epoch end, as logged
+    assert after[0]["step"] > resumed["step"]  # the step counter continues
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run_id, "test_accuracy")
