@@ -1,4 +1,5 @@
-"""`python -m orchestrator run CONFIG.yaml [--set k=v ...] [--result-json PATH]`."""
+"""`python -m orchestrator run CONFIG.yaml [--set k=v ...] [--result-json PATH]`;
+`python -m orchestrator resume RUN [--result-json PATH]`."""
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="override one config field (repeatable), e.g. --set optimizer.lr=0.1")
     run.add_argument("--result-json", metavar="PATH", help="write the result as JSON to PATH")
     run.add_argument("--no-progress", action="store_true", help="no progress display, only the final line")
+    res = sub.add_parser("resume", help="go on with a run from its newest good checkpoint, in the same MLflow run")
+    res.add_argument("run", help="the run's checkpoint directory (<checkpoint.storage>/<mlflow run id>, a path or "
+                     "URI) or its MLflow run id")
+    res.add_argument("--tracking-uri", help="the MLflow store to look a run id up in (default: MLflow's default)")
+    res.add_argument("--result-json", metavar="PATH", help="write the result as JSON to PATH")
+    res.add_argument("--no-progress", action="store_true", help="no progress display, only the final line")
     sub.add_parser("config-reference", help="print the config reference (docs/config.md)")
     return p
 
@@ -33,14 +40,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from orchestrator.errors import ConfigError, TrainingError
 
     try:
-        config = JobConfig.from_yaml(args.config, args.overrides)
+        resume = None
+        if args.command == "resume":
+            from orchestrator.resume import find_checkpoint
+
+            path, resume, skipped = find_checkpoint(args.run, args.tracking_uri)
+            for name, why in skipped:
+                print(f"orchestrator: skipped checkpoint {name}: {why}", file=sys.stderr)
+            print(f"resuming MLflow run {resume['mlflow_run_id']} from {path} (epoch {resume['epoch']})", flush=True)
+            config = JobConfig.from_dict(resume["config"])
+        else:
+            config = JobConfig.from_yaml(args.config, args.overrides)
         if args.result_json:
             parent = os.path.dirname(os.path.abspath(args.result_json))
             if not os.path.isdir(parent):
                 os.makedirs(parent, exist_ok=True)
         from orchestrator.trainer import ElasticTrainer
 
-        trainer = ElasticTrainer(config, show_progress=not args.no_progress)
+        trainer = ElasticTrainer(config, show_progress=not args.no_progress, resume=resume)
         trainer.check()  # bad input stops here, before Ray or MLflow start (fit() checks the cluster)
     except ConfigError as exc:
         print(f"orchestrator: {exc}", file=sys.stderr)

@@ -10,7 +10,8 @@ import os
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer,
+                      model_validator)
 
 from orchestrator.errors import ConfigError
 
@@ -238,6 +239,16 @@ class StrategyConfig(_Section):
     adaptive: AdaptiveConfig = Field(
         default_factory=lambda: AdaptiveConfig(), description="The adaptive switch policy's rules (switch: adaptive)."
     )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        """A run in phases is dumped without strategy.mode (its default would read as the
+        one-mode form, and mode with phases is a config error): config.yaml and a checkpoint's
+        config load back as they were given."""
+        out = handler(self)
+        if self.phases is not None and "mode" not in self.model_fields_set:
+            out.pop("mode", None)
+        return out
 
     @model_validator(mode="after")
     def _phases_fit(self) -> "StrategyConfig":

@@ -112,12 +112,18 @@ class RunTotals:
 
 class Controller:
     def __init__(self, config: JobConfig, dataset: Dataset, tracker: Optional[Tracker], t0: float,
-                 display: Optional[ProgressDisplay] = None, trace_ids: bool = False) -> None:
+                 display: Optional[ProgressDisplay] = None, trace_ids: bool = False,
+                 resume: Optional[dict[str, Any]] = None) -> None:
+        """`resume`: a checkpoint's state to go on from (orchestrator/resume.py): the run starts
+        at the epoch after the one it was taken at, in the phase it was in."""
         self.cfg = config
         self.dataset = dataset
         self.t0 = t0
         self.trace_ids = trace_ids
         self.switch_policy = make_switch_policy(config.strategy)
+        self.resume = resume
+        if resume is not None:
+            self.switch_policy.restore(resume["run"]["policy"])
         self.set_strategy(self.switch_policy.plan[self.switch_policy.current])
         self.pending_switch = None  # a SwitchPlan decided, not carried out yet (orchestrator/switching.py)
         modes = config.strategy.modes()
@@ -285,14 +291,51 @@ class Controller:
         self._train_started = time.perf_counter()
         self.phases = [{"phase": self.switch_policy.current, "mode": self.spec.name, "start_step": 0, "start_s": 0.0,
                         "start_epoch": 1}]
+        if self.resume is not None:
+            self._restore(self.resume)
         self.report.event("started", replicas=n, spares=cfg.fault_tolerance.spares,
                           steps_per_epoch=self.steps_per_epoch, partitions=len(parts),
                           rows_per_partition=[min(rows), max(rows)], startup_s=round(self.totals.startup_s, 3))
         self.report.say(f"started {n} replicas ({len(parts)} partitions, ~{self.steps_per_epoch} steps/epoch per "
                         f"replica) in {self.totals.startup_s:.1f}s")
-        self.report.metrics([("replicas_alive", n, 0), ("replica_restarts", 0, 0),
-                             ("mode", MODE_CODES[self.spec.name], 0)])
-        return self.begin_epoch(1)
+        at = self.totals.steps
+        self.report.metrics([("replicas_alive", n, at), ("replica_restarts", self.totals.replica_restarts, at),
+                             ("mode", MODE_CODES[self.spec.name], at)])
+        return self.begin_epoch(self.totals.epochs + 1)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        """Go on from a checkpoint: the run's totals, phases and clock; every replica loads the
+        checkpoint's model, optimizer state and step; the shards (if any) take its parameters."""
+        run = state["run"]
+        for key, value in run["totals"].items():
+            if key != "startup_s":  # this start's own
+                setattr(self.totals, key, value)
+        self.phases = run["phases"]
+        self._train_started = time.perf_counter() - run["train_elapsed_s"]
+        self.t0 = time.perf_counter() - run["wall_elapsed_s"]  # time_to_target_s goes on counting from the first start
+        ranks, step = self.group.ranks, state["step"]
+        payload = ray.put({"model": state["model"], "optimizer": state["optimizer"], "step": step})
+        self.group.call(ranks, "load_state", payload, what="state from the checkpoint")
+        if self.shard_group is not None:
+            values = self.group.call([ranks[0]], "flat_parameters", what="parameters")[0]
+            self.shard_group.reseed(values, self.shard_optimizer(self.strategy), {r: step for r in ranks},
+                                    timeout_s=self.cfg.strategy.timeout_s)
+            if self.spec.sharded:
+                self.group.call(ranks, "sync_from_shards", step, what="state from the shards")
+        self.progress = {r: step for r in ranks}
+        self.report.event("resumed", epoch=self.totals.epochs, step=self.totals.steps, replica_step=step,
+                          phase=self.switch_policy.current, mode=self.spec.name)
+        self.report.say(f"resumed after epoch {self.totals.epochs} (step {self.totals.steps}) in {self.spec.name}")
+
+    def run_position(self) -> dict[str, Any]:
+        """What a checkpoint needs to go on from here: the run's totals, the switch policy's
+        position, the phases so far and the training clock."""
+        from dataclasses import asdict
+
+        totals = {k: v for k, v in asdict(self.totals).items() if k not in ("checkpoint", "stop_reason")}
+        return {"totals": totals, "policy": self.switch_policy.position(), "phases": [dict(p) for p in self.phases],
+                "train_elapsed_s": time.perf_counter() - self._train_started,
+                "wall_elapsed_s": time.perf_counter() - self.t0}
 
     def give_data(self, ranks: list[int]) -> None:
         """The partition server, the train partitions and each replica's test slice (slices
@@ -446,7 +489,8 @@ class Controller:
         first = self.group.ranks[0]
         state = self.group.call([first], "state", what=f"checkpoint {tag}", timeout_s=timeout_s)[0]
         run_id = self.tracker.run_id
-        state.update(epoch=self.totals.epochs, mlflow_run_id=run_id, config=self.cfg.model_dump(mode="json"))
+        state.update(epoch=self.totals.epochs, mlflow_run_id=run_id, config=self.cfg.model_dump(mode="json"),
+                     run=self.run_position())
         storage = self.cfg.checkpoint.storage
         if self._store is None or self._store.run_name != run_id:
             self._store = CheckpointStore(storage, run_id, self.cfg.checkpoint.keep)

@@ -131,13 +131,35 @@ def _stderr(line: str) -> None:
     print(f"orchestrator: {line}", file=sys.stderr, flush=True)
 
 
+def _read_events(client: MlflowClient, run_id: str) -> list[dict[str, Any]]:
+    """The events a run's events.jsonl holds (none if it has none)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = client.download_artifacts(run_id, "events.jsonl", tmp)
+        except Exception:  # no events were written
+            return []
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+
 class Tracker:
     def __init__(self, tracking_uri: Optional[str], experiment: str, run_name: Optional[str],
-                 warn: Callable[[str], None] = _stderr) -> None:
+                 warn: Callable[[str], None] = _stderr, run_id: Optional[str] = None) -> None:
+        """`run_id`: reopen that run (a resumed job): it is marked RUNNING again and its
+        events.jsonl is read back, so the events go on after the ones it holds."""
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
         self.client = MlflowClient(self.tracking_uri)
+        self.resumed = run_id is not None
+        previous: list[dict[str, Any]] = []
 
         def open_run() -> tuple[str, str]:
+            if run_id is not None:
+                run = self.client.get_run(run_id)
+                self.client.update_run(run_id, status="RUNNING")
+                previous.extend(_read_events(self.client, run_id))
+                return run.info.experiment_id, run_id
             exp = self.client.get_experiment_by_name(experiment)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
             return exp_id, self.client.create_run(exp_id, run_name=run_name).info.run_id
@@ -146,9 +168,9 @@ class Tracker:
             self.experiment_id, self.run_id = bounded(open_run, OPEN_TIMEOUT_S, f"MLflow at {self.tracking_uri}")
         except TimeoutError as exc:
             raise TrainingError(f"tracking: {exc}") from None
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = previous
         self._writer = _Writer(warn)
-        self._events_written = 0  # how many of self.events the run's events.jsonl holds
+        self._events_written = len(previous)  # how many of self.events the run's events.jsonl holds
 
     def log_params(self, params: dict[str, Any]) -> None:
         items = [Param(k, json.dumps(v) if isinstance(v, (list, dict)) else str(v)) for k, v in params.items()]

@@ -53,10 +53,14 @@ class ElasticTrainer:
     """Train `config` on Ray. Uses the Ray cluster of the calling process when it has one,
     else RAY_ADDRESS, else starts (and afterwards stops) a local one."""
 
-    def __init__(self, config: JobConfig, show_progress: bool = True, data: Any = None) -> None:
+    def __init__(self, config: JobConfig, show_progress: bool = True, data: Any = None,
+                 resume: Optional[dict[str, Any]] = None) -> None:
         """`data`: optional in-memory training data instead of `config.data.source`: (x, y) numpy
-        arrays, a dict of columns, a pandas DataFrame or a pyarrow Table (see docs/data.md)."""
+        arrays, a dict of columns, a pandas DataFrame or a pyarrow Table (see docs/data.md).
+        `resume`: a checkpoint's state (`orchestrator.resume.find_checkpoint`): the run goes on
+        from it, in the same MLflow run."""
         self.config = config
+        self.resume = resume
         self.data = data
         self.show_progress = show_progress
         self.controller = None
@@ -89,11 +93,12 @@ class ElasticTrainer:
             raise
         previous_sigterm = _sigterm_as_interrupt()  # after ray.init, which installs its own
         display = ProgressDisplay(cfg.stop.epochs, enabled=self.show_progress)
-        self.controller = ctl = Controller(cfg, dataset, None, t0, display, trace_ids=self._trace_ids)
+        self.controller = ctl = Controller(cfg, dataset, None, t0, display, trace_ids=self._trace_ids,
+                                           resume=self.resume)
         tracker, status = None, "FAILED"
         try:
             ctl.launch()  # replica processes boot while MLflow opens its store
-            ctl.tracker = tracker = _open_tracking(cfg)
+            ctl.tracker = tracker = _open_tracking(cfg, self.resume["mlflow_run_id"] if self.resume else None)
             _describe_run(tracker, cfg)
             display.line(f"tracking to {tracker.where()}")
             totals = ctl.run()
@@ -163,16 +168,17 @@ def _end_on_interrupt(ctl, tracker, display, t0: float) -> None:
     tracker.flush(INTERRUPT_RECORD_TIMEOUT_S)
 
 
-def _open_tracking(cfg: JobConfig):
+def _open_tracking(cfg: JobConfig, run_id: Optional[str] = None):
     from orchestrator.tracking import Tracker
 
-    return Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.tracking.run_name)
+    return Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id)
 
 
 def _describe_run(tracker, cfg: JobConfig) -> None:
     from orchestrator.tracking import environment_tags
 
-    tracker.log_params(cfg.flat())
+    if not tracker.resumed:  # a resumed run has them (MLflow refuses a param logged twice with another value)
+        tracker.log_params(cfg.flat())
     tracker.set_tags({"mode": run_mode(cfg), "modes": " -> ".join(cfg.strategy.modes()),
                       "replicas": cfg.scaling.replicas, **environment_tags()})
     tracker.log_text(cfg.to_yaml(), "config.yaml")

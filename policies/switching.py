@@ -91,6 +91,14 @@ class SchedulePolicy:
         return self._advance(obs, f"until {key}", f"phase {self.current} ({self.plan[self.current]['mode']}) reached "
                              f"{key} {target:g}", numbers)
 
+    def position(self) -> dict[str, Any]:
+        """Where the schedule is (a checkpoint holds it; `restore` takes it back)."""
+        return {"current": self.current, "mark": [self.mark.epochs, self.mark.step, self.mark.elapsed_s]}
+
+    def restore(self, position: dict[str, Any]) -> None:
+        self.current = position["current"]
+        self.mark = _Mark(*position["mark"])
+
     def _advance(self, obs: Observation, rule: str, reason: str, numbers: dict[str, Any]) -> Switch:
         self.current += 1
         self.mark = _Mark(obs.epochs, obs.step, obs.elapsed_s)
@@ -110,6 +118,13 @@ class AdaptivePolicy:
         self.current = self.SYNC
         self.streak = 0
         self.last_switch_s = 0.0
+
+    def position(self) -> dict[str, Any]:
+        return {"current": self.current, "streak": self.streak, "last_switch_s": self.last_switch_s}
+
+    def restore(self, position: dict[str, Any]) -> None:
+        self.current, self.streak, self.last_switch_s = (position["current"], position["streak"],
+                                                         position["last_switch_s"])
 
     @staticmethod
     def spread(compute_s: dict[int, float]) -> tuple[float, Optional[int]]:
