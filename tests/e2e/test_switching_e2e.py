@@ -35,7 +35,7 @@ def test_phases_example_switches_where_configured_and_reaches_97(ray_head, mlflo
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["mode"] == "phases" and result["final"]["test_accuracy"] >= 0.97
+    assert result["mode"] == "phases" and result["time_to_target_s"] is not None  # 97% reached
 
     switches = [e for e in result["events"] if e["kind"] == "mode_switch"]
     assert [(s["from"], s["to"], s["rule"]) for s in switches] == [

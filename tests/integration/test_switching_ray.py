@@ -90,10 +90,11 @@ def test_downpour_to_easgd_carries_the_shards_contents_over(ray_cluster):
 
 
 def test_a_mid_epoch_switch_pauses_at_partition_boundaries_and_serves_every_row_once(ray_cluster):
-    """allreduce for 1.5 s, then downpour: the switch lands inside an epoch (replicas slowed so
-    epochs last several seconds); the epoch goes on where it was and still uses each row once."""
-    ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.5}}, {"mode": "downpour"}], trace_ids=True,
-                     faults={"slow_replicas": {0: 0.01, 1: 0.01}}, data={"batch_size": 8, "partitions": 16},
+    """allreduce for 1 s, then downpour: the switch lands inside the first epoch (replicas slowed
+    20 ms per step: 100 steps per epoch, over 2 s); the epoch goes on where it was and still uses
+    each row once."""
+    ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}}, {"mode": "downpour"}], trace_ids=True,
+                     faults={"slow_replicas": {0: 0.02, 1: 0.02}}, data={"batch_size": 8, "partitions": 16},
                      optimizer={"momentum": 0.5})
     try:
         ctl.step()
