@@ -5,7 +5,8 @@ Workload: mnist5k and the CNN of examples/, 2 replicas (1 CPU each), batch 64, t
 ElasticTrainer(cfg).fit() (real Ray actors, shards, gloo groups; MLflow in a temp sqlite store).
 
 (a) One run per repetition whose phases cycle through every kind of switch, each phase lasting
-    `until: {seconds: PHASE_S}` (so switches land mid-epoch):
+    `until: {seconds: PHASE_S}` (decided mid-epoch; carried out at the next partition boundary, or
+    at the epoch's end when the epoch runs out first: each event's `mid_epoch` says which):
     allreduce -> downpour -> easgd -> allreduce -> easgd -> downpour -> allreduce.
     Per switch, from its `mode_switch` event: switch_s (from the decision until every replica
     has stepped in the new mode: pausing at partition boundaries, consolidation, the two
@@ -19,7 +20,7 @@ ElasticTrainer(cfg).fit() (real Ray actors, shards, gloo groups; MLflow in a tem
       allreduce  examples/mnist_allreduce.yaml
       downpour   examples/mnist_downpour.yaml
       easgd      examples/mnist_easgd.yaml
-      adaptive   examples/mnist_adaptive.yaml (allreduce <-> downpour; its own straggler window
+      adaptive   examples/mnist_adaptive.yaml (allreduce <-> easgd; its own straggler window
                  replaced by this one)
     each with its own example's optimizer settings, the same data, model, batch, replicas, 32
     partitions, a progress row every 2 steps sent every 0.25 s (tracking.log_every_steps,
@@ -30,6 +31,8 @@ ElasticTrainer(cfg).fit() (real Ray actors, shards, gloo groups; MLflow in a tem
     repetitions; above 1: adaptive was faster).
 
     python benchmarks/switching.py [--quick] [--json PATH]
+
+--quick runs (a) and (b) once; without it, three times (the same runs, tighter medians).
 """
 from __future__ import annotations
 
