@@ -210,14 +210,19 @@ class ModelReplica:
         return {"rank": self.rank, "step": self.step, "local_optimizer": "reset" if had_state else "none"}
 
     def _load_reference(self) -> None:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=self.device)
+        """The shards' reference parameters and averaged buffers into the model: straight into
+        the flat parameter buffer when this replica has one, else through a temporary one."""
         with torch.no_grad():
-            self.client.pull(flat)
-            offset = 0
-            for p in params:
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            if self.flat is not None:
+                self.client.pull(self.flat.params)
+            else:
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=self.device)
+                self.client.pull(flat)
+                offset = 0
+                for p in params:
+                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
             if self._has_buffers:
                 buffers = dict(self.model.named_buffers())
                 for name, value in self.client.buffers().items():
@@ -322,12 +327,7 @@ class ModelReplica:
     def sync_from_shards(self, step: int) -> int:
         """Sharded modes: start from the shards' reference parameters (Downpour's server copy,
         EASGD's center) and the module buffers averaged there, at step `step`."""
-        with torch.no_grad():
-            self.client.pull(self.flat.params)
-            if self._has_buffers:
-                buffers = dict(self.model.named_buffers())
-                for name, value in self.client.buffers().items():
-                    buffers[name].copy_(torch.from_numpy(value))
+        self._load_reference()
         self.step = step
         if hasattr(self.worker, "step_count"):
             self.worker.step_count = step
