@@ -7,3 +7,10 @@ class ConfigError(ValueError):
 
 class TrainingError(RuntimeError):
     """A run that started and could not finish (a replica died, a collective timed out)."""
+
+
+import threading as _threading
+
+# Set by the SIGTERM handler: the controller's loop raises KeyboardInterrupt when it sees it,
+# so a signal whose exception landed in code that swallows it (a finalizer) still ends the run.
+INTERRUPTED = _threading.Event()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from orchestrator.errors import TrainingError
+from orchestrator.errors import INTERRUPTED, TrainingError
 from orchestrator.segment import EpochSegment, Plan, Recovery
 from policies.failure import Drop, Fail, Replace, ReplicaFailure, error_detail
 
@@ -51,6 +51,8 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
             if nxt is None:
                 continue  # a further pass of the epoch started
             return nxt
+        if INTERRUPTED.is_set():  # a SIGTERM whose KeyboardInterrupt was swallowed where it landed
+            raise KeyboardInterrupt
         ready, _ = ray.wait(list(seg.streams.values()), num_returns=1, timeout=TICK_S)
         for rank, stream in list(seg.streams.items()):
             if stream in ready:

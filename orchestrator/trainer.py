@@ -91,6 +91,9 @@ class ElasticTrainer:
             if connected_here:  # leave nothing behind: stop the cluster we started, or leave the one we joined
                 ray.shutdown()
             raise
+        from orchestrator.errors import INTERRUPTED
+
+        INTERRUPTED.clear()
         previous_sigterm = _sigterm_as_interrupt()  # after ray.init, which installs its own
         display = ProgressDisplay(cfg.stop.epochs, enabled=self.show_progress)
         self.controller = ctl = Controller(cfg, dataset, None, t0, display, trace_ids=self._trace_ids,
@@ -136,6 +139,9 @@ INTERRUPT_CHECKPOINT_TIMEOUT_S = 15.0
 
 
 def _raise_interrupt(signum, frame):
+    from orchestrator.errors import INTERRUPTED
+
+    INTERRUPTED.set()  # seen by the controller's loop if this exception is swallowed where it lands
     raise KeyboardInterrupt
 
 
