@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from actors.partition_server import PartitionReader, is_pause
 from actors.shard import RayShardClient
 from policies.factory import build_model
+from policies.lr_scaling import warmup_lr
 from policies.modes import Interrupted
 from policies.registry import Transport, build_worker, mode_spec
 
@@ -159,6 +160,7 @@ class ModelReplica:
         self.generation = 0
         self._cursor: Optional[dict[str, Any]] = None  # the epoch in progress: its batches and where we are
         self._has_buffers = any(True for _ in self.model.buffers())
+        self.lr_ramp: Optional[dict[str, float]] = None  # a resize's learning-rate factor (set_lr_scale)
         if config.get("multi_phase"):  # torch.optim's first use imports ~1 s of modules: not in a switch
             torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
         if rank is not None:
@@ -244,6 +246,29 @@ class ModelReplica:
             delay += w["delay_s"] if w["delay_s"] is not None else (w["factor"] - 1.0) * step_s
         if delay > 0:
             time.sleep(delay)
+
+    def node_id(self) -> str:
+        """The Ray node this replica runs on (the controller checks it when the replica dies)."""
+        return ray.get_runtime_context().get_node_id()
+
+    def set_lr_scale(self, ramp: dict[str, float]) -> Optional[float]:
+        """From now on, modes with a global batch step at optimizer.lr times the factor the
+        resize schedule gives (policies/lr_scaling.py: a ramp from `start` at step `from_step` to
+        `target` over `steps` steps). Returns the rate the next step uses (None: no local optimizer)."""
+        self.lr_ramp = dict(ramp)
+        return self._apply_lr()
+
+    def _apply_lr(self) -> Optional[float]:
+        opt = getattr(self.worker, "optimizer", None)
+        if opt is None:
+            return None
+        if self.lr_ramp is not None and self.spec.global_batch:
+            r = self.lr_ramp
+            lr = self.cfg["optimizer"]["lr"] * warmup_lr(r["target"], r["start"], self.step - r["from_step"],
+                                                         int(r["steps"]))
+            for group in opt.param_groups:
+                group["lr"] = lr
+        return float(opt.param_groups[0]["lr"])
 
     def pid(self) -> int:
         return os.getpid()
@@ -399,6 +424,8 @@ class ModelReplica:
             following = cur["following"] if real else None
             x, y = current[:2] if real else (None, None)
             pause = current_pause or is_pause(following)  # lock-step: every member stops after this step
+            if self.lr_ramp is not None:
+                self._apply_lr()
             t_step = time.perf_counter()
             try:
                 result = self.worker.step(x, y, following is not None or current_pause, pause)
@@ -445,7 +472,7 @@ class ModelReplica:
                 rows.append({"rank": self.rank, "epoch": epoch, "step": self.step, "step_in_epoch": steps,
                              "loss": loss, "samples_per_s": window / (now - t_window),
                              "compute_s": win_compute / win_real if win_real else None,
-                             "comm_share": win_comm / (now - t_window)})
+                             "comm_share": win_comm / (now - t_window), "lr": self._apply_lr()})
                 t_window, window, win_compute, win_comm, win_real = now, 0, 0.0, 0.0, 0
                 if now - t_sent >= send_every:  # each message to the driver costs the step loop
                     yield {"kind": "progress", "rank": self.rank, "rows": rows}

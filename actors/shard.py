@@ -600,21 +600,24 @@ class ShardGroup:
         self._slots = [_Slot(h) for h in handles]
         self._membership: dict[int, Optional[int]] = {}  # rank -> None (forgotten) | step it was welcomed at
         self.rebuilds = 0
+        self.placement: Any = None  # the scheduling strategy shards (and their rebuilds) are started with
 
     @classmethod
     def create(cls, initial: np.ndarray, bounds: list[tuple[int, int]], optimizer: str, lr: float, momentum: float,
                weight_decay: float, replicas: int, snapshot_every_s: float, name_prefix: str,
                namespace: Optional[str] = None, settle_s: float = 10.0, log_limit_bytes: int = 512 * 2**20,
-               timeout_s: float = 60.0) -> "ShardGroup":
+               timeout_s: float = 60.0, placement: Any = None) -> "ShardGroup":
         """One named ParameterShard per bound, each given its slice; returns once every shard
         answered its first snapshot (snapshot 0: a rebuild never lacks one). `settle_s`: how
         long after a rebuild poll() waits for clients to replay before reporting what is lost."""
         namespace = namespace or ray.get_runtime_context().namespace
         names = [f"{name_prefix}-shard-{i}" for i in range(len(bounds))]
         args = (optimizer, lr, momentum, weight_decay, replicas)
-        handles = [ParameterShard.options(name=name, namespace=namespace, max_restarts=0).remote(initial[lo:hi], *args)
+        handles = [ParameterShard.options(name=name, namespace=namespace, max_restarts=0,
+                                          scheduling_strategy=placement).remote(initial[lo:hi], *args)
                    for name, (lo, hi) in zip(names, bounds)]
         group = cls(handles, bounds, names, namespace, args, snapshot_every_s, settle_s, log_limit_bytes)
+        group.placement = placement
         try:
             group.snapshot_now(timeout_s)
         except BaseException:
@@ -721,7 +724,8 @@ class ShardGroup:
 
     def _rebuild(self, i: int, slot: _Slot, now: float) -> None:
         try:
-            handle = ParameterShard.options(name=self.names[i], namespace=self.namespace, max_restarts=0).remote(
+            handle = ParameterShard.options(name=self.names[i], namespace=self.namespace, max_restarts=0,
+                                            scheduling_strategy=self.placement).remote(
                 None, *self._args, snapshot=slot.snapshot_ref, generation=slot.generation + 1)
         except ValueError:
             return  # the dead actor still holds the name: next poll

@@ -54,3 +54,11 @@ def check_fits(replicas: int, cpus_per_replica: float, gpus_per_replica: float) 
             field = "cpus_per_replica" if key == "CPU" else "gpus_per_replica"
             raise ConfigError(f"config error: scaling.{field}: one replica needs {each:g} {key}, "
                               f"the largest node has {largest:g}")
+
+
+def beside_driver():
+    """Where the run's small actors (partition server, parameter shards; no CPU reserved) go: the
+    driver's node if it can, so losing a worker node (preemption, a resize) loses replicas only."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)

@@ -299,7 +299,6 @@ class StrategyConfig(_Section):
         return [p["mode"] for p in self.plan()]
 
 
-_NOT_ACTED_ON_YET = " Elasticity: the controller does not act on it yet (docs/elasticity.md)."
 
 
 class ScalingConfig(_Section):
@@ -314,29 +313,33 @@ class ScalingConfig(_Section):
         "model parameter."
     )
     min_replicas: int = Field(
-        1, ge=1, description="The fewest replicas the run goes on with once fault_tolerance.max_replica_restarts "
-        "is spent (a dead replica is then dropped, not replaced); below it the run fails."
+        1, ge=1, description="The fewest replicas the run goes on with when a dead replica is not replaced "
+        "(fault_tolerance.max_replica_restarts spent, or its node gone and no room elsewhere: a shrink); below it "
+        "the run fails."
     )
     max_replicas: Optional[int] = Field(
         None, ge=1, description="The most replicas the run may grow to when the cluster has room; none = "
-        "scaling.replicas (no growth)." + _NOT_ACTED_ON_YET
+        "scaling.replicas (no growth beyond it; a run that shrank grows back to it). New replicas start when room "
+        "is seen and join at the next epoch boundary; while below it the run asks the autoscaler for the room "
+        "(docs/elasticity.md)."
     )
     lr_scaling: Literal["linear", "none"] = Field(
         "linear", description="How the learning rate follows the replica count on a resize: linear (optimizer.lr "
         "x replicas / scaling.replicas, a rise reached by a warmup of lr_warmup_steps) or none (optimizer.lr "
-        "throughout)." + _NOT_ACTED_ON_YET
+        "throughout). Applies to allreduce (its batch is replicas x data.batch_size); easgd keeps beta = replicas "
+        "x alpha; downpour's rate does not change."
     )
     lr_warmup_steps: int = Field(
         100, ge=0, description="Steps of the linear ramp from the current learning rate up to the new one after a "
-        "grow (lr_scaling linear); 0 = at once. A shrink lowers the rate at once." + _NOT_ACTED_ON_YET
+        "grow (lr_scaling linear); 0 = at once. A shrink lowers the rate at once."
     )
     poll_s: float = Field(
-        5.0, gt=0, description="Seconds between two looks at the cluster's resources by the scaling policy."
-        + _NOT_ACTED_ON_YET
+        5.0, gt=0, description="Seconds between two looks at the cluster's resources by the scaling policy (a "
+        "replica whose node dies is seen at once, without waiting for a poll)."
     )
     grow_after: int = Field(
         2, ge=1, description="Consecutive polls that must see room for another replica before the run grows (a "
-        "shrink after lost resources is at once)." + _NOT_ACTED_ON_YET
+        "shrink after lost resources is at once)."
     )
 
     def max_or_replicas(self) -> int:

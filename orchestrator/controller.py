@@ -36,8 +36,10 @@ from typing import Any, Optional, Union
 import ray
 
 from orchestrator.checkpoint import CheckpointStore, save_checkpoint
+from orchestrator.cluster import beside_driver
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset, eval_slices, partition
+from orchestrator.elastic import Elasticity
 from orchestrator.errors import TrainingError
 from orchestrator.group import ReplicaGroup
 from orchestrator.progress import ProgressDisplay
@@ -134,6 +136,7 @@ class Controller:
         self.phases: list[dict[str, Any]] = []  # the result JSON's record of which mode ran when
         self.signals: dict[int, dict[str, Any]] = {}  # rank -> its latest progress row (the switch policy's input)
         self.report = Reporter(tracker, display, t0)
+        self.elastic = Elasticity(self)  # growing and shrinking with the cluster (orchestrator/elastic.py)
         self.state: State = Starting()
         self.group = ReplicaGroup(config, strategy=self.strategy)
         self.shard_group = None
@@ -262,7 +265,7 @@ class Controller:
         name, lr, momentum, weight_decay = self.shard_optimizer(first_sharded)
         self.shard_group = ShardGroup.create(initial, bounds, name, lr, momentum, weight_decay, cfg.scaling.replicas,
                                              cfg.fault_tolerance.shard_snapshot_every_s,
-                                             name_prefix=f"eo-{uuid.uuid4().hex[:12]}")
+                                             name_prefix=f"eo-{uuid.uuid4().hex[:12]}", placement=beside_driver())
 
     def _start(self) -> EpochSegment:
         from actors.partition_server import PartitionServer
@@ -279,7 +282,7 @@ class Controller:
         # a run that can switch modes is granted one partition at a time: every partition boundary
         # is a point where a replica can hear a pause (two at a time saves calls otherwise)
         self.max_grant = 1 if len(self.switch_policy.plan) > 1 else MAX_GRANT
-        self.server = PartitionServer.remote(*self._plan, self.max_grant)
+        self.server = PartitionServer.options(scheduling_strategy=beside_driver()).remote(*self._plan, self.max_grant)
         self.partition_refs = refs
         self.group.wait_ready()
         self.group.form()
@@ -412,7 +415,8 @@ class Controller:
             self.report.event("target_reached", epoch=epoch, test_accuracy=acc, target=target)
 
         rows_out = [(key, p[name], p["step"]) for p in seg.progress
-                    for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"))]
+                    for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"), ("lr", "lr"))
+                    if p.get(name) is not None]
         rows_out += [("test_accuracy", acc, tot.steps), ("test_loss", test_loss, tot.steps), ("epoch", epoch, tot.steps),
                      ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
         mine = [s for s in finals if s["mode"] is not None and s.get("mode_name") == self.spec.name]
@@ -504,7 +508,9 @@ class Controller:
         return path
 
     def shutdown(self) -> None:
-        """Stop every actor this controller started (replicas, spares, shards, the server)."""
+        """Stop every actor this controller started (replicas, spares, shards, the server) and
+        take back any autoscaler request this run made."""
+        self.elastic.withdraw()
         self.group.shutdown()
         if self.shard_group is not None:
             self.shard_group.shutdown()

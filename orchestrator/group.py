@@ -31,6 +31,8 @@ class ReplicaGroup:
         self.shards = shards  # the shard directory replicas resolve shards through (sharded modes)
         self.members: dict[int, Any] = {}  # rank -> ModelReplica
         self.pids: dict[int, int] = {}
+        self.nodes: dict[int, str] = {}  # rank -> the Ray node its replica runs on
+        self.joining: dict[int, Any] = {}  # rank -> a replica started for a grow, not yet a member
         self.replacements: set[int] = set()  # ranks whose actor replaced a failed one
         self.generation = 0
         self.spares: list[Any] = []
@@ -73,6 +75,36 @@ class ReplicaGroup:
         ranks = sorted(self.members)
         pids = self._get([self.members[r].pid.remote() for r in ranks], "replicas starting", READY_TIMEOUT_S)
         self.pids = dict(zip(ranks, pids))
+        self._locate(ranks)
+
+    def _locate(self, ranks: list[int]) -> None:
+        nodes = self._get([self.members[r].node_id.remote() for r in ranks], "replica nodes", self.timeout_s)
+        self.nodes.update(zip(ranks, nodes))
+
+    # ---- a grow: replicas started now, members at the next epoch boundary -------------------
+    def start_joining(self, ranks: list[int]) -> dict[int, Any]:
+        """Start replicas for `ranks` in the phase that runs now; returns each one's pid() call
+        (ready once it resolves)."""
+        for rank in ranks:
+            self.joining[rank] = self._actor(rank)
+        return {rank: self.joining[rank].pid.remote() for rank in ranks}
+
+    def finish_joining(self, ranks: list[int]) -> None:
+        """The started replicas of `ranks` (ready) become members."""
+        pids = self._get([self.joining[r].pid.remote() for r in ranks], "new replicas", self.timeout_s)
+        for rank, pid in zip(ranks, pids):
+            self.members[rank] = self.joining.pop(rank)
+            self.pids[rank] = pid
+        self._locate(ranks)
+
+    def abandon_joining(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            actor = self.joining.pop(rank, None)
+            if actor is not None:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:
+                    pass
 
     @property
     def ranks(self) -> list[int]:
@@ -85,6 +117,7 @@ class ReplicaGroup:
         """Stop the actor of `rank` (already dead, hung or failed) and forget it."""
         actor = self.members.pop(rank, None)
         self.pids.pop(rank, None)
+        self.nodes.pop(rank, None)
         if actor is not None:
             try:
                 ray.kill(actor, no_restart=True)
@@ -111,6 +144,7 @@ class ReplicaGroup:
             self.pids[rank] = self._get(actor.pid.remote(), f"replacement for replica {rank}", READY_TIMEOUT_S)
         self.members[rank] = actor
         self.replacements.add(rank)
+        self._locate([rank])
         return how, time.perf_counter() - t0
 
     # ---- membership ----------------------------------------------------------------------
@@ -147,12 +181,12 @@ class ReplicaGroup:
         return self._get(refs, what or method, timeout_s or self.timeout_s)
 
     def shutdown(self) -> None:
-        for actor in list(self.members.values()) + self.spares:
+        for actor in list(self.members.values()) + self.spares + list(self.joining.values()):
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
-        self.members, self.spares = {}, []
+        self.members, self.spares, self.joining = {}, [], {}
 
     def _get(self, refs, what: str, timeout: float):
         try:

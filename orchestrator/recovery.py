@@ -40,6 +40,7 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
     if not seg.begun:
         if ctl.pending_switch is not None:  # decided at the last epoch's end: switch before this one opens
             return Reconfiguring(ctl.pending_switch, seg)
+        ctl.elastic.join_ready(seg)  # replicas started for a grow join at the epoch boundary
         ctl.open_epoch(seg, frozenset(seg.awaiting_steps()))
     while True:
         if seg.failures and (not ctl.lock_step or not seg.streams):
@@ -59,6 +60,7 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
                 read_item(ctl, seg, rank, stream)
         poll_shards(ctl, seg)
         check_hangs(ctl, seg)
+        ctl.elastic.tick()
         if seg.fresh_signals or ctl.switch_policy.plan[ctl.switch_policy.current]["until"] is not None:
             seg.fresh_signals = False
             switching.consider(ctl, seg)
@@ -170,7 +172,8 @@ def stepped(ctl: "Controller", seg: EpochSegment, rank: int, t_wall: float) -> N
                 took = rec.stepping_at - rec.t_detect_wall
                 ctl.report.event(rec.event.pop("kind"), **rec.event, stepping_at=round(rec.stepping_at, 3),
                                  **{rec.duration_key: round(took, 3)})
-                what = "the failure was seen" if rec.duration_key == "recovery_s" else "the switch was decided"
+                what = {"recovery_s": "the failure was seen", "switch_s": "the switch was decided",
+                        "resize_s": "the resize was decided"}[rec.duration_key]
                 ctl.report.say(f"every replica stepping {took:.2f}s after {what}")
 
 
@@ -181,10 +184,12 @@ def judge(ctl: "Controller", seg: EpochSegment) -> "State":
     failures, seg.failures = seg.failures, []
     decisions = []
     failed = {f.rank for f in failures}
+    room = ctl.elastic.placeable(failures)  # replicas that died with their node: is there room elsewhere?
     for f in failures:
         survivors = len([r for r in ctl.group.members if r not in failed]) + sum(
             isinstance(d, Replace) for d in decisions)
-        decision = ctl.failure_policy.decide(f, survivors)
+        placeable, note = room.get(f.rank, (True, ""))
+        decision = ctl.failure_policy.decide(f, survivors, placeable, note)
         ctl.report.event("failure_decision", rank=f.rank, decision=type(decision).__name__.lower(),
                          reason=decision.reason.splitlines()[0])
         if isinstance(decision, Fail):
@@ -203,6 +208,8 @@ def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegmen
     timings: dict[str, float] = {}
     group, lock = ctl.group, ctl.lock_step
     replaced, dropped, how = [], [], {}
+    old_size = len(group.members) + len(plan.failures)
+    shrink = [d for d in plan.decisions if isinstance(d, Drop) and d.shrink]
     for d in plan.decisions:
         group.remove(d.rank)  # a dead actor: a no-op; ensures nothing of it is left
         if isinstance(d, Replace):
@@ -237,7 +244,7 @@ def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegmen
         group.transfer_state(donor, replaced + behind)
     t2 = time.perf_counter()
     timings["state"] = t2 - t1
-    if lock or ctl.spec.process_group:
+    if lock or ctl.spec.process_group or dropped:  # a smaller group: EASGD's rounds and alpha follow it
         group.form()
     t3 = time.perf_counter()
     timings["group"] = t3 - t2
@@ -246,6 +253,9 @@ def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegmen
     if dropped:
         ctl.reslice_tests()
     timings["data"] = time.perf_counter() - t3
+    lr = ctl.elastic.follow(donor_step, len(members)) if dropped else {}  # the rate follows the smaller batch
+    if replaced and not dropped:
+        ctl.elastic.send_lr(replaced)  # a newcomer steps at the rate the others do
     ctl.totals.replica_restarts += len(replaced)
     ctl.report.metrics([("replicas_alive", len(members), ctl.totals.steps),
                         ("replica_restarts", ctl.totals.replica_restarts, ctl.totals.steps)])
@@ -261,10 +271,16 @@ def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegmen
              "survivors_kept": survivors, "steps_lost": steps_lost, "resumed_from_step": donor_step,
              "partitions_served_again": sorted(p for ps in back.values() for p in ps),
              "reconfigure_s": round(time.perf_counter() - t0, 3),
-             "reconfigure_parts_s": {k: round(v, 3) for k, v in timings.items()}}
+             "reconfigure_parts_s": {k: round(v, 3) for k, v in timings.items()}, **lr}
+    if shrink:  # the cluster could not hold a replacement: the run shrank
+        event.update(kind="resize", direction="shrink", reason=shrink[0].reason.splitlines()[0], old_size=old_size,
+                     new_size=len(members))
     if restart:
-        seg.recoveries.append(Recovery(event, plan.t_detect_wall, set(restart)))
-    else:
+        seg.recoveries.append(Recovery(event, plan.t_detect_wall, set(restart),
+                                       duration_key="resize_s" if shrink else "recovery_s"))
+    else:  # asynchronous survivors never stopped: the resize is done once they know the new size
+        if shrink:
+            event["resize_s"] = round(time.time() - plan.t_detect_wall, 3)
         ctl.report.event(event.pop("kind"), **event)
     ctl.report.say(f"{'replaced' if replaced else 'dropped'} replica(s) {replaced or dropped} "
                    f"({', '.join(how.values()) or 'no replacement'}); generation {group.generation}")

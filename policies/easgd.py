@@ -37,6 +37,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from policies.lr_scaling import easgd_alpha
 from policies.modes import ShardClient, StepResult, check_finite
 from policies.sharding import FlatParams
 
@@ -109,8 +110,11 @@ class EasgdWorker:
         return StepResult(loss_value, comm_s, 0 if y is None else len(y), go_on)
 
     def regroup(self, replicas: int, generation: int) -> None:
-        """A new membership (a replica replaced or dropped): rounds of `replicas` members,
-        numbered afresh in `generation`, every member's next step meets a round."""
+        """A new membership (a replica replaced or dropped, the run resized): rounds of
+        `replicas` members, numbered afresh in `generation`, every member's next step meets a
+        round. beta = p alpha is kept as p changes (policies/lr_scaling.py: easgd_alpha)."""
+        if replicas != self.replicas:
+            self.alpha = easgd_alpha(min(self.alpha * self.replicas, replicas), replicas)
         self.replicas, self.generation, self.rounds, self.epoch_step = replicas, generation, 0, 0
 
     def _record(self, sq: float) -> None:

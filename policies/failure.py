@@ -16,6 +16,10 @@ Rules, in order (each decision's `reason` names the rule and its numbers):
 2. While restarts used < `max_restarts`: replace, after `backoff_s * 2^(n-1)` (at most
    `MAX_BACKOFF_S`) where n counts replacements since the last epoch without a failure.
 3. Else drop the replica if the group keeps at least `min_replicas`, else fail.
+Before rule 2: a replica whose replacement cannot be placed (`placeable=False`: its node is
+gone and the cluster has no room elsewhere, see orchestrator/elastic.py) is dropped at once if
+`min_replicas` allows (a shrink: `Drop.shrink`), else the run fails; no restart is spent on it
+and no replacement waits for capacity that is not there.
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ class Replace:
 class Drop:
     rank: int
     reason: str
+    shrink: bool = False  # the cluster had no room for a replacement (not a spent restart budget)
 
 
 @dataclass(frozen=True)
@@ -69,9 +74,18 @@ class FailurePolicy:
     in_a_row: int = 0  # replacements since the last epoch without a failure
     last_error: dict[int, str] = field(default_factory=dict)  # rank -> the error that replaced its replica
 
-    def decide(self, failure: ReplicaFailure, survivors: int) -> Decision:
-        """`survivors`: replicas still alive besides the failed one."""
+    def decide(self, failure: ReplicaFailure, survivors: int, placeable: bool = True,
+               capacity_note: str = "") -> Decision:
+        """`survivors`: replicas still alive besides the failed one. `placeable`: a replacement
+        could be placed now (a spare, or room in the cluster); `capacity_note` says what was seen."""
         what = f"replica {failure.rank} {failure.cause} ({failure.detail})"
+        if not placeable:
+            note = f": {capacity_note}" if capacity_note else ""
+            if survivors >= self.min_replicas:
+                return Drop(failure.rank, f"SHRINK: {what}; no room for a replacement{note}; {survivors} replicas "
+                                          f">= min_replicas {self.min_replicas}", shrink=True)
+            return Fail(f"{what}; no room for a replacement{note} and {survivors} replicas left < "
+                        f"scaling.min_replicas {self.min_replicas}")
         if failure.cause == "error":
             previous = self.last_error.get(failure.rank)
             if failure.replacement and previous == failure.detail:

@@ -13,7 +13,9 @@ and the replicas never branch on a mode's name:
 - `build_worker(...)`: the update rule (policies/<mode>.py) wired to a replica's transport;
 - `metrics(stats)`: the mode's own per-epoch figures, combined across replicas;
 - `shard_metrics(shards)`: figures the shards observed (downpour: the largest lead over the
-  slowest replica at a push, `max_lead`).
+  slowest replica at a push, `max_lead`);
+- `global_batch`: each update is the mean gradient over every replica's batch (allreduce), so
+  the learning rate follows the replica count on a resize (scaling.lr_scaling).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class ModeSpec:
     build_worker: Callable[..., Any]
     metrics: Callable[[list[dict[str, Any]]], dict[str, float]]
     shard_metrics: Callable[[Any], dict[str, float]] = lambda shards: {}
+    global_batch: bool = False  # one update from every replica's batch: the rate follows replicas x batch
 
 
 def _allreduce_worker(model, flat, cfg, rank, world, transport):
@@ -95,7 +98,7 @@ def _easgd_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
 MODES: dict[str, ModeSpec] = {
     "allreduce": ModeSpec("allreduce", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
                           server_optimizer=lambda name: name, build_worker=_allreduce_worker,
-                          metrics=lambda stats: {}),
+                          metrics=lambda stats: {}, global_batch=True),
     "downpour": ModeSpec("downpour", sharded=True, pinned=False, process_group=False, lock_step=lambda s: False,
                          server_optimizer=lambda name: name, build_worker=_downpour_worker,
                          metrics=_downpour_metrics,

@@ -50,3 +50,16 @@ def test_a_different_error_or_an_original_replica_is_retried():
 def test_an_unknown_cause_is_refused():
     with pytest.raises(ValueError):
         ReplicaFailure(0, "tired", "")
+
+
+def test_no_room_for_a_replacement_shrinks_without_spending_a_restart():
+    policy = FailurePolicy(max_restarts=3, min_replicas=1)
+    d = policy.decide(died(), 1, placeable=False, capacity_note="node n1 lost; room for 0 more")
+    assert isinstance(d, Drop) and d.shrink and "no room for a replacement: node n1 lost" in d.reason
+    assert policy.restarts == 0
+    assert isinstance(policy.decide(died(), 1), Replace)  # with room: replaced as before
+
+
+def test_no_room_and_too_few_survivors_fails():
+    d = FailurePolicy(max_restarts=3, min_replicas=2).decide(died(), 1, placeable=False)
+    assert isinstance(d, Fail) and "min_replicas 2" in d.reason

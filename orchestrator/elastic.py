@@ -1,0 +1,281 @@
+"""Elasticity: the controller's side of growing and shrinking with the cluster. The scaling
+policy (policies/scaling.py) decides how many replicas the cluster can hold; this module looks
+at the cluster for it and carries the decisions out.
+
+- Looking: every `scaling.poll_s` (from the Running loop's tick, no thread, no busy loop) a
+  `ClusterView` of the alive nodes' CPUs and GPUs, total and free, leaving out nodes this run
+  has seen die (`lost`: Ray's own health checks take 15-55 s to declare a node dead, the
+  replicas' connections fail at once).
+- Asking: while below `scaling.max_replicas` the policy's bundles go to
+  `ray.autoscaler.sdk.request_resources`, sent only when they change (the request is one value
+  for the whole cluster, last writer wins: re-sending an unchanged request would overwrite
+  another job's for nothing); an empty request withdraws it once met, and when the run ends.
+- Growing: a "grow" decision starts the new replicas at once (they boot while the epoch runs);
+  at the next epoch boundary those that are ready join: they take the state of a live replica
+  (allreduce) or the shards' reference (downpour, easgd), the process group is re-formed over
+  everyone, the test slices are re-cut, and the next epoch's partitions are spread over all.
+- Shrinking: a replica that died with its node (the node's raylet no longer answers) is
+  replaced only if the cluster has room elsewhere; otherwise the failure policy drops it and
+  the survivors go on (`placeable`), through the same reconfiguration as any failure.
+- The learning rate follows the replica count (`scaling.lr_scaling`, policies/lr_scaling.py):
+  every resize moves the LrSchedule (a factor over optimizer.lr), which every replica applies
+  step by step in modes with a global batch (allreduce); EASGD's alpha follows beta / p in
+  each replica's regroup.
+Each resize is a `resize` event (direction, reason, old and new size, the learning-rate factor,
+and `resize_s`: from the decision until every replica has stepped at the new size).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import ray
+
+from orchestrator.checks import bounded
+from orchestrator.segment import EpochSegment, Recovery
+from policies.failure import ReplicaFailure
+from policies.lr_scaling import LrSchedule
+from policies.scaling import ClusterView, ScaleDecision, make_scaling_policy
+
+if TYPE_CHECKING:
+    from orchestrator.controller import Controller
+
+LOOK_TIMEOUT_S = 10.0  # one look at the cluster's resources
+RAYLET_PROBE_TIMEOUT_S = 1.0  # a node whose raylet does not accept a connection within this is lost
+JOIN_TIMEOUT_S = 120.0  # new replicas not started by then are given up (their resources never came)
+
+
+@dataclass
+class Joining:
+    """Replicas started for a grow, not yet members."""
+
+    ranks: list[int]
+    ready: dict[int, Any]  # rank -> its pid() call
+    decision: ScaleDecision
+    old_size: int
+    t_decide_wall: float
+    t_decide: float
+    room_seen_wall: float  # the first poll of the streak that saw room
+
+
+@dataclass
+class Elasticity:
+    ctl: "Controller"
+    lost_nodes: set[str] = field(default_factory=set)
+    requested: list[dict[str, float]] = field(default_factory=list)  # the bundles this run asked for last
+    joining: Optional[Joining] = None
+    _next_poll: float = 0.0
+    _room_since: Optional[float] = None
+    _look_failed: bool = False
+
+    def __post_init__(self) -> None:
+        s = self.ctl.cfg.scaling
+        self.policy = make_scaling_policy(s)
+        self.lr = LrSchedule(1.0, s.replicas, s.lr_scaling, s.lr_warmup_steps)  # a factor over optimizer.lr
+
+    # ---- looking at the cluster ----------------------------------------------------------
+    def view(self) -> ClusterView:
+        """The alive nodes' resources, total and free, without the nodes this run saw die."""
+        from ray._private.state import available_resources_per_node
+
+        def look():
+            return ray.nodes(), available_resources_per_node()
+
+        nodes, free = bounded(look, LOOK_TIMEOUT_S, "the Ray cluster's resources")
+        alive = [n for n in nodes if n.get("Alive") and n["NodeID"] not in self.lost_nodes]
+        total = {k: sum(n.get("Resources", {}).get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
+        available = {k: sum(free.get(n["NodeID"], {}).get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
+        return ClusterView.from_resources(total, available, len(alive))
+
+    def node_lost(self, node_id: Optional[str]) -> bool:
+        """The node is gone: Ray says it is dead, or its raylet no longer accepts a connection
+        (a node that just died: Ray has not noticed yet)."""
+        if not node_id:
+            return False
+        if node_id in self.lost_nodes:
+            return True
+        node = next((n for n in bounded(ray.nodes, LOOK_TIMEOUT_S, "the Ray nodes") if n["NodeID"] == node_id), None)
+        lost = node is None or not node.get("Alive")
+        if not lost:
+            try:
+                socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]),
+                                         timeout=RAYLET_PROBE_TIMEOUT_S).close()
+            except OSError:
+                lost = True
+        if lost:
+            self.lost_nodes.add(node_id)
+        return lost
+
+    def placeable(self, failures: list[ReplicaFailure]) -> dict[int, tuple[bool, str]]:
+        """For each failure whose replica died with its node: whether a replacement fits in what
+        the other nodes have free (each one placed takes its room), and what was seen. Failures on
+        nodes that are still there are not listed: their own resources are there for a replacement."""
+        group = self.ctl.group
+        on_lost = {f.rank: group.nodes.get(f.rank) for f in failures if f.cause == "died"}
+        on_lost = {r: n for r, n in on_lost.items() if self.node_lost(n)}
+        if not on_lost:
+            return {}
+        view = self.view()
+        room = self.policy.fits(view.available_cpus, view.available_gpus)
+        out = {}
+        for rank, node in sorted(on_lost.items()):
+            note = (f"its node {node[:8]} is gone; the other {view.alive_nodes} node(s) have "
+                    f"{view.available_cpus:g} CPU free (room for {room} replica(s))")
+            out[rank] = (room > 0, note)
+            room = max(0, room - 1)
+        return out
+
+    # ---- asking the autoscaler -------------------------------------------------------------
+    def request(self, bundles: list[dict[str, float]], why: str) -> None:
+        """Send `bundles` to the autoscaler if they differ from what this run asked for last."""
+        if bundles == self.requested:
+            return
+        from ray.autoscaler.sdk import request_resources
+
+        bounded(lambda: request_resources(bundles=bundles), LOOK_TIMEOUT_S, "the autoscaler request")
+        self.requested = list(bundles)
+        self.ctl.report.event("autoscaler_request", bundles=len(bundles), bundle=bundles[0] if bundles else None,
+                              withdrawn=not bundles, why=why, read_back=len(read_request()))
+
+    def withdraw(self) -> None:
+        """The run ends: take back any request this run made."""
+        if self.requested:
+            try:
+                self.request([], "the run ended")
+            except Exception:  # the cluster may be gone already; nothing to take back then
+                pass
+
+    # ---- growing -----------------------------------------------------------------------------
+    def tick(self) -> None:
+        """`poll`, where a failed look at the cluster is reported (once) and training goes on."""
+        try:
+            self.poll()
+        except Exception as exc:
+            if not self._look_failed:
+                self._look_failed = True
+                self.ctl.report.event("scaling_poll_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def poll(self) -> None:
+        """Every scaling.poll_s: ask the policy; act on a grow (shrinks come as failures)."""
+        now = time.perf_counter()
+        if now < self._next_poll or self.joining is not None:
+            return
+        self._next_poll = now + self.ctl.cfg.scaling.poll_s
+        current = len(self.ctl.group.members)
+        view = self.view()
+        decision = self.policy.decide(current, view)
+        if self.policy.grow_streak == 1 or (decision.kind == "grow" and self._room_since is None):
+            self._room_since = time.time()
+        elif decision.kind != "grow" and self.policy.grow_streak == 0:
+            self._room_since = None
+        self.request(decision.request_bundles, decision.reason)
+        if decision.kind == "grow":
+            self.start_grow(decision, current)
+
+    def start_grow(self, decision: ScaleDecision, current: int) -> None:
+        """Start the new replicas now (they boot while the epoch runs); they join at the next
+        epoch boundary (`join_ready`)."""
+        group = self.ctl.group
+        ranks, r = [], 0
+        while len(ranks) < decision.target - current:
+            if r not in group.members:
+                ranks.append(r)
+            r += 1
+        ready = group.start_joining(ranks)
+        self.joining = Joining(ranks, ready, decision, current, time.time(), time.perf_counter(),
+                               self._room_since or time.time())
+        self._room_since = None
+        self.ctl.report.say(f"growing {current} -> {decision.target}: {decision.reason}")
+
+    def join_ready(self, seg: EpochSegment) -> None:
+        """At an epoch boundary: the started replicas that are ready become members (the rest
+        join at a later boundary; none ready within JOIN_TIMEOUT_S: the grow is given up)."""
+        j = self.joining
+        if j is None:
+            return
+        ctl, group = self.ctl, self.ctl.group
+        done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
+        ready = [r for r, ref in j.ready.items() if ref in done]
+        if not ready:
+            if time.perf_counter() - j.t_decide > JOIN_TIMEOUT_S:
+                group.abandon_joining(j.ranks)
+                self.joining = None
+                ctl.report.event("resize_abandoned", ranks=j.ranks, reason=j.decision.reason,
+                                 waited_s=round(time.perf_counter() - j.t_decide, 1))
+            return
+        t0 = time.perf_counter()
+        try:
+            group.finish_joining(ready)
+        except Exception as exc:  # a newcomer died while starting: give this grow up, poll again
+            group.abandon_joining(j.ranks)
+            self.joining = None
+            ctl.report.event("resize_abandoned", ranks=j.ranks, reason=f"{type(exc).__name__}: {exc}")
+            return
+        for r in ready:
+            j.ready.pop(r)
+        if not j.ready:
+            self.joining = None
+        members = group.ranks
+        old = [r for r in members if r not in ready]
+        step = max((ctl.progress.get(r, 0) for r in old), default=0)
+        if ctl.spec.sharded:
+            group.call(ready, "sync_from_shards", step, what="state from the shards")
+            for r in ready:
+                ctl.shard_group.welcome_replica(r, step)
+        else:
+            group.transfer_state(old[0], ready)  # at an epoch boundary every allreduce replica is the same
+        group.form()
+        ctl.give_data(ready)
+        ctl.reslice_tests()
+        for r in ready:
+            ctl.progress[r] = step
+        lr = self.follow(step, len(members))
+        event = {"kind": "resize", "direction": "grow", "epoch": seg.epoch, "reason": j.decision.reason,
+                 "old_size": len(old), "new_size": len(members), "ranks": ready, "generation": group.generation,
+                 "at_step": step, "join_s": round(time.perf_counter() - t0, 3),
+                 "since_room_seen_s": round(time.time() - j.room_seen_wall, 3), **lr}
+        seg.recoveries.append(Recovery(event, j.t_decide_wall, set(members), duration_key="resize_s"))
+        ctl.report.metrics([("replicas_alive", len(members), ctl.totals.steps)])
+        ctl.report.say(f"grew to {len(members)} replicas (ranks {ready} joined at step {step})")
+
+    # ---- the learning rate ---------------------------------------------------------------------
+    def follow(self, step: int, replicas: int, ranks: Optional[list[int]] = None) -> dict[str, Any]:
+        """The replica count changed at `step`: move the schedule and tell the replicas (`ranks`,
+        default all). Returns the event's learning-rate fields."""
+        before = self.lr.lr_at(step)
+        self.lr.resize(step, replicas)
+        self.send_lr(ranks)
+        seg = self.lr.segments[-1]
+        base = self.ctl.shard_optimizer(self.ctl.strategy)[1]
+        return {"lr_rule": self.lr.rule, "lr_before": round(base * before, 6), "lr_target": round(base * seg.target_lr, 6),
+                "lr_warmup_steps": seg.ramp_steps, "lr_applies": self.ctl.spec.global_batch}
+
+    def send_lr(self, ranks: Optional[list[int]] = None) -> None:
+        """The schedule's current ramp to the replicas (a replacement needs it too, once resized)."""
+        if len(self.lr.segments) < 2:
+            return  # never resized: every replica steps at optimizer.lr
+        seg = self.lr.segments[-1]
+        ramp = {"from_step": seg.from_step, "start": seg.start_lr, "target": seg.target_lr, "steps": seg.ramp_steps}
+        group = self.ctl.group
+        group.call(ranks or group.ranks, "set_lr_scale", ramp, what="learning rate")
+
+
+def read_request() -> list[dict[str, float]]:
+    """The autoscaler request the cluster holds now (whoever made it): a list of bundles."""
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+    if is_autoscaler_v2():
+        from ray._private.worker import global_worker
+        from ray.autoscaler.v2.sdk import get_cluster_resource_state
+
+        state = get_cluster_resource_state(global_worker.gcs_client)
+        return [dict(b.resources_bundle) for c in state.cluster_resource_constraints
+                for r in c.resource_requests for b in [r.request] for _ in range(r.count)]
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return json.loads(raw) if raw else []
