@@ -245,6 +245,7 @@ class Elasticity:
     def follow(self, step: int, replicas: int, ranks: Optional[list[int]] = None) -> dict[str, Any]:
         """The replica count changed at `step`: move the schedule and tell the replicas (`ranks`,
         default all). Returns the event's learning-rate fields."""
+        step = max(step, self.lr.segments[-1].from_step)  # asynchronous replicas' steps differ: never back
         before = self.lr.lr_at(step)
         self.lr.resize(step, replicas)
         self.send_lr(ranks)

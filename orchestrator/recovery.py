@@ -208,7 +208,7 @@ def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegmen
     timings: dict[str, float] = {}
     group, lock = ctl.group, ctl.lock_step
     replaced, dropped, how = [], [], {}
-    old_size = len(group.members) + len(plan.failures)
+    old_size = len(set(group.members) | {f.rank for f in plan.failures})
     shrink = [d for d in plan.decisions if isinstance(d, Drop) and d.shrink]
     for d in plan.decisions:
         group.remove(d.rank)  # a dead actor: a no-op; ensures nothing of it is left
