@@ -3,7 +3,8 @@
 replica each): a worker node is removed mid-run and training goes on with the survivor within
 seconds (no replacement: there is no room for one), the run asks the autoscaler for the missing
 room; a node is added back and the run grows to scaling.max_replicas again, withdraws its
-request, and still reaches 97% on mnist5k."""
+request, and still reaches 97% on mnist5k. With `scaling.lr_scaling: none` the rate stays
+optimizer.lr through both resizes (the linear rule's ramp: tests/integration/test_resize_ray.py)."""
 from __future__ import annotations
 
 import glob
@@ -14,6 +15,7 @@ import sys
 import time
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
 
@@ -47,7 +49,7 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it_back(three_nodes, tm
     env.pop("MLFLOW_TRACKING_URI", None)
     ck, out = tmp_path / "ck", tmp_path / "result.json"
     sets = ["scaling.min_replicas=1", "scaling.max_replicas=2", "scaling.poll_s=0.5", "scaling.grow_after=1",
-            "stop.epochs=11", "stop.at_target=false", "checkpoint.every_epochs=1", f"checkpoint.storage={ck}",
+            "scaling.lr_scaling=none", "stop.epochs=11", "stop.at_target=false", "checkpoint.every_epochs=1", f"checkpoint.storage={ck}",
             f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "faults.slow_replicas={0: 0.01}"]
     cmd = [sys.executable, "-m", "orchestrator", "run", os.path.join(REPO, "examples", "mnist_allreduce.yaml"),
            "--result-json", str(out), "--no-progress"] + [a for s in sets for a in ("--set", s)]
@@ -79,6 +81,9 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it_back(three_nodes, tm
     asks = [e for e in events if e["kind"] == "autoscaler_request"]
     assert [(a["bundles"], a["read_back"]) for a in asks] == [(2, 2), (0, 0)], asks
     assert t_removed < asks[0]["t_wall"] < t_added < asks[1]["t_wall"] < grow["t_wall"]
-    # the rate followed the batch: half after the shrink, back to optimizer.lr after the grow
-    assert shrink["lr_target"] == pytest.approx(0.025) and grow["lr_target"] == pytest.approx(0.05)
+    # lr_scaling none: the rate stays optimizer.lr whatever the size (the linear rule would halve it)
+    assert shrink["lr_before"] == shrink["lr_target"] == grow["lr_target"] == pytest.approx(0.05)
+    lrs = {round(m.value, 9) for m in MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(
+        result["mlflow_run_id"], "lr")}
+    assert lrs == {0.05}, lrs
     assert result["final"]["test_accuracy"] >= 0.97

@@ -1,7 +1,8 @@
 """Growing with the cluster on the shared local Ray head (4 logical CPUs): a run started with
-fewer replicas than scaling.max_replicas sees the room, starts the new replicas, and they join
-at an epoch boundary; the learning rate follows the rule. (Losing a node: tests/e2e/
-test_elastic_cluster_e2e.py, on a cluster of its own.)"""
+fewer replicas than scaling.max_replicas sees the room, starts the new replica, and it joins at
+an epoch boundary with the others' state; the learning rate ramps up by the linear rule, step
+by step. (Losing a node and `lr_scaling: none`: tests/e2e/test_elastic_cluster_e2e.py, on a
+cluster of its own; EASGD's alpha on a resize: tests/unit/test_ps_rules.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -16,23 +17,23 @@ LR = 0.05
 
 
 def grow_run(tmp_path, mode, lr_scaling):
+    """1 replica, room for a second on the head; ~1 s epochs (a new replica boots in ~4 s)."""
     cfg = job_config(strategy={"mode": mode, "timeout_s": 30},
                      scaling={"replicas": 1, "max_replicas": 2, "cpus_per_replica": 0.5, "poll_s": 0.3,
                               "grow_after": 1, "lr_scaling": lr_scaling, "lr_warmup_steps": 10},
                      optimizer={"lr": LR}, stop={"epochs": 8}, data={"batch_size": 16},
-                     faults={"slow_replicas": [{"rank": 0, "delay_s": 0.005}]},  # ~1 s epochs: a new actor boots in ~4
+                     faults={"slow_replicas": [{"rank": 0, "delay_s": 0.005}]},
                      tracking={"progress_interval_s": 0, "log_every_steps": 1},
                      checkpoint={"storage": str(tmp_path / "ck")})
     trainer = ElasticTrainer(cfg, show_progress=False)
     return trainer.fit(), trainer
 
 
-@pytest.mark.parametrize("lr_scaling", ["linear", "none"])
-def test_allreduce_grows_to_max_replicas_and_the_rate_follows_the_rule(ray_cluster, tmp_path, lr_scaling):
-    result, trainer = grow_run(tmp_path, "allreduce", lr_scaling)
+def test_allreduce_grows_to_max_replicas_and_the_rate_follows_the_rule(ray_cluster, tmp_path):
+    result, trainer = grow_run(tmp_path, "allreduce", "linear")
     [grow] = [e for e in result.events if e["kind"] == "resize"]
     assert grow["direction"] == "grow" and grow["old_size"] == 1 and grow["new_size"] == 2, grow
-    assert grow["ranks"] == [1] and grow["resize_s"] > 0 and grow["lr_rule"] == lr_scaling
+    assert grow["ranks"] == [1] and grow["resize_s"] > 0 and grow["lr_rule"] == "linear"
     ends = [e for e in result.events if e["kind"] == "epoch_end"]
     assert ends[-1]["replicas"] == 2 and ends[0]["replicas"] == 1
     assert not [e for e in result.events if e["kind"] == "autoscaler_request"]  # the room was there: nothing asked
@@ -42,18 +43,10 @@ def test_allreduce_grows_to_max_replicas_and_the_rate_follows_the_rule(ray_clust
     before = {m.value for m in history if m.step <= at}
     after_warmup = {round(m.value, 9) for m in history if m.step > at + 10}
     assert before == {LR}
-    if lr_scaling == "linear":
-        assert grow["lr_target"] == pytest.approx(2 * LR) and grow["lr_warmup_steps"] == 10
-        assert after_warmup == {round(2 * LR, 9)}
-        ramp = sorted((m.step, m.value) for m in history if at < m.step <= at + 10)
-        assert all(LR < v < 2 * LR for s, v in ramp[:-1]) and [v for _, v in ramp] == sorted(v for _, v in ramp)
-    else:
-        assert grow["lr_target"] == pytest.approx(LR) and after_warmup == {LR}
+    assert grow["lr_target"] == pytest.approx(2 * LR) and grow["lr_warmup_steps"] == 10
+    assert after_warmup == {round(2 * LR, 9)}  # the linear rule: twice the batch, twice the rate
+    ramp = sorted((m.step, m.value) for m in history if at < m.step <= at + 10)  # the warmup, step by step
+    assert len(ramp) == 10 and all(LR < v < 2 * LR for _, v in ramp[:-1])
+    assert [v for _, v in ramp] == sorted(v for _, v in ramp)
     assert result.final.test_accuracy > 0.9
 
-
-def test_easgd_grows_and_its_alpha_follows_beta_over_p(ray_cluster, tmp_path):
-    result, trainer = grow_run(tmp_path, "easgd", "linear")
-    [grow] = [e for e in result.events if e["kind"] == "resize"]
-    assert grow["new_size"] == 2 and grow["lr_applies"] is False
-    assert result.final.test_accuracy > 0.9

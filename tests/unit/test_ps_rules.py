@@ -264,3 +264,17 @@ def test_warmstart_holds_other_replicas_until_rank_0_has_trained():
         first.step(x, y)
     t.join(timeout=10)
     assert started and started[0] >= 3  # it began only after rank 0's first 3 steps
+
+
+@pytest.mark.parametrize("alpha, p, new_p, expected", [(0.45, 2, 4, 0.225), (0.45, 2, 1, 0.9), (0.5, 4, 1, 1.0)])
+def test_easgd_regroup_keeps_beta_equal_p_alpha(alpha, p, new_p, expected):
+    """A resize from p to new_p replicas: alpha = beta / new_p with beta = p alpha (at most 1 per
+    replica: alpha stays in (0, 1])."""
+    m = model()
+    flat = FlatParams(list(m.parameters()))
+    worker = EasgdWorker(m, flat, torch.optim.SGD(m.parameters(), lr=0.1), LocalShardClient(flat.params.clone(), 1),
+                         replicas=p, alpha=alpha)
+    worker.regroup(new_p, generation=2)
+    assert worker.replicas == new_p and worker.alpha == pytest.approx(expected)
+    worker.regroup(new_p, generation=3)  # the same size again (a replacement): alpha unchanged
+    assert worker.alpha == pytest.approx(expected)
