@@ -53,7 +53,10 @@ def training_plot(events: list[dict[str, Any]], path: str) -> dict[str, list[flo
     acc_ax.set_xlabel("seconds since the run started")
     acc_ax.set_ylabel("test accuracy", color="tab:blue")
     loss_ax.set_ylabel("train loss", color="tab:orange")
-    acc_ax.set_xlim(left=0)
+    end = max((float(e["t"]) for e in events if isinstance(e.get("t"), (int, float))), default=0.0)
+    acc_ax.set_xlim(0, max(end * 1.02, 1e-3))  # the whole run, start to its last event
+    if epochs:
+        loss_ax.set_ylim(bottom=0)
     acc_ax.grid(alpha=0.3)
     marks = mark_times(events)
     for kind, times in marks.items():
@@ -64,7 +67,8 @@ def training_plot(events: list[dict[str, Any]], path: str) -> dict[str, list[flo
         acc_ax.text(0.5, 0.5, "no epoch ended", transform=acc_ax.transAxes, ha="center", va="center")
     handles = acc_ax.get_legend_handles_labels()
     more = loss_ax.get_legend_handles_labels()
-    acc_ax.legend(handles[0] + more[0], handles[1] + more[1], loc="center right", fontsize="small")
+    acc_ax.legend(handles[0] + more[0], handles[1] + more[1], loc="lower left", bbox_to_anchor=(0, 1.02, 1, 0.2),
+                  mode="expand", ncol=4, fontsize="small", frameon=False)  # above the axes: never over a curve
     fig.tight_layout()
     fig.savefig(path, format="png")
     return marks

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import platform
 import queue
@@ -252,12 +253,29 @@ def _log_pytorch_model(tracker: Tracker, model: Any, input_example: Any, registe
         output = model(torch.from_numpy(input_example)).numpy()
     signature = infer_signature(input_example, output)
     logged = tracker.client.create_logged_model(tracker.experiment_id, name="model", source_run_id=tracker.run_id)
-    with _process_tracking_uri(tracker.tracking_uri):
+    with _process_tracking_uri(tracker.tracking_uri), _without_pickle_warning():
         mlflow.pytorch.log_model(model, name="model", model_id=logged.model_id, run_id=tracker.run_id,
                                  serialization_format="pickle",
                                  input_example=input_example, signature=signature,
                                  pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
                                  registered_model_name=register_as)
+
+
+class _PickleWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "by Pickle or CloudPickle" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_pickle_warning():
+    """MLflow warns on every pickled model that unpickling runs code; the format is chosen on
+    purpose here (the README says so), so the warning would only be noise in every job's log."""
+    logger, quiet = logging.getLogger("mlflow.pytorch"), _PickleWarning()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 @contextlib.contextmanager
