@@ -482,7 +482,8 @@ class Controller:
         from orchestrator.final_model import log_trained_model
 
         seconds = log_trained_model(self.report.tracker, self.cfg, self.dataset, self._last_state["model"])
-        self.report.event("model_logged", name="model", seconds=round(seconds, 3))
+        if seconds is not None:
+            self.report.event("model_logged", name="model", seconds=round(seconds, 3))
 
     def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None) -> str:
         """The lowest rank's model and optimizer state (all replicas hold the same parameters,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -29,14 +29,16 @@ def input_example(dataset: Dataset, rows: int = EXAMPLE_ROWS) -> np.ndarray:
     return np.ascontiguousarray(dataset.test.x[:rows], dtype=np.float32)
 
 
-def log_trained_model(tracker: Any, config: JobConfig, dataset: Dataset, state_dict: dict[str, Any]) -> float:
-    """Log the run's final model to its MLflow run (see Tracker.log_model); the seconds it took
-    (the write's wait, bounded by the tracker's file timeout)."""
+def log_trained_model(tracker: Any, config: JobConfig, dataset: Dataset,
+                      state_dict: dict[str, Any]) -> Optional[float]:
+    """Log the run's final model to its MLflow run (see Tracker.log_model); the seconds it took,
+    or None when it was not logged (said on stderr; model.pt holds the state either way)."""
     t = time.perf_counter()
     try:
         model = trained_model(config, state_dict)
-    except Exception as exc:  # model.pt holds the state either way
+    except Exception as exc:
         print(f"orchestrator: tracking: model: not logged ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
-        return 0.0
-    tracker.log_model(model, input_example(dataset), register_as=config.tracking.register_as)
+        return None
+    if not tracker.log_model(model, input_example(dataset), register_as=config.tracking.register_as):
+        return None
     return time.perf_counter() - t

@@ -216,10 +216,16 @@ class Tracker:
                   timeout_s: float = FILE_TIMEOUT_S) -> bool:
         """The trained model as an MLflow model named `model` (`runs:/<run id>/model`), with
         `input_example` and the signature it implies; registered as `register_as` when given.
-        Waits up to timeout_s; a failure is reported once, like every write (model.pt keeps the
-        state either way)."""
-        return self._writer.call("model", lambda: _log_pytorch_model(self, model, input_example, register_as),
-                                 timeout_s)
+        Waits up to timeout_s; True once it is logged. A failure is reported once, like every
+        write (model.pt keeps the state either way)."""
+        logged: list[bool] = []
+
+        def write() -> None:
+            _log_pytorch_model(self, model, input_example, register_as)
+            logged.append(True)
+
+        self._writer.call("model", write, timeout_s)
+        return bool(logged)
 
     def flush(self, timeout_s: float = FINISH_TIMEOUT_S) -> bool:
         """Wait up to timeout_s for every write asked for so far."""

@@ -87,7 +87,7 @@ def test_a_store_that_fails_the_model_is_reported_and_the_run_goes_on(tmp_path, 
     from orchestrator.sources import load_dataset
 
     dataset = load_dataset(cfg.data)
-    tracker.log_model(_fresh(cfg), input_example(dataset))  # does not raise
+    assert tracker.log_model(_fresh(cfg), input_example(dataset)) is False  # not logged; does not raise
     tracker.log_text("{}", "result.json")
     assert tracker.finish("FINISHED", timeout_s=10)
     assert [w for w in warnings if w.startswith("tracking: model: ") and "store went away" in w], warnings
