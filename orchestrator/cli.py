@@ -76,4 +76,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.result_json:
         with open(args.result_json, "w", encoding="utf-8") as f:
             f.write(result.to_json())
+        from orchestrator.plots import PLOT_NAME, training_plot
+
+        try:  # the run's record is complete either way (training.png is in its MLflow run too)
+            training_plot(result.events, os.path.join(os.path.dirname(os.path.abspath(args.result_json)), PLOT_NAME))
+        except Exception as exc:
+            print(f"orchestrator: {PLOT_NAME} not drawn ({type(exc).__name__}: {exc})", file=sys.stderr)
     return 0

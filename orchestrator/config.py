@@ -428,6 +428,10 @@ class TrackingConfig(_Section):
         None, description="MLflow tracking URI; default: MLflow's own default (MLFLOW_TRACKING_URI or local)."
     )
     run_name: Optional[str] = Field(None, description="MLflow run name; default: MLflow picks one.")
+    register_as: Optional[str] = Field(
+        None, min_length=1, description="Also register the run's final model (logged as `runs:/<run id>/model`) in "
+        "the MLflow model registry under this name, as a new version; default: not registered."
+    )
     log_every_steps: int = Field(10, ge=1, description="Log train loss and samples/s every this many steps.")
     progress_interval_s: float = Field(
         1.0, ge=0, description="Replicas send their progress rows (one every log_every_steps steps, each with its own "

@@ -483,6 +483,11 @@ class Controller:
             path = os.path.join(tmp, "model.pt")
             torch.save(self._last_state["model"], path)
             self.report.tracker.log_file(path)
+        from orchestrator.final_model import log_trained_model
+
+        seconds = log_trained_model(self.report.tracker, self.cfg, self.dataset, self._last_state["model"])
+        if seconds is not None:
+            self.report.event("model_logged", name="model", seconds=round(seconds, 3))
 
     def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None) -> str:
         """The lowest rank's model and optimizer state (all replicas hold the same parameters,

@@ -1,6 +1,10 @@
-"""Progress display: a rich bar on a terminal, plain log lines otherwise (job logs, CI)."""
+"""Progress display: a rich bar on a terminal, plain log lines otherwise (job logs, CI).
+
+Under `ray job submit`, a pipe or a file, stdout is not a TTY: no bar and no terminal control
+codes, even when FORCE_COLOR or TTY_COMPATIBLE in the environment would make rich draw one."""
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 from rich.console import Console
@@ -11,7 +15,7 @@ class ProgressDisplay:
     def __init__(self, total_epochs: int, enabled: bool = True) -> None:
         self.console = Console(stderr=False)
         self.enabled = enabled
-        self.live = enabled and self.console.is_terminal
+        self.live = enabled and _stdout_is_tty() and self.console.is_terminal
         self.total_epochs = total_epochs
         self._bar: Optional[Progress] = None
         if self.live:
@@ -37,3 +41,10 @@ class ProgressDisplay:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+def _stdout_is_tty() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        return False

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
 from typing import Any, Optional
@@ -115,6 +116,7 @@ class ElasticTrainer:
             ctl.shutdown()
             if tracker is not None and status == "FAILED":
                 tracker.event("ended", t0, status=status)
+                _log_plot(tracker, FAILED_PLOT_TIMEOUT_S)
                 tracker.finish(status)
             if started_ray:
                 ray.shutdown()
@@ -126,6 +128,7 @@ class ElasticTrainer:
                              ("samples_per_s_whole", result.samples_per_s, totals.steps),
                              ("steady_samples_per_s", result.steady_samples_per_s, totals.steps)])
         tracker.log_text(result.to_json(), "result.json")
+        _log_plot(tracker)
         tracker.finish("FINISHED")
         if self.show_progress:
             print(f"done: {result.stop_reason}; test_accuracy {result.final.test_accuracy:.4f}\n"
@@ -136,6 +139,7 @@ class ElasticTrainer:
 
 INTERRUPT_RECORD_TIMEOUT_S = 1.0  # `ray job stop` sends SIGKILL 3 s after SIGTERM: the record goes first
 INTERRUPT_CHECKPOINT_TIMEOUT_S = 15.0
+FAILED_PLOT_TIMEOUT_S = 10.0  # a failed run's training.png: the store may be what failed
 
 
 def _raise_interrupt(signum, frame):
@@ -171,7 +175,17 @@ def _end_on_interrupt(ctl, tracker, display, t0: float) -> None:
         display.line(f"interrupted: checkpoint written to {path}")
     except Exception as exc:  # the run is ending either way; say why nothing was saved
         display.line(f"interrupted: no checkpoint ({exc})")
+    _log_plot(tracker, INTERRUPT_RECORD_TIMEOUT_S)
     tracker.flush(INTERRUPT_RECORD_TIMEOUT_S)
+
+
+def _log_plot(tracker, timeout_s: Optional[float] = None) -> None:
+    """training.png (orchestrator/plots.py) into the run, waiting up to timeout_s (default: the
+    tracker's file timeout); a failure to draw it is said on stderr."""
+    from orchestrator.plots import log_training_plot
+
+    log_training_plot(tracker, warn=lambda line: print(f"orchestrator: {line}", file=sys.stderr, flush=True),
+                      timeout_s=timeout_s)
 
 
 def _open_tracking(cfg: JobConfig, run_id: Optional[str] = None):

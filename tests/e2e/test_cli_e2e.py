@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
+import uuid
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -19,14 +21,18 @@ REQUIRED = {"mlflow_run_id", "mode", "replicas", "epochs", "steps", "samples", "
 
 
 def test_cli_run_joins_ray_address_and_tracks_to_server(ray_head, mlflow_server, tmp_path):
+    """Also: the run's model loads with mlflow.pytorch.load_model and scores the run's final test
+    accuracy on the test split; it is registered as tracking.register_as; training.png is in
+    the run and next to the result JSON."""
     out = tmp_path / "result.json"
     env = dict(ray_head.env, RAY_ADDRESS=ray_head.address, PYTHONPATH=REPO)
     env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "orchestrator", "run", os.path.join(REPO, "examples", "mnist_allreduce.yaml"),
-           "--set", "model.factory=examples.models:tiny_mlp", "--set", "data.source=builtin:synthetic",
-           "--set", "stop.epochs=2", "--set", "stop.target_accuracy=null",
-           "--set", f"tracking.tracking_uri={mlflow_server}", "--set", "tracking.experiment=e2e-cli",
-           "--set", f"checkpoint.storage=file://{tmp_path}/ck", "--result-json", str(out)]
+    overrides = ["model.factory=examples.models:tiny_mlp", "data.source=builtin:synthetic", "stop.epochs=2",
+                 "stop.target_accuracy=null", f"tracking.tracking_uri={mlflow_server}", "tracking.experiment=e2e-cli",
+                 "tracking.register_as=e2e-cli-model", f"checkpoint.storage=file://{tmp_path}/ck"]
+    example = os.path.join(REPO, "examples", "mnist_allreduce.yaml")
+    cmd = [sys.executable, "-m", "orchestrator", "run", example, "--result-json", str(out)]
+    cmd += [a for o in overrides for a in ("--set", o)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -38,11 +44,52 @@ def test_cli_run_joins_ray_address_and_tracks_to_server(ray_head, mlflow_server,
     assert run.info.status == "FINISHED" and run.data.metrics["test_accuracy"] > 0.9
     assert not os.path.exists(tmp_path / "mlflow.db")  # tracked to the server, not a local store
 
+    from orchestrator.config import JobConfig
+    from orchestrator.sources import load_dataset
 
-def submit(ray_head, entrypoint: list[str], timeout_s: float = 600) -> subprocess.CompletedProcess:
-    """`ray job submit` (waits for the job); retried while the head's job agent is still starting."""
+    cfg = JobConfig.from_yaml(example, overrides)
+    accuracy = accuracy_of_logged_model(mlflow_server, result["mlflow_run_id"], load_dataset(cfg.data),
+                                        cfg.data.batch_size, tmp_path)
+    assert abs(accuracy - result["final"]["test_accuracy"]) <= 1e-6, (accuracy, result["final"])
+    client = MlflowClient(mlflow_server)
+    [version] = client.search_model_versions("name = 'e2e-cli-model'")
+    assert version.run_id == result["mlflow_run_id"]
+    [logged] = [e for e in result["events"] if e["kind"] == "model_logged"]
+    print(f"log_model took {logged['seconds']}s")
+    assert "training.png" in [a.path for a in client.list_artifacts(result["mlflow_run_id"])]
+    png = client.download_artifacts(result["mlflow_run_id"], "training.png", str(tmp_path / "dl"))
+    assert open(png, "rb").read(8) == PNG_MAGIC
+    assert (tmp_path / "training.png").read_bytes()[:8] == PNG_MAGIC  # next to result.json
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def accuracy_of_logged_model(tracking_uri: str, run_id: str, dataset, batch_size: int, tmp_path) -> float:
+    """`runs:/<run_id>/model` loaded with mlflow.pytorch.load_model, scored on the whole test
+    split in batches of batch_size (as the replicas evaluate)."""
+    import mlflow
+    import mlflow.pytorch
+    import torch
+
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        model = mlflow.pytorch.load_model(f"runs:/{run_id}/model", dst_path=str(tmp_path / "model"))
+    finally:
+        mlflow.set_tracking_uri(None)  # back to the test's MLFLOW_TRACKING_URI
+    model.eval()
+    x, y = torch.from_numpy(dataset.test.x), torch.from_numpy(dataset.test.y)
+    correct = 0
+    with torch.inference_mode():
+        for lo in range(0, len(y), batch_size):
+            correct += int((model(x[lo : lo + batch_size]).argmax(1) == y[lo : lo + batch_size]).sum())
+    return correct / len(y)
+
+
+def submit(ray_head, entrypoint: list[str], timeout_s: float = 600, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`ray job submit [options]` (waits for the job); retried while the head's job agent is still starting."""
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    cmd = [ray_bin, "job", "submit", "--address", ray_head.dashboard_url, "--"] + entrypoint
+    cmd = [ray_bin, "job", "submit", "--address", ray_head.dashboard_url, *options, "--"] + entrypoint
     env = dict(ray_head.env)
     env.pop("MLFLOW_TRACKING_URI", None)
     deadline = time.monotonic() + 60
@@ -69,6 +116,33 @@ def test_ray_job_submit_main_example_reaches_97(ray_head, mlflow_server, tmp_pat
     assert run.data.tags["mode"] == "allreduce"
     history = client.get_metric_history(result["mlflow_run_id"], "test_accuracy")
     assert max(m.value for m in history) >= 0.97
+
+
+def job_get(ray_head, path: str) -> dict:
+    req = urllib.request.Request(f"{ray_head.dashboard_url}/api/jobs/{path}",
+                                 headers={"Authorization": f"Bearer {ray_head.env['RAY_AUTH_TOKEN']}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_ray_job_submit_of_bad_input_fails_with_exit_code_2(ray_head, tmp_path):
+    """The job (its code shipped through a runtime_env) ends FAILED with the driver's exit code
+    2; its log is the one plain line naming the field."""
+    job_id = f"eo-bad-input-{uuid.uuid4().hex[:8]}"
+    runtime_env = json.dumps({"env_vars": {"PYTHONPATH": REPO}})
+    proc = submit(ray_head, [sys.executable, "-m", "orchestrator", "run",
+                             os.path.join(REPO, "examples", "mnist_allreduce.yaml"), "--set", "optimizer.lr=0",
+                             "--set", f"checkpoint.storage={tmp_path}/ck"],
+                  timeout_s=180, options=("--submission-id", job_id, "--runtime-env-json", runtime_env))
+    line = "orchestrator: config error: optimizer.lr: Input should be greater than 0 (got 0)"
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-3000:]  # ray job submit: 1 when the job failed
+    assert f"Job '{job_id}' failed" in proc.stdout and "failed with exit code 2" in proc.stdout, proc.stdout[-3000:]
+    info = job_get(ray_head, job_id)
+    assert info["status"] == "FAILED" and info["driver_exit_code"] == 2, info
+    logs = job_get(ray_head, f"{job_id}/logs")["logs"]
+    driver = logs.split(f"Running entrypoint for job {job_id}", 1)[1].splitlines()[1:]  # Ray's own lines before
+    assert [x for x in driver if x.strip()] == [line] and "\x1b[" not in logs, logs
+    assert not (tmp_path / "ck").exists()
 
 
 def test_sigterm_marks_the_run_killed_and_keeps_a_checkpoint(ray_head, tmp_path):
