@@ -64,7 +64,7 @@ POLL_S = 1.0
 MIN_WORKERS, MAX_WORKERS = 1, 2
 REMOVE_AFTER_EPOCH = 2  # the epoch whose checkpoint must exist before the node is removed
 EPOCHS_AT_SMALL = 2  # epochs trained at 1 replica before the node is added back
-OURS_EPOCHS = 8  # the grow (after epoch 4 + the wait for an epoch boundary) lands well before the end
+OURS_EPOCHS = 10  # the grow (after epoch 4 + the wait for an epoch boundary) lands well before the end
 WAIT_S = 180  # the longest wait for any one stage before the round is given up
 
 
