@@ -58,7 +58,9 @@ def check_fits(replicas: int, cpus_per_replica: float, gpus_per_replica: float) 
 
 def beside_driver():
     """Where the run's small actors (partition server, parameter shards; no CPU reserved) go: the
-    driver's node if it can, so losing a worker node (preemption, a resize) loses replicas only."""
+    driver's node, so losing a worker node (preemption, a resize) loses replicas only. A hard
+    affinity: with a soft one Ray placed such actors on other nodes when the driver's node has
+    no CPU (a head started with num_cpus=0), 0 CPU asked or not."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
