@@ -1,8 +1,10 @@
 """`python -m orchestrator run CONFIG.yaml [--set k=v ...] [--result-json PATH]`;
-`python -m orchestrator resume RUN [--result-json PATH]`."""
+`python -m orchestrator resume RUN [--result-json PATH]`;
+`python -m orchestrator sweep SWEEP.yaml [--set k=v ...] [--json PATH]`."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Optional, Sequence
@@ -26,6 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     res.add_argument("--tracking-uri", help="the MLflow store to look a run id up in (default: MLflow's default)")
     res.add_argument("--result-json", metavar="PATH", help="write the result as JSON to PATH")
     res.add_argument("--no-progress", action="store_true", help="no progress display, only the final line")
+    sw = sub.add_parser("sweep", help="a grid or random search over config keys with Ray Tune (docs/sweeps.md)")
+    sw.add_argument("sweep", help="path to the sweep file (base config, search space, metric)")
+    sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one field of the base config for every trial (repeatable)")
+    sw.add_argument("--json", metavar="PATH", help="write the sweep's result (best config, table) as JSON to PATH")
+    sw.add_argument("--no-progress", action="store_true", help="no progress lines, only the best trial")
     sub.add_parser("config-reference", help="print the config reference (docs/config.md)")
     return p
 
@@ -39,6 +47,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     from orchestrator.errors import ConfigError, TrainingError
 
+    if args.command == "sweep":
+        return _sweep(args)
     try:
         resume = None
         if args.command == "resume":
@@ -82,4 +92,39 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             training_plot(result.events, os.path.join(os.path.dirname(os.path.abspath(args.result_json)), PLOT_NAME))
         except Exception as exc:
             print(f"orchestrator: {PLOT_NAME} not drawn ({type(exc).__name__}: {exc})", file=sys.stderr)
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """The sweep subcommand: bad input exits 2 before Ray starts; 1 when no trial finished."""
+    from orchestrator.errors import ConfigError, TrainingError
+    from orchestrator.sweep import load_sweep, run_sweep
+
+    try:
+        plan = load_sweep(args.sweep, args.overrides)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    except ConfigError as exc:
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        result = run_sweep(plan, show_progress=not args.no_progress)
+    except ConfigError as exc:  # found once connected to Ray (the cluster cannot hold one trial)
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except TrainingError as exc:
+        print(f"orchestrator: sweep failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("orchestrator: interrupted; the sweep's MLflow run is marked KILLED", file=sys.stderr)
+        return 130
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(result.to_json())
+    from orchestrator.sweep import comparison_markdown
+
+    print(comparison_markdown(result.rows, result.metric), end="")
+    print(f"best: {result.metric} {result.best_value:.4f} with {json.dumps(result.best_params)} "
+          f"(trial {result.best_trial}, MLflow run {result.best_run_id}; parent run {result.parent_run_id} "
+          f"at {result.tracking_uri})", flush=True)
     return 0

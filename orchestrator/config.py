@@ -617,6 +617,9 @@ def reference_markdown() -> str:
     for name, model in nested:
         lines += [f"## `{name}`", "", " ".join((model.__doc__ or "").split()), ""]
         lines += _field_table(name, model, [])
+    from orchestrator.sweep import sweep_reference  # the sweep file's models live with the sweep
+
+    lines += sweep_reference()
     return "\n".join(lines)
 
 
@@ -631,7 +634,7 @@ def _field_table(prefix: str, model: type, nested: list[tuple[str, type]]) -> li
         inner = [a for a in typing.get_args(f.annotation) for a in (typing.get_args(a) or (a,))]
         sub = next((a for a in [f.annotation, *inner] if isinstance(a, type) and issubclass(a, BaseModel)), None)
         ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-        ann = ann.replace("orchestrator.config.", "")
+        ann = ann.replace("orchestrator.config.", "").replace("orchestrator.sweep.", "")
         if f.is_required():
             shown = "required"
         else:
@@ -639,8 +642,9 @@ def _field_table(prefix: str, model: type, nested: list[tuple[str, type]]) -> li
             shown = ("none" if default is None else "see below" if isinstance(default, BaseModel)
                      else f"`{default}`")
         allowed = ", ".join(f"{ops[k]} {getattr(m, k)}" for m in f.metadata for k in ops if hasattr(m, k))
-        lines.append(f"| `{prefix}.{name}` | `{ann}` | {allowed} | {shown} | {f.description} |")
+        key = f"{prefix}.{name}" if prefix else name  # a sweep file's keys are top-level
+        lines.append(f"| `{key}` | `{ann}` | {allowed} | {shown} | {f.description} |")
         if sub is not None:
-            nested.append((f"{prefix}.{name}" + ("[]" if "list" in ann else ""), sub))
+            nested.append((key + ("[]" if "list" in ann else ""), sub))
     lines.append("")
     return lines

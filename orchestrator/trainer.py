@@ -5,7 +5,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
@@ -55,12 +55,17 @@ class ElasticTrainer:
     else RAY_ADDRESS, else starts (and afterwards stops) a local one."""
 
     def __init__(self, config: JobConfig, show_progress: bool = True, data: Any = None,
-                 resume: Optional[dict[str, Any]] = None) -> None:
+                 resume: Optional[dict[str, Any]] = None, callbacks: Sequence[Any] = (),
+                 run_tags: Optional[dict[str, str]] = None) -> None:
         """`data`: optional in-memory training data instead of `config.data.source`: (x, y) numpy
         arrays, a dict of columns, a pandas DataFrame or a pyarrow Table (see docs/data.md).
         `resume`: a checkpoint's state (`orchestrator.resume.find_checkpoint`): the run goes on
-        from it, in the same MLflow run."""
+        from it, in the same MLflow run. `callbacks`: reporting callbacks (orchestrator/reporting.py),
+        e.g. a sweep's trial reporting each epoch to Ray Tune. `run_tags`: extra tags on the MLflow
+        run (a sweep's trial: `mlflow.parentRunId`)."""
         self.config = config
+        self.callbacks = list(callbacks)
+        self.run_tags = dict(run_tags or {})
         self.resume = resume
         self.data = data
         self.show_progress = show_progress
@@ -99,11 +104,14 @@ class ElasticTrainer:
         display = ProgressDisplay(cfg.stop.epochs, enabled=self.show_progress)
         self.controller = ctl = Controller(cfg, dataset, None, t0, display, trace_ids=self._trace_ids,
                                            resume=self.resume)
+        ctl.report.callbacks.extend(self.callbacks)
         tracker, status = None, "FAILED"
         try:
             ctl.launch()  # replica processes boot while MLflow opens its store
             ctl.tracker = tracker = _open_tracking(cfg, self.resume["mlflow_run_id"] if self.resume else None)
             _describe_run(tracker, cfg)
+            if self.run_tags:
+                tracker.set_tags(self.run_tags)
             display.line(f"tracking to {tracker.where()}")
             totals = ctl.run()
             status = "FINISHED"
