@@ -92,7 +92,8 @@ class AshaConfig(_Section):
 
 
 class SweepConfig(_Section):
-    """A sweep file (`python -m orchestrator sweep SWEEP.yaml`)."""
+    """Its top-level keys: the base job config, the search space over the base's keys, how trials
+    are ranked, scheduled and recorded."""
 
     base: str = Field(description="The job config every trial starts from (a YAML path; relative to the working "
                       "directory, else to the sweep file's directory).")
@@ -182,11 +183,12 @@ def plan_sweep(sweep: SweepConfig, overrides: Sequence[str] = (), relative_to: O
     values (up to MAX_CHECKED_COMBINATIONS). ConfigError otherwise."""
     base_path = _find_base(sweep.base, relative_to)
     base_raw = _read_yaml(base_path, "base config")
-    fixed = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in sweep.set.items()]
-    base_raw = apply_overrides(base_raw, fixed + list(overrides))
+    for key in sweep.set:
+        _check_key(key, "set")
+    base_raw = apply_overrides(_with_values(base_raw, sweep.set), list(overrides))
     JobConfig.from_dict(base_raw)  # the base alone is valid (its error names the field)
     for key in sweep.search:
-        _check_key(key)
+        _check_key(key, "search")
     probes: list[JobConfig] = []
     for key, space in sweep.search.items():
         for value in space.probes():
@@ -204,7 +206,7 @@ def _probe(base_raw: dict[str, Any], values: dict[str, Any]) -> JobConfig:
         return JobConfig.model_validate(_with_values(base_raw, values))
     except ValidationError as exc:
         shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        raise ConfigError(f"sweep error: search: with {shown}: {_describe(exc).removeprefix('config error: ')}") from None
+        raise ConfigError(f"sweep error: search: with {shown}: {_describe(exc).removeprefix('sweep error: ')}") from None
 
 
 def _with_values(base_raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
@@ -215,29 +217,31 @@ def _with_values(base_raw: dict[str, Any], values: dict[str, Any]) -> dict[str, 
         *parents, last = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"sweep error: {key}: {part} is not a section")
         node[last] = value
     return out
 
 
-def _check_key(key: str) -> None:
+def _check_key(key: str, field: str) -> None:
     """`key` names a JobConfig field (or an entry of a dict field such as model.kwargs.hidden)."""
     parts = key.split(".")
     model: Any = JobConfig
     for i, part in enumerate(parts):
         where = ".".join(parts[:i]) or "the config"
         if not part:
-            raise ConfigError(f"sweep error: search.{key}: not a config key (empty part)")
+            raise ConfigError(f"sweep error: {field}.{key}: not a config key (empty part)")
         if model is dict:  # under a free-form mapping (model.kwargs): any key
             return
         if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
             known = ", ".join(model.model_fields) if isinstance(model, type) and issubclass(model, BaseModel) else ""
-            raise ConfigError(f"sweep error: search.{key}: not a config key ({where} has no {part!r}"
+            raise ConfigError(f"sweep error: {field}.{key}: not a config key ({where} has no {part!r}"
                               f"{'; it has ' + known if known else ''})")
         ann = model.model_fields[part].annotation
         model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else (
             dict if getattr(ann, "__origin__", None) is dict else None)
         if model is None and i < len(parts) - 1:
-            raise ConfigError(f"sweep error: search.{key}: not a config key ({'.'.join(parts[:i + 1])} is a value, "
+            raise ConfigError(f"sweep error: {field}.{key}: not a config key ({'.'.join(parts[:i + 1])} is a value, "
                               "not a section)")
 
 
@@ -279,6 +283,7 @@ def sweep_reference() -> list[str]:
              " ".join((SweepConfig.__doc__ or "").split()), ""]
     lines += _field_table("", SweepConfig, nested)
     for name, model in nested:
+        name = "search.<key>" if name == "search" else name
         lines += [f"## `{name}` (sweep file)", "", " ".join((model.__doc__ or "").split()), ""]
         lines += _field_table(name, model, [])
     return lines
