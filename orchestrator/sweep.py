@@ -474,8 +474,10 @@ def _tune(plan: SweepPlan, setup: dict[str, Any], storage: str, show_progress: b
     if spec.scheduler == "asha":
         from ray.tune.schedulers import ASHAScheduler
 
-        max_t = max(c.stop.epochs for c in plan.probes)
-        scheduler = ASHAScheduler(time_attr="epoch", max_t=max_t, grace_period=min(spec.asha.grace_period, max_t),
+        # max_t one past the last epoch: ASHA stops a trial that reaches max_t, and a trial that ends
+        # by its own stop condition must finish its run (final checkpoint, result.json), not be cut off
+        max_t = max(c.stop.epochs for c in plan.probes) + 1
+        scheduler = ASHAScheduler(time_attr="epoch", max_t=max_t, grace_period=min(spec.asha.grace_period, max_t - 1),
                                   reduction_factor=spec.asha.reduction_factor)
     trainable = tune.with_resources(tune.with_parameters(_trial, setup=setup), resources)
     tuner = tune.Tuner(
