@@ -434,12 +434,12 @@ def _check_fits(needs: list[dict[str, float]]) -> None:
     """The largest trial fits in the connected cluster (else Tune would wait for it forever)."""
     from orchestrator.cluster import check_fits
 
+    import ray
+
     for key in ("CPU", "GPU"):
         biggest = max(needs, key=lambda n: n[key])
         if biggest[key] <= 0:
             continue
-        import ray
-
         have = ray.cluster_resources().get(key, 0.0)
         if biggest[key] > have + 1e-9:
             raise ConfigError(f"sweep error: one trial needs {biggest[key]:g} {key} (its replicas and driver), "
@@ -675,6 +675,8 @@ def _absolute_uri(uri: Optional[str]) -> str:
     uri = uri or mlflow.get_tracking_uri()
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         return "sqlite:///" + os.path.abspath(uri.removeprefix("sqlite:///"))
+    if uri.startswith("file:") and not uri.startswith("file://"):
+        return "file://" + os.path.abspath(uri.removeprefix("file:"))
     if "://" not in uri and not uri.startswith("databricks"):
         return os.path.abspath(uri)
     return uri

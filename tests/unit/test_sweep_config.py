@@ -147,3 +147,18 @@ def test_comparison_table_and_plot(tmp_path):
     plot_accuracy({"a": ([3.0, 6.0], [0.9, 0.95], rows[0]["params"]), "b": ([4.0], [0.5], rows[1]["params"])},
                   str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("uri, expected", [
+    ("sqlite:///mlflow.db", "sqlite:///{cwd}/mlflow.db"),
+    ("sqlite:////abs/mlflow.db", "sqlite:////abs/mlflow.db"),
+    ("file:./mlruns", "file://{cwd}/mlruns"),
+    ("./mlruns", "{cwd}/mlruns"),
+    ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
+])
+def test_trials_get_the_drivers_tracking_store_as_an_absolute_uri(tmp_path, monkeypatch, uri, expected):
+    """Tune runs each trial in its own working directory: a relative store would be another store."""
+    from orchestrator.sweep import _absolute_uri
+
+    monkeypatch.chdir(tmp_path)
+    assert _absolute_uri(uri) == expected.format(cwd=os.getcwd())
