@@ -390,6 +390,7 @@ def run_sweep(sweep: SweepConfig | SweepPlan | str | os.PathLike, overrides: Seq
     tracking_uri = _absolute_uri(base.tracking.tracking_uri)
     check_store(tracking_uri)
     base_raw = _absolute_paths(plan.base_raw)
+    _check_inputs(plan)
     needs = [_trial_needs(c, spec.trial_driver_cpus) for c in plan.probes]
     started_ray = cluster.connect(max(n["CPU"] for n in needs))
     tracker = None
@@ -422,6 +423,20 @@ def run_sweep(sweep: SweepConfig | SweepPlan | str | os.PathLike, overrides: Seq
             shutil.rmtree(tune_dir, ignore_errors=True)
         if started_ray:
             ray.shutdown()
+
+
+def _check_inputs(plan: SweepPlan) -> None:
+    """What a trial's fit() checks before it starts (factory, data, checkpoint storage), once per
+    distinct model and data among the probes: bad input is a ConfigError here, not a failed trial."""
+    from orchestrator.trainer import check_inputs
+
+    seen: set[str] = set()
+    for config in plan.probes:
+        key = json.dumps(config.model_dump(mode="json", include={"model", "data", "checkpoint", "scaling"}),
+                         sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            check_inputs(config)
 
 
 def _trial_needs(config: JobConfig, driver_cpus: float) -> dict[str, float]:

@@ -162,3 +162,18 @@ def test_trials_get_the_drivers_tracking_store_as_an_absolute_uri(tmp_path, monk
 
     monkeypatch.chdir(tmp_path)
     assert _absolute_uri(uri) == expected.format(cwd=os.getcwd())
+
+
+def test_a_model_that_does_not_fit_the_data_is_bad_input_before_ray(tmp_path, capsys, monkeypatch):
+    """What a trial's fit() would reject (here a factory searched over) is found by the driver first."""
+    import ray
+
+    monkeypatch.chdir(tmp_path)
+    base = write(tmp_path, {"data": {"source": "builtin:synthetic"}, "model": {"factory": "examples.models:tiny_mlp"},
+                            "checkpoint": {"storage": str(tmp_path / "ck")}}, "base.yaml")
+    path = write(tmp_path, with_(base=base, search={
+        "model.factory": {"grid": ["examples.models:tiny_mlp", "examples.models:mnist_cnn"]}}))
+    assert main(["sweep", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.factory: examples.models:mnist_cnn does not accept builtin:synthetic" in err, err
+    assert not ray.is_initialized()
