@@ -15,8 +15,10 @@ from orchestrator.sweep import SweepConfig, run_sweep
 pytestmark = pytest.mark.ray
 
 
-def test_asha_stops_the_trailing_trial_and_marks_its_run(ray_cluster, tmp_path):
+def test_asha_stops_the_trailing_trial_and_marks_its_run(ray_cluster, tmp_path, monkeypatch):
     import ray
+
+    monkeypatch.chdir(tmp_path)  # the sqlite store's artifacts go to ./mlruns of the process that creates the experiment
 
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({
