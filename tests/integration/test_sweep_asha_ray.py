@@ -4,6 +4,7 @@ its actors and placement group are gone; the trial that ends by its own stop con
 its run."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -23,13 +24,33 @@ def test_asha_stops_the_trailing_trial_and_marks_its_run(ray_cluster, tmp_path, 
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({
         "model": {"factory": "examples.models:tiny_mlp"}, "data": {"source": "builtin:synthetic", "batch_size": 32},
-        "scaling": {"replicas": 1, "cpus_per_replica": 1}, "stop": {"epochs": 3},
+        "scaling": {"replicas": 1, "cpus_per_replica": 1}, "stop": {"epochs": 3}, "fault_tolerance": {"spares": 1},
         "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
         "checkpoint": {"storage": str(tmp_path / "ck")}}))
     # one trial at a time, in grid order: the good rate sets the bar at epoch 1, the tiny one trails it
     sweep = SweepConfig(base=str(base), search={"optimizer.lr": {"grid": [0.1, 1e-6]}}, max_concurrent_trials=1,
                         scheduler="asha", asha={"grace_period": 1, "reduction_factor": 2}, experiment="asha")
-    result = run_sweep(sweep, show_progress=False)
+    seen: dict[str, set] = {}  # actor class -> the placement groups its live actors were in
+    done = threading.Event()
+
+    def watch() -> None:
+        from ray.util.state import list_actors
+
+        while not done.is_set():
+            try:
+                for actor in list_actors(filters=[("state", "=", "ALIVE")], detail=True, timeout=5):
+                    seen.setdefault(actor.class_name, set()).add(actor.placement_group_id)
+            except Exception:  # the state API can time out on a busy machine; look again
+                pass
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = run_sweep(sweep, show_progress=False)
+    finally:
+        done.set()
+        watcher.join(10)
 
     rows = {r["params"]["optimizer.lr"]: r for r in result.rows}
     assert rows[0.1]["status"] == "finished" and rows[0.1]["epochs"] == 3
@@ -44,6 +65,14 @@ def test_asha_stops_the_trailing_trial_and_marks_its_run(ray_cluster, tmp_path, 
     for run in (good, stopped):
         assert run.data.tags["mlflow.parentRunId"] == result.parent_run_id
     assert client.get_run(result.parent_run_id).info.status == "FINISHED"
+
+    # every actor a trial started (the replica, its spare that reserves no CPU, the partition server) was
+    # in that trial's placement group, the one Tune started the trial in
+    ours = ("ModelReplica", "PartitionServer", "ParameterShard")
+    trial_groups = set().union(*(g for name, g in seen.items() if name not in ours)) - {None}  # Tune's trial actors
+    assert {"ModelReplica", "PartitionServer"} <= set(seen), seen
+    for name in ("ModelReplica", "PartitionServer"):
+        assert None not in seen[name] and seen[name] <= trial_groups, seen
 
     # the stopped trial's replica, partition server and placement group are gone: every CPU is free again
     total = ray.cluster_resources()["CPU"]
