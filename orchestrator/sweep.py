@@ -198,6 +198,12 @@ def plan_sweep(sweep: SweepConfig, overrides: Sequence[str] = (), relative_to: O
     if discrete and math.prod(len(v) for v in discrete.values()) <= MAX_CHECKED_COMBINATIONS:
         for combo in itertools.product(*discrete.values()):
             probes.append(_probe(base_raw, {**dict(zip(discrete, combo)), **ranges}))
+    for config in probes:
+        s = config.scaling
+        if s.max_or_replicas() > s.replicas:  # the new replicas would wait for bundles the group does not have
+            raise ConfigError(f"sweep error: scaling.max_replicas: a trial's placement group holds its "
+                              f"scaling.replicas ({s.replicas}) replicas, it cannot grow to {s.max_replicas}; "
+                              "leave max_replicas unset in a sweep")
     return SweepPlan(sweep, base_raw, base_path, probes)
 
 
@@ -341,9 +347,10 @@ def _trial(params: dict[str, Any], setup: dict[str, Any]) -> None:
 
 def trial_resources(config: JobConfig, driver_cpus: float) -> Any:
     """The placement group a trial needs: a bundle for its driver (empty when driver_cpus is 0)
-    and one per replica ({CPU: cpus_per_replica[, GPU: gpus_per_replica]}). Spares, parameter
-    shards and the partition server reserve nothing, so they need no bundle; Tune captures every
-    actor the trial starts into this group."""
+    and one per replica ({CPU: cpus_per_replica[, GPU: gpus_per_replica]}). Tune captures the
+    actors the trial starts into this group: the replicas take their bundles, spares reserve
+    nothing. The partition server and the shards (no CPU either) are placed beside the trial's
+    driver by node affinity, outside the group."""
     from ray.tune import PlacementGroupFactory
 
     s = config.scaling

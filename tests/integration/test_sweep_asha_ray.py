@@ -66,13 +66,12 @@ def test_asha_stops_the_trailing_trial_and_marks_its_run(ray_cluster, tmp_path, 
         assert run.data.tags["mlflow.parentRunId"] == result.parent_run_id
     assert client.get_run(result.parent_run_id).info.status == "FINISHED"
 
-    # every actor a trial started (the replica, its spare that reserves no CPU, the partition server) was
-    # in that trial's placement group, the one Tune started the trial in
+    # every replica a trial started (and its spare, which reserves no CPU) was in that trial's placement
+    # group, the one Tune started the trial in (the partition server goes beside the trial's driver)
     ours = ("ModelReplica", "PartitionServer", "ParameterShard")
     trial_groups = set().union(*(g for name, g in seen.items() if name not in ours)) - {None}  # Tune's trial actors
-    assert {"ModelReplica", "PartitionServer"} <= set(seen), seen
-    for name in ("ModelReplica", "PartitionServer"):
-        assert None not in seen[name] and seen[name] <= trial_groups, seen
+    assert "ModelReplica" in seen and "PartitionServer" in seen, seen
+    assert None not in seen["ModelReplica"] and seen["ModelReplica"] <= trial_groups and len(trial_groups) == 2, seen
 
     # the stopped trial's replica, partition server and placement group are gone: every CPU is free again
     total = ray.cluster_resources()["CPU"]
