@@ -96,7 +96,7 @@ class SweepConfig(_Section):
     are ranked, scheduled and recorded."""
 
     base: str = Field(description="The job config every trial starts from (a YAML path; relative to the working "
-                      "directory, else to the sweep file's directory).")
+                      "directory, else to the sweep file's directory or the nearest of its parents that has it).")
     set: dict[str, Any] = Field(default_factory=dict, description="Fixed `section.key: value` overrides applied to "
                                 "base for every trial (as `--set`), e.g. {stop.epochs: 3}.")
     search: dict[str, SearchSpace] = Field(
@@ -253,8 +253,10 @@ def _check_key(key: str, field: str) -> None:
 
 def _find_base(base: str, relative_to: Optional[str]) -> str:
     candidates = [os.path.abspath(base)]
-    if relative_to and not os.path.isabs(base):
+    while relative_to and not os.path.isabs(base):  # the sweep file's directory, then its parents
         candidates.append(os.path.join(relative_to, base))
+        parent = os.path.dirname(relative_to)
+        relative_to = parent if parent != relative_to else None
     for path in candidates:
         if os.path.isfile(path):
             return path

@@ -27,7 +27,8 @@ def with_(**changes):
     return {k: v for k, v in raw.items() if v is not None}
 
 
-def test_the_example_sweep_file_is_valid():
+def test_the_example_sweep_file_is_valid(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # its base, examples/mnist_allreduce.yaml, is found from the sweep file's parent
     plan = load_sweep(os.path.join(REPO, "examples", "mnist_sweep.yaml"))
     assert plan.trials == 4 and plan.sweep.scheduler == "asha"
     assert plan.base_path == BASE
