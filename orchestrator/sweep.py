@@ -302,11 +302,14 @@ class _TuneReport:
     """A reporting callback: after every epoch, the epoch's figures (and the child run's id, so the
     driver finds every trial's run) to Ray Tune. When Tune ends the trial (a scheduler stopped it),
     `tune.report` raises SystemExit in this thread; it is turned into KeyboardInterrupt so fit() ends
-    the run as it does on Ctrl-C: MLflow run KILLED, actors stopped."""
+    the run as it does on Ctrl-C: MLflow run KILLED, actors stopped. The run's last epoch (its
+    epoch limit, or the target reached with stop.at_target) is reported after fit() returns, so a
+    scheduler's verdict on it cannot cut off a run that has done its training."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.stopped = False
+        self.last: Optional[dict[str, Any]] = None  # the last epoch's row, reported once the run is finished
 
     def on_event(self, event: dict[str, Any]) -> None:
         if event.get("kind") != "epoch_end":
@@ -316,11 +319,31 @@ class _TuneReport:
         tracker = self.trainer.controller.tracker
         row = {"epoch": event["epoch"], "t_s": event.get("t", 0.0), "mlflow_run_id": tracker.run_id}
         row.update({k: event[k] for k in REPORTED_METRICS if k in event})
+        if ends_the_run(self.trainer.config, event):
+            self.last = row
+            return
         try:
             tune.report(row)
         except SystemExit:
             self.stopped = True
             raise KeyboardInterrupt("the sweep's scheduler stopped this trial") from None
+
+    def report_last(self) -> None:
+        from ray import tune
+
+        if self.last is not None:
+            try:
+                tune.report(self.last)
+            except SystemExit:  # the run is finished; a scheduler's stop changes nothing now
+                pass
+
+
+def ends_the_run(config: JobConfig, epoch_end: dict[str, Any]) -> bool:
+    """Whether the run stops after this epoch_end event: its epoch limit, or the target accuracy
+    reached with stop.at_target (a stop by stop.max_wall_s is not known in advance)."""
+    stop = config.stop
+    return epoch_end["epoch"] >= stop.epochs or (
+        stop.at_target and stop.target_accuracy is not None and epoch_end.get("test_accuracy", 0.0) >= stop.target_accuracy)
 
 
 def _trial(params: dict[str, Any], setup: dict[str, Any]) -> None:
@@ -344,7 +367,8 @@ def _trial(params: dict[str, Any], setup: dict[str, Any]) -> None:
     except KeyboardInterrupt:
         if not report.stopped:
             raise
-        # stopped by the scheduler: fit marked the run KILLED; the driver adds the stopped_early tag
+        return  # stopped by the scheduler: fit marked the run KILLED; the driver adds the stopped_early tag
+    report.report_last()
 
 
 def trial_resources(config: JobConfig, driver_cpus: float) -> Any:

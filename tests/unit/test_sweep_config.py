@@ -179,3 +179,19 @@ def test_a_model_that_does_not_fit_the_data_is_bad_input_before_ray(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert "model.factory: examples.models:mnist_cnn does not accept builtin:synthetic" in err, err
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("stop, event, last", [
+    ({"epochs": 3}, {"epoch": 2, "test_accuracy": 0.99}, False),
+    ({"epochs": 3}, {"epoch": 3, "test_accuracy": 0.5}, True),
+    ({"epochs": 9, "target_accuracy": 0.9}, {"epoch": 2, "test_accuracy": 0.91}, True),
+    ({"epochs": 9, "target_accuracy": 0.9}, {"epoch": 2, "test_accuracy": 0.89}, False),
+    ({"epochs": 9, "target_accuracy": 0.9, "at_target": False}, {"epoch": 2, "test_accuracy": 0.95}, False),
+])
+def test_a_trials_last_epoch_is_known_so_it_is_reported_after_the_run_finished(stop, event, last):
+    """The last epoch goes to Tune after fit() returns: a scheduler's stop then cannot cut off a run
+    that has done its training (no final checkpoint, no result.json, marked KILLED)."""
+    from orchestrator.config import JobConfig
+    from orchestrator.sweep import ends_the_run
+
+    assert ends_the_run(JobConfig.from_dict({"stop": stop}), {"kind": "epoch_end", **event}) is last
