@@ -480,15 +480,20 @@ def _trial_needs(config: JobConfig, driver_cpus: float) -> dict[str, float]:
 
 def _check_fits(needs: list[dict[str, float]]) -> None:
     """The largest trial fits in the connected cluster (else Tune would wait for it forever)."""
-    from orchestrator.cluster import check_fits
-
     import ray
 
+    from orchestrator.checks import bounded
+    from orchestrator.cluster import RESOURCES_TIMEOUT_S, check_fits
+
+    try:
+        total = bounded(ray.cluster_resources, RESOURCES_TIMEOUT_S, "the Ray cluster's resources")
+    except TimeoutError as exc:
+        raise TrainingError(str(exc)) from None
     for key in ("CPU", "GPU"):
         biggest = max(needs, key=lambda n: n[key])
         if biggest[key] <= 0:
             continue
-        have = ray.cluster_resources().get(key, 0.0)
+        have = total.get(key, 0.0)
         if biggest[key] > have + 1e-9:
             raise ConfigError(f"sweep error: one trial needs {biggest[key]:g} {key} (its replicas and driver), "
                               f"the cluster has {have:g}")

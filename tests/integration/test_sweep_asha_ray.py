@@ -79,3 +79,19 @@ def test_asha_stops_the_trailing_trial_and_marks_its_run(ray_cluster, tmp_path, 
     while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
         time.sleep(0.5)
     assert ray.available_resources().get("CPU", 0) == total
+
+
+def test_a_trial_bigger_than_the_cluster_is_bad_input(ray_cluster, tmp_path, monkeypatch):
+    """Tune would wait forever for a placement group the cluster cannot hold: exit 2 before any run."""
+    from orchestrator.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    base = tmp_path / "base.yaml"
+    base.write_text(yaml.safe_dump({
+        "model": {"factory": "examples.models:tiny_mlp"}, "data": {"source": "builtin:synthetic"},
+        "scaling": {"replicas": 5, "cpus_per_replica": 1},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"}, "checkpoint": {"storage": str(tmp_path / "ck")}}))
+    sweep = SweepConfig(base=str(base), search={"optimizer.lr": {"grid": [0.1, 0.01]}})
+    with pytest.raises(ConfigError, match="one trial needs 5 CPU .* the cluster has 4"):
+        run_sweep(sweep, show_progress=False)
+    assert not (tmp_path / "mlflow.db").exists()  # no parent run was opened
