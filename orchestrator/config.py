@@ -320,7 +320,8 @@ class ScalingConfig(_Section):
     max_replicas: Optional[int] = Field(
         None, ge=1, description="The most replicas the run may grow to when the cluster has room; none = "
         "scaling.replicas (no growth beyond it; a run that shrank grows back to it). New replicas start when room "
-        "is seen and join at the next epoch boundary; while below it the run asks the autoscaler for the room "
+        "is seen and join once ready, at the replicas' next partition boundary; while below it the run asks the "
+        "autoscaler for the room "
         "(docs/elasticity.md)."
     )
     lr_scaling: Literal["linear", "none"] = Field(

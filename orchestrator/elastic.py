@@ -11,9 +11,14 @@ at the cluster for it and carries the decisions out.
   for the whole cluster, last writer wins: re-sending an unchanged request would overwrite
   another job's for nothing); an empty request withdraws it once met, and when the run ends.
 - Growing: a "grow" decision starts the new replicas at once (they boot while the epoch runs);
-  at the next epoch boundary those that are ready join: they take the state of a live replica
-  (allreduce) or the shards' reference (downpour, easgd), the process group is re-formed over
-  everyone, the test slices are re-cut, and the next epoch's partitions are spread over all.
+  once one is ready the partition server pauses the replicas at their next partition boundary
+  (the phase-switch pause: allreduce replicas all stop after the same step) and the ready ones
+  join: they take the state of a live replica (allreduce) or the shards' reference (downpour,
+  easgd), the process group is re-formed over everyone, the test slices are re-cut, and the
+  epoch goes on (a newcomer in allreduce steps without data until the epoch's end, its
+  partitions having been dealt already; in the asynchronous modes it leases from the shared
+  queue); the next epoch's partitions are spread over all. If the epoch ends before anyone
+  paused, they join at the epoch boundary.
 - Shrinking: a replica that died with its node (the node's raylet no longer answers) is
   replaced only if the cluster has room elsewhere; otherwise the failure policy drops it and
   the survivors go on (`placeable`), through the same reconfiguration as any failure.
@@ -70,6 +75,7 @@ class Elasticity:
     _next_poll: float = 0.0
     _room_since: Optional[float] = None
     _look_failed: bool = False
+    pausing: bool = False  # the partition server is pausing the replicas for ready newcomers to join
 
     def __post_init__(self) -> None:
         s = self.ctl.cfg.scaling
@@ -149,10 +155,13 @@ class Elasticity:
                 pass
 
     # ---- growing -----------------------------------------------------------------------------
-    def tick(self) -> None:
-        """`poll`, where a failed look at the cluster is reported (once) and training goes on."""
+    def tick(self, seg: Optional[EpochSegment] = None) -> None:
+        """`poll` (and, with the epoch in flight, `pause_for_ready`), where a failed look at the
+        cluster is reported (once) and training goes on."""
         try:
             self.poll()
+            if seg is not None:
+                self.pause_for_ready(seg)
         except Exception as exc:
             if not self._look_failed:
                 self._look_failed = True
@@ -190,12 +199,55 @@ class Elasticity:
         self._room_since = None
         self.ctl.report.say(f"growing {current} -> {decision.target}: {decision.reason}")
 
+    def pause_for_ready(self, seg: EpochSegment) -> None:
+        """Mid-epoch, once a started replica is ready: the partition server pauses the replicas at
+        their next partition boundary (allreduce: all after the same step), where it joins
+        (`join_paused`). Not while a phase switch or a failure is being handled."""
+        j = self.joining
+        if j is None or self.pausing or not seg.begun or self.ctl.pending_switch is not None or seg.failures:
+            return
+        done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
+        if done:
+            self.ctl.get(self.ctl.server.pause.remote(True), "partition server")
+            self.pausing = True
+
+    def join_paused(self, seg: EpochSegment) -> None:
+        """Every stream has ended, some paused for the grow: the ready replicas join, the epoch
+        goes on (allreduce: every member resumes after the same step; a newcomer steps without
+        data until the epoch ends, since the epoch's partitions were dealt already;
+        asynchronous modes: the paused replicas resume and the newcomers lease from the shared
+        queue)."""
+        from orchestrator.recovery import report_finished_passes
+
+        ctl = self.ctl
+        paused = [r for r, item in seg.ended.items() if item["kind"] == "paused"]
+        report_finished_passes(ctl, seg, set())
+        ready = self._join(seg, mid_epoch=True) or []
+        self._stop_pausing()
+        reopen = ctl.group.ranks if ctl.lock_step else paused + ready
+        for rank in reopen:
+            ctl.open_stream(seg, rank, resume=rank not in ready, announce=True)
+        if seg.recoveries and ready:
+            seg.recoveries[-1].waiting = set(reopen)
+        seg.disturbed = True
+
     def join_ready(self, seg: EpochSegment) -> None:
-        """At an epoch boundary: the started replicas that are ready become members (the rest
-        join at a later boundary; none ready within JOIN_TIMEOUT_S: the grow is given up)."""
+        """At an epoch boundary: the started replicas that are ready become members; they step
+        when the next epoch opens."""
+        self._stop_pausing()  # a pause nobody reached (every replica held its last partitions)
+        self._join(seg, mid_epoch=False)
+
+    def _stop_pausing(self) -> None:
+        if self.pausing:
+            self.ctl.get(self.ctl.server.pause.remote(False), "partition server")
+            self.pausing = False
+
+    def _join(self, seg: EpochSegment, mid_epoch: bool) -> Optional[list[int]]:
+        """The started replicas that are ready become members (the rest join later; none ready
+        within JOIN_TIMEOUT_S: the grow is given up). Returns the ranks that joined."""
         j = self.joining
         if j is None:
-            return
+            return None
         ctl, group = self.ctl, self.ctl.group
         done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
         ready = [r for r, ref in j.ready.items() if ref in done]
@@ -205,7 +257,7 @@ class Elasticity:
                 self.joining = None
                 ctl.report.event("resize_abandoned", ranks=j.ranks, reason=j.decision.reason,
                                  waited_s=round(time.perf_counter() - j.t_decide, 1))
-            return
+            return None
         t0 = time.perf_counter()
         try:
             group.finish_joining(ready)
@@ -213,7 +265,7 @@ class Elasticity:
             group.abandon_joining(j.ranks)
             self.joining = None
             ctl.report.event("resize_abandoned", ranks=j.ranks, reason=f"{type(exc).__name__}: {exc}")
-            return
+            return None
         for r in ready:
             j.ready.pop(r)
         if not j.ready:
@@ -225,8 +277,8 @@ class Elasticity:
             group.call(ready, "sync_from_shards", step, what="state from the shards")
             for r in ready:
                 ctl.shard_group.welcome_replica(r, step)
-        else:
-            group.transfer_state(old[0], ready)  # at an epoch boundary every allreduce replica is the same
+        else:  # every allreduce replica is the same at an epoch boundary and after a lock-step pause
+            group.transfer_state(old[0], ready)
         group.form()
         ctl.give_data(ready)
         ctl.reslice_tests()
@@ -235,11 +287,12 @@ class Elasticity:
         lr = self.follow(step, len(members))
         event = {"kind": "resize", "direction": "grow", "epoch": seg.epoch, "reason": j.decision.reason,
                  "old_size": len(old), "new_size": len(members), "ranks": ready, "generation": group.generation,
-                 "at_step": step, "join_s": round(time.perf_counter() - t0, 3),
+                 "at_step": step, "mid_epoch": mid_epoch, "join_s": round(time.perf_counter() - t0, 3),
                  "since_room_seen_s": round(time.time() - j.room_seen_wall, 3), **lr}
         seg.recoveries.append(Recovery(event, j.t_decide_wall, set(members), duration_key="resize_s"))
         ctl.report.metrics([("replicas_alive", len(members), ctl.totals.steps)])
         ctl.report.say(f"grew to {len(members)} replicas (ranks {ready} joined at step {step})")
+        return ready
 
     # ---- the learning rate ---------------------------------------------------------------------
     def follow(self, step: int, replicas: int, ranks: Optional[list[int]] = None) -> dict[str, Any]:

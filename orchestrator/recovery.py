@@ -48,6 +48,9 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
         if not seg.streams:
             if ctl.pending_switch is not None and any(i["kind"] == "paused" for i in seg.ended.values()):
                 return Reconfiguring(ctl.pending_switch, seg)
+            if ctl.elastic.pausing and any(i["kind"] == "paused" for i in seg.ended.values()):
+                ctl.elastic.join_paused(seg)  # ready newcomers join; the epoch goes on
+                continue
             nxt = close_pass(ctl, seg)
             if nxt is None:
                 continue  # a further pass of the epoch started
@@ -60,7 +63,7 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
                 read_item(ctl, seg, rank, stream)
         poll_shards(ctl, seg)
         check_hangs(ctl, seg)
-        ctl.elastic.tick()
+        ctl.elastic.tick(seg)
         if seg.fresh_signals or ctl.switch_policy.plan[ctl.switch_policy.current]["until"] is not None:
             seg.fresh_signals = False
             switching.consider(ctl, seg)
@@ -91,7 +94,7 @@ def read_item(ctl: "Controller", seg: EpochSegment, rank: int, stream: Any) -> N
     if kind == "stepping":
         stepped(ctl, seg, rank, item["t_wall"])
         return
-    if kind == "paused" and ctl.pending_switch is None:
+    if kind == "paused" and ctl.pending_switch is None and not ctl.elastic.pausing:
         # a stale pause: the replica's grant request was answered while the last switch was
         # being decided, and it heard it only after resuming: it goes on at once
         seg.items.append(item)

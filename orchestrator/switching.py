@@ -65,7 +65,7 @@ def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = F
              metrics: Optional[dict[str, float]] = None) -> None:
     """Ask the policy; a switch it decides is recorded as pending (and, mid-epoch, the partition
     server starts pausing the replicas)."""
-    if ctl.pending_switch is not None or len(ctl.switch_policy.plan) < 2:
+    if ctl.pending_switch is not None or len(ctl.switch_policy.plan) < 2 or ctl.elastic.pausing:
         return
     sw = ctl.switch_policy.decide(observe(ctl, epoch_end, metrics))
     if sw is None:
