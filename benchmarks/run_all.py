@@ -86,22 +86,23 @@ def fmt(value: float) -> str:
 
 def write_summary() -> str:
     """summary.md: per benchmark, mode (quick/full) and ratio, the median over the runs of the
-    newest run's code, min-max, and every run's value in the order they ran."""
+    newest code that ran that benchmark (a benchmark not rerun after a change keeps its last
+    code's runs, and says which code that was), min-max, and every run's value in the order
+    they ran."""
     runs = [r for r in load_runs() if r["env"].get("git_commit")]
     lines = ["# Benchmark summary", ""]
     if not runs:
         lines.append("No recorded runs yet: `make bench` (or `python benchmarks/run_all.py --quick`).")
     else:
-        newest = max(runs, key=lambda r: r["env"]["date"])
-        current = [r for r in runs if code_key(r) == code_key(newest)]
-        env = newest["env"]
-        commit, dirty = env["git_commit"], env["git_dirty"]
+        current = []
+        for bench in sorted({r["benchmark"] for r in runs}):
+            mine = [r for r in runs if r["benchmark"] == bench]
+            newest = max(mine, key=lambda r: r["env"]["date"])
+            current += [r for r in mine if code_key(r) == code_key(newest)]
+        env = max(runs, key=lambda r: r["env"]["date"])["env"]
         lines += [
-            f"Code: commit `{commit[:12]}`" + (f" with uncommitted changes (digest `{env['git_diff_sha1'][:12]}`)"
-                                               if dirty else " (clean work tree)") + ".",
-            f"Runs of this code: {len(current)} of {len(runs)} recorded "
-            f"({min(r['env']['date'] for r in current)} to {max(r['env']['date'] for r in current)}); "
-            "runs of other code are left out.",
+            f"Runs summarised: {len(current)} of {len(runs)} recorded: per benchmark, the runs of the newest code "
+            "that ran it (the `code` column; `+` marks uncommitted changes); runs of older code are left out.",
             f"Machine: {env['machine']}, {env['cores']} cores; Python {env['python']}, torch {env['torch']}, "
             f"Ray {env['ray']}.",
             "Each value is the median over the runs of that benchmark (each run's ratio is itself what the "
@@ -109,19 +110,20 @@ def write_summary() -> str:
             "higher is better for this project.",
             "Rerun: `make bench` (= `python benchmarks/run_all.py --quick`); `--repeat N` runs the set N times.",
             "",
-            "| benchmark | mode | ratio (higher is better for us) | median | min-max | runs | every run |",
-            "|---|---|---|---|---|---|---|",
+            "| benchmark | code | mode | ratio (higher is better for us) | median | min-max | runs | every run |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         groups: dict[tuple, list[dict]] = defaultdict(list)
         for r in sorted(current, key=lambda r: r["env"]["date"]):
             groups[(r["benchmark"], "quick" if r["quick"] else "full")].append(r)
         for (bench, mode), rs in sorted(groups.items()):
+            code = rs[-1]["env"]["git_commit"][:7] + ("+" if rs[-1]["env"]["git_dirty"] else "")
             keys = list(dict.fromkeys(k for r in rs for k in r["ratios"]))
             for key in keys:
                 values = [r["ratios"][key] for r in rs if r["ratios"].get(key) is not None]
                 if not values:
                     continue
-                lines.append(f"| {bench} | {mode} | {key} | **{fmt(statistics.median(values))}** | "
+                lines.append(f"| {bench} | `{code}` | {mode} | {key} | **{fmt(statistics.median(values))}** | "
                              f"{fmt(min(values))}-{fmt(max(values))} | {len(values)} of {len(rs)} | "
                              f"{', '.join(fmt(v) for v in values)} |")
         lines += ["", "Runs summarised:", ""]
