@@ -72,3 +72,48 @@ def report(name: str, quick: bool, results: dict[str, Any], ratios: dict[str, fl
             json.dump({"benchmark": name, "quick": quick, "env": environment(), "results": results,
                        "ratios": ratios}, f, indent=2)
         print(f"  wrote {path}")
+
+
+def ray_train_worker(partitions: int, seed: int, lr: float, momentum: float, log_dir: str, **log_fields: Any):
+    """Inside a Ray Train worker of a benchmark against Ray Train: the data cut as our replicas
+    cut it (`partitions` partitions of mnist5k, this rank's slice of the test split), the same
+    CNN and seed, restored from `ray.train.get_checkpoint()` when there is one, wrapped by
+    `prepare_model`, SGD as our replicas run it, and a line-buffered log in `log_dir` opened with
+    a first line saying who and where from (plus `log_fields`). Returns a SimpleNamespace."""
+    import time
+    from types import SimpleNamespace
+
+    import ray.train
+    import torch
+    from ray.train.torch import prepare_model
+
+    from examples.models import mnist_cnn
+    from orchestrator.data import eval_slices, load_source, partition
+
+    torch.set_num_threads(1)
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    pid = os.getpid()
+    d = load_source("builtin:mnist5k")
+    parts = partition(d.train, partitions, seed)
+    tensors = [(torch.from_numpy(p.x), torch.from_numpy(p.y)) for p in parts]
+    lo, hi = eval_slices(len(d.test), world)[rank]
+    torch.manual_seed(seed)
+    net = mnist_cnn()
+    done_epochs, step, opt_state = 0, 0, None
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as path:
+            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+        net.load_state_dict(state["model"])
+        done_epochs, step, opt_state = state["epoch"], state["step"], state["optimizer"]
+    model = prepare_model(net)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    log = open(os.path.join(log_dir, f"rank{rank}-pid{pid}.log"), "a", buffering=1)
+    log.write(json.dumps({"pid": pid, "rank": rank, **log_fields, "t_start": time.time(), "resume_step": step,
+                          "resume_epoch": done_epochs}) + "\n")
+    return SimpleNamespace(rank=rank, world=world, tensors=tensors, sizes=[len(p) for p in parts],
+                           tx=torch.from_numpy(d.test.x[lo:hi]), ty=torch.from_numpy(d.test.y[lo:hi]), net=net,
+                           model=model, opt=opt, done_epochs=done_epochs, step=step, log=log)

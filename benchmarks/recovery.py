@@ -48,7 +48,8 @@ import time
 import traceback
 from typing import Any, Optional
 
-from common import REPO, environment, median, parse_args
+import common
+from common import REPO, environment, median, parse_args, ray_train_worker
 
 import throughput
 from throughput import BATCH, LR, MOMENTUM, PARTITIONS, SEED, WORKERS, epoch_batches, evaluate
@@ -69,37 +70,10 @@ def ray_train_loop(config: dict) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from ray.train import Checkpoint
-    from ray.train.torch import prepare_model
 
-    from examples.models import mnist_cnn
-    from orchestrator.data import eval_slices, load_source, partition
-
-    torch.set_num_threads(1)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    pid = os.getpid()
-    d = load_source("builtin:mnist5k")
-    parts = partition(d.train, PARTITIONS, SEED)
-    tensors = [(torch.from_numpy(p.x), torch.from_numpy(p.y)) for p in parts]
-    sizes = [len(p) for p in parts]
-    lo, hi = eval_slices(len(d.test), world)[rank]
-    tx, ty = torch.from_numpy(d.test.x[lo:hi]), torch.from_numpy(d.test.y[lo:hi])
-    torch.manual_seed(SEED)
-    net = mnist_cnn()
-    done_epochs, step, opt_state = 0, 0, None
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as path:
-            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-        net.load_state_dict(state["model"])
-        done_epochs, step, opt_state = state["epoch"], state["step"], state["optimizer"]
-    model = prepare_model(net)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    if opt_state is not None:
-        opt.load_state_dict(opt_state)
-    log = open(os.path.join(config["log_dir"], f"rank{rank}-pid{pid}.log"), "a", buffering=1)
-    log.write(json.dumps({"pid": pid, "rank": rank, "t_start": time.time(), "resume_step": step,
-                          "resume_epoch": done_epochs}) + "\n")
+    w = ray_train_worker(PARTITIONS, SEED, LR, MOMENTUM, config["log_dir"])
+    rank, tensors, sizes, tx, ty, net, model, opt = w.rank, w.tensors, w.sizes, w.tx, w.ty, w.net, w.model, w.opt
+    done_epochs, step, log = w.done_epochs, w.step, w.log
     for epoch in range(done_epochs + 1, config["epochs"] + 1):
         model.train()
         for p, idx in epoch_batches(sizes, rank, epoch):
@@ -391,8 +365,8 @@ def main() -> None:
     import ray
     from ray.cloudpickle import register_pickle_by_value
 
-    register_pickle_by_value(throughput)  # the workers cannot import benchmarks/throughput.py by name:
-    # its epoch_batches and evaluate travel by value
+    register_pickle_by_value(throughput)  # the workers cannot import benchmarks/throughput.py or common.py
+    register_pickle_by_value(common)  # by name: their functions travel by value
     reps, epochs = (1, 3) if args.quick else (3, 4)
     names = ["ray_train"] + [f"ours[{m},spare{s}]" for m in MODES for s in SPARES]
     runs: dict[str, list] = {n: [] for n in names}

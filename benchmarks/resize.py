@@ -70,23 +70,6 @@ WAIT_S = 180  # the longest wait for any one stage before the round is given up
 
 # ---------------------------------------------------------------- Ray Train (V2), in a subprocess
 
-def epoch_batches(sizes: list[int], world: int, rank: int, epoch: int) -> list:
-    """(partition, row positions) of every step `rank` of `world` takes in `epoch`, as our
-    replicas take them (throughput.epoch_batches with the world size as a parameter)."""
-    import numpy as np
-    import torch
-
-    from policies.leases import PartitionLedger
-
-    ledger = PartitionLedger(len(sizes), world, SEED, pinned=True)
-    ledger.start_epoch(epoch)
-    steps = []
-    while (lease := ledger.lease(rank)) is not None:
-        order = torch.from_numpy(np.random.default_rng(lease.seed).permutation(sizes[lease.partition]))
-        steps += [(lease.partition, idx) for idx in order.split(BATCH)]
-    return steps
-
-
 def ray_train_loop(config: dict) -> None:
     """A Ray Train user's elastic loop: DDP via prepare_model, a checkpoint every epoch, resume
     from ray.train.get_checkpoint(); one line per step with the world size."""
@@ -95,41 +78,16 @@ def ray_train_loop(config: dict) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from ray.train import Checkpoint
-    from ray.train.torch import prepare_model
 
-    from examples.models import mnist_cnn
-    from orchestrator.data import eval_slices, load_source, partition
-    from throughput import evaluate
+    from common import ray_train_worker
+    from throughput import epoch_batches, evaluate
 
-    torch.set_num_threads(1)
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    pid = os.getpid()
-    d = load_source("builtin:mnist5k")
-    parts = partition(d.train, PARTITIONS, SEED)
-    tensors = [(torch.from_numpy(p.x), torch.from_numpy(p.y)) for p in parts]
-    sizes = [len(p) for p in parts]
-    lo, hi = eval_slices(len(d.test), world)[rank]
-    tx, ty = torch.from_numpy(d.test.x[lo:hi]), torch.from_numpy(d.test.y[lo:hi])
-    torch.manual_seed(SEED)
-    net = mnist_cnn()
-    done_epochs, step, opt_state = 0, 0, None
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
-        with ckpt.as_directory() as path:
-            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
-        net.load_state_dict(state["model"])
-        done_epochs, step, opt_state = state["epoch"], state["step"], state["optimizer"]
-    model = prepare_model(net)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    if opt_state is not None:
-        opt.load_state_dict(opt_state)
-    log = open(os.path.join(config["log_dir"], f"rank{rank}-pid{pid}.log"), "a", buffering=1)
-    log.write(json.dumps({"pid": pid, "rank": rank, "world": world, "t_start": time.time(),
-                          "resume_step": step, "resume_epoch": done_epochs}) + "\n")
+    w = ray_train_worker(PARTITIONS, SEED, LR, MOMENTUM, config["log_dir"], world=ray.train.get_context().get_world_size())
+    rank, world, tensors, sizes, tx, ty, net, model, opt = w.rank, w.world, w.tensors, w.sizes, w.tx, w.ty, w.net, w.model, w.opt
+    done_epochs, step, log = w.done_epochs, w.step, w.log
     for epoch in range(done_epochs + 1, config["epochs"] + 1):
         model.train()
-        for p, idx in epoch_batches(sizes, world, rank, epoch):
+        for p, idx in epoch_batches(sizes, rank, epoch, world):
             x, y = tensors[p]
             opt.zero_grad()
             F.cross_entropy(model(torch.index_select(x, 0, idx)), torch.index_select(y, 0, idx)).backward()

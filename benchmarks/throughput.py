@@ -30,16 +30,16 @@ WORKERS, BATCH, LR, MOMENTUM, SEED, TARGET = 2, 64, 0.05, 0.9, 0, 0.97
 PARTITIONS = 4 * WORKERS  # the default data.partitions: 4 per replica
 
 
-def epoch_batches(sizes: list[int], rank: int, epoch: int) -> list[tuple[int, "torch.Tensor"]]:
-    """(partition, row positions) of every step `rank` takes in `epoch`, as our replicas take
-    them: the partitions pinned to `rank` (PartitionLedger, pinned), each in its lease's
-    shuffled order, cut into batches of BATCH, the last one of each partition short."""
+def epoch_batches(sizes: list[int], rank: int, epoch: int, world: int = WORKERS) -> list[tuple[int, "torch.Tensor"]]:
+    """(partition, row positions) of every step `rank` of `world` takes in `epoch`, as our
+    replicas take them: the partitions pinned to `rank` (PartitionLedger, pinned), each in its
+    lease's shuffled order, cut into batches of BATCH, the last one of each partition short."""
     import numpy as np
     import torch
 
     from policies.leases import PartitionLedger
 
-    ledger = PartitionLedger(len(sizes), WORKERS, SEED, pinned=True)
+    ledger = PartitionLedger(len(sizes), world, SEED, pinned=True)
     ledger.start_epoch(epoch)
     steps = []
     while (lease := ledger.lease(rank)) is not None:

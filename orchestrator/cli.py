@@ -38,6 +38,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _guarded(work, doing: str, run: str):
+    """(work(), None), or (None, the exit code) with one line on stderr: bad input found once
+    connected to Ray (the cluster cannot hold the job; no actor started) 2, a failure 1, an
+    interrupt 130."""
+    from orchestrator.errors import ConfigError, TrainingError
+
+    try:
+        return work(), None
+    except ConfigError as exc:
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return None, EXIT_BAD_INPUT
+    except TrainingError as exc:
+        print(f"orchestrator: {doing} failed: {exc}", file=sys.stderr)
+        return None, EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"orchestrator: interrupted; {run} is marked KILLED", file=sys.stderr)
+        return None, 130
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from orchestrator.config import JobConfig, reference_markdown
@@ -72,17 +91,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as exc:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    try:
-        result = trainer.fit()
-    except ConfigError as exc:  # found once connected to Ray (the cluster cannot hold the job); no actor started
-        print(f"orchestrator: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except TrainingError as exc:
-        print(f"orchestrator: training failed: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("orchestrator: interrupted; the MLflow run is marked KILLED", file=sys.stderr)
-        return 130
+    result, code = _guarded(trainer.fit, "training", "the MLflow run")
+    if code is not None:
+        return code
     if args.result_json:
         with open(args.result_json, "w", encoding="utf-8") as f:
             f.write(result.to_json())
@@ -107,17 +118,10 @@ def _sweep(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    try:
-        result = run_sweep(plan, show_progress=not args.no_progress)
-    except ConfigError as exc:  # found once connected to Ray (the cluster cannot hold one trial)
-        print(f"orchestrator: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except TrainingError as exc:
-        print(f"orchestrator: sweep failed: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        print("orchestrator: interrupted; the sweep's MLflow run is marked KILLED", file=sys.stderr)
-        return 130
+    result, code = _guarded(lambda: run_sweep(plan, show_progress=not args.no_progress), "sweep",
+                            "the sweep's MLflow run")
+    if code is not None:
+        return code
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(result.to_json())
