@@ -46,7 +46,9 @@ def test_allreduce_survives_a_middle_rank_kill_without_the_collective_timeout(ra
     [replaced] = events(result, "replica_replaced")
     assert replaced["ranks"] == [victim] and replaced["survivors_kept"] == [r for r in range(replicas) if r != victim]
     assert replaced["recovery_s"] < cfg.fault_tolerance.hang_timeout_s / 2
-    assert replaced["steps_lost"] <= 1 and replaced["generation"] == 2
+    # the failed step, plus at most one step that a survivor whose all-reduce completed before the
+    # death applied and the donor did not (docs/fault-tolerance.md; seen once in 4-2)
+    assert replaced["steps_lost"] <= 2 and replaced["generation"] == 2
     assert result.final.test_accuracy > 0.9
 
 
