@@ -256,19 +256,22 @@ class ModelReplica:
         resize schedule gives (policies/lr_scaling.py: a ramp from `start` at step `from_step` to
         `target` over `steps` steps). Returns the rate the next step uses (None: no local optimizer)."""
         self.lr_ramp = dict(ramp)
-        return self._apply_lr()
+        self._apply_lr()
+        return self._current_lr()
 
-    def _apply_lr(self) -> Optional[float]:
+    def _apply_lr(self) -> None:
+        """The resize schedule's rate for the next step into the local optimizer (global-batch modes)."""
         opt = getattr(self.worker, "optimizer", None)
-        if opt is None:
-            return None
-        if self.lr_ramp is not None and self.spec.global_batch:
-            r = self.lr_ramp
-            lr = self.cfg["optimizer"]["lr"] * warmup_lr(r["target"], r["start"], self.step - r["from_step"],
-                                                         int(r["steps"]))
-            for group in opt.param_groups:
-                group["lr"] = lr
-        return float(opt.param_groups[0]["lr"])
+        if opt is None or self.lr_ramp is None or not self.spec.global_batch:
+            return
+        r = self.lr_ramp
+        lr = self.cfg["optimizer"]["lr"] * warmup_lr(r["target"], r["start"], self.step - r["from_step"], int(r["steps"]))
+        for group in opt.param_groups:
+            group["lr"] = lr
+
+    def _current_lr(self) -> Optional[float]:
+        opt = getattr(self.worker, "optimizer", None)
+        return float(opt.param_groups[0]["lr"]) if opt is not None else None
 
     def pid(self) -> int:
         return os.getpid()
@@ -469,10 +472,11 @@ class ModelReplica:
                     consumed.append(current[3]["ids"][current[2].numpy()].tolist())
             if steps % log_every == 0:
                 now = time.perf_counter()
+                self._apply_lr()  # the row reports the rate the next step takes
                 rows.append({"rank": self.rank, "epoch": epoch, "step": self.step, "step_in_epoch": steps,
                              "loss": loss, "samples_per_s": window / (now - t_window),
                              "compute_s": win_compute / win_real if win_real else None,
-                             "comm_share": win_comm / (now - t_window), "lr": self._apply_lr()})
+                             "comm_share": win_comm / (now - t_window), "lr": self._current_lr()})
                 t_window, window, win_compute, win_comm, win_real = now, 0, 0.0, 0.0, 0
                 if now - t_sent >= send_every:  # each message to the driver costs the step loop
                     yield {"kind": "progress", "rank": self.rank, "rows": rows}

@@ -260,7 +260,7 @@ class Elasticity:
             return None
         t0 = time.perf_counter()
         try:
-            group.finish_joining(ready)
+            group.finish_joining({r: j.ready[r] for r in ready})
         except Exception as exc:  # a newcomer died while starting: give this grow up, poll again
             group.abandon_joining(j.ranks)
             self.joining = None

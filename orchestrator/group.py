@@ -89,9 +89,11 @@ class ReplicaGroup:
             self.joining[rank] = self._actor(rank)
         return {rank: self.joining[rank].pid.remote() for rank in ranks}
 
-    def finish_joining(self, ranks: list[int]) -> None:
-        """The started replicas of `ranks` (ready) become members."""
-        pids = self._get([self.joining[r].pid.remote() for r in ranks], "new replicas", self.timeout_s)
+    def finish_joining(self, ready: dict[int, Any]) -> None:
+        """The started replicas of `ready` (rank -> its resolved pid() call from start_joining)
+        become members."""
+        ranks = list(ready)
+        pids = self._get([ready[r] for r in ranks], "new replicas", self.timeout_s)
         for rank, pid in zip(ranks, pids):
             self.members[rank] = self.joining.pop(rank)
             self.pids[rank] = pid
@@ -99,12 +101,7 @@ class ReplicaGroup:
 
     def abandon_joining(self, ranks: list[int]) -> None:
         for rank in ranks:
-            actor = self.joining.pop(rank, None)
-            if actor is not None:
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception:
-                    pass
+            _kill(self.joining.pop(rank, None))
 
     @property
     def ranks(self) -> list[int]:
@@ -118,11 +115,7 @@ class ReplicaGroup:
         actor = self.members.pop(rank, None)
         self.pids.pop(rank, None)
         self.nodes.pop(rank, None)
-        if actor is not None:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
+        _kill(actor)
 
     def replace(self, rank: int) -> tuple[str, float]:
         """Put a new replica in `rank`'s place: a spare at once if one is ready (a new spare is
@@ -182,10 +175,7 @@ class ReplicaGroup:
 
     def shutdown(self) -> None:
         for actor in list(self.members.values()) + self.spares + list(self.joining.values()):
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
-                pass
+            _kill(actor)
         self.members, self.spares, self.joining = {}, [], {}
 
     def _get(self, refs, what: str, timeout: float):
@@ -197,3 +187,13 @@ class ReplicaGroup:
             raise TrainingError(f"{what}: a replica died ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
         except ray.exceptions.RayTaskError as exc:
             raise TrainingError(f"{what}: {exc.cause if hasattr(exc, 'cause') else exc}") from None
+
+
+def _kill(actor: Any) -> None:
+    """Stop an actor that may already be gone (None: nothing to stop)."""
+    if actor is None:
+        return
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:
+        pass
