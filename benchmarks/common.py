@@ -117,3 +117,29 @@ def ray_train_worker(partitions: int, seed: int, lr: float, momentum: float, log
     return SimpleNamespace(rank=rank, world=world, tensors=tensors, sizes=[len(p) for p in parts],
                            tx=torch.from_numpy(d.test.x[lo:hi]), ty=torch.from_numpy(d.test.y[lo:hi]), net=net,
                            model=model, opt=opt, done_epochs=done_epochs, step=step, log=log)
+
+
+class LineTail:
+    """The complete lines added to the Ray Train workers' step files (`rank*-pid*.log` in a
+    directory) since the last call, a partial last line kept for the next."""
+
+    def __init__(self, log_dir: str) -> None:
+        self.log_dir = log_dir
+        self._offsets: dict[str, int] = {}
+        self._partial: dict[str, str] = {}
+
+    def new_lines(self) -> list[tuple[str, str]]:
+        """(file, line) of every new non-empty complete line."""
+        import glob
+
+        out = []
+        for path in glob.glob(os.path.join(self.log_dir, "rank*-pid*.log")):
+            with open(path, encoding="utf-8") as f:
+                f.seek(self._offsets.get(path, 0))
+                chunk = f.read()
+                self._offsets[path] = f.tell()
+            lines = (self._partial.pop(path, "") + chunk).split("\n")
+            if lines[-1]:
+                self._partial[path] = lines[-1]
+            out += [(path, line) for line in lines[:-1] if line]
+        return out

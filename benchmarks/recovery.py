@@ -38,7 +38,6 @@ Ratios: recovery_speedup_vs_ray_train[<mode>,spare<n>] = Ray Train's recovery_s 
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
@@ -49,7 +48,7 @@ import traceback
 from typing import Any, Optional
 
 import common
-from common import REPO, environment, median, parse_args, ray_train_worker
+from common import REPO, LineTail, environment, median, parse_args, ray_train_worker
 
 import throughput
 from throughput import BATCH, LR, MOMENTUM, PARTITIONS, SEED, WORKERS, epoch_batches, evaluate
@@ -104,27 +103,15 @@ class StepLogs:
     def __init__(self, log_dir: str) -> None:
         self.log_dir = log_dir
         self.procs: dict[str, dict] = {}  # file -> {"pid", "rank", "t_start", "resume_step", "steps": [...]}
-        self._offsets: dict[str, int] = {}
-        self._partial: dict[str, str] = {}
+        self._tail = LineTail(log_dir)
 
     def poll(self) -> None:
-        for path in glob.glob(os.path.join(self.log_dir, "rank*-pid*.log")):
-            with open(path, encoding="utf-8") as f:
-                f.seek(self._offsets.get(path, 0))
-                chunk = f.read()
-                self._offsets[path] = f.tell()
-            text = self._partial.pop(path, "") + chunk
-            lines = text.split("\n")
-            if lines[-1]:
-                self._partial[path] = lines[-1]
-            for line in lines[:-1]:
-                if not line:
-                    continue
-                if line.startswith("{"):
-                    self.procs[path] = {**json.loads(line), "steps": []}
-                else:
-                    t, step, epoch, _ = line.split()
-                    self.procs[path]["steps"].append((float(t), int(step), int(epoch)))
+        for path, line in self._tail.new_lines():
+            if line.startswith("{"):
+                self.procs[path] = {**json.loads(line), "steps": []}
+            else:
+                t, step, epoch, _ = line.split()
+                self.procs[path]["steps"].append((float(t), int(step), int(epoch)))
 
     def latest(self, rank: int) -> tuple[int, int]:
         """(step, epoch) of the newest step `rank` logged; (0, 1) before the first."""

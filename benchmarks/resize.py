@@ -48,7 +48,7 @@ import time
 import traceback
 from typing import Any, Optional
 
-from common import REPO, environment, median
+from common import REPO, LineTail, environment, median
 
 # Ray reads its auth token once per process; the clusters this process starts and the
 # subprocesses connected to them share it.
@@ -142,29 +142,18 @@ class StepLog:
         self.headers: list[dict] = []
         self.steps: list[tuple[float, int, int, int, int]] = []  # (t, world, rank, step, epoch)
         self.epoch_ends: list[tuple[float, int, int, int, int]] = []  # (t, world, rank, step, epoch)
-        self._offsets: dict[str, int] = {}
-        self._partial: dict[str, str] = {}
+        self._tail = LineTail(log_dir)
 
     def poll(self) -> None:
-        for path in glob.glob(os.path.join(self.log_dir, "rank*-pid*.log")):
-            with open(path, encoding="utf-8") as f:
-                f.seek(self._offsets.get(path, 0))
-                chunk = f.read()
-                self._offsets[path] = f.tell()
-            lines = (self._partial.pop(path, "") + chunk).split("\n")
-            if lines[-1]:
-                self._partial[path] = lines[-1]
-            for line in lines[:-1]:
-                if not line:
-                    continue
-                if line.startswith("{"):
-                    self.headers.append(json.loads(line))
-                elif line.startswith("E "):
-                    t, world, rank, step, epoch, _ = line[2:].split()
-                    self.epoch_ends.append((float(t), int(world), int(rank), int(step), int(epoch)))
-                else:
-                    t, world, rank, step, epoch = line.split()
-                    self.steps.append((float(t), int(world), int(rank), int(step), int(epoch)))
+        for _, line in self._tail.new_lines():
+            if line.startswith("{"):
+                self.headers.append(json.loads(line))
+            elif line.startswith("E "):
+                t, world, rank, step, epoch, _ = line[2:].split()
+                self.epoch_ends.append((float(t), int(world), int(rank), int(step), int(epoch)))
+            else:
+                t, world, rank, step, epoch = line.split()
+                self.steps.append((float(t), int(world), int(rank), int(step), int(epoch)))
 
     def all_stepped_at(self, world: int, after: float) -> Optional[float]:
         """When every rank of a `world`-sized group had logged a step after `after` (the
