@@ -85,6 +85,37 @@ class DataConfig(_Section):
         return v
 
 
+class TaskConfig(_Section):
+    """What is learned and how it is judged (policies/tasks.py, docs/tasks.md)."""
+
+    name: str = Field(
+        "classification", min_length=1, description="classification (cross-entropy; test_loss, test_accuracy), "
+        "regression (mean squared error; test_loss, test_mse, test_mae, test_r2), language_model (next-token "
+        "cross-entropy; test_loss, test_perplexity), or 'module:function' returning your own task."
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the task's constructor.")
+
+    def build(self) -> Any:
+        """The task object (policies.tasks.load_task); ValueError on a task that cannot be loaded."""
+        from policies.tasks import load_task
+
+        return load_task(self.name, self.kwargs)
+
+
+class TargetConfig(_Section):
+    """stop.target: the metric a run is judged by and the value that counts as reached."""
+
+    metric: str = Field(min_length=1, description="A metric the task produces (e.g. test_r2) or train_loss.")
+    goal: Literal["max", "min"] = Field(description="max: reached at value or above; min: at value or below.")
+    value: float = Field(description="The target value.")
+
+    def reached(self, x: float) -> bool:
+        return x >= self.value if self.goal == "max" else x <= self.value
+
+    def describe(self) -> str:
+        return f"{self.metric} {'>=' if self.goal == 'max' else '<='} {self.value:g}"
+
+
 class OptimizerConfig(_Section):
     name: Literal["sgd", "adam", "adagrad"] = Field(
         "sgd", description="The update rule: allreduce replicas step with it; downpour shards apply it (sgd or "
@@ -105,7 +136,7 @@ MODE_OPTIONS = {
     "easgd": ("tau", "alpha", "variant", "momentum"),
 }
 UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
-UNTIL_METRICS = {"test_accuracy": "max", "test_loss": "min", "train_loss": "min"}  # reached / fallen to
+UNTIL_METRICS = {"test_accuracy": "max", "test_loss": "min", "train_loss": "min"}  # the classification task's
 
 
 class PhaseOptimizer(_Section):
@@ -124,7 +155,8 @@ class PhaseConfig(_Section):
     mode: Literal["allreduce", "downpour", "easgd"] = Field(description="The phase's synchronization mode.")
     until: Optional[dict[str, float]] = Field(
         None, description="One of {epochs: N}, {steps: N}, {seconds: S} spent in this phase, or {metric: threshold} "
-        "for test_accuracy (reached), test_loss or train_loss (fallen to)."
+        "for any metric the task produces or train_loss: reached (a metric whose goal is max, e.g. test_accuracy) or "
+        "fallen to (goal min, e.g. test_loss)."
     )
     optimizer: Optional[PhaseOptimizer] = Field(None, description="This phase's optimizer.* overrides.")
     bucket_mb: Optional[float] = Field(None, gt=0, description="allreduce: as strategy.bucket_mb.")
@@ -147,9 +179,8 @@ class PhaseConfig(_Section):
         if len(v) != 1:
             raise ValueError(f"give exactly one condition, got {sorted(v) or 'none'}")
         (key, value), = v.items()
-        known = list(UNTIL_COUNTS) + list(UNTIL_METRICS)
-        if key not in known:
-            raise ValueError(f"unknown condition {key!r}; choose one of {', '.join(known)}")
+        if not key.isidentifier():
+            raise ValueError(f"unknown condition {key!r}; choose one of {', '.join(UNTIL_COUNTS)} or a metric name")
         if value <= 0 or (key in ("epochs", "steps") and value != int(value)):
             raise ValueError(f"{key} must be {'a whole number ' if key in ('epochs', 'steps') else ''}> 0, got {value}")
         return v
@@ -414,12 +445,29 @@ class FaultsConfig(_Section):
 
 class StopConfig(_Section):
     epochs: int = Field(5, ge=1, description="Stop after this many epochs.")
+    target: Optional[TargetConfig] = Field(
+        None, description="{metric: NAME, goal: max|min, value: X}: stop once the metric reaches the value (goal max: "
+        "at or above; min: at or below). NAME is a metric the task produces (checked before the run starts)."
+    )
     target_accuracy: Optional[float] = Field(
-        None, gt=0, le=1, description="Stop once the test accuracy reaches this (0..1]."
+        None, gt=0, le=1, description="Classification shorthand for target {metric: test_accuracy, goal: max, value: "
+        "this} (0..1]."
     )
     at_target: bool = Field(
-        True, description="End the run at target_accuracy; false only records time_to_target_s."
+        True, description="End the run at the target; false only records time_to_target_s."
     )
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "StopConfig":
+        if self.target is not None and self.target_accuracy is not None:
+            raise ValueError("give stop.target or stop.target_accuracy, not both")
+        return self
+
+    def the_target(self) -> Optional[TargetConfig]:
+        """The target as one value, whichever way it was given (None: no target)."""
+        if self.target_accuracy is not None:
+            return TargetConfig(metric="test_accuracy", goal="max", value=self.target_accuracy)
+        return self.target
     max_wall_s: Optional[float] = Field(None, gt=0, description="Stop after this many seconds of training.")
 
 
@@ -466,6 +514,7 @@ class JobConfig(_Section):
     """A whole job. Build it in Python, or load it from YAML with `JobConfig.from_yaml`."""
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="What to train.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="What is learned and how it is judged.")
     data: DataConfig = Field(default_factory=DataConfig, description="What to train on.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="How to step.")
     strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="How replicas synchronize.")
@@ -483,6 +532,30 @@ class JobConfig(_Section):
         if "downpour" in self.strategy.modes() and self.optimizer.name not in ("sgd", "adagrad"):
             raise ValueError(f"optimizer.name: downpour shards apply sgd or adagrad, not {self.optimizer.name}")
         return self
+
+    @model_validator(mode="after")
+    def _metrics_known(self) -> "JobConfig":
+        """stop.target's metric and each phase's `until` metric are ones the task produces."""
+        try:
+            task = self.task.build()
+        except ValueError as exc:
+            raise ValueError(f"task.name: {exc}") from None
+        known = {**dict(task.goals), "train_loss": "min"}
+        names = ", ".join(known)
+        target = self.stop.the_target()
+        if target is not None and target.metric not in known:
+            raise ValueError(f"stop.target.metric: the {self.task.name} task has no metric {target.metric!r}; "
+                             f"choose one of {names}")
+        for i, phase in enumerate(self.strategy.phases or []):
+            key = next(iter(phase.until or {}), None)
+            if key is not None and key not in UNTIL_COUNTS and key not in known:
+                raise ValueError(f"strategy.phases[{i}].until: unknown condition {key!r}; choose one of "
+                                 f"{', '.join(UNTIL_COUNTS)} or a metric of the {self.task.name} task ({names})")
+        return self
+
+    def metric_goals(self) -> dict[str, str]:
+        """Every metric name a run of this job produces, with its goal (the task's and train_loss)."""
+        return {**dict(self.task.build().goals), "train_loss": "min"}
 
     @model_validator(mode="after")
     def _optimizer_fits(self) -> "JobConfig":
