@@ -17,7 +17,7 @@ import numpy as np
 import ray
 import torch
 
-from actors.shard import _view
+from policies.batches import as_tensors, rows as batch_rows, take, to_device
 
 from policies.leases import MAX_GRANT, PartitionLedger, grant_message
 
@@ -191,15 +191,14 @@ class PartitionReader:
         with a short last batch: every row exactly once. Yields (x, y, row positions in the
         partition)."""
         bs = self.batch_size
-        x, y = _view(part["x"]), _view(part["y"])
-        rows = len(y)
+        x, y = as_tensors(part["x"]), as_tensors(part["y"])
+        rows = batch_rows(y)
         order = (torch.from_numpy(np.random.default_rng(lease["seed"]).permutation(rows)) if self.shuffle
                  else torch.arange(rows))
         # index_select gathers rows ~2.5x faster than x[idx] advanced indexing on CPU
         if self.device.type == "cpu":
             for idx in order.split(bs):
-                yield torch.index_select(x, 0, idx), torch.index_select(y, 0, idx), idx
+                yield take(x, idx), take(y, idx), idx
             return
         for idx in order.split(bs):  # GPU: pinned host batches, copied asynchronously
-            xb, yb = torch.index_select(x, 0, idx).pin_memory(), torch.index_select(y, 0, idx).pin_memory()
-            yield xb.to(self.device, non_blocking=True), yb.to(self.device, non_blocking=True), idx
+            yield to_device(take(x, idx), self.device, pin=True), to_device(take(y, idx), self.device, pin=True), idx

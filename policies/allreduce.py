@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from policies.batches import forward, rows as batch_rows
 from policies.modes import StepResult, check_finite
+from policies.tasks import Classification, Task
 
 SLOTS = 4  # extra floats at the end of the first bucket: summed loss, rows, "has another batch", "pause"
 
@@ -176,16 +177,19 @@ def allreduce_step(
     reducer: Reducer,
     more: bool = False,
     pause: bool = False,
+    task: Optional[Task] = None,
 ) -> StepResult:
     """One synchronous step on this replica's batch (`x` None: an empty step, this replica's
     data ran out but another's has not). `more`: this replica has another batch after this one.
     The update is the mean gradient over every row of the step across replicas; it is not
-    applied when the step's loss is not finite (FloatingPointError)."""
+    applied when the step's loss is not finite (FloatingPointError). `task`: the loss
+    (policies/tasks.py; default classification); its batch mean times the batch's rows is summed."""
     buckets.begin_step(reducer)
     if x is not None:
-        loss = F.cross_entropy(model(x), y, reduction="sum")
+        n = batch_rows(y)
+        loss = (task or Classification()).loss(forward(model, x), y) * n
         # before backward: the first bucket may leave early
-        buckets.slots.copy_(torch.stack([loss.detach(), loss.new_tensor(float(len(y))), loss.new_tensor(float(more)),
+        buckets.slots.copy_(torch.stack([loss.detach(), loss.new_tensor(float(n)), loss.new_tensor(float(more)),
                                          loss.new_tensor(float(pause))]))
         loss.backward()
     else:
@@ -209,8 +213,8 @@ class AllReduceWorker:
     lock_step = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: int,
-                 reducer: Reducer) -> None:
-        self.model, self.optimizer = model, optimizer
+                 reducer: Reducer, task: Optional[Task] = None) -> None:
+        self.model, self.optimizer, self.task = model, optimizer, task or Classification()
         self.buckets = GradientBuckets.attach([p for p in model.parameters() if p.requires_grad], bucket_bytes)
         self.reducer = reducer
         self.buffer_sync = BufferSync(model)
@@ -219,7 +223,7 @@ class AllReduceWorker:
              pause: bool = False) -> StepResult:
         if self.buffer_sync:
             self.buffer_sync.sync(self.reducer)
-        return allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.reducer, more, pause)
+        return allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.reducer, more, pause, self.task)
 
     def release(self) -> None:
         self.buckets.detach()

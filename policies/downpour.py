@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
+from policies.batches import forward, rows
 from policies.modes import ShardClient, StepResult, check_finite
 from policies.sharding import FlatParams
+from policies.tasks import Classification, Task
 
 SSP_POLL_S = 0.002
 
@@ -50,6 +51,7 @@ class DownpourWorker:
     stalenesses: list[int] = field(default_factory=list)
     pushes: int = 0
     _min_clock: int = 0
+    task: Task = field(default_factory=Classification)  # the loss (policies/tasks.py)
     lock_step = False
 
     def __post_init__(self) -> None:
@@ -67,7 +69,7 @@ class DownpourWorker:
         comm_s += time.perf_counter() - t0
 
         self.flat.grads.zero_()
-        loss = F.cross_entropy(self.model(x), y)
+        loss = self.task.loss(forward(self.model, x), y)
         loss.backward()
         check_finite(float(loss.detach()))  # never push a non-finite gradient
         self.acc.add_(self.flat.grads)
@@ -82,7 +84,7 @@ class DownpourWorker:
             self.pushes += 1
             self._collect()
             comm_s += time.perf_counter() - t0
-        return StepResult(float(loss.detach()), comm_s, len(y), more)
+        return StepResult(float(loss.detach()), comm_s, rows(y), more)
 
     def _collect(self) -> None:
         stale, min_clock = self.client.completed()

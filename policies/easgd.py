@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from policies.lr_scaling import easgd_alpha
+from policies.batches import forward, rows
 from policies.modes import ShardClient, StepResult, check_finite
 from policies.sharding import FlatParams
+from policies.tasks import Classification, Task
 
 PAPER_BETA = 0.9
 
@@ -65,6 +66,7 @@ class EasgdWorker:
     distances: list[float] = field(default_factory=list)
     exchanges: int = 0
     _center: Optional[torch.Tensor] = None  # sync: the center the last round returned
+    task: Task = field(default_factory=Classification)  # the loss (policies/tasks.py)
 
     @property
     def lock_step(self) -> bool:
@@ -74,7 +76,7 @@ class EasgdWorker:
              pause: bool = False) -> StepResult:
         if x is not None:
             self.flat.grads.zero_()
-            loss = F.cross_entropy(self.model(x), y)
+            loss = self.task.loss(forward(self.model, x), y)
             loss.backward()  # the gradient at x, the parameters before any elastic move
             loss_value = float(loss.detach())
             check_finite(loss_value)
@@ -107,7 +109,7 @@ class EasgdWorker:
         self.epoch_step += 1
         if self.variant == "async":
             go_on = more
-        return StepResult(loss_value, comm_s, 0 if y is None else len(y), go_on)
+        return StepResult(loss_value, comm_s, 0 if y is None else rows(y), go_on)
 
     def regroup(self, replicas: int, generation: int) -> None:
         """A new membership (a replica replaced or dropped, the run resized): rounds of

@@ -38,6 +38,7 @@ class Transport:
 
     reducer: Any = None
     client: Any = None
+    task: Any = None  # the loss every mode's rule calls (policies/tasks.py)
 
 
 @dataclass(frozen=True)
@@ -57,14 +58,14 @@ class ModeSpec:
 def _allreduce_worker(model, flat, cfg, rank, world, transport):
     opt = cfg["optimizer"]
     optimizer = make_optimizer(opt["name"], model.parameters(), opt["lr"], opt["momentum"], opt["weight_decay"])
-    return AllReduceWorker(model, optimizer, int(cfg["strategy"]["bucket_mb"] * 2**20), transport.reducer)
+    return AllReduceWorker(model, optimizer, int(cfg["strategy"]["bucket_mb"] * 2**20), transport.reducer, transport.task)
 
 
 def _downpour_worker(model, flat, cfg, rank, world, transport):
     s, opt = cfg["strategy"], cfg["optimizer"]
     return DownpourWorker(model, flat, transport.client, rank, lr=opt["lr"], n_fetch=s["n_fetch"], n_push=s["n_push"],
                           max_staleness=s["max_staleness"], staleness_lr=s["staleness_lr"],
-                          warmstart_steps=s["warmstart_steps"], timeout_s=s["timeout_s"])
+                          warmstart_steps=s["warmstart_steps"], timeout_s=s["timeout_s"], task=transport.task)
 
 
 def _easgd_worker(model, flat, cfg, rank, world, transport):
@@ -75,7 +76,7 @@ def _easgd_worker(model, flat, cfg, rank, world, transport):
     else:
         local = make_optimizer(opt["name"], model.parameters(), opt["lr"], 0.0, opt["weight_decay"])
     alpha = s["alpha"] if s["alpha"] is not None else default_alpha(world)
-    return EasgdWorker(model, flat, local, transport.client, world, alpha, s["tau"], s["variant"])
+    return EasgdWorker(model, flat, local, transport.client, world, alpha, s["tau"], s["variant"], task=transport.task)
 
 
 def _downpour_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
