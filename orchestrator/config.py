@@ -14,6 +14,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
                       model_validator)
 
 from orchestrator.errors import ConfigError
+from policies.stop import Target
 
 
 class _Section(BaseModel):
@@ -108,12 +109,6 @@ class TargetConfig(_Section):
     metric: str = Field(min_length=1, description="A metric the task produces (e.g. test_r2) or train_loss.")
     goal: Literal["max", "min"] = Field(description="max: reached at value or above; min: at value or below.")
     value: float = Field(description="The target value.")
-
-    def reached(self, x: float) -> bool:
-        return x >= self.value if self.goal == "max" else x <= self.value
-
-    def describe(self) -> str:
-        return f"{self.metric} {'>=' if self.goal == 'max' else '<='} {self.value:g}"
 
 
 class OptimizerConfig(_Section):
@@ -463,11 +458,11 @@ class StopConfig(_Section):
             raise ValueError("give stop.target or stop.target_accuracy, not both")
         return self
 
-    def the_target(self) -> Optional[TargetConfig]:
+    def the_target(self) -> Optional[Target]:
         """The target as one value, whichever way it was given (None: no target)."""
         if self.target_accuracy is not None:
-            return TargetConfig(metric="test_accuracy", goal="max", value=self.target_accuracy)
-        return self.target
+            return Target("test_accuracy", "max", self.target_accuracy)
+        return Target(self.target.metric, self.target.goal, self.target.value) if self.target is not None else None
     max_wall_s: Optional[float] = Field(None, gt=0, description="Stop after this many seconds of training.")
 
 
@@ -556,6 +551,14 @@ class JobConfig(_Section):
     def metric_goals(self) -> dict[str, str]:
         """Every metric name a run of this job produces, with its goal (the task's and train_loss)."""
         return {**dict(self.task.build().goals), "train_loss": "min"}
+
+    def headline_metric(self) -> str:
+        """The metric the run is judged by: stop.target's, else the task's primary metric
+        (classification: test_accuracy)."""
+        from policies.tasks import primary_metric
+
+        target = self.stop.the_target()
+        return target.metric if target is not None else primary_metric(self.task.build())
 
     @model_validator(mode="after")
     def _optimizer_fits(self) -> "JobConfig":

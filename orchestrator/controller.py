@@ -53,6 +53,7 @@ from policies.leases import MAX_GRANT, first_grant_messages
 from policies.registry import mode_spec
 from policies.stop import EpochSnapshot, StopPolicy
 from policies.switching import make_switch_policy
+from policies.tasks import sum_stats
 
 CONTROL_CALL_TIMEOUT_S = 30.0
 
@@ -103,8 +104,7 @@ class RunTotals:
     comm_s: float = 0.0
     startup_s: float = 0.0
     time_to_target_s: Optional[float] = None
-    test_accuracy: float = float("nan")
-    test_loss: float = float("nan")
+    metrics: dict[str, float] = field(default_factory=dict)  # the last epoch's task metrics (test_accuracy, ...)
     train_loss: float = float("nan")
     stop_reason: str = ""
     checkpoint: Optional[str] = None
@@ -122,7 +122,10 @@ class Controller:
         self.dataset = dataset
         self.t0 = t0
         self.trace_ids = trace_ids
-        self.switch_policy = make_switch_policy(config.strategy)
+        self.task = config.task.build()  # the loss and the metrics (policies/tasks.py)
+        self.target = config.stop.the_target()
+        self.metric = config.headline_metric()  # what progress lines, switch events and phases report
+        self.switch_policy = make_switch_policy(config.strategy, config.metric_goals())
         self.resume = resume
         if resume is not None:
             self.switch_policy.restore(resume["run"]["policy"])
@@ -147,7 +150,7 @@ class Controller:
         self.partition_refs: list = []  # the train partitions in the object store (kept alive here)
         self.progress: dict[int, int] = {}  # rank -> the last step it reported (progress rows)
         s, ft = config.stop, config.fault_tolerance
-        self.stop_policy = StopPolicy(s.epochs, s.target_accuracy, s.at_target, s.max_wall_s)
+        self.stop_policy = StopPolicy(s.epochs, self.target, s.at_target, s.max_wall_s)
         self.failure_policy = FailurePolicy(ft.max_replica_restarts, ft.restart_backoff_s, config.scaling.min_replicas)
         self.steps_per_epoch = 0
         self._train_started = 0.0
@@ -172,14 +175,23 @@ class Controller:
     def train_started(self) -> float:
         return self._train_started
 
-    def record_phase(self, sw: Any, step: int, acc_before: float, acc_after: float) -> None:
-        """Close the running phase's record and open the next one's."""
+    def record_phase(self, sw: Any, step: int, before: float, after: float) -> None:
+        """Close the running phase's record and open the next one's (`before`, `after`: the
+        headline metric, e.g. test_accuracy, around the switch)."""
         now = round(time.perf_counter() - self._train_started, 3)
         if self.phases:
-            self.phases[-1].update(end_step=step, end_s=now, test_accuracy_at_end=round(acc_before, 4),
-                                   ended_by=sw.rule)
+            self.phases[-1].update(end_step=step, end_s=now, ended_by=sw.rule, **{f"{self.metric}_at_end": round(before, 4)})
         self.phases.append({"phase": sw.phase, "mode": sw.mode, "start_step": step, "start_s": now,
-                            "start_epoch": self.totals.epochs + 1, "test_accuracy_at_start": round(acc_after, 4)})
+                            "start_epoch": self.totals.epochs + 1, f"{self.metric}_at_start": round(after, 4)})
+
+    def headline_value(self, metrics: dict[str, float]) -> float:
+        """The headline metric's value in `metrics` (train_loss from the totals)."""
+        return {**metrics, "train_loss": self.totals.train_loss}.get(self.metric, float("nan"))
+
+    def finish_evaluation(self, evals: list[dict[str, Any]]) -> dict[str, float]:
+        """The task's metrics from every replica's evaluation sums (added, then finished once:
+        the same figures one process evaluating the whole test split gets)."""
+        return {k: float(v) for k, v in self.task.finish(sum_stats(evals)).items()}
 
     # ---- the reporter's tracker (the trainer opens it while the actors boot) ---------------
     @property
@@ -296,7 +308,7 @@ class Controller:
                         "start_epoch": 1}]
         if self.resume is not None:
             self._restore(self.resume)
-        self.report.event("started", replicas=n, spares=cfg.fault_tolerance.spares,
+        self.report.event("started", metric=self.metric, task=cfg.task.name, replicas=n, spares=cfg.fault_tolerance.spares,
                           steps_per_epoch=self.steps_per_epoch, partitions=len(parts),
                           rows_per_partition=[min(rows), max(rows)], startup_s=round(self.totals.startup_s, 3))
         self.report.say(f"started {n} replicas ({len(parts)} partitions, ~{self.steps_per_epoch} steps/epoch per "
@@ -395,8 +407,7 @@ class Controller:
                                     timeout_s=cfg.strategy.timeout_s)
         else:
             evals = [s["eval"] for s in finals]
-        correct, loss_sum, rows = map(sum, zip(*evals))
-        acc, test_loss = correct / rows, loss_sum / rows
+        metrics = self.finish_evaluation(evals)
 
         tot.epochs = epoch
         tot.steps += max(s["steps"] for s in stats)
@@ -405,19 +416,22 @@ class Controller:
         tot.train_s += max(s["train_s"] for s in stats)
         tot.comm_s += max(s["comm_s"] for s in stats)
         tot.train_loss = finals[0]["loss"] if finals else stats[0]["loss"]
-        tot.test_accuracy, tot.test_loss = acc, test_loss
+        tot.metrics = metrics
+        judged = {**metrics, "train_loss": tot.train_loss}
         if self.trace_ids:
             self.consumed.append(seg.consumed())
         elapsed = time.perf_counter() - self.t0
-        target = cfg.stop.target_accuracy
-        if target is not None and tot.time_to_target_s is None and acc >= target:
+        target = self.target
+        if target is not None and tot.time_to_target_s is None and target.reached(judged):
             tot.time_to_target_s = elapsed
-            self.report.event("target_reached", epoch=epoch, test_accuracy=acc, target=target)
+            self.report.event("target_reached", epoch=epoch, metric=target.metric, value=judged[target.metric],
+                              target=target.value, goal=target.goal, **{target.metric: judged[target.metric]})
 
         rows_out = [(key, p[name], p["step"]) for p in seg.progress
                     for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"), ("lr", "lr"))
                     if p.get(name) is not None]
-        rows_out += [("test_accuracy", acc, tot.steps), ("test_loss", test_loss, tot.steps), ("epoch", epoch, tot.steps),
+        rows_out += [(k, v, tot.steps) for k, v in metrics.items()]
+        rows_out += [("epoch", epoch, tot.steps),
                      ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
         mine = [s for s in finals if s["mode"] is not None and s.get("mode_name") == self.spec.name]
         extra = self.spec.metrics(mine) if mine else {}  # a rank that ended the epoch before a switch: not its figures
@@ -429,13 +443,13 @@ class Controller:
                      ("replica_restarts", tot.replica_restarts, tot.steps)]
         self.report.metrics(rows_out)
         tot.epoch_wall_s += time.perf_counter() - seg.t_start
-        self.report.event("epoch_end", epoch=epoch, step=tot.steps, test_accuracy=round(acc, 4),
-                          test_loss=round(test_loss, 4), train_loss=round(tot.train_loss, 4),
+        self.report.event("epoch_end", epoch=epoch, step=tot.steps, **{k: round(v, 6) for k, v in metrics.items()},
+                          train_loss=round(tot.train_loss, 4),
                           train_s_by_rank=[round(s["train_s"], 3) for s in stats],
                           steps_by_rank=[s["steps"] for s in stats], rows=tot.rows_per_epoch[-1],
                           replicas=len(self.group.members), **{k: round(v, 4) for k, v in extra.items()})
-        self.report.say(f"epoch {epoch}: test_accuracy {acc:.4f}  test_loss {test_loss:.4f}  "
-                        f"train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != self.metric))
+        self.report.say(f"epoch {epoch}: {shown}  train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
         if not seg.had_failure:
             self.failure_policy.epoch_without_failure()
 
@@ -443,7 +457,7 @@ class Controller:
         if checkpoint_due(epoch, time.perf_counter(), max(self._last_checkpoint_s, self._train_started),
                           ck.every_epochs, ck.every_s):
             tot.checkpoint = self.checkpoint(f"epoch_{epoch:04d}", CONTROL_CALL_TIMEOUT_S)
-        decision = self.stop_policy.decide(EpochSnapshot(epoch, acc, time.perf_counter() - self._train_started))
+        decision = self.stop_policy.decide(EpochSnapshot(epoch, judged, time.perf_counter() - self._train_started))
         if decision.stop:
             tot.stop_reason = decision.reason
             self.report.event("stop", reason=decision.reason)
@@ -451,7 +465,7 @@ class Controller:
         from orchestrator import switching
 
         switching.consider(self, None, epoch_end=True,
-                           metrics={"test_accuracy": acc, "test_loss": test_loss, "train_loss": tot.train_loss})
+                           metrics=judged)
         # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
         # it carries on timing a recovery whose newcomer had nothing left to do in this one
         return Running(EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False))
@@ -470,7 +484,7 @@ class Controller:
         if self.phases:
             self.phases[-1].update(end_step=max(self.progress.values(), default=0),
                                    end_s=round(time.perf_counter() - self._train_started, 3),
-                                   test_accuracy_at_end=round(self.totals.test_accuracy, 4), ended_by="stop")
+                                   ended_by="stop", **{f"{self.metric}_at_end": round(self.headline_value(self.totals.metrics), 4)})
         if self.shard_group is not None:  # a rebuild still waiting for replay is reported as it stands
             from orchestrator.recovery import report_shard_events
 

@@ -1,6 +1,7 @@
 """The run's picture: `training.png`, drawn from its events alone (the list events.jsonl holds).
 
-Test accuracy and train loss (each `epoch_end` event) against seconds since the run started
+The run's headline metric (the `started` event's `metric`: stop.target's metric, else the
+task's primary one, e.g. test accuracy) and train loss (each `epoch_end` event) against seconds since the run started
 (every event's `t`), with a vertical mark where a replica failed, was replaced or dropped, the
 run changed its mode, or the replica group was resized. A pure function of the events, so it is
 tested without Ray and redrawn from any run's events.jsonl.
@@ -32,10 +33,18 @@ def mark_times(events: Iterable[dict[str, Any]]) -> dict[str, list[float]]:
     return marks
 
 
-def training_plot(events: list[dict[str, Any]], path: str) -> dict[str, list[float]]:
-    """Draw the run's `events` to the PNG file `path`: test accuracy (left axis) and train loss
-    (right axis) at each epoch's end, one vertical line per failure, replacement, drop, mode
-    switch and resize. Returns the marks drawn (kind -> seconds)."""
+def headline(events: list[dict[str, Any]]) -> str:
+    """The metric the run is judged by, as its `started` event says (test_accuracy for a run
+    recorded before metrics were named there)."""
+    started = next((e for e in events if e.get("kind") == "started"), {})
+    return str(started.get("metric") or "test_accuracy")
+
+
+def training_plot(events: list[dict[str, Any]], path: str, metric: Optional[str] = None) -> dict[str, list[float]]:
+    """Draw the run's `events` to the PNG file `path`: the headline `metric` (default: the one
+    the `started` event names; left axis) and train loss (right axis) at each epoch's end, one
+    vertical line per failure, replacement, drop, mode switch and resize. Returns the marks
+    drawn (kind -> seconds)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)  # no display needed; a caller's own backend is kept if set
@@ -46,12 +55,13 @@ def training_plot(events: list[dict[str, Any]], path: str) -> dict[str, list[flo
     fig = Figure(figsize=(8, 4.5), dpi=100)  # not pyplot: no global figure state, safe in any thread
     acc_ax = fig.add_subplot()
     loss_ax = acc_ax.twinx()
-    acc_ax.plot(t, [e.get("test_accuracy", float("nan")) for e in epochs], "o-", color="tab:blue",
-                label="test accuracy")
+    metric = metric or headline(events)
+    label = metric.replace("_", " ")
+    acc_ax.plot(t, [e.get(metric, float("nan")) for e in epochs], "o-", color="tab:blue", label=label)
     loss_ax.plot(t, [e.get("train_loss", float("nan")) for e in epochs], "s-", color="tab:orange",
                  label="train loss")
     acc_ax.set_xlabel("seconds since the run started")
-    acc_ax.set_ylabel("test accuracy", color="tab:blue")
+    acc_ax.set_ylabel(label, color="tab:blue")
     loss_ax.set_ylabel("train loss", color="tab:orange")
     end = max((float(e["t"]) for e in events if isinstance(e.get("t"), (int, float))), default=0.0)
     acc_ax.set_xlim(0, max(end * 1.02, 1e-3))  # the whole run, start to its last event

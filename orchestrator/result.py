@@ -6,11 +6,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 
-@dataclass
-class FinalMetrics:
-    test_accuracy: float
-    test_loss: float
-    train_loss: float
+class FinalMetrics(dict):
+    """Every metric of the run's last evaluation by name (the task's, e.g. test_accuracy and
+    test_loss, or test_r2, ...) and train_loss; readable as attributes too (final.test_r2)."""
+
+    def __getattr__(self, name: str) -> float:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"no metric {name!r}; this run has {', '.join(self)}") from None
 
 
 @dataclass
@@ -25,7 +29,7 @@ class TrainResult:
     samples_per_s: float  # samples / seconds of whole epochs (training + evaluation + logging)
     steady_samples_per_s: float  # samples / seconds inside the replicas' step loops
     startup_s: float  # from fit() to the first step (Ray actors, process group, data)
-    time_to_target_s: Optional[float]  # from fit() until test accuracy first reached the target
+    time_to_target_s: Optional[float]  # from fit() until the stop.target metric first reached its value
     final: FinalMetrics
     stop_reason: str
     checkpoint: Optional[str]
@@ -33,7 +37,7 @@ class TrainResult:
     experiment_id: str
     rows_per_epoch: list[int] = field(default_factory=list)  # train rows stepped on in each epoch (all replicas)
     # which mode ran when: {phase, mode, start_step, end_step, start_s, end_s (training seconds), start_epoch,
-    # test_accuracy_at_start, test_accuracy_at_end, ended_by}
+    # <metric>_at_start, <metric>_at_end (the headline metric, e.g. test_accuracy_at_start), ended_by}
     phases: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 

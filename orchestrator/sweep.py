@@ -24,10 +24,9 @@ from typing import Any, Literal, Optional, Sequence
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from orchestrator.config import UNTIL_METRICS, JobConfig, _Section, apply_overrides
+from orchestrator.config import JobConfig, _Section, apply_overrides
 from orchestrator.errors import ConfigError, TrainingError
 
-REPORTED_METRICS = tuple(UNTIL_METRICS)  # what each trial reports to Tune after every epoch
 MAX_CHECKED_COMBINATIONS = 256  # discrete values checked together before anything starts (each alone beyond)
 READ_TIMEOUT_S = 60.0  # reading a trial's result back from MLflow
 SWEEP_PREFIX = "sweep."  # tags the sweep sets on its runs
@@ -104,11 +103,13 @@ class SweepConfig(_Section):
         "{loguniform: [low, high]}; e.g. strategy.mode: {grid: [allreduce, easgd]}.")
     num_samples: int = Field(1, ge=1, description="Samples per grid point (random keys drawn afresh each); trials = "
                              "num_samples x the product of the grid sizes.")
-    metric: Literal["test_accuracy", "test_loss", "train_loss"] = Field(
-        "test_accuracy", description="The metric each trial reports after every epoch that ranks trials (and that "
-        "the scheduler judges).")
+    metric: str = Field(
+        "test_accuracy", min_length=1, description="The metric that ranks trials (and that the scheduler judges): one "
+        "the base config's task produces (e.g. test_accuracy, test_r2, test_perplexity, your own task's) or train_loss; "
+        "each trial reports every metric after every epoch.")
     goal: Optional[Literal["max", "min"]] = Field(
-        None, description="max or min; default: the metric's own direction (max for test_accuracy, min for losses).")
+        None, description="max or min; default: the metric's own goal in the task (max for test_accuracy and test_r2, "
+        "min for losses).")
     max_concurrent_trials: Optional[int] = Field(
         None, ge=1, description="At most this many trials at once; none = as many as the cluster holds (each trial "
         "reserves its replicas' CPUs, so trials that do not fit wait).")
@@ -134,15 +135,18 @@ class SweepConfig(_Section):
             raise ValueError("give at least one key to search over")
         return v
 
-    @model_validator(mode="after")
-    def _goal_fits(self) -> "SweepConfig":
-        natural = UNTIL_METRICS[self.metric]
+    def check_metric(self, goals: dict[str, str], task: str) -> None:
+        """`metric` is one the base config's task produces (`goals`: name -> max|min), and `goal`
+        agrees with it (unset: taken from it). ConfigError otherwise."""
+        if self.metric not in goals:
+            raise ConfigError(f"sweep error: metric: the {task} task has no metric {self.metric!r}; choose one of "
+                              f"{', '.join(goals)}")
+        natural = goals[self.metric]
         if self.goal is None:
             self.goal = natural
         elif self.goal != natural:
-            raise ValueError(f"goal {self.goal} for {self.metric} would rank the worst trial best; {self.metric} "
-                             f"is {'maximised' if natural == 'max' else 'minimised'} (goal {natural})")
-        return self
+            raise ConfigError(f"sweep error: goal: goal {self.goal} for {self.metric} would rank the worst trial best; "
+                              f"{self.metric} is {'maximised' if natural == 'max' else 'minimised'} (goal {natural})")
 
     def grid_size(self) -> int:
         return math.prod(len(s.grid) for s in self.search.values() if s.kind == "grid")
@@ -186,7 +190,8 @@ def plan_sweep(sweep: SweepConfig, overrides: Sequence[str] = (), relative_to: O
     for key in sweep.set:
         _check_key(key, "set")
     base_raw = apply_overrides(_with_values(base_raw, sweep.set), list(overrides))
-    JobConfig.from_dict(base_raw)  # the base alone is valid (its error names the field)
+    base = JobConfig.from_dict(base_raw)  # the base alone is valid (its error names the field)
+    sweep.check_metric(base.metric_goals(), base.task.name)
     for key in sweep.search:
         _check_key(key, "search")
     probes: list[JobConfig] = []
@@ -318,7 +323,7 @@ class _TuneReport:
 
         tracker = self.trainer.controller.tracker
         row = {"epoch": event["epoch"], "t_s": event.get("t", 0.0), "mlflow_run_id": tracker.run_id}
-        row.update({k: event[k] for k in REPORTED_METRICS if k in event})
+        row.update({k: event[k] for k in self.trainer.config.metric_goals() if k in event})
         if ends_the_run(self.trainer.config, event):
             self.last = row
             return
@@ -339,11 +344,10 @@ class _TuneReport:
 
 
 def ends_the_run(config: JobConfig, epoch_end: dict[str, Any]) -> bool:
-    """Whether the run stops after this epoch_end event: its epoch limit, or the target accuracy
-    reached with stop.at_target (a stop by stop.max_wall_s is not known in advance)."""
-    stop = config.stop
-    return epoch_end["epoch"] >= stop.epochs or (
-        stop.at_target and stop.target_accuracy is not None and epoch_end.get("test_accuracy", 0.0) >= stop.target_accuracy)
+    """Whether the run stops after this epoch_end event: its epoch limit, or the target reached
+    with stop.at_target (a stop by stop.max_wall_s is not known in advance)."""
+    stop, target = config.stop, config.stop.the_target()
+    return epoch_end["epoch"] >= stop.epochs or (stop.at_target and target is not None and target.reached(epoch_end))
 
 
 def _trial(params: dict[str, Any], setup: dict[str, Any]) -> None:
@@ -586,7 +590,7 @@ def _child_runs_callback(tracking_uri: str) -> Any:
 
 def _collect(grid: Any, plan: SweepPlan, tracker: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One table row per trial, from Tune's results and each finished child run's result.json;
-    and each trial's (seconds, test_accuracy) history for the plot."""
+    and each trial's (seconds, the sweep's metric) history for the plot."""
     from orchestrator.checks import bounded
     from orchestrator.trainer import run_mode
 
@@ -598,7 +602,7 @@ def _collect(grid: Any, plan: SweepPlan, tracker: Any) -> tuple[list[dict[str, A
         run_id = last.get("mlflow_run_id") or None
         df = res.metrics_dataframe
         if df is not None and "t_s" in df:
-            histories[trial_id] = (list(df["t_s"]), list(df.get("test_accuracy", [])), params)
+            histories[trial_id] = (list(df["t_s"]), list(df.get(plan.sweep.metric, [])), params)
         summary: dict[str, Any] = {}
         if run_id:
             try:
@@ -612,7 +616,7 @@ def _collect(grid: Any, plan: SweepPlan, tracker: Any) -> tuple[list[dict[str, A
             "trial": trial_id, "run_id": run_id, "status": status, "mode": run_mode(cfg),
             "params": params, "epochs": last.get("epoch"),
             "time_to_target_s": summary.get("time_to_target_s"),
-            "final_test_accuracy": last.get("test_accuracy"),
+            "final": {k: last[k] for k in cfg.metric_goals() if last.get(k) is not None},
             "metric": last.get(plan.sweep.metric),
             "samples_per_s": summary.get("samples_per_s"),
             "wall_s": summary.get("wall_s"),
@@ -654,8 +658,8 @@ def _summarise(plan: SweepPlan, tracker: Any, rows: list[dict[str, Any]], histor
     tracker.log_text(comparison_markdown(rows, spec.metric), "comparison.md")
     tracker.log_text(result.to_json(), "sweep_result.json")
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "accuracy_vs_time.png")
-        plot_accuracy(histories, path)
+        path = os.path.join(tmp, "metric_vs_time.png")
+        plot_metric(histories, path, spec.metric)
         tracker.log_file(path)
     if best:
         tracker.set_tags({f"{SWEEP_PREFIX}best_run_id": best["run_id"], f"{SWEEP_PREFIX}best_trial": best["trial"]})
@@ -663,7 +667,7 @@ def _summarise(plan: SweepPlan, tracker: Any, rows: list[dict[str, Any]], histor
     return result
 
 
-COLUMNS = ("trial", "status", "mode", "params", "time_to_target_s", "final_test_accuracy", "samples_per_s", "epochs",
+COLUMNS = ("trial", "status", "mode", "params", "metric", "time_to_target_s", "final", "samples_per_s", "epochs",
            "run_id")
 
 
@@ -696,9 +700,10 @@ def comparison_markdown(rows: list[dict[str, Any]], metric: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_accuracy(histories: dict[str, tuple[list[float], list[float], dict[str, Any]]], path: str) -> None:
-    """Test accuracy against the trial's wall-clock seconds, one line per trial (Agg backend:
-    no display needed)."""
+def plot_metric(histories: dict[str, tuple[list[float], list[float], dict[str, Any]]], path: str,
+                metric: str = "test_accuracy") -> None:
+    """The sweep's metric against the trial's wall-clock seconds, one line per trial (Agg
+    backend: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -709,8 +714,9 @@ def plot_accuracy(histories: dict[str, tuple[list[float], list[float], dict[str,
         if secs and acc:
             ax.plot(secs, acc, marker="o", label=f"{trial}: {_cell(params)}")
     ax.set_xlabel("wall-clock seconds since the trial started")
-    ax.set_ylabel("test accuracy")
-    ax.set_title("Sweep: test accuracy per trial")
+    label = metric.replace("_", " ")
+    ax.set_ylabel(label)
+    ax.set_title(f"Sweep: {label} per trial")
     ax.grid(alpha=0.3)
     if histories:
         ax.legend(fontsize=7)

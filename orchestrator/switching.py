@@ -24,7 +24,7 @@ How (`carry_out`), with every replica stopped:
    of the epoch from one shared queue; the next epochs lease as the new mode does;
 5. the replicas go on with the epoch where they were (no actor restart, no data reload). The
    `mode_switch` event is logged once every replica has stepped in the new mode, with
-   `switch_s` from the decision until then, and the test accuracy right before and right after.
+   `switch_s` from the decision until then, and the headline metric (`metric`: stop.target's, else the task's primary, e.g. test_accuracy) right before and right after.
 """
 from __future__ import annotations
 
@@ -78,11 +78,11 @@ def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = F
 
 
 def evaluate(ctl: "Controller") -> float:
-    """Test accuracy of the current mode's reference model now (every replica its slice)."""
+    """The headline metric (e.g. test accuracy) of the current mode's reference model now
+    (every replica its slice)."""
     method = "evaluate_reference" if ctl.spec.sharded else "evaluate"
     evals = ctl.group.call(ctl.group.ranks, method, what="evaluation", timeout_s=ctl.cfg.strategy.timeout_s)
-    correct, _, rows = map(sum, zip(*evals))
-    return correct / rows
+    return ctl.headline_value(ctl.finish_evaluation(evals))
 
 
 def carry_out(ctl: "Controller", plan: SwitchPlan, seg: EpochSegment) -> EpochSegment:
@@ -99,7 +99,7 @@ def carry_out(ctl: "Controller", plan: SwitchPlan, seg: EpochSegment) -> EpochSe
     if seg.begun:
         report_finished_passes(ctl, seg, set())
     ranks = group.ranks
-    acc_before = evaluate(ctl)
+    before = evaluate(ctl)
     parts["evaluate_before"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
@@ -125,17 +125,17 @@ def carry_out(ctl: "Controller", plan: SwitchPlan, seg: EpochSegment) -> EpochSe
     if new_spec.process_group or new_spec.lock_step(new_strategy):
         group.form()
     parts["group"] = time.perf_counter() - t3
-    acc_after = evaluate(ctl)
+    after = evaluate(ctl)
 
     t4 = time.perf_counter()
     ctl.get(ctl.server.pause.remote(False, share=seg.begun and not new_spec.pinned), "partition server")
     parts["data"] = time.perf_counter() - t4
     step = max(ctl.progress.values(), default=0)
-    ctl.record_phase(sw, step, acc_before, acc_after)
+    ctl.record_phase(sw, step, before, after)
     event = {"kind": "mode_switch", "epoch": seg.epoch, "from": old_mode, "to": new_spec.name, "phase": sw.phase,
              "rule": sw.rule, "reason": sw.reason, "numbers": sw.numbers, "at_step": step,
-             "mid_epoch": bool(seg.begun), "test_accuracy_before": round(acc_before, 4),
-             "test_accuracy_after": round(acc_after, 4), "shards": shards_did,
+             "mid_epoch": bool(seg.begun), "metric": ctl.metric, f"{ctl.metric}_before": round(before, 4),
+             f"{ctl.metric}_after": round(after, 4), "shards": shards_did,
              "local_optimizer": sorted({c["local_optimizer"] for c in carried}),
              "consolidate_s": round(time.perf_counter() - t0, 3),
              "consolidate_parts_s": {k: round(v, 3) for k, v in parts.items()}}
@@ -152,6 +152,6 @@ def carry_out(ctl: "Controller", plan: SwitchPlan, seg: EpochSegment) -> EpochSe
     else:
         ctl.report.event(event.pop("kind"), **event)
     ctl.report.metrics([("mode", MODE_CODES[old_mode], max(step - 1, 0)), ("mode", MODE_CODES[new_spec.name], step)])
-    ctl.report.say(f"switched {old_mode} -> {new_spec.name} at step {step}: test_accuracy {acc_before:.4f} before, "
-                   f"{acc_after:.4f} after")
+    ctl.report.say(f"switched {old_mode} -> {new_spec.name} at step {step}: {ctl.metric} {before:.4f} before, "
+                   f"{after:.4f} after")
     return seg

@@ -34,20 +34,41 @@ def check_inputs(config: JobConfig, data: Any = None) -> Dataset:
         raise ConfigError(f"config error: scaling.shards: {config.scaling.shards} shards for the {n_params} "
                           f"parameters of {config.model.factory}; at most one shard per parameter")
     dataset = load_dataset(config.data, data)
-    sample = torch.from_numpy(dataset.train.x[:2])
-    try:
-        with torch.no_grad():
-            out = model(sample)
-    except Exception as exc:
-        raise ConfigError(f"config error: model.factory: {config.model.factory} does not accept "
-                          f"{config.data.source} inputs of shape {list(sample.shape[1:])} ({exc})") from None
-    if out.ndim != 2 or out.shape[1] < dataset.num_classes:
-        raise ConfigError(f"config error: model.factory: {config.model.factory} outputs shape {list(out.shape[1:])}, "
-                          f"needs one logit per class ({dataset.num_classes})")
+    check_model_and_task(config, model, dataset.train.x[:2], dataset.train.y[:2], dataset.num_classes)
     parts = config.data.partitions or 4 * config.scaling.replicas
     if parts > len(dataset.train):
         raise ConfigError(f"config error: data.partitions: {parts} partitions for {len(dataset.train)} train rows")
     return dataset
+
+
+def check_model_and_task(config: JobConfig, model: Any, x: Any, y: Any, num_classes: Optional[int] = None) -> None:
+    """The model accepts a sample of the decoded inputs `x` and the task can score its outputs
+    against the targets `y` (loss and evaluation); ConfigError naming the field otherwise."""
+    import torch
+
+    from policies.batches import as_tensors, forward, shape_of
+    from policies.tasks import Classification
+
+    task = config.task.build()
+    x, y = as_tensors(x), as_tensors(y)
+    try:
+        with torch.no_grad():
+            out = forward(model, x)
+    except Exception as exc:
+        raise ConfigError(f"config error: model.factory: {config.model.factory} does not accept "
+                          f"{config.data.source} inputs of shape {shape_of(x)} ({exc})") from None
+    if isinstance(task, Classification) and num_classes is not None and (out.ndim != 2 or out.shape[1] < num_classes):
+        raise ConfigError(f"config error: model.factory: {config.model.factory} outputs shape {list(out.shape[1:])}, "
+                          f"needs one logit per class ({num_classes})")
+    try:
+        with torch.no_grad():
+            loss = task.loss(out, y)
+            task.finish(task.evaluate(out, y))
+        float(loss)
+    except Exception as exc:
+        shape = list(out.shape[1:]) if hasattr(out, "shape") else type(out).__name__
+        raise ConfigError(f"config error: task.name: the {config.task.name} task cannot score {config.model.factory}'s "
+                          f"outputs ({shape}) against the targets {shape_of(y)} ({type(exc).__name__}: {exc})") from None
 
 
 class ElasticTrainer:
@@ -139,7 +160,8 @@ class ElasticTrainer:
         _log_plot(tracker)
         tracker.finish("FINISHED")
         if self.show_progress:
-            print(f"done: {result.stop_reason}; test_accuracy {result.final.test_accuracy:.4f}\n"
+            metric = ctl.metric
+            print(f"done: {result.stop_reason}; {metric} {result.final.get(metric, float('nan')):.4f}\n"
                   f"{tracker.where()}\n  view it: mlflow ui --backend-store-uri {tracker.tracking_uri}\n"
                   f"checkpoint: {result.checkpoint}", flush=True)
         return result
@@ -227,7 +249,7 @@ def _result(cfg: JobConfig, totals, tracker, wall_s: float, phases: list) -> Tra
         samples_per_s=totals.samples / max(totals.epoch_wall_s, 1e-9),
         steady_samples_per_s=totals.samples / max(totals.train_s, 1e-9),
         startup_s=totals.startup_s, time_to_target_s=totals.time_to_target_s,
-        final=FinalMetrics(totals.test_accuracy, totals.test_loss, totals.train_loss),
+        final=FinalMetrics({**totals.metrics, "train_loss": totals.train_loss}),
         stop_reason=totals.stop_reason, checkpoint=totals.checkpoint,
         tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id,
         rows_per_epoch=list(totals.rows_per_epoch), events=tracker.events,

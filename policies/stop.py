@@ -1,15 +1,34 @@
 """StopPolicy: decides after each epoch whether the run ends, and says why."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 
 @dataclass(frozen=True)
 class EpochSnapshot:
     epoch: int  # epochs completed
-    test_accuracy: float
-    elapsed_s: float  # seconds since training started
+    metrics: dict[str, float] = field(default_factory=dict)  # the epoch's task metrics and train_loss
+    elapsed_s: float = 0.0  # seconds since training started
+
+
+@dataclass(frozen=True)
+class Target:
+    """A metric and the value that counts as reached: at or above it (goal max) or at or below
+    it (goal min)."""
+
+    metric: str
+    goal: str  # "max" | "min"
+    value: float
+
+    def reached(self, metrics: dict[str, float]) -> bool:
+        x = metrics.get(self.metric)
+        if x is None or x != x:  # missing or nan: not reached
+            return False
+        return x >= self.value if self.goal == "max" else x <= self.value
+
+    def describe(self) -> str:
+        return f"{self.metric} {'>=' if self.goal == 'max' else '<='} {self.value:g}"
 
 
 @dataclass(frozen=True)
@@ -24,13 +43,15 @@ CONTINUE = StopDecision(False, "")
 @dataclass(frozen=True)
 class StopPolicy:
     epochs: int
-    target_accuracy: Optional[float] = None
+    target: Optional[Target] = None
     at_target: bool = True
     max_wall_s: Optional[float] = None
 
     def decide(self, snap: EpochSnapshot) -> StopDecision:
-        if self.target_accuracy is not None and self.at_target and snap.test_accuracy >= self.target_accuracy:
-            return StopDecision(True, f"target: test_accuracy {snap.test_accuracy:.4f} >= stop.target_accuracy ({self.target_accuracy})")
+        t = self.target
+        if t is not None and self.at_target and t.reached(snap.metrics):
+            return StopDecision(True, f"target: {t.metric} {snap.metrics[t.metric]:.4f} "
+                                      f"{'>=' if t.goal == 'max' else '<='} stop.target ({t.value:g})")
         if snap.epoch >= self.epochs:
             return StopDecision(True, f"epochs: {snap.epoch} >= stop.epochs ({self.epochs})")
         if self.max_wall_s is not None and snap.elapsed_s >= self.max_wall_s:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Optional, Union
 
-METRIC_DIRECTION = {"test_accuracy": "max", "test_loss": "min", "train_loss": "min"}
+METRIC_DIRECTION = {"test_accuracy": "max", "test_loss": "min", "train_loss": "min"}  # classification's (the default)
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Observation:
     epochs: int  # epochs finished in the run
     step: int  # steps taken in the run
     elapsed_s: float  # seconds of training so far
-    metrics: dict[str, float] = field(default_factory=dict)  # the latest epoch's test_accuracy, test_loss, train_loss
+    metrics: dict[str, float] = field(default_factory=dict)  # the latest epoch's task metrics and train_loss
     compute_s: dict[int, float] = field(default_factory=dict)  # rank -> compute seconds per step, latest window
     comm_share: Optional[float] = None  # share of the step spent waiting for communication, latest window
 
@@ -60,8 +60,11 @@ class _Mark:
 
 
 class SchedulePolicy:
-    def __init__(self, plan: list[dict[str, Any]]) -> None:
+    def __init__(self, plan: list[dict[str, Any]], goals: Optional[dict[str, str]] = None) -> None:
+        """`goals`: each metric's direction ("max": reached at or above, "min": fallen to at or
+        below), the task's and train_loss (default: the classification task's)."""
         self.plan = plan
+        self.goals = dict(goals or METRIC_DIRECTION)
         self.current = 0
         self.mark = _Mark(0, 0, 0.0)
 
@@ -84,7 +87,7 @@ class SchedulePolicy:
             numbers = {"seconds_in_phase": round(spent, 3), "target": target}
         else:
             value = obs.metrics.get(key) if obs.epoch_end else None
-            hit = value is not None and (value >= target if METRIC_DIRECTION[key] == "max" else value <= target)
+            hit = value is not None and (value >= target if self.goals[key] == "max" else value <= target)
             numbers = {key: value, "target": target}
         if not hit:
             return None
@@ -166,10 +169,10 @@ class AdaptivePolicy:
 SwitchPolicy = Union[SchedulePolicy, AdaptivePolicy]
 
 
-def make_switch_policy(strategy: Any) -> SwitchPolicy:
-    """The policy a StrategyConfig asks for, over its plan."""
+def make_switch_policy(strategy: Any, goals: Optional[dict[str, str]] = None) -> SwitchPolicy:
+    """The policy a StrategyConfig asks for, over its plan; `goals`: the run's metrics' directions."""
     plan = strategy.plan()
     if strategy.switch == "adaptive":
         a = strategy.adaptive
         return AdaptivePolicy(plan, a.slow_ratio, a.recover_ratio, a.patience, a.min_phase_s)
-    return SchedulePolicy(plan)
+    return SchedulePolicy(plan, goals)

@@ -42,6 +42,7 @@ class Task:
     name: str = "task"
     metrics: tuple[str, ...] = ()
     goals: Mapping[str, str] = {}
+    primary: Optional[str] = None  # the metric shown first (progress lines, plots); default metrics[0]
     input_dtype: str = "float32"
     target_dtype: str = "int64"
 
@@ -85,6 +86,7 @@ class Classification(Task):
     name = "classification"
     metrics = ("test_loss", "test_accuracy")
     goals = {"test_loss": "min", "test_accuracy": "max"}
+    primary = "test_accuracy"
     target_dtype = "int64"
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -109,6 +111,7 @@ class Regression(Task):
     name = "regression"
     metrics = ("test_loss", "test_mse", "test_mae", "test_r2")
     goals = {"test_loss": "min", "test_mse": "min", "test_mae": "min", "test_r2": "max"}
+    primary = "test_r2"
     target_dtype = "float32"
 
     @staticmethod
@@ -148,6 +151,7 @@ class LanguageModel(Task):
     name = "language_model"
     metrics = ("test_loss", "test_perplexity")
     goals = {"test_loss": "min", "test_perplexity": "min"}
+    primary = "test_perplexity"
     input_dtype = "int64"
     target_dtype = "int64"
 
@@ -186,6 +190,11 @@ def load_task(name: str, kwargs: Optional[dict[str, Any]] = None) -> Task:
     task = factory(**kwargs)
     check_task(task, name)
     return task
+
+
+def primary_metric(task: Any) -> str:
+    """The metric a run of `task` is summarised by when no target names one."""
+    return getattr(task, "primary", None) or tuple(task.metrics)[0]
 
 
 def check_task(task: Any, name: str) -> None:

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from orchestrator.data import eval_slices, load_source, partition
-from policies.stop import EpochSnapshot, StopPolicy
+from policies.stop import EpochSnapshot, StopPolicy, Target
 
 
 def test_mnist5k_fixed_stratified_split():
@@ -26,11 +26,18 @@ def test_partitions_cover_train_once(replicas):
 
 
 def test_stop_policy_says_why():
-    pol = StopPolicy(epochs=3, target_accuracy=0.9, max_wall_s=100)
-    assert not pol.decide(EpochSnapshot(1, 0.5, 10)).stop
-    d = pol.decide(EpochSnapshot(1, 0.95, 10))
+    acc = lambda a: {"test_accuracy": a}  # noqa: E731
+    pol = StopPolicy(epochs=3, target=Target("test_accuracy", "max", 0.9), max_wall_s=100)
+    assert not pol.decide(EpochSnapshot(1, acc(0.5), 10)).stop
+    d = pol.decide(EpochSnapshot(1, acc(0.95), 10))
     assert d.stop and "target" in d.reason and "0.9500" in d.reason
-    assert "epochs: 3 >= stop.epochs (3)" in pol.decide(EpochSnapshot(3, 0.5, 10)).reason
-    assert "wall" in pol.decide(EpochSnapshot(1, 0.5, 100)).reason
-    keep_going = StopPolicy(epochs=3, target_accuracy=0.9, at_target=False)
-    assert not keep_going.decide(EpochSnapshot(1, 0.95, 1)).stop
+    assert "epochs: 3 >= stop.epochs (3)" in pol.decide(EpochSnapshot(3, acc(0.5), 10)).reason
+    assert "wall" in pol.decide(EpochSnapshot(1, acc(0.5), 100)).reason
+    keep_going = StopPolicy(epochs=3, target=Target("test_accuracy", "max", 0.9), at_target=False)
+    assert not keep_going.decide(EpochSnapshot(1, acc(0.95), 1)).stop
+    # a metric whose goal is min is reached at or below the value; nan never is
+    r2, mse = Target("test_r2", "max", 0.9), Target("test_mse", "min", 0.1)
+    assert StopPolicy(5, r2).decide(EpochSnapshot(1, {"test_r2": 0.91}, 1)).stop
+    assert not StopPolicy(5, mse).decide(EpochSnapshot(1, {"test_mse": 0.2}, 1)).stop
+    assert "test_mse 0.0500 <= stop.target (0.1)" in StopPolicy(5, mse).decide(EpochSnapshot(1, {"test_mse": 0.05}, 1)).reason
+    assert not StopPolicy(5, mse).decide(EpochSnapshot(1, {"test_mse": float("nan")}, 1)).stop

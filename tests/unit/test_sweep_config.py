@@ -7,7 +7,7 @@ import yaml
 
 from orchestrator.cli import main
 from orchestrator.errors import ConfigError
-from orchestrator.sweep import comparison_csv, comparison_markdown, load_sweep, plot_accuracy, trial_resources
+from orchestrator.sweep import comparison_csv, comparison_markdown, load_sweep, plot_metric, trial_resources
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = os.path.join(REPO, "examples", "mnist_allreduce.yaml")
@@ -135,20 +135,22 @@ def test_trial_resources_one_bundle_per_replica():
 
 def test_comparison_table_and_plot(tmp_path):
     rows = [{"trial": "a", "status": "finished", "mode": "allreduce", "params": {"optimizer.lr": 0.0312345},
-             "time_to_target_s": 12.5, "final_test_accuracy": 0.95, "samples_per_s": 800.0, "epochs": 2,
+             "metric": 0.95, "time_to_target_s": 12.5, "final": {"test_accuracy": 0.95, "test_loss": 0.2},
+             "samples_per_s": 800.0, "epochs": 2,
              "run_id": "r1"},
             {"trial": "b", "status": "stopped_early", "mode": "easgd", "params": {"optimizer.lr": 0.09},
-             "time_to_target_s": None, "final_test_accuracy": 0.5, "samples_per_s": None, "epochs": 1,
+             "metric": 0.5, "time_to_target_s": None, "final": {"test_accuracy": 0.5}, "samples_per_s": None,
+             "epochs": 1,
              "run_id": "r2"}]
     csv = comparison_csv(rows).splitlines()
-    assert csv[0] == "trial,status,mode,params,time_to_target_s,final_test_accuracy,samples_per_s,epochs,run_id"
-    assert csv[1] == "a,finished,allreduce,optimizer.lr=0.03123,12.5,0.95,800,2,r1"
-    assert csv[2] == "b,stopped_early,easgd,optimizer.lr=0.09,,0.5,,1,r2"
+    assert csv[0] == "trial,status,mode,params,metric,time_to_target_s,final,samples_per_s,epochs,run_id"
+    assert csv[1] == "a,finished,allreduce,optimizer.lr=0.03123,0.95,12.5,test_accuracy=0.95 test_loss=0.2,800,2,r1"
+    assert csv[2] == "b,stopped_early,easgd,optimizer.lr=0.09,0.5,,test_accuracy=0.5,,1,r2"
     md = comparison_markdown(rows, "test_accuracy")
     assert "| a | finished | allreduce |" in md
     path = tmp_path / "plot.png"
-    plot_accuracy({"a": ([3.0, 6.0], [0.9, 0.95], rows[0]["params"]), "b": ([4.0], [0.5], rows[1]["params"])},
-                  str(path))
+    plot_metric({"a": ([3.0, 6.0], [0.9, 0.95], rows[0]["params"]), "b": ([4.0], [0.5], rows[1]["params"])},
+                str(path), "test_accuracy")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
