@@ -78,3 +78,37 @@ def failing_mlp(in_features: int = 32, num_classes: int = 4, fail_after_calls: i
     `fail_after_calls` calls in each replica's process, as a bug in user code would. With
     `once_marker` (a file path) only the first replica to get there raises, once."""
     return _FailingMLP(tiny_mlp(in_features=in_features, num_classes=num_classes), fail_after_calls, once_marker)
+
+
+def regression_mlp(in_features: int = 10, hidden: int = 64, outputs: int = 1) -> nn.Module:
+    """An MLP for regression: `outputs` float values per row (one per target column)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                         nn.Linear(hidden, outputs))
+
+
+class TinyLM(nn.Module):
+    """A small causal transformer over token ids [n, T] -> next-token logits [n, T, vocab]."""
+
+    def __init__(self, vocab: int = 128, context: int = 64, dim: int = 96, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        import torch
+
+        self.embed = nn.Embedding(vocab, dim)
+        self.position = nn.Parameter(torch.zeros(context, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, dim_feedforward=4 * dim, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        h = self.embed(tokens.long()) + self.position[:t]
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)  # no buffer: nothing to sync
+        h = self.blocks(h, mask=mask, is_causal=True)
+        return self.head(self.norm(h))
+
+
+def tiny_lm(vocab: int = 128, context: int = 64, dim: int = 96, layers: int = 2, heads: int = 4) -> nn.Module:
+    """A character-level causal transformer (~240k parameters at the defaults)."""
+    return TinyLM(vocab, context, dim, layers, heads)

@@ -3,5 +3,6 @@ from orchestrator.config import JobConfig
 from orchestrator.errors import ConfigError, TrainingError
 from orchestrator.result import TrainResult
 from orchestrator.trainer import ElasticTrainer
+from policies.tasks import Task
 
-__all__ = ["ElasticTrainer", "JobConfig", "TrainResult", "ConfigError", "TrainingError"]
+__all__ = ["ElasticTrainer", "JobConfig", "TrainResult", "ConfigError", "TrainingError", "Task"]

@@ -76,6 +76,8 @@ def sum_stats(parts: list[Stats]) -> Stats:
 
 
 def _f(t: torch.Tensor) -> float:
+    """A sum as a Python float (evaluation sums are taken in float64: many batches and replicas
+    add up without losing digits)."""
     return float(t.detach().double().sum())
 
 
@@ -93,7 +95,7 @@ class Classification(Task):
         return F.cross_entropy(outputs, targets)
 
     def evaluate(self, outputs: torch.Tensor, targets: torch.Tensor) -> Stats:
-        return {"loss_sum": _f(F.cross_entropy(outputs, targets, reduction="sum")),
+        return {"loss_sum": _f(F.cross_entropy(outputs.double(), targets, reduction="sum")),
                 "correct": float((outputs.argmax(1) == targets).sum()), "rows": float(len(targets))}
 
     def finish(self, sums: Stats) -> dict[str, float]:
@@ -160,7 +162,7 @@ class LanguageModel(Task):
 
     def evaluate(self, outputs: torch.Tensor, targets: torch.Tensor) -> Stats:
         flat = targets.reshape(-1)
-        nll = F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), flat, ignore_index=-1, reduction="sum")
+        nll = F.cross_entropy(outputs.double().reshape(-1, outputs.shape[-1]), flat, ignore_index=-1, reduction="sum")
         return {"nll": _f(nll), "tokens": float((flat >= 0).sum())}
 
     def finish(self, sums: Stats) -> dict[str, float]:
