@@ -70,17 +70,18 @@ def test_sweep_nested_runs_table_plot_and_trials_in_turn(ray_head, mlflow_server
     assert sorted(modes) == ["allreduce", "allreduce", "easgd", "easgd"]
 
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
-    assert {"comparison.csv", "comparison.md", "accuracy_vs_time.png", "sweep.yaml"} <= artifacts
+    assert {"comparison.csv", "comparison.md", "metric_vs_time.png", "sweep.yaml"} <= artifacts
     table = client.download_artifacts(parent.info.run_id, "comparison.csv", str(tmp_path))
     lines = open(table).read().strip().splitlines()
-    assert lines[0].startswith("trial,status,mode,params,time_to_target_s,final_test_accuracy,samples_per_s")
+    assert lines[0].startswith("trial,status,mode,params,metric,time_to_target_s,final,samples_per_s")
     assert len(lines) == 5 and all(",finished," in line for line in lines[1:])
-    png = client.download_artifacts(parent.info.run_id, "accuracy_vs_time.png", str(tmp_path))
+    png = client.download_artifacts(parent.info.run_id, "metric_vs_time.png", str(tmp_path))
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
     ids = {c.info.run_id for c in children}
     assert result["best_run_id"] in ids and len(result["rows"]) == 4
-    assert result["best_value"] == max(r["final_test_accuracy"] for r in result["rows"])
+    assert result["best_value"] == max(r["final"]["test_accuracy"] for r in result["rows"])
+    assert all(r["metric"] == r["final"]["test_accuracy"] for r in result["rows"])
     assert f"MLflow run {result['best_run_id']}" in proc.stdout and "best: test_accuracy" in proc.stdout
 
     # each trial reserves 2 of the 4 CPUs: never more than 2 at once, and 2 did run together

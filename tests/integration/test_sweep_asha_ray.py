@@ -1,4 +1,5 @@
-"""A sweep through the Python API on the session's Ray cluster with the ASHA scheduler: a trial that
+"""A sweep through the Python API on the session's Ray cluster with the ASHA scheduler, over a task
+of the user's own (examples/tasks.py) ranked by its own metric (test_top2_accuracy): a trial that
 trails at the first rung is stopped, its child run marked KILLED with tag sweep.stopped_early, and
 its actors and placement group are gone; the trial that ends by its own stop condition finishes
 its run."""
@@ -24,11 +25,13 @@ def test_asha_stops_the_trailing_trial_and_marks_its_run(ray_cluster, tmp_path, 
     base = tmp_path / "base.yaml"
     base.write_text(yaml.safe_dump({
         "model": {"factory": "examples.models:tiny_mlp"}, "data": {"source": "builtin:synthetic", "batch_size": 32},
+        "task": {"name": "examples.tasks:margin_task"},  # a task of the user's own, ranked by its own metric
         "scaling": {"replicas": 1, "cpus_per_replica": 1}, "stop": {"epochs": 3}, "fault_tolerance": {"spares": 1},
         "tracking": {"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
         "checkpoint": {"storage": str(tmp_path / "ck")}}))
     # one trial at a time, in grid order: the good rate sets the bar at epoch 1, the tiny one trails it
     sweep = SweepConfig(base=str(base), search={"optimizer.lr": {"grid": [0.1, 1e-6]}}, max_concurrent_trials=1,
+                        metric="test_top2_accuracy",
                         scheduler="asha", asha={"grace_period": 1, "reduction_factor": 2}, experiment="asha")
     seen: dict[str, set] = {}  # actor class -> the placement groups its live actors were in
     done = threading.Event()
@@ -56,12 +59,13 @@ def test_asha_stops_the_trailing_trial_and_marks_its_run(ray_cluster, tmp_path, 
     assert rows[0.1]["status"] == "finished" and rows[0.1]["epochs"] == 3
     assert rows[1e-6]["status"] == "stopped_early" and rows[1e-6]["epochs"] == 1
     assert result.best_params == {"optimizer.lr": 0.1} and result.best_run_id == rows[0.1]["run_id"]
+    assert result.goal == "max" and result.best_value == rows[0.1]["metric"] == rows[0.1]["final"]["test_top2_accuracy"]
 
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     good, stopped = client.get_run(rows[0.1]["run_id"]), client.get_run(rows[1e-6]["run_id"])
     assert good.info.status == "FINISHED" and "sweep.stopped_early" not in good.data.tags
     assert stopped.info.status == "KILLED" and stopped.data.tags["sweep.stopped_early"] == "true"
-    assert len(client.get_metric_history(stopped.info.run_id, "test_accuracy")) == 1
+    assert len(client.get_metric_history(stopped.info.run_id, "test_top2_accuracy")) == 1
     for run in (good, stopped):
         assert run.data.tags["mlflow.parentRunId"] == result.parent_run_id
     assert client.get_run(result.parent_run_id).info.status == "FINISHED"
