@@ -196,4 +196,4 @@ def test_batchnorm_buffers_are_consistent_in_every_mode(ray_cluster, tmp_path, s
         else:
             np.testing.assert_array_equal(local[0][n], local[1][n])
             np.testing.assert_array_equal(saved[n].numpy(), local[0][n])
-    assert ctl.totals.test_accuracy > 0.9  # evaluated with consistent statistics
+    assert ctl.totals.metrics["test_accuracy"] > 0.9  # evaluated with consistent statistics
