@@ -1,15 +1,22 @@
 """PartitionServer: leases the train split's partitions to replicas (policies/leases.py decides).
 
-The driver puts every partition into the object store once and gives each replica's reader the
-list of refs (wrapped in a list, so Ray passes them through unresolved); the server deals only in
-partition numbers, so a lease is a few small ints and no object reference crosses the wire per
-lease. The replica reads a partition zero-copy from its node's object store the first time it
-is leased and keeps the view. The server reserves no CPU.
+The server deals only in partition numbers, so a lease is a few small ints and no object
+reference crosses the wire per lease. The server reserves no CPU. Where a replica's reader gets
+a granted partition's rows from depends on the source:
+- in memory (`StoredPartitions`): the driver put every partition into the object store once and
+  gave each reader the list of refs (wrapped in a list, so Ray passes them through unresolved);
+  the reader maps a partition zero-copy the first time it is leased and keeps the view;
+- a file source (`StreamedPartitions`): the reader holds the driver's plan
+  (actors/reading.py) and runs a zero-CPU read task pinned to its own node for each granted
+  partition, at most data.prefetch_partitions ahead of the one training; the rows land in that
+  node's object store, are mapped zero-copy, and are let go once the partition is trained, so a
+  replica holds a bounded number of partitions and any replica can re-read one by number.
 """
 from __future__ import annotations
 
+import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional
 
@@ -17,8 +24,8 @@ import numpy as np
 import ray
 import torch
 
+from actors.reading import StreamPlan, read_partition_task
 from policies.batches import as_tensors, rows as batch_rows, take, to_device
-
 from policies.leases import MAX_GRANT, PartitionLedger, grant_message
 
 PAUSE = "pause"  # what the reader yields where the server said pause (a phase switch)
@@ -101,18 +108,114 @@ class PartitionServer:
                 "redone": list(self.ledger.redone)}
 
 
+READ_TIMEOUT_S = 120.0  # a streamed partition's read is given at least this long (remote stores retry on their own)
+
+
+class StoredPartitions:
+    """In-memory partitions: the driver's refs; a partition is mapped zero-copy the first time
+    it is granted and the view kept (a partition met again costs no ray.get)."""
+
+    def __init__(self, refs: list, timeout_s: float) -> None:
+        self.refs, self.timeout_s = refs, timeout_s
+        self.seen: dict[int, dict] = {}
+
+    def new_pass(self) -> None:
+        pass
+
+    def request(self, partitions: list[int]) -> None:
+        """Map granted partitions (the helper thread does this while the current one trains)."""
+        for p in partitions:
+            if p not in self.seen:
+                self.seen[p] = ray.get(self.refs[p], timeout=self.timeout_s)
+
+    def want(self, partition: int, upcoming: list[int]) -> None:
+        pass
+
+    def get(self, partition: int) -> dict:
+        self.request([partition])
+        return self.seen[partition]
+
+    def release(self, partition: int) -> None:
+        pass  # kept: the run's partitions live in the object store anyway
+
+
+class StreamedPartitions:
+    """File-source partitions read by tasks pinned to this replica's node, at most
+    1 + `ahead` at a time (the one training and the read-ahead); a trained partition is let go
+    (its ref dropped, so the object store frees it once the last batch cut from it is gone).
+    The helper thread (grant requests) and the step loop both launch reads: a lock."""
+
+    def __init__(self, plan: StreamPlan, ahead: int, timeout_s: float) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.plan, self.ahead, self.timeout_s = plan, ahead, max(timeout_s, READ_TIMEOUT_S)
+        self.here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.reads: OrderedDict[int, Any] = OrderedDict()  # partition -> its read task's ref
+        self.lock = threading.Lock()
+
+    def new_pass(self) -> None:
+        with self.lock:
+            self.reads.clear()
+
+    def _launch(self, partitions: list[int], bound: int) -> None:
+        with self.lock:
+            for p in partitions:
+                if p in self.reads:
+                    continue
+                if len(self.reads) >= bound:
+                    break
+                self.reads[p] = read_partition_task.options(scheduling_strategy=self.here).remote(self.plan, p)
+
+    def request(self, partitions: list[int]) -> None:
+        """Granted partitions: read ahead while the bound allows."""
+        self._launch(partitions, 1 + self.ahead)
+
+    def want(self, partition: int, upcoming: list[int]) -> None:
+        """`partition` is next: read it now whatever the bound, then what follows while it allows."""
+        self._launch([partition], len(self.reads) + 1)
+        self._launch(upcoming, 1 + self.ahead)
+
+    def get(self, partition: int) -> dict:
+        """The partition's rows, zero-copy from this node's object store; a RuntimeError naming
+        the file when it could not be read."""
+        self.want(partition, [])
+        with self.lock:
+            ref = self.reads[partition]
+        lo, hi = self.plan.ranges[partition]
+        where = f"partition {partition} ({', '.join(self.plan.files(lo, hi))})"
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None) or exc
+            line = " ".join(str(cause).split()) if isinstance(cause, RuntimeError) else \
+                f"{self.plan.field}: reading {where} failed: {type(cause).__name__}: {' '.join(str(cause).split())}"
+            raise RuntimeError(line) from None
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"{self.plan.field}: {where} was not read within {self.timeout_s:.0f}s") from None
+        except ray.exceptions.RayError as exc:  # the read task's process died (e.g. out of memory)
+            raise RuntimeError(f"{self.plan.field}: reading {where} failed: {type(exc).__name__}: "
+                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
+
+    def release(self, partition: int) -> None:
+        with self.lock:
+            self.reads.pop(partition, None)
+
+
 class PartitionReader:
     """The replica side: take the partitions the server grants this replica until it has none
     left this epoch, and cut them into batches. The next grant is requested, and the bytes of
-    the partitions it grants pulled to this node, on a helper thread while the current partition
-    trains; batches are made by tensor indexing (no per-row Python); with a GPU, batches are
-    pinned and copied asynchronously."""
+    the partitions it grants pulled to this node (or, for a file source, read on it), on a
+    helper thread while the current partition trains; batches are made by tensor indexing (no
+    per-row Python); with a GPU, batches are pinned and copied asynchronously. `refs`: the
+    in-memory partitions' refs, or a file source's plan (actors/reading.py); `prefetch`: how
+    many partitions of a file source are read ahead of the one training."""
 
-    def __init__(self, server, refs: list, rank: int, batch_size: int, shuffle: bool, device: torch.device,
-                 timeout_s: float):
-        self.server, self.refs, self.rank, self.batch_size, self.shuffle = server, refs, rank, batch_size, shuffle
+    def __init__(self, server, refs: "list | StreamPlan", rank: int, batch_size: int, shuffle: bool,
+                 device: torch.device, timeout_s: float, prefetch: int = 2):
+        self.server, self.rank, self.batch_size, self.shuffle = server, rank, batch_size, shuffle
         self.device, self.timeout_s = device, timeout_s
-        self.seen: dict[int, dict] = {}  # partition -> zero-copy views into the object store
+        self.source = (StreamedPartitions(refs, prefetch, timeout_s) if isinstance(refs, StreamPlan)
+                       else StoredPartitions(refs, timeout_s))
         self.unreported: list[int] = []
         self.read: list[int] = []
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="partition-prefetch")
@@ -127,6 +230,7 @@ class PartitionReader:
         which saves every replica a round trip per epoch. `first`: the grant the epoch starts
         with (`policies.leases.first_grant_messages`)."""
         self.unreported = []
+        self.source.new_pass()
         grant = self._fetch(first) if first is not None else self._grant([], None)
         epoch = grant["leases"][0]["epoch"] if grant["leases"] else None
         finished = []
@@ -136,10 +240,12 @@ class PartitionReader:
         held, last = deque(grant["leases"]), grant["last"]
         while held:
             lease = held.popleft()
+            self.source.want(lease["partition"], [x["partition"] for x in held])
             pending = None
             if not held and not last:  # starting the last partition in hand: ask for more now
                 pending, finished = self.prefetch.submit(self._grant, finished, lease["epoch"]), []
-            yield lease, self.seen[lease["partition"]]
+            yield lease, self.source.get(lease["partition"])
+            self.source.release(lease["partition"])  # a streamed partition is let go once trained
             finished.append(lease["partition"])
             if pending is not None:
                 grant = pending.result(timeout=2 * self.timeout_s)
@@ -164,12 +270,8 @@ class PartitionReader:
             wait = min(2 * wait, 0.05)
 
     def _fetch(self, grant: dict) -> dict:
-        """Map the granted partitions into this process (pulled to this node if they live on
-        another); views, not copies, kept: a partition met again costs no ray.get."""
-        for lease in grant["leases"]:
-            p = lease["partition"]
-            if p not in self.seen:
-                self.seen[p] = ray.get(self.refs[p], timeout=self.timeout_s)
+        """Start getting the granted partitions' rows (StoredPartitions / StreamedPartitions)."""
+        self.source.request([lease["partition"] for lease in grant["leases"]])
         return grant
 
     def epoch_batches(self, first: Optional[dict] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]]:

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from actors.partition_server import PartitionReader, is_pause
+from actors.reading import StreamPlan, count_kept, read_range, test_pieces
 from actors.shard import RayShardClient
 from policies.factory import build_model
 from policies.lr_scaling import warmup_lr
@@ -288,7 +289,7 @@ class ModelReplica:
         gloo's first group; allocator, kernels). The model's state is put back as it was.
         Returns the seconds."""
         t0 = time.perf_counter()
-        data = ray.get(sample[0])
+        data = ray.get(sample[0], timeout=self.cfg["strategy"]["timeout_s"])
         saved = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         x = to_device(as_tensors(tree_map(lambda a: a[:rows].copy(), data["x"])), self.device)
         y = to_device(as_tensors(tree_map(lambda a: a[:rows].copy(), data["y"])), self.device)
@@ -371,24 +372,38 @@ class ModelReplica:
         unresolved). `t_train_wall`: when the run's training started (wall clock)."""
         if t_train_wall is not None:
             self.t_train_wall = t_train_wall
-        self.reader = PartitionReader(server, train_parts[0], self.rank, self.cfg["data"]["batch_size"], self.cfg["data"]["shuffle"],
-                                      self.device, self.cfg["strategy"]["timeout_s"])
+        data = self.cfg["data"]
+        self.reader = PartitionReader(server, train_parts[0], self.rank, data["batch_size"], data["shuffle"],
+                                      self.device, self.cfg["strategy"]["timeout_s"], data.get("prefetch_partitions", 2))
         return self.set_test_slice(test_part, test_slice)
 
-    def set_test_slice(self, test_part: list, test_slice: tuple[int, int]) -> int:
-        test = ray.get(test_part[0])
+    def set_test_slice(self, test_part: list, test_slice: Any) -> int:
+        """In memory: the test split's ref (in a list) and this replica's [lo, hi) slice of it,
+        copied here. A file source: the test plan and this replica's list of position ranges,
+        read a piece at a time by each evaluation (actors/reading.py). Returns the test rows."""
+        if isinstance(test_part[0], StreamPlan):
+            self.test_plan, self.test_ranges = test_part[0], list(test_slice)
+            self.test_x = self.test_y = None
+            return sum(count_kept(self.test_plan, lo, hi) for lo, hi in self.test_ranges)
+        self.test_plan = None
+        test = ray.get(test_part[0], timeout=self.cfg["strategy"]["timeout_s"])
         lo, hi = test_slice
         self.test_x = as_tensors(tree_map(lambda a: a[lo:hi].copy(), test["x"]))
         self.test_y = as_tensors(tree_map(lambda a: a[lo:hi].copy(), test["y"]))
         return hi - lo
 
     def test_batches(self) -> Iterator[tuple[Any, Any]]:
-        """This replica's slice of the test split in batches of data.batch_size (inputs,
-        targets; each a tensor or a dict of tensors), on the replica's device."""
+        """This replica's share of the test split in batches of data.batch_size (inputs,
+        targets; each a tensor or a dict of tensors), on the replica's device. A file source's
+        share is read a piece at a time (memory bounded by the piece, not the share)."""
         batch = self.cfg["data"]["batch_size"]
-        for lo in range(0, batch_rows(self.test_y), batch):
-            yield (to_device(slice_rows(self.test_x, lo, lo + batch), self.device),
-                   to_device(slice_rows(self.test_y, lo, lo + batch), self.device))
+        pieces = ([(self.test_x, self.test_y)] if self.test_plan is None else
+                  ((as_tensors(p["x"]), as_tensors(p["y"]))
+                   for p in (read_range(self.test_plan, lo, hi) for lo, hi in test_pieces(self.test_plan, self.test_ranges))))
+        for x, y in pieces:
+            for lo in range(0, batch_rows(y), batch):
+                yield (to_device(slice_rows(x, lo, lo + batch), self.device),
+                       to_device(slice_rows(y, lo, lo + batch), self.device))
 
     # ---- training ------------------------------------------------------------------------
     def run_epoch(self, epoch: int, log_every: int, trace_ids: bool = False,

@@ -7,7 +7,7 @@ Every field carries a one-line description (shown in docs/config.md). Unknown ke
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer,
@@ -47,26 +47,45 @@ class DataConfig(_Section):
         "digits), builtin:synthetic (Gaussian blobs), or a Parquet / CSV / Arrow IPC file or directory: a local "
         "path or any pyarrow filesystem URI (file://, s3://, gs://, hdfs://).",
     )
-    label_column: str = Field("label", min_length=1, description="Column holding integer class ids.")
+    label_column: Union[str, list[str]] = Field(
+        "label", description="The target column (class ids for classification; a fixed-size-list column gives "
+        "[n, k] targets), or a list of columns (targets [n, k], e.g. several regression targets); cast to the "
+        "task's target dtype by the builtin decoder."
+    )
     feature_columns: Optional[list[str]] = Field(
-        None, description="Feature columns (numeric or fixed-size lists, concatenated into one float32 vector); "
-        "default: every column but the label and id columns."
+        None, description="Feature columns (numeric or fixed-size lists, concatenated into one vector of the task's "
+        "input dtype, float32 for classification and regression); default: every column but the label and id columns."
+    )
+    decode: Optional[str] = Field(
+        None, description="'module:function' turning a pyarrow.Table of rows into (inputs, targets), each a numpy "
+        "array or torch tensor (or a dict of them) with the table's rows first; runs where rows are read (on the "
+        "replica's node for file sources); default: the builtin decoder (feature_columns, feature_shape, "
+        "label_column). See docs/data.md."
     )
     feature_shape: Optional[list[int]] = Field(
         None, description="Reshape each feature vector, e.g. [1, 28, 28] for images; default: flat."
     )
     id_column: Optional[str] = Field(None, description="Column of row ids (reported in traces); default: row number.")
-    test_fraction: float = Field(0.2, gt=0, lt=1, description="Share of rows held out for testing (file sources).")
+    test_fraction: float = Field(
+        0.2, gt=0, lt=1, description="Share of rows held out for testing: file sources hold out each row whose "
+        "position hashes (with seed) below it, without reading the data; in-memory data a seeded random share."
+    )
     test_source: Optional[str] = Field(None, description="A separate test set (same format rules); overrides test_fraction.")
     batch_size: int = Field(64, gt=0, description="Samples per step per replica; the last batch of each "
                             "partition is shorter when the partition's rows are not a multiple.")
     seed: int = Field(0, description="Seed for the split, partition order and shuffling; runs are reproducible.")
     partitions: Optional[int] = Field(
-        None, gt=0, description="Partitions the train split is cut into; default 4 x replicas. Any count works in "
+        None, gt=0, description="Partitions the train split is cut into; default 4 x replicas (file sources: at "
+        "least that, and enough that each holds at most ~64 MB of the source). Any count works in "
         "every mode (lock-step modes give a replica with fewer batches empty steps); a multiple of "
         "scaling.replicas keeps allreduce replicas equally busy."
     )
-    shuffle: bool = Field(True, description="Reshuffle partition order and rows within partitions every epoch.")
+    prefetch_partitions: int = Field(
+        2, ge=0, description="File sources: partitions a replica reads ahead of the one it trains on (each read "
+        "on its node into the object store); bounds a replica's data in memory to 1 + this many partitions."
+    )
+    shuffle: bool = Field(True, description="Reshuffle partition order and rows within partitions every epoch "
+                          "(file sources: partitions are contiguous row ranges, so this is a local shuffle).")
 
     @field_validator("source")
     @classmethod
@@ -76,6 +95,23 @@ class DataConfig(_Section):
         if v.startswith("builtin:") and v.removeprefix("builtin:") not in BUILTIN_SOURCES:
             names = ", ".join(f"builtin:{n}" for n in BUILTIN_SOURCES)
             raise ValueError(f"unknown builtin dataset {v!r}; choose one of {names}")
+        return v
+
+    @field_validator("label_column")
+    @classmethod
+    def _label_names(cls, v: Any) -> Any:
+        names = [v] if isinstance(v, str) else v
+        if not names or any(not n for n in names):
+            raise ValueError("give a column name or a non-empty list of column names")
+        return v
+
+    @field_validator("decode")
+    @classmethod
+    def _decode_colon_function(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None:
+            module, sep, func = v.partition(":")
+            if not sep or not module or not func:
+                raise ValueError(f"must look like 'module:function', got {v!r}")
         return v
 
     @field_validator("feature_shape")

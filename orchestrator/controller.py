@@ -38,10 +38,11 @@ import ray
 from orchestrator.checkpoint import CheckpointStore, save_checkpoint
 from orchestrator.cluster import beside_driver
 from orchestrator.config import JobConfig
-from orchestrator.data import Dataset, eval_slices, partition
+from orchestrator.data import Dataset
 from orchestrator.elastic import Elasticity
 from orchestrator.errors import TrainingError
 from orchestrator.group import ReplicaGroup
+from orchestrator.placement import place_data
 from orchestrator.progress import ProgressDisplay
 from orchestrator.reporting import Reporter
 from orchestrator.segment import EpochSegment, Plan
@@ -147,7 +148,7 @@ class Controller:
         self.consumed: list[dict[int, list[list[int]]]] = []  # [epoch] {rank: [step] -> row ids} (trace_ids)
         self.redone: list[dict[str, Any]] = []  # partitions served again after a replica died
         self.server = None
-        self.partition_refs: list = []  # the train partitions in the object store (kept alive here)
+        self.data = None  # where the data lives (orchestrator/placement.py): in-memory refs kept alive here
         self.progress: dict[int, int] = {}  # rank -> the last step it reported (progress rows)
         s, ft = config.stop, config.fault_tolerance
         self.stop_policy = StopPolicy(s.epochs, self.target, s.at_target, s.max_wall_s)
@@ -285,9 +286,9 @@ class Controller:
         if not self.group.members:
             self.launch()
         cfg, n = self.cfg, self.cfg.scaling.replicas
-        parts = partition(self.dataset.train, cfg.data.partitions or 4 * n, cfg.data.seed)
-        refs = [ray.put({"x": p.x, "y": p.y, "ids": p.ids}) for p in parts]  # each partition put once
-        rows = [len(p) for p in parts]
+        # in-memory data: partitions put once; a file source: only its plan (orchestrator/placement.py)
+        self.data = place_data(self.dataset, cfg.data.partitions or 4 * n, cfg.data.seed)
+        rows = self.data.rows
         bs = cfg.data.batch_size
         self.steps_per_epoch = -(-sum(-(-r // bs) for r in rows) // n)  # the display's estimate
         self._plan = (rows, n, cfg.data.seed, self.spec.pinned, cfg.data.shuffle)
@@ -295,11 +296,9 @@ class Controller:
         # is a point where a replica can hear a pause (two at a time saves calls otherwise)
         self.max_grant = 1 if len(self.switch_policy.plan) > 1 else MAX_GRANT
         self.server = PartitionServer.options(scheduling_strategy=beside_driver()).remote(*self._plan, self.max_grant)
-        self.partition_refs = refs
         self.group.wait_ready()
         self.group.form()
-        self.test_ref = ray.put({"x": self.dataset.test.x, "y": self.dataset.test.y})
-        self.group.warm_spares(self.test_ref)
+        self.group.warm_spares(self.data.sample)
         self._t_train_wall = time.time()
         self.give_data(self.group.ranks)
         self.totals.startup_s = time.perf_counter() - self.t0
@@ -309,9 +308,9 @@ class Controller:
         if self.resume is not None:
             self._restore(self.resume)
         self.report.event("started", metric=self.metric, task=cfg.task.name, replicas=n, spares=cfg.fault_tolerance.spares,
-                          steps_per_epoch=self.steps_per_epoch, partitions=len(parts),
+                          steps_per_epoch=self.steps_per_epoch, partitions=len(rows),
                           rows_per_partition=[min(rows), max(rows)], startup_s=round(self.totals.startup_s, 3))
-        self.report.say(f"started {n} replicas ({len(parts)} partitions, ~{self.steps_per_epoch} steps/epoch per "
+        self.report.say(f"started {n} replicas ({len(rows)} partitions, ~{self.steps_per_epoch} steps/epoch per "
                         f"replica) in {self.totals.startup_s:.1f}s")
         at = self.totals.steps
         self.report.metrics([("replicas_alive", n, at), ("replica_restarts", self.totals.replica_restarts, at),
@@ -353,20 +352,17 @@ class Controller:
                 "wall_elapsed_s": time.perf_counter() - self.t0}
 
     def give_data(self, ranks: list[int]) -> None:
-        """The partition server, the train partitions and each replica's test slice (slices
-        follow the members' positions in rank order)."""
+        """The partition server, the train partitions (refs, or a file source's plan) and each
+        replica's share of the test split (shares follow the members' positions in rank order)."""
         members = self.group.ranks
-        slices = eval_slices(len(self.dataset.test), len(members))
-        where = {r: slices[i] for i, r in enumerate(members)}
+        where = {r: self.data.test_share(i, len(members)) for i, r in enumerate(members)}
         self.group.call(ranks, "set_data", what="data",
-                        per_rank=lambda r: (self.server, [self.partition_refs], [self.test_ref], where[r],
-                                            self._t_train_wall))
+                        per_rank=lambda r: (self.server, [self.data.train], *where[r], self._t_train_wall))
 
     def reslice_tests(self) -> None:
         members = self.group.ranks
-        slices = eval_slices(len(self.dataset.test), len(members))
-        where = {r: slices[i] for i, r in enumerate(members)}
-        self.group.call(members, "set_test_slice", what="test slices", per_rank=lambda r: ([self.test_ref], where[r]))
+        where = {r: self.data.test_share(i, len(members)) for i, r in enumerate(members)}
+        self.group.call(members, "set_test_slice", what="test slices", per_rank=lambda r: where[r])
 
     # ---- Running: an epoch's streams -------------------------------------------------------
     def begin_epoch(self, epoch: int, announce: frozenset = frozenset()) -> EpochSegment:

@@ -1,8 +1,10 @@
-"""Datasets and how they are cut: builtin sources, the train/test split, partitions.
+"""Datasets held in memory and how they are cut: builtin sources, the train/test split, partitions.
 
-Everything here is plain numpy so it is tested without Ray. A `Dataset` holds float32 features
-already shaped for the model, int64 labels and int64 row ids (ids survive shuffling and
-partitioning, so tests can check which rows a replica consumed).
+Everything here is plain numpy so it is tested without Ray. A `Dataset` holds inputs already
+shaped for the model (float32 features for the builtins; any tree of arrays a decoder makes,
+policies/batches.py), targets, and int64 row ids (ids survive shuffling and partitioning, so
+tests can check which rows a replica consumed). File sources are not held: they are planned
+(orchestrator/planning.py `StreamedDataset`) and read where they are consumed.
 """
 from __future__ import annotations
 
@@ -13,21 +15,22 @@ from typing import Callable
 import numpy as np
 
 from orchestrator.errors import ConfigError
+from policies.batches import Tree, take
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 
 
 @dataclass(frozen=True)
 class Split:
-    x: np.ndarray  # float32, [n, *feature_shape]
-    y: np.ndarray  # int64, [n]
+    x: Tree  # inputs: [n, ...] (float32 [n, *feature_shape] for the builtins), or a dict of such arrays
+    y: Tree  # targets: [n] int64 class ids for classification, or as the task's decoder makes them
     ids: np.ndarray  # int64, [n], row ids in the source
 
     def __len__(self) -> int:
-        return len(self.y)
+        return len(self.ids)
 
     def take(self, idx: np.ndarray) -> "Split":
-        return Split(self.x[idx], self.y[idx], self.ids[idx])
+        return Split(take(self.x, idx), take(self.y, idx), self.ids[idx])
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,14 @@ class Dataset:
     train: Split
     test: Split
     num_classes: int
+
+    @property
+    def train_rows(self) -> int:
+        return len(self.train)
+
+    def example(self, rows: int) -> Split:
+        """The first rows of the test split: the model check's input and the logged model's example."""
+        return self.test.take(np.arange(min(rows, len(self.test))))
 
 
 def _stratified_split(y: np.ndarray, test_per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
+from orchestrator.planning import StreamedDataset
 from orchestrator.factory import build_model
+from policies.batches import tree_map
 
 EXAMPLE_ROWS = 5  # test rows kept with the model as its input example
 
@@ -24,12 +26,13 @@ def trained_model(config: JobConfig, state_dict: dict[str, Any]) -> torch.nn.Mod
     return model.eval()
 
 
-def input_example(dataset: Dataset, rows: int = EXAMPLE_ROWS) -> np.ndarray:
-    """The first rows of the test split, float32, shaped as the model takes them."""
-    return np.ascontiguousarray(dataset.test.x[:rows], dtype=np.float32)
+def input_example(dataset: Union[Dataset, StreamedDataset], rows: int = EXAMPLE_ROWS) -> Any:
+    """A few decoded rows (in memory: the test split's first; a file source: its first), shaped
+    as the model takes them: an array, or a dict of arrays."""
+    return tree_map(np.ascontiguousarray, dataset.example(rows).x)
 
 
-def log_trained_model(tracker: Any, config: JobConfig, dataset: Dataset,
+def log_trained_model(tracker: Any, config: JobConfig, dataset: Union[Dataset, StreamedDataset],
                       state_dict: dict[str, Any]) -> Optional[float]:
     """Log the run's final model to its MLflow run (see Tracker.log_model); the seconds it took,
     or None when it was not logged (said on stderr; model.pt holds the state either way)."""

@@ -1,9 +1,11 @@
-"""Reading datasets: Parquet, CSV and Arrow IPC files or directories on any pyarrow filesystem
+"""Datasets for a job: Parquet, CSV and Arrow IPC files or directories on any pyarrow filesystem
 (local paths, file://, s3://, gs://, hdfs://), in-memory numpy / pandas / Arrow, and the builtins.
 
-Rows become one float32 feature vector (numeric columns and fixed-size-list columns,
-concatenated; optionally reshaped by data.feature_shape), an int64 label and an int64 row id.
-Every problem is a ConfigError naming the field or file, raised before anything starts.
+A file source is only listed and planned here (orchestrator/planning.py): its rows are read
+where they are consumed (actors/reading.py). In-memory data is decoded on the driver by the
+same decoder the readers use (actors/decoding.py: the builtin one, or data.decode) into
+(inputs, targets) and int64 row ids. Every problem is a ConfigError naming the field or file,
+raised before anything starts.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
+from actors.decoding import DecodeError, DecodeSpec, check_schema, decode
 from orchestrator.data import Dataset, Split, load_source
+from policies.batches import shape_of
 from orchestrator.errors import ConfigError
 from orchestrator.checks import bounded, one_line
 
@@ -64,6 +68,14 @@ def _format_of(fs: pafs.FileSystem, path: str, field: str, source: str) -> str:
     return known.pop()
 
 
+def open_source(source: str, field: str = "data.source") -> tuple[pafs.FileSystem, list[str], str]:
+    """A source's filesystem, its data files and their format (parquet, csv, ipc); ConfigError
+    when it cannot be opened or listed, or holds no one known format."""
+    fs, path = _filesystem(source, field)
+    fmt = _format_of(fs, path, field, source)
+    return fs, _list(fs, path, field, source), fmt
+
+
 def read_table(source: str, field: str = "data.source") -> pa.Table:
     """A whole file or directory as one Arrow table (pyarrow.dataset, any pyarrow filesystem)."""
     fs, path = _filesystem(source, field)
@@ -94,68 +106,65 @@ def table_from_memory(data: Any) -> pa.Table:
                       "pass (x, y) arrays, a dict of columns, a pandas DataFrame or a pyarrow Table")
 
 
-def _column_matrix(table: pa.Table, name: str) -> np.ndarray:
-    col = table.column(name).combine_chunks()
-    t = col.type
-    if pa.types.is_fixed_size_list(t) and (pa.types.is_integer(t.value_type) or pa.types.is_floating(t.value_type)):
-        return col.flatten().to_numpy(zero_copy_only=False).astype(np.float32).reshape(len(col), t.list_size)
-    if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
-        if col.null_count:
-            raise ConfigError(f"config error: data.feature_columns: column {name!r} has {col.null_count} missing values")
-        return col.to_numpy(zero_copy_only=False).astype(np.float32).reshape(-1, 1)
-    raise ConfigError(f"config error: data.feature_columns: column {name!r} is {t}, not numeric")
+def decode_spec(data_cfg: Any, schema: pa.Schema, task: Any) -> DecodeSpec:
+    """The data config resolved against a schema: which columns, what shape, which dtypes."""
+    labels = [data_cfg.label_column] if isinstance(data_cfg.label_column, str) else list(data_cfg.label_column)
+    features = data_cfg.feature_columns or [n for n in schema.names if n not in labels and n != data_cfg.id_column]
+    shape = data_cfg.feature_shape
+    if shape is None and schema.metadata and b"feature_shape" in schema.metadata:
+        shape = [int(s) for s in schema.metadata[b"feature_shape"].decode().split(",") if s]
+    return DecodeSpec(tuple(labels), not isinstance(data_cfg.label_column, str), tuple(features),
+                      tuple(shape) if shape else None, data_cfg.id_column,
+                      getattr(task, "input_dtype", "float32"), getattr(task, "target_dtype", "int64"),
+                      getattr(data_cfg, "decode", None))
 
 
-def table_to_split(table: pa.Table, label_column: str, feature_columns: Optional[list[str]],
-                   feature_shape: Optional[list[int]], id_column: Optional[str], source: str) -> Split:
+def table_to_split(table: pa.Table, spec: DecodeSpec, source: str) -> Split:
+    """An in-memory table decoded on the driver (actors/decoding.py: the builtin decoder, or
+    data.decode); row ids from data.id_column or the row number."""
     if table.num_rows == 0:
         raise ConfigError(f"config error: data.source: {source} has no rows")
-    names = table.column_names
-    if label_column not in names:
-        raise ConfigError(f"config error: data.label_column: no column {label_column!r} in {source} (columns: {', '.join(names)})")
-    if id_column is not None and id_column not in names:
-        raise ConfigError(f"config error: data.id_column: no column {id_column!r} in {source}")
-    features = feature_columns or [n for n in names if n not in (label_column, id_column)]
-    for name in features:
-        if name not in names:
-            raise ConfigError(f"config error: data.feature_columns: no column {name!r} in {source}")
-    if not features:
-        raise ConfigError(f"config error: data.feature_columns: {source} has no feature columns")
-    x = np.ascontiguousarray(np.hstack([_column_matrix(table, n) for n in features]))
-    labels = table.column(label_column)
-    if not pa.types.is_integer(labels.type):
-        raise ConfigError(f"config error: data.label_column: {label_column!r} is {labels.type}; labels must be integer class ids")
-    y = labels.to_numpy(zero_copy_only=False).astype(np.int64)
-    if y.min() < 0:
-        raise ConfigError(f"config error: data.label_column: {label_column!r} has negative class ids")
-    ids = (table.column(id_column).to_numpy(zero_copy_only=False).astype(np.int64) if id_column
-           else np.arange(len(y), dtype=np.int64))
-    shape = feature_shape
-    if shape is None and table.schema.metadata and b"feature_shape" in table.schema.metadata:
-        shape = [int(s) for s in table.schema.metadata[b"feature_shape"].decode().split(",") if s]
-    if shape:
-        if int(np.prod(shape)) != x.shape[1]:
-            raise ConfigError(f"config error: data.feature_shape: {list(shape)} holds {int(np.prod(shape))} values "
-                              f"but rows have {x.shape[1]} features")
-        x = x.reshape(len(x), *shape)
+    try:
+        check_schema(table.schema, spec, source)
+        x, y = decode(table, spec)
+    except DecodeError as exc:
+        raise ConfigError(f"config error: {exc}") from None
+    ids = (table.column(spec.id_column).to_numpy(zero_copy_only=False).astype(np.int64) if spec.id_column
+           else np.arange(table.num_rows, dtype=np.int64))
     return Split(x, y, ids)
 
 
-def load_dataset(data_cfg, in_memory: Any = None) -> Dataset:
-    """The train and test splits for a job (see DataConfig for the fields)."""
+def _classes(*splits: Split) -> int:
+    """max class id + 1 for integer class-id targets (one per row); 0 for other targets."""
+    ys = [s.y for s in splits]
+    if not all(isinstance(y, np.ndarray) and y.ndim == 1 and y.dtype.kind in "iu" and len(y) for y in ys):
+        return 0
+    return int(max(y.max() for y in ys)) + 1
+
+
+def load_dataset(data_cfg, in_memory: Any = None, task: Any = None, replicas: int = 1) -> "Union[Dataset, StreamedDataset]":
+    """The train and test data for a job (see DataConfig for the fields): builtins and in-memory
+    data as arrays (put into the object store by the driver), a file source as a plan
+    (orchestrator/planning.py: read where it is consumed). `task`: whose dtypes the builtin
+    decoder makes (default: classification's); `replicas`: for a file source's partition count."""
     source = data_cfg.source
     if in_memory is None and source.startswith("builtin:"):
         return load_source(source, data_cfg.seed)
-    table = table_from_memory(in_memory) if in_memory is not None else read_table(source)
-    label = "label" if in_memory is not None and isinstance(in_memory, tuple) else data_cfg.label_column
-    args = (label, data_cfg.feature_columns, data_cfg.feature_shape, data_cfg.id_column)
-    whole = table_to_split(table, *args, source="in-memory data" if in_memory is not None else source)
-    if data_cfg.test_source:
-        test = table_to_split(read_table(data_cfg.test_source, "data.test_source"), *args, source=data_cfg.test_source)
+    if in_memory is None:
+        from orchestrator.planning import plan_file_dataset
+
+        return plan_file_dataset(data_cfg, task, replicas)
+    table = table_from_memory(in_memory)
+    if isinstance(in_memory, tuple):
+        data_cfg = data_cfg.model_copy(update={"label_column": "label", "feature_columns": ["features"], "id_column": None})
+    whole = table_to_split(table, decode_spec(data_cfg, table.schema, task), source="in-memory data")
+    if data_cfg.test_source:  # in-memory training data: its test set is read whole too
+        test_table = read_table(data_cfg.test_source, "data.test_source")
+        test = table_to_split(test_table, decode_spec(data_cfg, test_table.schema, task), source=data_cfg.test_source)
         train = whole
-        if test.x.shape[1:] != train.x.shape[1:]:
-            raise ConfigError(f"config error: data.test_source: {data_cfg.test_source} rows have features of shape "
-                              f"{list(test.x.shape[1:])}, the train data {list(train.x.shape[1:])}")
+        if shape_of(test.x) != shape_of(train.x):
+            raise ConfigError(f"config error: data.test_source: {data_cfg.test_source} rows decode to inputs "
+                              f"{shape_of(test.x)}, the train data to {shape_of(train.x)}")
     else:
         order = np.random.default_rng(data_cfg.seed).permutation(len(whole))
         n_test = int(round(len(whole) * data_cfg.test_fraction))
@@ -163,5 +172,4 @@ def load_dataset(data_cfg, in_memory: Any = None) -> Dataset:
             raise ConfigError(f"config error: data.test_fraction: {data_cfg.test_fraction} of {len(whole)} rows "
                               "leaves an empty train or test split")
         test, train = whole.take(order[:n_test]), whole.take(order[n_test:])
-    classes = int(max(train.y.max(), test.y.max())) + 1
-    return Dataset(os.path.basename(source.rstrip("/")) or source, train, test, classes)
+    return Dataset(os.path.basename(source.rstrip("/")) or source, train, test, _classes(train, test))

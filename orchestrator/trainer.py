@@ -5,20 +5,22 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
+from orchestrator.planning import StreamedDataset
 from orchestrator.sources import load_dataset
 from orchestrator.errors import ConfigError
 from orchestrator.factory import build_model
 from orchestrator.result import FinalMetrics, TrainResult
 
 
-def check_inputs(config: JobConfig, data: Any = None) -> Dataset:
+def check_inputs(config: JobConfig, data: Any = None) -> Union[Dataset, StreamedDataset]:
     """Everything that can be checked before anything starts: checkpoint.storage can be written,
     the tracking store answers, the factory imports and returns a module (with at least one
-    parameter per shard), the data loads, the model accepts the data's shape. ConfigError
+    parameter per shard), the data loads (a file source: is planned and its first rows decode),
+    the model accepts the data's shape. ConfigError
     otherwise; nothing is written."""
     import torch
 
@@ -33,12 +35,23 @@ def check_inputs(config: JobConfig, data: Any = None) -> Dataset:
     if any(mode_spec(m).sharded for m in config.strategy.modes()) and config.scaling.shards > n_params:
         raise ConfigError(f"config error: scaling.shards: {config.scaling.shards} shards for the {n_params} "
                           f"parameters of {config.model.factory}; at most one shard per parameter")
-    dataset = load_dataset(config.data, data)
-    check_model_and_task(config, model, dataset.train.x[:2], dataset.train.y[:2], dataset.num_classes)
-    parts = config.data.partitions or 4 * config.scaling.replicas
-    if parts > len(dataset.train):
-        raise ConfigError(f"config error: data.partitions: {parts} partitions for {len(dataset.train)} train rows")
+    dataset = _load_checked_data(config, data)
+    example = dataset.example(2)  # decoded rows (a file source's first rows: it is only planned, not read)
+    check_model_and_task(config, model, example.x, example.y, dataset.num_classes)
+    parts = config.data.partitions or 4 * config.scaling.replicas  # a file source's planner checked its own
+    if isinstance(dataset, Dataset) and parts > dataset.train_rows:
+        raise ConfigError(f"config error: data.partitions: {parts} partitions for {dataset.train_rows} train rows")
     return dataset
+
+
+def _load_checked_data(config: JobConfig, data: Any) -> Union[Dataset, StreamedDataset]:
+    """The job's data: in memory (a Dataset) or a planned file source (a StreamedDataset),
+    decoded with the task's dtypes."""
+    try:
+        task = config.task.build()
+    except ValueError as exc:
+        raise ConfigError(f"config error: task.name: {exc}") from None
+    return load_dataset(config.data, data, task=task, replicas=config.scaling.replicas)
 
 
 def check_model_and_task(config: JobConfig, model: Any, x: Any, y: Any, num_classes: Optional[int] = None) -> None:
@@ -91,10 +104,10 @@ class ElasticTrainer:
         self.data = data
         self.show_progress = show_progress
         self.controller = None
-        self._dataset: Optional[Dataset] = None
+        self._dataset: Optional[Union[Dataset, StreamedDataset]] = None
         self._trace_ids = False  # tests: record the row ids every replica consumes
 
-    def check(self) -> Dataset:
+    def check(self) -> Union[Dataset, StreamedDataset]:
         """Validate what can be validated before starting anything (ConfigError on bad input)."""
         if self._dataset is None:
             self._dataset = check_inputs(self.config, self.data)

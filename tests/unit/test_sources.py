@@ -21,6 +21,20 @@ def blobs(n=200, dim=4, seed=0):
     return pa.table(cols), x.astype(np.float32), y
 
 
+def read_all(ds):
+    """A planned file source read whole, as its readers read it: (train rows, test rows), each
+    {"x", "y", "ids"} concatenated (tests only: small data)."""
+    from actors.reading import eval_shares, read_partition, read_range, test_pieces
+
+    def join(parts):
+        return {k: np.concatenate([p[k] for p in parts]) for k in ("x", "y", "ids")}
+
+    plan, tp = ds.train_plan, ds.test_plan
+    train = join([read_partition(plan, p) for p in range(len(plan.ranges))])
+    test = join([read_range(tp, lo, hi) for share in eval_shares(tp, 2) for lo, hi in test_pieces(tp, share)])
+    return train, test
+
+
 @pytest.mark.parametrize("fmt", ["parquet", "csv", "arrow"])
 def test_formats_files_and_directories(tmp_path, fmt):
     table, x, y = blobs()
@@ -33,12 +47,14 @@ def test_formats_files_and_directories(tmp_path, fmt):
     for source in (str(d), f"file://{d}", str(d / f"part-0.{fmt}")):
         ds = load_dataset(DataConfig(source=source, id_column="id", test_fraction=0.25))
         n = 200 if source != str(d / f"part-0.{fmt}") else 100
-        assert len(ds.train) + len(ds.test) == n and ds.num_classes == 3
-        assert ds.train.x.shape[1:] == (4,) and ds.train.x.dtype == np.float32
-        both = np.concatenate([ds.train.ids, ds.test.ids])
+        train, test = read_all(ds)
+        assert ds.train_rows + ds.test_rows == n and ds.num_classes == 3
+        assert train["x"].shape[1:] == (4,) and train["x"].dtype == np.float32
+        both = np.concatenate([train["ids"], test["ids"]])
         assert sorted(both) == list(range(1000, 1000 + n))
-        row = int(np.flatnonzero(ds.train.ids == ds.train.ids[0])[0])
-        np.testing.assert_allclose(ds.train.x[row], x[ds.train.ids[0] - 1000], rtol=1e-6)
+        assert len(train["ids"]) == ds.train_rows and 0.1 < ds.test_rows / n < 0.4
+        np.testing.assert_allclose(train["x"], x[train["ids"] - 1000], rtol=1e-6)
+        np.testing.assert_array_equal(test["y"], y[test["ids"] - 1000])
 
 
 def test_fixed_size_list_features_and_feature_shape(tmp_path):
@@ -48,9 +64,9 @@ def test_fixed_size_list_features_and_feature_shape(tmp_path):
                       "extra": np.ones(n), "label": np.arange(n) % 2})
     pq.write_table(table, tmp_path / "x.parquet")
     ds = load_dataset(DataConfig(source=str(tmp_path / "x.parquet"), feature_columns=["pixels"], feature_shape=[1, 4, 4]))
-    assert ds.train.x.shape[1:] == (1, 4, 4)
+    assert ds.sample.x.shape[1:] == (1, 4, 4) and read_all(ds)[0]["x"].shape[1:] == (1, 4, 4)
     ds2 = load_dataset(DataConfig(source=str(tmp_path / "x.parquet")))  # list column + numeric column
-    assert ds2.train.x.shape[1:] == (17,)
+    assert ds2.sample.x.shape[1:] == (17,)
 
 
 def test_in_memory_numpy_pandas_and_arrow():

@@ -1,0 +1,56 @@
+"""Where a run's data lives, and what each replica is given to reach it.
+
+- `StoredData` (builtins, in-memory data): the driver puts every train partition and the test
+  split into the object store once; a replica gets the partitions' refs and a [lo, hi) slice
+  of the test split.
+- `StreamedData` (file sources): nothing of the source is put; a replica gets the train plan
+  (its reader reads each granted partition on its own node, actors/reading.py) and its share
+  of the test plan's pieces. Only the decoded sample is put (the spares' rehearsal batch).
+
+Both answer the same questions (`rows`, `train`, `sample`, `test_share`), so the controller
+does not ask which kind it has.
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+import ray
+
+from orchestrator.data import Dataset, eval_slices, partition
+from orchestrator.planning import StreamedDataset
+
+
+class StoredData:
+    def __init__(self, dataset: Dataset, parts: int, seed: int) -> None:
+        cut = partition(dataset.train, parts, seed)
+        self.train: Any = [ray.put({"x": p.x, "y": p.y, "ids": p.ids}) for p in cut]  # each partition put once
+        self.rows = [len(p) for p in cut]
+        self.test = ray.put({"x": dataset.test.x, "y": dataset.test.y})
+        self.test_rows = len(dataset.test)
+        self.sample = self.test
+
+    def test_share(self, index: int, members: int) -> tuple[list, Any]:
+        """What `ModelReplica.set_test_slice` takes for the member at `index` of `members`."""
+        return [self.test], eval_slices(self.test_rows, members)[index]
+
+
+class StreamedData:
+    def __init__(self, dataset: StreamedDataset) -> None:
+        from actors.reading import eval_shares
+
+        self._shares = eval_shares
+        self.train: Any = dataset.train_plan
+        self.rows = list(dataset.train_plan.rows)
+        self.test = dataset.test_plan
+        self.test_rows = dataset.test_rows
+        self.sample = ray.put({"x": dataset.sample.x, "y": dataset.sample.y})
+
+    def test_share(self, index: int, members: int) -> tuple[list, Any]:
+        return [self.test], self._shares(self.test, members)[index]
+
+
+def place_data(dataset: Union[Dataset, StreamedDataset], parts: int, seed: int) -> Union[StoredData, StreamedData]:
+    """`parts`: the in-memory partition count (a file source's plan has its own)."""
+    if isinstance(dataset, StreamedDataset):
+        return StreamedData(dataset)
+    return StoredData(dataset, parts, seed)
