@@ -1,5 +1,5 @@
-"""The partition server on real Ray: every row once per epoch whoever runs or dies; file,
-file:// and in-memory sources train the same."""
+"""The partition server on real Ray: every row once per epoch whoever runs or dies (file
+sources streamed by the replicas' readers); file, file:// and in-memory sources train alike."""
 from __future__ import annotations
 
 import threading
@@ -13,7 +13,7 @@ import ray
 
 from orchestrator.chaos import Fault, FaultInjector
 from orchestrator.controller import Controller, Errored
-from orchestrator.data import partition
+from actors.reading import read_partition
 from orchestrator.sources import load_dataset
 from orchestrator.tracking import Tracker
 from orchestrator.trainer import ElasticTrainer
@@ -44,6 +44,17 @@ def blob_job(source, **sections):
     return job_config(model={"factory": "examples.models:tiny_mlp", "kwargs": {"in_features": 8}}, data=data, **sections)
 
 
+def expected_ids(directory, cfg):
+    """The train and test row ids of a Parquet directory planned with cfg.data, worked out here
+    from the files (sorted paths, rows in order: the global position) and the row hash alone."""
+    from actors.reading import test_mask
+
+    ids = np.concatenate([pq.read_table(p, columns=[cfg.data.id_column]).column(0).to_numpy()
+                          for p in sorted(directory.glob("*.parquet"))])
+    test = test_mask(np.arange(len(ids)), cfg.data.seed, cfg.data.test_fraction)
+    return sorted(ids[~test]), sorted(ids[test])
+
+
 def ids_of(consumed_epoch):
     return sorted(i for steps in consumed_epoch.values() for step in steps for i in step)
 
@@ -55,7 +66,8 @@ def test_every_row_exactly_once_per_epoch(ray_cluster, parquet_dir, tmp_path, re
                    checkpoint={"storage": str(tmp_path)})
     trainer = ElasticTrainer(cfg, show_progress=False)
     trainer._trace_ids = True
-    train_ids = sorted(trainer.check().train.ids)
+    train_ids, _ = expected_ids(parquet_dir, cfg)
+    assert trainer.check().train_rows == len(train_ids)
     result = trainer.fit()
     assert result.final.test_accuracy > 0.9
     for epoch in trainer.controller.consumed:
@@ -68,7 +80,7 @@ def test_allreduce_serves_every_partition_once_in_lock_step(ray_cluster, parquet
                    checkpoint={"storage": str(tmp_path)})
     trainer = ElasticTrainer(cfg, show_progress=False)
     trainer._trace_ids = True
-    train_ids = sorted(trainer.check().train.ids)
+    train_ids, _ = expected_ids(parquet_dir, cfg)
     result = trainer.fit()
     assert ids_of(trainer.controller.consumed[0]) == train_ids  # every row once: no ragged end dropped
     assert result.rows_per_epoch == [len(train_ids)]
@@ -93,20 +105,23 @@ def test_a_killed_replica_leaves_every_row_once_plus_the_reported_redo(ray_clust
         ctl.run_epoch()  # and the next epoch runs on the survivors
     finally:
         ctl.shutdown()
-    parts = partition(dataset.train, 30, cfg.data.seed)
-    by_dead = [i for p, rank in status["done"].items() if rank == 2 for i in parts[int(p)].ids]
+    train_ids, _ = expected_ids(parquet_dir, cfg)
+    by_dead = [i for p, rank in status["done"].items() if rank == 2
+               for i in read_partition(dataset.train_plan, int(p))["ids"]]
     survivors = ctl.consumed[0]
     assert set(survivors) == {0, 1}
-    assert sorted(ids_of(survivors) + by_dead) == sorted(dataset.train.ids)
+    assert sorted(ids_of(survivors) + by_dead) == train_ids
     assert ctl.redone and all(r["from_rank"] == 2 and r["epoch"] == 1 for r in ctl.redone)
     redone = {r["partition"] for r in ctl.redone}
     assert all(status["done"][p] in (0, 1) for p in redone)  # served again, by a survivor
-    assert ids_of(ctl.consumed[1]) == sorted(dataset.train.ids)
+    assert ids_of(ctl.consumed[1]) == train_ids
     lost = [e for e in ctl.tracker.events if e["kind"] == "replica_dropped"]
     assert lost and lost[0]["ranks"] == [2] and lost[0]["partitions_served_again"]
 
 
 def test_path_uri_and_in_memory_sources_train_the_same(ray_cluster, parquet_dir, tmp_path):
+    """A path and its file:// URI plan and train identically; the same rows in memory (split
+    by a seeded permutation, not the row hash) learn as well."""
     one_file = parquet_dir / "part-0.parquet"
     table = pq.read_table(one_file)
     x = table.column("features").combine_chunks().flatten().to_numpy().reshape(-1, 8)
@@ -116,7 +131,7 @@ def test_path_uri_and_in_memory_sources_train_the_same(ray_cluster, parquet_dir,
         cfg = blob_job(source, data={"id_column": None if data else "row_id"}, stop={"epochs": 1},
                        scaling={"replicas": 2, "cpus_per_replica": 0.5}, checkpoint={"storage": str(tmp_path)})
         accuracies.append(ElasticTrainer(cfg, show_progress=False, data=data).fit().final.test_accuracy)
-    assert accuracies[0] == accuracies[1] == accuracies[2], accuracies
+    assert accuracies[0] == accuracies[1] and min(accuracies) > 0.9, accuracies
 
 
 def test_readers_see_every_partition_once_and_an_unreported_epoch_cannot_be_followed(ray_cluster):
