@@ -4,7 +4,7 @@ The driver plans a file source from metadata alone (orchestrator/planning.py): t
 fixed order, their blocks (a Parquet row group, or a whole CSV / Arrow IPC file) with row
 counts, so every row has a *global position*. A partition is a contiguous range of positions;
 the test split, when not a separate source, is the rows whose position hashes below
-data.test_fraction (`test_mask`), so the split needs no pass over the data.
+data.test_fraction (`held_out_mask`), so the split needs no pass over the data.
 
 A replica's PartitionReader, granted a partition, runs `read_partition_task` on its own node:
 it reads just the blocks that overlap the range (Parquet: only those row groups, a partly
@@ -79,7 +79,7 @@ class StreamPlan:
 _M = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def test_mask(positions: np.ndarray, seed: int, fraction: float) -> np.ndarray:
+def held_out_mask(positions: np.ndarray, seed: int, fraction: float) -> np.ndarray:
     """True where a row is a test row: splitmix64(position, seed) as a uniform number in [0, 1)
     below `fraction`. Deterministic, independent per row, computed by anyone from the position."""
     mix = np.uint64((int(seed) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF)
@@ -94,7 +94,7 @@ def test_mask(positions: np.ndarray, seed: int, fraction: float) -> np.ndarray:
 def kept(plan: StreamPlan, positions: np.ndarray) -> np.ndarray:
     if plan.keep == "all":
         return np.ones(len(positions), dtype=bool)
-    test = test_mask(positions, plan.seed, plan.test_fraction)
+    test = held_out_mask(positions, plan.seed, plan.test_fraction)
     return test if plan.keep == "test" else ~test
 
 
@@ -220,7 +220,7 @@ def read_partition_task(plan: StreamPlan, partition: int) -> dict[str, Any]:
     return read_partition(plan, partition)
 
 
-def test_pieces(plan: StreamPlan, ranges: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
+def eval_pieces(plan: StreamPlan, ranges: list[tuple[int, int]]) -> Iterator[tuple[int, int]]:
     """`ranges` cut into pieces of at most plan.piece_rows positions (evaluation's memory bound)."""
     for lo, hi in ranges:
         for a in range(lo, hi, plan.piece_rows):

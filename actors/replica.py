@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from actors.partition_server import PartitionReader, is_pause
-from actors.reading import StreamPlan, count_kept, read_range, test_pieces
+from actors.reading import StreamPlan, count_kept, read_range, eval_pieces
 from actors.shard import RayShardClient
 from policies.factory import build_model
 from policies.lr_scaling import warmup_lr
@@ -399,7 +399,7 @@ class ModelReplica:
         batch = self.cfg["data"]["batch_size"]
         pieces = ([(self.test_x, self.test_y)] if self.test_plan is None else
                   ((as_tensors(p["x"]), as_tensors(p["y"]))
-                   for p in (read_range(self.test_plan, lo, hi) for lo, hi in test_pieces(self.test_plan, self.test_ranges))))
+                   for p in (read_range(self.test_plan, lo, hi) for lo, hi in eval_pieces(self.test_plan, self.test_ranges))))
         for x, y in pieces:
             for lo in range(0, batch_rows(y), batch):
                 yield (to_device(slice_rows(x, lo, lo + batch), self.device),

@@ -6,7 +6,7 @@ listed, its files put in a fixed order (sorted paths) and cut into blocks: a Par
 it once: those formats keep no row counts). Every row then has a global position, and:
 
 - the test split (no data.test_source) is the rows whose position hashes below
-  data.test_fraction with data.seed (actors/reading.py `test_mask`): chosen without reading a
+  data.test_fraction with data.seed (actors/reading.py `held_out_mask`): chosen without reading a
   row, each partition read drops its test rows and evaluation keeps only them;
 - the train partitions are contiguous position ranges holding near-equal numbers of train
   rows, P of them: data.partitions, else max(4 x scaling.replicas, enough that each is at most

@@ -47,11 +47,11 @@ def blob_job(source, **sections):
 def expected_ids(directory, cfg):
     """The train and test row ids of a Parquet directory planned with cfg.data, worked out here
     from the files (sorted paths, rows in order: the global position) and the row hash alone."""
-    from actors.reading import test_mask
+    from actors.reading import held_out_mask
 
     ids = np.concatenate([pq.read_table(p, columns=[cfg.data.id_column]).column(0).to_numpy()
                           for p in sorted(directory.glob("*.parquet"))])
-    test = test_mask(np.arange(len(ids)), cfg.data.seed, cfg.data.test_fraction)
+    test = held_out_mask(np.arange(len(ids)), cfg.data.seed, cfg.data.test_fraction)
     return sorted(ids[~test]), sorted(ids[test])
 
 

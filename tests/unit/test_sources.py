@@ -24,14 +24,14 @@ def blobs(n=200, dim=4, seed=0):
 def read_all(ds):
     """A planned file source read whole, as its readers read it: (train rows, test rows), each
     {"x", "y", "ids"} concatenated (tests only: small data)."""
-    from actors.reading import eval_shares, read_partition, read_range, test_pieces
+    from actors.reading import eval_shares, read_partition, read_range, eval_pieces
 
     def join(parts):
         return {k: np.concatenate([p[k] for p in parts]) for k in ("x", "y", "ids")}
 
     plan, tp = ds.train_plan, ds.test_plan
     train = join([read_partition(plan, p) for p in range(len(plan.ranges))])
-    test = join([read_range(tp, lo, hi) for share in eval_shares(tp, 2) for lo, hi in test_pieces(tp, share)])
+    test = join([read_range(tp, lo, hi) for share in eval_shares(tp, 2) for lo, hi in eval_pieces(tp, share)])
     return train, test
 
 
