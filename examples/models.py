@@ -112,3 +112,9 @@ class TinyLM(nn.Module):
 def tiny_lm(vocab: int = 128, context: int = 64, dim: int = 96, layers: int = 2, heads: int = 4) -> nn.Module:
     """A character-level causal transformer (~240k parameters at the defaults)."""
     return TinyLM(vocab, context, dim, layers, heads)
+
+
+def linear(in_features: int = 1024, num_classes: int = 10) -> nn.Module:
+    """A linear classifier on flattened inputs: benchmarks/memory.py's model, tiny next to its
+    data, so the memory measured is the data's."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_features, num_classes))
