@@ -159,6 +159,7 @@ def main() -> None:
     import ray
 
     from orchestrator.data import partition
+    from actors.decoding import DecodeSpec
     from orchestrator.sources import read_table, table_to_split
 
     rows, epochs = (60_000, 30) if args.quick else (120_000, 60)
@@ -174,7 +175,7 @@ def main() -> None:
             write_parquet(tmp, rows)
 
             t0 = time.perf_counter()
-            split = table_to_split(read_table(tmp), "label", ["features"], None, None, tmp)
+            split = table_to_split(read_table(tmp), DecodeSpec(("label",), False, ("features",), None, None), tmp)
             parts = partition(split, 4 * CONSUMERS, seed=0)
             refs = [ray.put({"x": p.x, "y": p.y, "ids": p.ids}) for p in parts]
             sizes = [len(p) for p in parts]
