@@ -28,7 +28,7 @@ import ray
 
 from actors.decoding import DecodeError, DecodeSpec, decode
 
-SLICE_ROWS = 8192  # a partly covered row group is read in slices of this many rows (memory stays bounded)
+SLICE_ROWS = 8192  # rows are read in slices of this many (the rows of other splits dropped per slice)
 HASH_CHUNK_ROWS = 1 << 22  # positions hashed at a time when counting or cutting (~64 MB of scratch)
 
 
@@ -149,14 +149,14 @@ def overlapping(blocks: tuple[Block, ...], lo: int, hi: int) -> list[Block]:
 
 def _block_slices(fs: pafs.FileSystem, plan: StreamPlan, block: Block, lo: int, hi: int,
                   columns: Optional[list[str]]) -> Iterator[pa.RecordBatch]:
-    """The rows [lo, hi) ∩ block, in slices; a Parquet row group wholly inside is read at once."""
+    """The rows [lo, hi) ∩ block, in slices of at most SLICE_ROWS rows. Parquet is read as a
+    buffered stream (not whole column chunks at once), so a few rows of a big row group cost
+    a few pages of memory, not the row group."""
     a, b = max(lo, block.start) - block.start, min(hi, block.start + block.rows) - block.start
+    size = max(1, min(SLICE_ROWS, b - a))
     if plan.fmt == "parquet":
-        pf = pq.ParquetFile(fs.open_input_file(block.path))
-        if a == 0 and b == block.rows:
-            yield from pf.read_row_group(block.row_group, columns=columns).to_batches()
-            return
-        batches = pf.iter_batches(batch_size=SLICE_ROWS, row_groups=[block.row_group], columns=columns)
+        pf = pq.ParquetFile(fs.open_input_file(block.path), pre_buffer=False, buffer_size=1 << 20)
+        batches = pf.iter_batches(batch_size=size, row_groups=[block.row_group], columns=columns)
     else:  # a CSV or IPC file streams from its start; no more than the range's end is read
         batches = pads.dataset(block.path, filesystem=fs, format=plan.fmt, schema=plan.schema).to_batches(columns=columns)
     at = 0
@@ -169,26 +169,31 @@ def _block_slices(fs: pafs.FileSystem, plan: StreamPlan, block: Block, lo: int, 
 
 
 def read_rows(plan: StreamPlan, lo: int, hi: int) -> tuple[pa.Table, np.ndarray]:
-    """The kept rows among positions [lo, hi) as a Table, and their positions."""
+    """The kept rows among positions [lo, hi) as a Table, and their positions. Rows of other
+    splits are dropped slice by slice, so the whole range is never held at once."""
     fs, _ = filesystem(plan.source)
     columns = plan.spec.columns()
+    schema = plan.schema if columns is None else pa.schema([plan.schema.field(c) for c in columns])
     pieces: list[pa.Table] = []
+    positions: list[np.ndarray] = []
+    at = lo
     for block in overlapping(plan.blocks, lo, hi):
         try:
-            pieces += [pa.Table.from_batches([s]) for s in _block_slices(fs, plan, block, lo, hi, columns)]
+            for piece in _block_slices(fs, plan, block, lo, hi, columns):
+                where = np.arange(at, at + piece.num_rows, dtype=np.int64)
+                at += piece.num_rows
+                mask = kept(plan, where)
+                piece = pa.Table.from_batches([piece]).cast(schema)
+                pieces.append(piece if mask.all() else piece.filter(pa.array(mask)))
+                positions.append(where[mask])
         except Exception as exc:
             raise SourceReadError(f"{plan.field}: cannot read {block.path} (rows {lo}-{hi} of {plan.source}): "
                                   f"{type(exc).__name__}: {' '.join(str(exc).split())}") from None
-    schema = plan.schema if columns is None else pa.schema([plan.schema.field(c) for c in columns])
-    table = pa.concat_tables([p.cast(schema) for p in pieces]) if pieces else schema.empty_table()
-    if table.num_rows != hi - lo:
-        raise SourceReadError(f"{plan.field}: {', '.join(plan.files(lo, hi))} held {table.num_rows} rows where the plan "
+    if at != hi:
+        raise SourceReadError(f"{plan.field}: {', '.join(plan.files(lo, hi))} held {at - lo} rows where the plan "
                               f"counted {hi - lo} (rows {lo}-{hi}): the source changed after planning")
-    positions = np.arange(lo, hi, dtype=np.int64)
-    mask = kept(plan, positions)
-    if not mask.all():
-        table, positions = table.filter(pa.array(mask)), positions[mask]
-    return table, positions
+    table = pa.concat_tables(pieces) if pieces else schema.empty_table()
+    return table, np.concatenate(positions) if positions else np.zeros(0, np.int64)
 
 
 def decode_rows(plan: StreamPlan, table: pa.Table, positions: np.ndarray, lo: int, hi: int) -> dict[str, Any]:

@@ -136,7 +136,10 @@ def sample_of(plan: StreamPlan, rows: int = SAMPLE_ROWS) -> Split:
         part = bounded(lambda: read_range(whole, 0, min(rows, whole.total)), PLAN_TIMEOUT_S, f"reading {plan.source}")
     except (SourceReadError, TimeoutError) as exc:
         raise ConfigError(f"config error: {one_line(exc)}") from None
-    return Split(part["x"], part["y"], part["ids"])
+    sample = Split(*(np.array(part[k], copy=True) if isinstance(part[k], np.ndarray) else part[k]
+                     for k in ("x", "y", "ids")))  # copies: the Arrow buffers can go
+    pa.default_memory_pool().release_unused()  # the driver keeps nothing of the read
+    return sample
 
 
 def default_partitions(replicas: int, train_rows: int, total_rows: int, size: int) -> int:
