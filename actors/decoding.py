@@ -16,7 +16,8 @@ numpy, pyarrow and `policies` (actors never import the driver package).
   targets), numpy arrays or torch tensors or dicts of them, each with the Table's rows first.
 
 Every problem is a `DecodeError` whose message starts with the config field it concerns; the
-driver turns it into a ConfigError, a replica into a RuntimeError naming the file.
+driver turns it into a ConfigError, a replica into a RuntimeError naming the file. torch is
+imported only if a user's decoder returns tensors (a read task's process stays small).
 """
 from __future__ import annotations
 
@@ -27,7 +28,12 @@ from typing import Any, Callable, Optional
 import numpy as np
 import pyarrow as pa
 
-from policies.batches import Tree, leaves
+Tree = Any  # one array, or a dict of arrays sharing their rows (policies/batches.py; not imported:
+# it imports torch, which a read task's process does not need)
+
+
+def leaves(tree: Tree) -> list[Any]:
+    return list(tree.values()) if isinstance(tree, dict) else [tree]
 
 
 class DecodeError(ValueError):
