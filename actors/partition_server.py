@@ -207,14 +207,14 @@ class PartitionReader:
     the partitions it grants pulled to this node (or, for a file source, read on it), on a
     helper thread while the current partition trains; batches are made by tensor indexing (no
     per-row Python); with a GPU, batches are pinned and copied asynchronously. `refs`: the
-    in-memory partitions' refs, or a file source's plan (actors/reading.py); `prefetch`: how
-    many partitions of a file source are read ahead of the one training."""
+    in-memory partitions' refs, or a file source's plan (actors/reading.py); `read_ahead`: how
+    many partitions of a file source are read ahead of the one training (data.prefetch_partitions)."""
 
     def __init__(self, server, refs: "list | StreamPlan", rank: int, batch_size: int, shuffle: bool,
-                 device: torch.device, timeout_s: float, prefetch: int = 2):
+                 device: torch.device, timeout_s: float, read_ahead: int = 2):
         self.server, self.rank, self.batch_size, self.shuffle = server, rank, batch_size, shuffle
         self.device, self.timeout_s = device, timeout_s
-        self.source = (StreamedPartitions(refs, prefetch, timeout_s) if isinstance(refs, StreamPlan)
+        self.source = (StreamedPartitions(refs, read_ahead, timeout_s) if isinstance(refs, StreamPlan)
                        else StoredPartitions(refs, timeout_s))
         self.unreported: list[int] = []
         self.read: list[int] = []

@@ -16,6 +16,7 @@ from typing import Any, Union
 
 import ray
 
+from actors.reading import eval_shares
 from orchestrator.data import Dataset, eval_slices, partition
 from orchestrator.planning import StreamedDataset
 
@@ -36,9 +37,6 @@ class StoredData:
 
 class StreamedData:
     def __init__(self, dataset: StreamedDataset) -> None:
-        from actors.reading import eval_shares
-
-        self._shares = eval_shares
         self.train: Any = dataset.train_plan
         self.rows = list(dataset.train_plan.rows)
         self.test = dataset.test_plan
@@ -46,7 +44,7 @@ class StreamedData:
         self.sample = ray.put({"x": dataset.sample.x, "y": dataset.sample.y})
 
     def test_share(self, index: int, members: int) -> tuple[list, Any]:
-        return [self.test], self._shares(self.test, members)[index]
+        return [self.test], eval_shares(self.test, members)[index]
 
 
 def place_data(dataset: Union[Dataset, StreamedDataset], parts: int, seed: int) -> Union[StoredData, StreamedData]:
