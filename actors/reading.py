@@ -161,11 +161,11 @@ def _block_slices(fs: pafs.FileSystem, plan: StreamPlan, block: Block, lo: int, 
         batches = pads.dataset(block.path, filesystem=fs, format=plan.fmt, schema=plan.schema).to_batches(columns=columns)
     at = 0
     for batch in batches:
-        if at >= b:
-            break
         if at + batch.num_rows > a:
             yield batch.slice(max(a - at, 0), min(b, at + batch.num_rows) - max(a, at))
         at += batch.num_rows
+        if at >= b:  # stop before the next slice is decoded
+            break
 
 
 def read_rows(plan: StreamPlan, lo: int, hi: int) -> tuple[pa.Table, np.ndarray]:

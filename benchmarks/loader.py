@@ -38,6 +38,8 @@ DIM, BATCH, CONSUMERS = 784, 64, 2
 # Ray Data's tuned side: prefetch_batches 1 is the default; 0 and 4 were no faster in trials on
 # this 2-core machine (prefetch threads compete with the consumer for the same cores)
 PREFETCH = 1
+# Ray Data reading the files every epoch: blocks to read them into (None: Ray Data's default)
+RD_STREAM_BLOCKS = None
 
 
 def write_parquet(directory: str, rows: int, files: int = 6) -> None:
@@ -63,28 +65,36 @@ def consumer_class():
         def warm_up(self) -> None:
             import actors.partition_server  # noqa: F401  (torch and ray imports, outside the timing)
 
-        def set_data(self, side: str, server, refs: list, rank: int) -> None:
-            """As ModelReplica.set_data: one PartitionReader per run, given the partitions' refs once."""
+        def set_data(self, side: str, server, refs: list, rank: int, read_ahead: int = 2) -> None:
+            """As ModelReplica.set_data: one PartitionReader per run, given once the partitions'
+            refs (in memory) or the file source's plan (streamed), wrapped in a list."""
             import torch
 
             from actors.partition_server import PartitionReader
 
-            self.readers[side] = PartitionReader(server, refs[0], rank, BATCH, True, torch.device("cpu"), 120)
+            self.readers[side] = PartitionReader(server, refs[0], rank, BATCH, True, torch.device("cpu"), 120,
+                                                 read_ahead)
 
-        def ours(self, side: str, first_grant: dict) -> tuple[int, list[int]]:
+        def ours(self, side: str, first_grant: dict) -> tuple[int, int, list[int]]:
             """As ModelReplica.run_epoch: every batch of the partitions granted this epoch; the
-            last completions go back to the driver, which reports them when the next epoch starts."""
-            reader, n = self.readers[side], 0
+            last completions go back to the driver, which reports them when the next epoch starts.
+            Returns (batches, rows, last completions). A streamed reader holds no partition once
+            the epoch is over: the next epoch reads every one of them from the files again."""
+            reader, n, rows = self.readers[side], 0, 0
             for x, y, _, _ in reader.epoch_batches(first_grant):
                 n += int(x.shape[0] > 0)
-            return n, reader.unreported
+                rows += int(x.shape[0])
+            held = getattr(reader.source, "reads", {})
+            assert not held, f"{side}: partitions {list(held)} still held after the epoch"
+            return n, rows, reader.unreported
 
-        def ray_data(self, it, tuned: bool) -> int:
-            n = 0
+        def ray_data(self, it, tuned: bool) -> tuple[int, int]:
+            n, rows = 0, 0
             options = ({"prefetch_batches": PREFETCH} if tuned else {"local_shuffle_buffer_size": 4 * BATCH})
             for batch in it.iter_torch_batches(batch_size=BATCH, **options):
                 n += int(batch["features"].shape[0] > 0)
-            return n
+                rows += int(batch["features"].shape[0])
+            return n, rows
 
         def load_half(self, x, y) -> None:
             import torch
@@ -111,7 +121,7 @@ class OursSide:
     once the consumers are done; `close` reports the last completions and checks that every
     epoch was served whole."""
 
-    def __init__(self, name: str, consumers: list, refs: list, rows: list[int], pinned: bool):
+    def __init__(self, name: str, consumers: list, refs, rows: list[int], pinned: bool, read_ahead: int = 2):
         import ray
 
         from actors.partition_server import PartitionServer
@@ -120,8 +130,9 @@ class OursSide:
         self.first_grants = first_grant_messages  # imported here, outside the timed epochs
         self.name, self.consumers, self.unreported = name, consumers, {}
         self.plan = (rows, len(consumers), 0, pinned, True)
+        self.total = sum(rows)
         self.server = PartitionServer.remote(*self.plan)
-        ray.get([c.set_data.remote(name, self.server, [refs], r) for r, c in enumerate(consumers)])
+        ray.get([c.set_data.remote(name, self.server, [refs], r, read_ahead) for r, c in enumerate(consumers)])
 
     def __call__(self, epoch: int) -> int:
         import ray
@@ -132,8 +143,10 @@ class OursSide:
         started = self.server.start_epoch.remote(epoch, ranks, self.unreported)
         done = ray.get(calls)
         ray.get(started)
-        self.unreported = {rank: unreported for rank, (_, unreported) in enumerate(done)}
-        return sum(n for n, _ in done)
+        self.unreported = {rank: unreported for rank, (_, _, unreported) in enumerate(done)}
+        rows = sum(r for _, r, _ in done)
+        assert rows == self.total, f"{self.name}: epoch {epoch} read {rows} rows of {self.total}"
+        return sum(n for n, _, _ in done)
 
     def close(self) -> None:
         import ray
@@ -158,9 +171,11 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     import ray
 
-    from orchestrator.data import partition
     from actors.decoding import DecodeSpec
-    from orchestrator.sources import read_table, table_to_split
+    from orchestrator.config import DataConfig
+    from orchestrator.data import partition
+    from orchestrator.placement import StreamedData, place_data
+    from orchestrator.sources import load_dataset, read_table, table_to_split
 
     rows, epochs = (60_000, 30) if args.quick else (120_000, 60)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
@@ -171,8 +186,9 @@ def main() -> None:
         results: dict = {"rows": rows, "batch": BATCH, "epochs": epochs, "partitions": 4 * CONSUMERS,
                          "ray_data_tuned": {"blocks": CONSUMERS, "tensor_column": True, "local_shuffle": None,
                                             "prefetch_batches": PREFETCH}}
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as test_dir:
             write_parquet(tmp, rows)
+            write_parquet(test_dir, 1000, files=1)  # the streamed plan's data.test_source, never read here
 
             t0 = time.perf_counter()
             split = table_to_split(read_table(tmp), DecodeSpec(("label",), False, ("features",), None, None), tmp)
@@ -201,33 +217,70 @@ def main() -> None:
             ray.get([c.load_half.remote(split.x[i * half:(i + 1) * half], split.y[i * half:(i + 1) * half])
                      for i, c in enumerate(consumers)])
 
+            # streaming: the same files planned from metadata as the controller plans a file
+            # source (orchestrator/planning.py via load_dataset, orchestrator/placement.py); the
+            # test split is a separate small file (data.test_source), so nothing of the train
+            # directory is held out: the train rows are all its rows, as on the other sides
+            t0 = time.perf_counter()
+            data_cfg = DataConfig(source=tmp, test_source=test_dir, label_column="label", feature_columns=["features"],
+                                  batch_size=BATCH, partitions=4 * CONSUMERS, seed=0)
+            planned = load_dataset(data_cfg, replicas=CONSUMERS)
+            placed = place_data(planned, 4 * CONSUMERS, data_cfg.seed)
+            assert isinstance(placed, StreamedData) and sum(placed.rows) == rows, (type(placed), placed.rows)
+            streamed = OursSide("streamed", consumers, placed.train, placed.rows, pinned=False,
+                                read_ahead=data_cfg.prefetch_partitions)
+            results["streaming_setup_s"] = time.perf_counter() - t0
+            results["streaming"] = {"partitions": len(placed.rows), "rows": placed.rows,
+                                    "read_ahead": data_cfg.prefetch_partitions, "held_out": rows - sum(placed.rows),
+                                    "row_groups": len(planned.train_plan.blocks)}
+
+            # Ray Data reading the same files every epoch: not materialized; the tuned side's
+            # tensor column (identity numpy map_batches, fused into the read tasks) and prefetch
+            t0 = time.perf_counter()
+            stream_ds = ray.data.read_parquet(tmp, **({"override_num_blocks": RD_STREAM_BLOCKS} if RD_STREAM_BLOCKS else {}))
+            stream_ds = stream_ds.map_batches(lambda b: b, batch_format="numpy", batch_size=None)
+            stream_iterators = stream_ds.streaming_split(CONSUMERS, equal=True)
+            results["ray_data_streaming_setup_s"] = time.perf_counter() - t0
+            results["ray_data_streaming"] = {"override_num_blocks": RD_STREAM_BLOCKS, "tensor_column": True,
+                                             "local_shuffle": None, "prefetch_batches": PREFETCH,
+                                             "materialized": False}
+
             def ray_data(its: list, tuned: bool):
-                return lambda e: sum(ray.get([c.ray_data.remote(it, tuned) for c, it in zip(consumers, its)]))
+                def epoch(e: int) -> int:
+                    done = ray.get([c.ray_data.remote(it, tuned) for c, it in zip(consumers, its)])
+                    assert sum(r for _, r in done) == rows, f"Ray Data read {sum(r for _, r in done)} rows of {rows}"
+                    return sum(n for n, _ in done)
+                return epoch
 
             rates = timed_epochs({
                 "ours": shared,
                 "ours_pinned": pinned,
+                "streaming": streamed,
                 "ray_data": ray_data(iterators, False),
                 "ray_data_tuned": ray_data(tuned_iterators, True),
+                "ray_data_streaming": ray_data(stream_iterators, True),
                 "in_memory": lambda e: sum(ray.get([c.in_memory.remote(e) for c in consumers])),
             }, epochs)
             shared.close()
             pinned.close()
+            streamed.close()
             results.update({f"{name}_rates": r for name, r in rates.items()})
     finally:
         ray.shutdown()
 
-    sides = ("ours", "ours_pinned", "ray_data", "ray_data_tuned", "in_memory")
+    sides = ("ours", "ours_pinned", "streaming", "ray_data", "ray_data_tuned", "ray_data_streaming", "in_memory")
     steady = {k: median(results[f"{k}_rates"][1:]) for k in sides}
     results["steady_batches_per_s"] = steady
     for k, v in steady.items():
-        print(f"{k:>14}: {v:8.0f} batches/s (first epoch {results[f'{k}_rates'][0]:.0f})")
+        print(f"{k:>18}: {v:8.0f} batches/s (first epoch {results[f'{k}_rates'][0]:.0f})")
     ratios = {"ours_vs_ray_data": steady["ours"] / steady["ray_data"],
               "ours_vs_ray_data_tuned": steady["ours"] / steady["ray_data_tuned"],
               "ours_vs_in_memory_limit": steady["ours"] / steady["in_memory"],
               "ours_pinned_vs_in_memory_limit": steady["ours_pinned"] / steady["in_memory"],
               "ours_vs_ray_data_first_epoch": results["ours_rates"][0] / results["ray_data_rates"][0],
-              "ours_vs_ray_data_tuned_first_epoch": results["ours_rates"][0] / results["ray_data_tuned_rates"][0]}
+              "ours_vs_ray_data_tuned_first_epoch": results["ours_rates"][0] / results["ray_data_tuned_rates"][0],
+              "streaming_vs_ray_data_streaming": steady["streaming"] / steady["ray_data_streaming"],
+              "streaming_vs_in_memory": steady["streaming"] / steady["ours"]}
     report("loader", args.quick, results, ratios, args.json)
 
 

@@ -30,11 +30,13 @@ def _write(table: pa.Table, path: str, files: int, row_group_rows: int) -> str:
 def write_regression(path: str, rows: int = 20_000, seed: int = 0) -> str:
     """Friedman #1 (scikit-learn): y = 10 sin(pi x1 x2) + 20 (x3 - 0.5)^2 + 10 x4 + 5 x5 + noise
     over 10 uniform features (5 of them irrelevant): a `features` column (10 float32 as a
-    fixed-size list) and a float `target` column. With unit noise the best possible R^2 is ~0.96."""
+    fixed-size list) and a float `target` column (standardized: mean 0, variance 1). With unit
+    noise the best possible R^2 is ~0.96."""
     from sklearn.datasets import make_friedman1
 
     x, y = make_friedman1(n_samples=rows, n_features=10, noise=1.0, random_state=seed)
     x = x.astype(np.float32)
+    y = (y - y.mean()) / y.std()  # standardized, as one would prepare a target for SGD (R^2 does not change)
     features = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
     return _write(pa.table({"features": features, "target": pa.array(y.astype(np.float32))}), path, 4, 2_500)
 
