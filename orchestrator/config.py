@@ -167,7 +167,6 @@ MODE_OPTIONS = {
     "easgd": ("tau", "alpha", "variant", "momentum"),
 }
 UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
-UNTIL_METRICS = {"test_accuracy": "max", "test_loss": "min", "train_loss": "min"}  # the classification task's
 
 
 class PhaseOptimizer(_Section):

@@ -8,8 +8,8 @@ runs.
 
 - `SchedulePolicy` (strategy.phases): a phase ends when its `until` holds: `epochs` (epoch ends
   since the phase began), `steps` (steps since), `seconds` (training seconds since), or a
-  metric threshold (`test_accuracy` reached; `test_loss`, `train_loss` fallen to; measured at
-  epoch ends). The last phase runs until the run stops.
+  metric threshold (any metric the task produces, or train_loss: reached when its goal is max,
+  fallen to when min; measured at epoch ends). The last phase runs until the run stops.
 - `AdaptivePolicy` (strategy.switch adaptive): plan[0] is the synchronous mode, plan[1] the
   asynchronous one. The signal is the spread of the replicas' compute time per step (each
   replica's step time minus its time waiting for others; in a synchronous mode every replica
@@ -27,7 +27,9 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Optional, Union
 
-METRIC_DIRECTION = {"test_accuracy": "max", "test_loss": "min", "train_loss": "min"}  # classification's (the default)
+from policies.tasks import Classification
+
+DEFAULT_GOALS = {**Classification.goals, "train_loss": "min"}  # the default task's metrics and their goals
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Observation:
 class Switch:
     phase: int  # index into the plan of the phase to run next
     mode: str
-    rule: str  # what ended the last phase: "until epochs", "until test_accuracy", "straggler", "recovered", ...
+    rule: str  # what ended the last phase: "until epochs", "until <metric>", "straggler", "recovered", ...
     reason: str  # one line a person can read
     numbers: dict[str, Any]  # the figures behind it
 
@@ -64,7 +66,7 @@ class SchedulePolicy:
         """`goals`: each metric's direction ("max": reached at or above, "min": fallen to at or
         below), the task's and train_loss (default: the classification task's)."""
         self.plan = plan
-        self.goals = dict(goals or METRIC_DIRECTION)
+        self.goals = dict(goals or DEFAULT_GOALS)
         self.current = 0
         self.mark = _Mark(0, 0, 0.0)
 
