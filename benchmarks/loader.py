@@ -1,17 +1,20 @@
-"""The partition server vs Ray Data vs slicing an in-memory tensor: batches/s to 2 replicas.
+"""The partition server (in memory, and streaming Parquet) vs Ray Data vs an in-memory tensor: batches/s to 2 replicas.
 
 Data: a Parquet directory written by the benchmark (784 float32 features as a fixed-size-list
-column, like flattened MNIST, plus an int label). Two consumer actors (1 CPU each) take an
-epoch of shuffled batches of 64 each; batches/s = all batches / wall time of the epoch, median
-over the epochs after the first. The sides run interleaved epoch by epoch.
+column, like flattened MNIST, plus an int label; 6 files of one row group each). Two consumer
+actors (1 CPU each) take an epoch of batches of 64 each; batches/s = all batches / wall time of
+the epoch, median over the epochs after the first. The sides run interleaved epoch by epoch.
+Every side reads every row of the directory each epoch (checked: rows counted per epoch).
 
+In memory (the rows are read once, outside the timing):
 - ours: the train rows cut into 8 partitions, each put once into the object store; a
   PartitionServer grants them and each consumer reads them with one PartitionReader for the
   whole run (the replicas' code, used as ModelReplica and the controller use it: each epoch's
   first grants are computed on the driver and sent with the epoch call, beside one server call
   that starts the epoch and reports the last epoch's final completions). Two servers: `ours`
   shares one queue (downpour, easgd), `ours_pinned` pins partitions round-robin (allreduce);
-  both read every row, each partition cut into batches of 64 with a short last one;
+  both read every row, each partition cut into batches of 64 with a short last one; shuffled:
+  partition order per epoch, and rows within each partition;
 - Ray Data, default: `read_parquet(...).materialize()` (also in the object store),
   `streaming_split(2, equal=True)`, `iter_torch_batches(batch_size=64,
   local_shuffle_buffer_size=256)` per epoch;
@@ -21,6 +24,32 @@ over the epochs after the first. The sides run interleaved epoch by epoch.
   less than ours: rows come in file order every epoch);
 - the limit: each consumer gathers shuffled batches (index_select, the fastest CPU gather) from
   its own half, already an in-memory tensor.
+
+Streaming (every epoch reads every row from the files again; nothing is kept across epochs):
+- streaming: the product's file-source path. The driver plans the directory from its metadata
+  as the controller does (`orchestrator.sources.load_dataset` -> `orchestrator/planning.py`,
+  then `orchestrator.placement.place_data`: a StreamedData whose `train` is the plan; the
+  driver reads the footers and a 64-row sample, no partition's rows). `data.test_source` is a
+  separate 1,000-row file (planned, never read here), so no row of the directory is held out by
+  the row hash: the train plan is all its rows, 8 contiguous row ranges (of 7,500 with --quick)
+  (data.partitions 8, the default for 2 replicas). A PartitionServer (shared queue, as `ours`)
+  grants them; each consumer's PartitionReader is given the plan once (as ModelReplica.set_data)
+  and runs, per granted partition, a zero-CPU read task pinned to its node
+  (StreamedPartitions), at most data.prefetch_partitions (default 2) ahead of the one being
+  consumed; a partition is let go once consumed (checked: a reader holds none after an epoch).
+  Shuffled as ours: partition order per epoch, rows within each partition;
+- Ray Data streaming: `read_parquet(dir, override_num_blocks=2)` with the tuned side's tensor
+  column (the identity `map_batches(batch_format="numpy", batch_size=None)`, fused into the read
+  tasks) and NOT materialized, `streaming_split(2, equal=True)` once, then every epoch
+  `iter_torch_batches(batch_size=64, prefetch_batches=PREFETCH)`: the split coordinator runs
+  the read again each epoch. No shuffle (it does less than ours: file order every epoch);
+  override_num_blocks as the tuned side (one block per consumer; Ray Data's default and 6, 12,
+  24 blocks were no faster in trials).
+Both streaming sides run the first STREAM_EPOCHS epochs only (seconds each, vs milliseconds),
+interleaved with all the others; `streaming_vs_in_memory` divides by `ours` over those same
+epochs. Ray runs with its defaults (as the product's local cluster does): idle worker processes
+beyond num_cpus are ended after about a second, so between two streaming epochs Ray ends some
+of the read tasks' workers and the next epoch starts new ones (docs/benchmarks.md).
 
     python benchmarks/loader.py [--quick] [--json PATH]
 """
@@ -38,8 +67,10 @@ DIM, BATCH, CONSUMERS = 784, 64, 2
 # Ray Data's tuned side: prefetch_batches 1 is the default; 0 and 4 were no faster in trials on
 # this 2-core machine (prefetch threads compete with the consumer for the same cores)
 PREFETCH = 1
-# Ray Data reading the files every epoch: blocks to read them into (None: Ray Data's default)
-RD_STREAM_BLOCKS = None
+# Ray Data reading the files every epoch: blocks to read them into, one per consumer as on the
+# tuned side (None: Ray Data's default; the default, 6, 12 and 24 were no faster in trials)
+RD_STREAM_BLOCKS = CONSUMERS
+STREAM_EPOCHS = {True: 12, False: 20}  # epochs of the two streaming sides (--quick, full)
 
 
 def write_parquet(directory: str, rows: int, files: int = 6) -> None:
@@ -155,12 +186,15 @@ class OursSide:
         assert status["complete"], status
 
 
-def timed_epochs(runners: dict, epochs: int) -> dict[str, list[float]]:
+def timed_epochs(runners: dict, epochs: int, fewer: "dict[str, int] | None" = None) -> dict[str, list[float]]:
     """batches/s of each side's epochs, the sides interleaved epoch by epoch so that the
-    machine's drift hits all of them alike."""
+    machine's drift hits all of them alike. `fewer`: sides that run only the first so many
+    epochs (interleaved with all the others in those)."""
     rates: dict[str, list[float]] = {name: [] for name in runners}
     for epoch in range(1, epochs + 1):
         for name, run_epoch in runners.items():
+            if epoch > (fewer or {}).get(name, epochs):
+                continue
             t0 = time.perf_counter()
             batches = run_epoch(epoch)
             rates[name].append(batches / (time.perf_counter() - t0))
@@ -178,12 +212,14 @@ def main() -> None:
     from orchestrator.sources import load_dataset, read_table, table_to_split
 
     rows, epochs = (60_000, 30) if args.quick else (120_000, 60)
+    stream_epochs = STREAM_EPOCHS[args.quick]
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     try:
         Consumer = consumer_class()
         consumers = [Consumer.remote() for _ in range(CONSUMERS)]
         ray.get([c.warm_up.remote() for c in consumers])
-        results: dict = {"rows": rows, "batch": BATCH, "epochs": epochs, "partitions": 4 * CONSUMERS,
+        results: dict = {"rows": rows, "batch": BATCH, "epochs": epochs, "streaming_epochs": stream_epochs,
+                         "partitions": 4 * CONSUMERS,
                          "ray_data_tuned": {"blocks": CONSUMERS, "tensor_column": True, "local_shuffle": None,
                                             "prefetch_batches": PREFETCH}}
         with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as test_dir:
@@ -260,7 +296,7 @@ def main() -> None:
                 "ray_data_tuned": ray_data(tuned_iterators, True),
                 "ray_data_streaming": ray_data(stream_iterators, True),
                 "in_memory": lambda e: sum(ray.get([c.in_memory.remote(e) for c in consumers])),
-            }, epochs)
+            }, epochs, fewer={"streaming": stream_epochs, "ray_data_streaming": stream_epochs})
             shared.close()
             pinned.close()
             streamed.close()
@@ -270,9 +306,12 @@ def main() -> None:
 
     sides = ("ours", "ours_pinned", "streaming", "ray_data", "ray_data_tuned", "ray_data_streaming", "in_memory")
     steady = {k: median(results[f"{k}_rates"][1:]) for k in sides}
+    # the in-memory side over the epochs the streaming side ran (2..stream_epochs): side by side
+    steady["ours_in_streaming_epochs"] = median(results["ours_rates"][1:stream_epochs])
     results["steady_batches_per_s"] = steady
-    for k, v in steady.items():
-        print(f"{k:>18}: {v:8.0f} batches/s (first epoch {results[f'{k}_rates'][0]:.0f})")
+    for k in sides:
+        print(f"{k:>18}: {steady[k]:8.0f} batches/s (first epoch {results[f'{k}_rates'][0]:.0f})")
+    print(f"{'ours, epochs 2-' + str(stream_epochs):>18}: {steady['ours_in_streaming_epochs']:8.0f} batches/s")
     ratios = {"ours_vs_ray_data": steady["ours"] / steady["ray_data"],
               "ours_vs_ray_data_tuned": steady["ours"] / steady["ray_data_tuned"],
               "ours_vs_in_memory_limit": steady["ours"] / steady["in_memory"],
@@ -280,7 +319,7 @@ def main() -> None:
               "ours_vs_ray_data_first_epoch": results["ours_rates"][0] / results["ray_data_rates"][0],
               "ours_vs_ray_data_tuned_first_epoch": results["ours_rates"][0] / results["ray_data_tuned_rates"][0],
               "streaming_vs_ray_data_streaming": steady["streaming"] / steady["ray_data_streaming"],
-              "streaming_vs_in_memory": steady["streaming"] / steady["ours"]}
+              "streaming_vs_in_memory": steady["streaming"] / steady["ours_in_streaming_epochs"]}
     report("loader", args.quick, results, ratios, args.json)
 
 
