@@ -21,12 +21,13 @@ imported only if a user's decoder returns tensors (a read task's process stays s
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import numpy as np
 import pyarrow as pa
+
+from policies.imports import NotImportable, import_function
 
 Tree = Any  # one array, or a dict of arrays sharing their rows (policies/batches.py; not imported:
 # it imports torch, which a read task's process does not need)
@@ -139,12 +140,9 @@ def load_decoder(name: str) -> Callable[[pa.Table], Any]:
     if not sep or not module_name or not func_name:
         raise DecodeError(f"data.decode: must look like 'module:function', got {name!r}")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise DecodeError(f"data.decode: cannot import {module_name!r} ({type(exc).__name__}: {exc})") from None
-    fn = getattr(module, func_name, None)
-    if not callable(fn):
-        raise DecodeError(f"data.decode: {module_name!r} has no function {func_name!r}")
+        fn = import_function(name)
+    except NotImportable as exc:
+        raise DecodeError(f"data.decode: {exc}") from None
     _DECODERS[name] = fn
     return fn
 

@@ -4,10 +4,11 @@ Actors import this module, never the driver package; orchestrator/factory.py tur
 FactoryError into the driver's ConfigError."""
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Iterable
 
 import torch
+
+from policies.imports import NotImportable, import_function
 
 
 
@@ -17,15 +18,10 @@ class FactoryError(ValueError):
 
 def load_factory(spec: str) -> Callable[..., torch.nn.Module]:
     """Import 'module:function'; FactoryError naming model.factory when it cannot."""
-    module_name, _, func_name = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, or an error raised while importing the module
-        raise FactoryError(f"config error: model.factory: cannot import {module_name!r} ({type(exc).__name__}: {exc})") from None
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise FactoryError(f"config error: model.factory: {module_name!r} has no function {func_name!r}")
-    return func
+        return import_function(spec)
+    except NotImportable as exc:
+        raise FactoryError(f"config error: model.factory: {exc}") from None
 
 
 def build_model(spec: str, kwargs: dict[str, Any], seed: int) -> torch.nn.Module:

@@ -21,13 +21,14 @@ own: the function takes `task.kwargs` and returns a `Task`.
 """
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any, Mapping, Optional, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from policies.imports import import_function
 
 Stats = dict[str, Union[float, np.ndarray]]
 GOALS = ("max", "min")
@@ -179,17 +180,9 @@ def load_task(name: str, kwargs: Optional[dict[str, Any]] = None) -> Task:
     kwargs = kwargs or {}
     if name in BUILTIN_TASKS:
         return BUILTIN_TASKS[name](**kwargs)
-    module_name, sep, func_name = name.partition(":")
-    if not sep:
+    if ":" not in name:
         raise ValueError(f"unknown task {name!r}; choose one of {', '.join(BUILTIN_TASKS)} or give 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ValueError(f"cannot import {module_name!r} ({type(exc).__name__}: {exc})") from None
-    factory = getattr(module, func_name, None)
-    if not callable(factory):
-        raise ValueError(f"{module_name!r} has no function {func_name!r}")
-    task = factory(**kwargs)
+    task = import_function(name)(**kwargs)  # NotImportable (a ValueError) names what is missing
     check_task(task, name)
     return task
 
