@@ -40,7 +40,7 @@ from orchestrator.cluster import beside_driver
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
 from orchestrator.elastic import Elasticity
-from orchestrator.errors import TrainingError
+from orchestrator.errors import TrainingError, issued_whole
 from orchestrator.group import ReplicaGroup
 from orchestrator.placement import place_data
 from orchestrator.progress import ProgressDisplay
@@ -378,9 +378,10 @@ class Controller:
         rows, n, seed, _, shuffle = self._plan
         self._plan = (rows, n, seed, self.spec.pinned, shuffle)  # leasing follows the mode of the phase
         first = first_grant_messages(*self._plan, epoch, ranks, self.max_grant)
-        for rank in ranks:
-            self.open_stream(seg, rank, first_grant=first.get(rank), announce=rank in announce)
-        seg.started = self.server.start_epoch.remote(epoch, ranks, self._unreported, self.spec.pinned)
+        with issued_whole():
+            for rank in ranks:
+                self.open_stream(seg, rank, first_grant=first.get(rank), announce=rank in announce)
+            seg.started = self.server.start_epoch.remote(epoch, ranks, self._unreported, self.spec.pinned)
         self._unreported = {}
         return seg
 
@@ -521,6 +522,13 @@ class Controller:
         self.report.event("checkpoint", path=path, epoch=self.totals.epochs, step=self.totals.steps,
                           **({"stored": stored} if named else {}))
         return path
+
+    def halt(self, timeout_s: float) -> None:
+        """An interrupted run: the replicas stop at their next partition boundary (the phase
+        switch's pause; allreduce replicas all after the same step), so the lowest rank can
+        answer for the final checkpoint without finishing its epoch."""
+        if self.server is not None:
+            self.get(self.server.pause.remote(True), "partition server", timeout_s)
 
     def shutdown(self) -> None:
         """Stop every actor this controller started (replicas, spares, shards, the server) and

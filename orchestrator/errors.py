@@ -9,8 +9,37 @@ class TrainingError(RuntimeError):
     """A run that started and could not finish (a replica died, a collective timed out)."""
 
 
+import contextlib as _contextlib
 import threading as _threading
 
-# Set by the SIGTERM handler: the controller's loop raises KeyboardInterrupt when it sees it,
+# Set by the interrupt handler: the controller's loop raises KeyboardInterrupt when it sees it,
 # so a signal whose exception landed in code that swallows it (a finalizer) still ends the run.
 INTERRUPTED = _threading.Event()
+_held = {"depth": 0, "pending": False}  # inside issued_whole(): an interrupt waits for the way out
+
+
+def raise_interrupt(signum=None, frame=None) -> None:
+    """The driver's SIGINT/SIGTERM handler: KeyboardInterrupt where the main thread is, unless
+    it is issuing a fan-out of calls (issued_whole), which then raises it on its way out."""
+    INTERRUPTED.set()
+    if _held["depth"]:
+        _held["pending"] = True
+        return
+    raise KeyboardInterrupt
+
+
+@_contextlib.contextmanager
+def issued_whole():
+    """Calls sent to several actors that only make sense together (every member's epoch stream
+    and the server's start of the epoch; a group call) go out all or none: an interrupt landing
+    between two of them would leave the ones sent waiting on peers that were never asked (an
+    allreduce replica alone in its collective), and the interrupted run's checkpoint could not
+    be taken from them. The interrupt is raised once the last call is sent."""
+    _held["depth"] += 1
+    try:
+        yield
+    finally:
+        _held["depth"] -= 1
+        if not _held["depth"] and _held["pending"]:
+            _held["pending"] = False
+            raise KeyboardInterrupt

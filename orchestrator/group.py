@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import ray
 
 from orchestrator.config import JobConfig
-from orchestrator.errors import TrainingError
+from orchestrator.errors import TrainingError, issued_whole
 from policies.registry import mode_spec
 
 READY_TIMEOUT_S = 120.0  # a new actor imports torch and builds the model
@@ -151,11 +151,12 @@ class ReplicaGroup:
             head = self.members[ranks[0]]
             addr, port = self._get(head.rendezvous_address.remote(), "rendezvous", self.timeout_s)
             timeout = self.cfg.fault_tolerance.hang_timeout_s
-            self._get([self.members[r].join_group.remote(addr, port, i, world, self.generation, timeout)
-                       for i, r in enumerate(ranks)], f"process group generation {self.generation}", self.timeout_s + 60)
+            with issued_whole():  # a rendezvous every member must reach
+                refs = [self.members[r].join_group.remote(addr, port, i, world, self.generation, timeout)
+                        for i, r in enumerate(ranks)]
+            self._get(refs, f"process group generation {self.generation}", self.timeout_s + 60)
         else:
-            self._get([self.members[r].regroup.remote(world, self.generation) for r in ranks], "regroup",
-                      self.timeout_s)
+            self.call(ranks, "regroup", world, self.generation, what="regroup")
         return self.generation
 
     def transfer_state(self, donor: int, to: list[int]) -> None:
@@ -164,13 +165,13 @@ class ReplicaGroup:
         if not to:
             return
         state = self.members[donor].export_state.remote()
-        self._get([self.members[r].load_state.remote(state) for r in to], f"state from replica {donor}",
-                  self.timeout_s)
+        self.call(to, "load_state", state, what=f"state from replica {donor}")
 
     def call(self, ranks: list[int], method: str, *args: Any, what: str = "", timeout_s: Optional[float] = None,
              per_rank: Optional[Callable[[int], tuple]] = None) -> list[Any]:
         """Call `method` on the replicas of `ranks` (arguments per rank from `per_rank`)."""
-        refs = [getattr(self.members[r], method).remote(*(per_rank(r) if per_rank else args)) for r in ranks]
+        with issued_whole():
+            refs = [getattr(self.members[r], method).remote(*(per_rank(r) if per_rank else args)) for r in ranks]
         return self._get(refs, what or method, timeout_s or self.timeout_s)
 
     def shutdown(self) -> None:

@@ -134,7 +134,7 @@ class ElasticTrainer:
         from orchestrator.errors import INTERRUPTED
 
         INTERRUPTED.clear()
-        previous_sigterm = _sigterm_as_interrupt()  # after ray.init, which installs its own
+        previous_handlers = _interrupts_handled()  # after ray.init, which installs its own
         display = ProgressDisplay(cfg.stop.epochs, enabled=self.show_progress)
         self.controller = ctl = Controller(cfg, dataset, None, t0, display, trace_ids=self._trace_ids,
                                            resume=self.resume)
@@ -162,8 +162,8 @@ class ElasticTrainer:
                 tracker.finish(status)
             if started_ray:
                 ray.shutdown()
-            if previous_sigterm is not None:
-                signal.signal(signal.SIGTERM, previous_sigterm)
+            for sig, handler in (previous_handlers or {}).items():
+                signal.signal(sig, handler)
         result = _result(cfg, totals, tracker, time.perf_counter() - t0, ctl.phases)
         tracker.event("finished", t0, wall_s=round(result.wall_s, 3))
         tracker.log_metrics([("wall_s", result.wall_s, totals.steps),
@@ -185,35 +185,33 @@ INTERRUPT_CHECKPOINT_TIMEOUT_S = 15.0
 FAILED_PLOT_TIMEOUT_S = 10.0  # a failed run's training.png: the store may be what failed
 
 
-def _raise_interrupt(signum, frame):
-    from orchestrator.errors import INTERRUPTED
+def _interrupts_handled():
+    """SIGTERM (`ray job stop`, a scheduler) ends the run like Ctrl-C (SIGINT): MLflow KILLED,
+    then a checkpoint if time allows; both go through errors.raise_interrupt, which holds an
+    interrupt back while a fan-out of calls is being sent. Only the main thread can set
+    handlers; returns the previous handlers to restore."""
+    from orchestrator.errors import raise_interrupt
 
-    INTERRUPTED.set()  # seen by the controller's loop if this exception is swallowed where it lands
-    raise KeyboardInterrupt
-
-
-def _sigterm_as_interrupt():
-    """SIGTERM (`ray job stop`, a scheduler) ends the run like Ctrl-C: MLflow KILLED, then a
-    checkpoint if time allows. Only the main thread can set handlers; returns the previous
-    handler to restore."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGTERM, _raise_interrupt)
+    return {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
 def _end_on_interrupt(ctl, tracker, display, t0: float) -> None:
     """Ctrl-C / SIGTERM. First the record, within about a second: the MLflow run is marked
     KILLED and events.jsonl written (a SIGKILL may follow soon). Then keep what was learned if
-    time allows: replicas finish the step loop they are in, so rank 0 answers once its current
-    epoch ends; the checkpoint's path is added to the run's events."""
+    time allows: the replicas stop at their next partition boundary (Controller.halt) and rank 0
+    gives its state; the checkpoint's path is added to the run's events."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated SIGTERM does not cut this short
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C does
     if tracker is not None:
         tracker.event("ended", t0, status="KILLED")
         tracker.finish("KILLED", timeout_s=INTERRUPT_RECORD_TIMEOUT_S)
     if tracker is None or not ctl.replicas or ctl.steps_per_epoch == 0:  # never got going
         return
     try:
+        ctl.halt(INTERRUPT_RECORD_TIMEOUT_S)
         path = ctl.checkpoint("interrupted", INTERRUPT_CHECKPOINT_TIMEOUT_S, named="interrupted.pt")  # and an event
         display.line(f"interrupted: checkpoint written to {path}")
     except Exception as exc:  # the run is ending either way; say why nothing was saved
