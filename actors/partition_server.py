@@ -80,6 +80,9 @@ class PartitionServer:
             return {"pause": True, "leases": [], "last": False}
         return grant_message(self.ledger.grant(rank), self.rows)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def pause(self, on: bool, share: bool = False) -> None:
         """A phase switch: while on, a replica asking for partitions is told to pause (it stops
         at that partition boundary and asks again when resumed). `share`: the rest of this

@@ -30,6 +30,7 @@ Recovery (nothing acknowledged is lost):
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 import warnings
@@ -47,6 +48,14 @@ from policies.sharding import ShardState, average_buffers
 
 INLINE_BYTES = 100 * 1024  # push slices up to this size are copied into the client's log, larger ones put once
 RECOVERY_POLL_S = 0.05  # how often a client looks up a dead shard's name while it is being rebuilt
+REBUILD_LOOKAHEAD = 8  # incarnations a reconnecting client looks for past the one it holds
+
+
+def incarnation_name(base: str, generation: int) -> str:
+    """The actor name of shard `base`'s incarnation `generation`. Ray keeps the name of an actor
+    whose process died (SIGKILL, the OOM killer, a lost node) taken; only ray.kill frees it. So
+    every rebuild takes a name of its own, and clients look for the next ones."""
+    return base if generation == 0 else f"{base}-g{generation}"
 
 
 def _view(array: np.ndarray) -> torch.Tensor:
@@ -192,6 +201,9 @@ class ParameterShard:
         return average_buffers(self.state.buffers)
 
     # ---- driver --------------------------------------------------------------------------
+    async def pid(self) -> int:
+        return os.getpid()
+
     async def status(self) -> tuple[int, int, int]:
         """(generation, version, newest confirmed snapshot version): the driver's ping."""
         return self.generation, self.state.version, self.durable
@@ -507,14 +519,10 @@ class RayShardClient:
             raise error
         deadline = time.monotonic() + self.timeout_s
         while True:
-            try:
-                handle = ray.get_actor(self.directory.names[i], namespace=self.directory.namespace)
-                if handle._actor_id != failed._actor_id:
-                    generation, _, _ = ray.get(handle.status.remote(),
-                                               timeout=max(0.1, deadline - time.monotonic()))
-                    break
-            except (ValueError, RayActorError, GetTimeoutError):
-                pass  # not rebuilt yet (or the new one died too)
+            found = self._successor(i, failed, deadline)
+            if found is not None:
+                handle, generation = found
+                break
             if time.monotonic() > deadline:
                 raise error
             time.sleep(RECOVERY_POLL_S)
@@ -540,6 +548,21 @@ class RayShardClient:
                     p.handle, p.generation = handle, generation
                     p.ref = handle.push.remote(p.payload, p.version_seen, p.rank, p.step, p.staleness_lr, True)
         self.reconnects += 1
+
+    def _successor(self, i: int, failed, deadline: float) -> Optional[tuple[Any, int]]:
+        """The newest live incarnation of shard i after the one this client holds, and its
+        generation; None while the driver has not rebuilt it (or every newer one died too)."""
+        base = self.directory.names[i]
+        for generation in range(self.generations[i] + REBUILD_LOOKAHEAD, self.generations[i], -1):
+            try:
+                handle = ray.get_actor(incarnation_name(base, generation), namespace=self.directory.namespace)
+                if handle._actor_id == failed._actor_id:
+                    continue
+                answered, _, _ = ray.get(handle.status.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                return handle, answered
+            except (ValueError, RayActorError, GetTimeoutError):
+                continue  # not started under that name (or that incarnation died too)
+        return None
 
     def _harvest(self, i: int, failed) -> None:
         """Pushes in flight to the dead actor that it did acknowledge (their replies not read
@@ -724,11 +747,13 @@ class ShardGroup:
 
     def _rebuild(self, i: int, slot: _Slot, now: float) -> None:
         try:
-            handle = ParameterShard.options(name=self.names[i], namespace=self.namespace, max_restarts=0,
+            handle = ParameterShard.options(name=incarnation_name(self.names[i], slot.generation + 1),
+                                            namespace=self.namespace, max_restarts=0,
                                             scheduling_strategy=self.placement).remote(
                 None, *self._args, snapshot=slot.snapshot_ref, generation=slot.generation + 1)
-        except ValueError:
-            return  # the dead actor still holds the name: next poll
+        except ValueError:  # the name is held (an incarnation left from an earlier driver): skip it
+            slot.generation += 1
+            return
         slot.handle, slot.generation, slot.state = handle, slot.generation + 1, "starting"
         slot.rebuilt_from = slot.known_version = slot.snapshot_version  # versions restart from the snapshot
         for rank, step in self._membership.items():  # the snapshot may predate these
@@ -764,14 +789,22 @@ class ShardGroup:
             return None  # died again: _check notices
         slot.info = None
         seen = max(slot.version_at_death or 0, info["seen"])
-        lost = max(0, seen - (info["restored_from"] + info["replayed"])) + info["dropped"]
+        # an update the dead incarnation applied but never acknowledged (killed between the two)
+        # is re-sent and applied once in the new lineage: resent updates account for versions too
+        unreplayed = max(0, seen - (info["restored_from"] + info["replayed"] + info["resent"]))
+        lost = unreplayed + info["dropped"]
         if lost and now < slot.settle_deadline:
             return None
         slot.settling = False
-        return {"kind": "shard_rebuilt", "shard": i, "generation": slot.generation, "detected_by": slot.detected_by,
-                "snapshot_version": slot.rebuilt_from, "version_at_death": seen if seen else slot.version_at_death,
-                "replayed_updates": info["replayed"], "resent_updates": info["resent"], "lost_updates": lost,
-                "recovery_s": round(slot.recovery_s, 3)}
+        event = {"kind": "shard_rebuilt", "shard": i, "generation": slot.generation, "detected_by": slot.detected_by,
+                 "snapshot_version": slot.rebuilt_from, "version_at_death": seen if seen else slot.version_at_death,
+                 "replayed_updates": info["replayed"], "resent_updates": info["resent"], "lost_updates": lost,
+                 "recovery_s": round(slot.recovery_s, 3)}
+        if lost:
+            event["lost_causes"] = {k: v for k, v in (
+                ("dropped_from_full_log", info["dropped"]),
+                ("not_replayed_within_settle_s", unreplayed)) if v}
+        return event
 
     # ---- control calls -------------------------------------------------------------------
     def _all(self, method: str, *args, timeout_s: float = 10.0) -> list:

@@ -1,5 +1,5 @@
 """Chaos through the public API on mnist5k, one run per mode: a replica's process SIGKILLed
-twice mid-epoch (and, in the sharded modes, a parameter shard killed once); the run still
+twice mid-epoch (and, in the sharded modes, a parameter shard's process SIGKILLed once); the run still
 reaches the example's 97% target, the survivors keep their actors, and the events time each
 recovery."""
 from __future__ import annotations
@@ -32,4 +32,4 @@ def test_replica_and_shard_kills_do_not_stop_the_run(ray_cluster, tmp_path, mode
     if mode != "allreduce":
         [rebuilt] = [e for e in result.events if e["kind"] == "shard_rebuilt"]
         assert rebuilt["shard"] == 0 and rebuilt["replayed_updates"] + rebuilt["resent_updates"] > 0
-        assert isinstance(rebuilt["lost_updates"], int)  # measured, see docs/fault-tolerance.md (aim: 0)
+        print("REBUILT", rebuilt); assert rebuilt["lost_updates"] == 0  # every acknowledged update replayed or re-sent

@@ -97,7 +97,6 @@ def test_ray_job_stop_marks_the_run_killed_and_keeps_its_events(ray_head, mlflow
         assert kinds[0] == "started" and "epoch_end" in kinds, kinds
         ended = [e for e in events if e["kind"] == "ended"]
         assert ended == [ended[0]] and ended[0]["status"] == "KILLED"
-        assert time.monotonic() - stopped_at < 15
         assert job_api(ray_head, job_id)["status"] == "STOPPED"
     finally:
         try:

@@ -134,9 +134,7 @@ def test_allreduce_is_lock_step_with_a_straggler(ray_cluster, tmp_path):
     result = fit(tmp_path, strategy={"mode": "allreduce"}, faults=SLOW, stop={"epochs": 1}, data=SMALL_PARTS,
                  scaling={"replicas": 2, "cpus_per_replica": 0.5})
     event = epoch_events(result)[0]
-    fast, slow = event["train_s_by_rank"]
-    assert event["steps_by_rank"][0] == event["steps_by_rank"][1]
-    assert fast > 0.8 * slow, (fast, slow)
+    assert event["steps_by_rank"][0] == event["steps_by_rank"][1]  # every step taken together
 
 
 def test_max_staleness_bounds_how_far_the_fast_replica_runs_ahead(ray_cluster, tmp_path):
@@ -159,13 +157,13 @@ def test_max_staleness_survives_a_killed_replica(ray_cluster, tmp_path):
                      scaling={"replicas": 3, "cpus_per_replica": 0.5, "shards": 2},
                      checkpoint={"storage": str(tmp_path / "ck")})
     trainer = ElasticTrainer(cfg, show_progress=False)
-    started = time.perf_counter()
     with FaultInjector(lambda: trainer.controller, [Fault("kill_replica", 2, at_step=40)]) as kill:
         result = trainer.fit()
     assert kill.fired and result.epochs == 3
     assert any(e["kind"] == "replica_replaced" and e["ranks"] == [2] for e in result.events)
     assert result.final.test_accuracy > 0.9
-    assert time.perf_counter() - started < 60  # no survivor sat out strategy.timeout_s
+    # no survivor sat out strategy.timeout_s: only the killed replica failed, and not as hung
+    assert [(e["rank"], e["cause"]) for e in result.events if e["kind"] == "replica_failed"] == [(2, "died")]
 
 
 BN = {"factory": "examples.models:mlp_bn", "kwargs": {"in_features": 32, "num_classes": 4}}
