@@ -24,6 +24,7 @@ import os
 import re
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -37,6 +38,7 @@ CHECK_TIMEOUT_S = 30.0  # resolving a remote store (s3:// may look up the bucket
 SIDECAR = ".json"  # a payload's sidecar is its name plus this
 _PAYLOAD = re.compile(r"^ckpt-(\d{9,})(?:-([A-Za-z0-9_]+))?\.pt$")
 _TAG = re.compile(r"^[A-Za-z0-9_]*$")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # `s3:/bucket`, `notascheme::/x`: a URI missing its //
 
 
 def _resolve(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -48,9 +50,15 @@ def _resolve(uri: str) -> tuple[pafs.FileSystem, str]:
 def check_storage(storage: str) -> None:
     """checkpoint.storage must name a filesystem pyarrow knows and, when local, a place a
     directory can be written; ConfigError otherwise. Nothing is created."""
+    if "://" not in storage and _SCHEME.match(storage):
+        raise ConfigError(f"config error: checkpoint.storage: malformed URI {storage!r}: a URI needs "
+                          f"scheme://, and a local path cannot start with {storage.split(':', 1)[0]}:")
+
     def reach() -> tuple[pafs.FileSystem, str]:
         fs, root = _resolve(storage)
         if not isinstance(fs, pafs.LocalFileSystem):
+            if not root.strip("/"):
+                raise ValueError("it names no bucket or path")
             fs.get_file_info(root)  # the store answers (a missing path is fine: it is created)
         return fs, root
 
@@ -232,7 +240,9 @@ class CheckpointStore:
         if hashlib.sha256(data).hexdigest() != entry.meta["sha256"]:
             return None, "sha256 differs from the sidecar's (corrupt)"
         try:
-            state = torch.load(io.BytesIO(data), weights_only=True)
+            with warnings.catch_warnings():  # a foreign pickle's warning would be a second stderr line
+                warnings.simplefilter("ignore")
+                state = torch.load(io.BytesIO(data), weights_only=True)
         except Exception as exc:
             return None, f"torch.load(weights_only=True) refused it ({_load_error(exc)})"
         if not isinstance(state, dict):

@@ -33,9 +33,25 @@ def one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def bad_local_path(path: str) -> Optional[str]:
+    """Why `path` can never name a local file (a NUL byte, a name or a whole path longer than
+    the filesystem allows), or None."""
+    if "\x00" in path:
+        return "the path holds a NUL byte"
+    if len(os.fsencode(os.path.abspath(path))) >= 4096:  # PATH_MAX on Linux
+        return "the path is longer than 4095 bytes"
+    longest = max((len(os.fsencode(part)) for part in path.split(os.sep)), default=0)
+    if longest > 255:  # NAME_MAX on the usual filesystems
+        return f"a name in the path is {longest} bytes long; at most 255 allowed"
+    return None
+
+
 def writable_local_dir(path: str) -> Optional[str]:
     """None if a directory can be created at `path` (or is there) and written to, else why not.
     Checks the nearest existing ancestor with os.access; creates nothing."""
+    why = bad_local_path(path)
+    if why:
+        return why
     path = os.path.abspath(path)
     probe = path
     while not os.path.exists(probe):

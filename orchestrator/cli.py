@@ -42,12 +42,13 @@ def _guarded(work, doing: str, run: str):
     """(work(), None), or (None, the exit code) with one line on stderr: bad input found once
     connected to Ray (the cluster cannot hold the job; no actor started) 2, a failure 1, an
     interrupt 130."""
+    from orchestrator.checks import one_line
     from orchestrator.errors import ConfigError, TrainingError
 
     try:
         return work(), None
     except ConfigError as exc:
-        print(f"orchestrator: {exc}", file=sys.stderr)
+        print(f"orchestrator: {one_line(exc)}", file=sys.stderr)
         return None, EXIT_BAD_INPUT
     except TrainingError as exc:
         print(f"orchestrator: {doing} failed: {exc}", file=sys.stderr)
@@ -64,6 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "config-reference":
         print(reference_markdown())
         return 0
+    from orchestrator.checks import one_line
     from orchestrator.errors import ConfigError, TrainingError
 
     if args.command == "sweep":
@@ -74,9 +76,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from orchestrator.resume import find_checkpoint
 
             path, resume, skipped = find_checkpoint(args.run, args.tracking_uri)
-            for name, why in skipped:
-                print(f"orchestrator: skipped checkpoint {name}: {why}", file=sys.stderr)
-            print(f"resuming MLflow run {resume['mlflow_run_id']} from {path} (epoch {resume['epoch']})", flush=True)
             config = JobConfig.from_dict(resume["config"])
         else:
             config = JobConfig.from_yaml(args.config, args.overrides)
@@ -89,8 +88,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         trainer = ElasticTrainer(config, show_progress=not args.no_progress, resume=resume)
         trainer.check()  # bad input stops here, before Ray or MLflow start (fit() checks the cluster)
     except ConfigError as exc:
-        print(f"orchestrator: {exc}", file=sys.stderr)
+        print(f"orchestrator: {one_line(exc)}", file=sys.stderr)  # bad input: this one line is all stderr gets
         return EXIT_BAD_INPUT
+    if resume is not None:
+        for name, why in skipped:
+            print(f"orchestrator: skipped checkpoint {name}: {why}", file=sys.stderr)
+        print(f"resuming MLflow run {resume['mlflow_run_id']} from {path} (epoch {resume['epoch']})", flush=True)
     result, code = _guarded(trainer.fit, "training", "the MLflow run")
     if code is not None:
         return code
@@ -108,6 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     """The sweep subcommand: bad input exits 2 before Ray starts; 1 when no trial finished."""
+    from orchestrator.checks import one_line
     from orchestrator.errors import ConfigError, TrainingError
     from orchestrator.sweep import load_sweep, run_sweep
 
@@ -116,7 +120,7 @@ def _sweep(args: argparse.Namespace) -> int:
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     except ConfigError as exc:
-        print(f"orchestrator: {exc}", file=sys.stderr)
+        print(f"orchestrator: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     result, code = _guarded(lambda: run_sweep(plan, show_progress=not args.no_progress), "sweep",
                             "the sweep's MLflow run")

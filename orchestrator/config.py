@@ -73,7 +73,8 @@ class DataConfig(_Section):
     test_source: Optional[str] = Field(None, description="A separate test set (same format rules); overrides test_fraction.")
     batch_size: int = Field(64, gt=0, description="Samples per step per replica; the last batch of each "
                             "partition is shorter when the partition's rows are not a multiple.")
-    seed: int = Field(0, description="Seed for the split, partition order and shuffling; runs are reproducible.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed for the split, partition order and shuffling; runs are "
+                      "reproducible.")
     partitions: Optional[int] = Field(
         None, gt=0, description="Partitions the train split is cut into; default 4 x replicas (file sources: at "
         "least that, and enough that each holds at most ~64 MB of the source). Any count works in "
@@ -645,6 +646,8 @@ class JobConfig(_Section):
         try:
             with open(path, encoding="utf-8") as f:
                 raw = yaml.safe_load(f) or {}
+        except RecursionError:
+            raise ConfigError(f"config file {path} is not valid YAML: nested too deeply") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason}: byte "
                               f"0x{exc.object[exc.start]:02x})") from None
@@ -657,6 +660,9 @@ class JobConfig(_Section):
             raise ConfigError(f"config file {path}{where} is not valid YAML: {problem}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+        why = yaml_shape_problem(raw)
+        if why:
+            raise ConfigError(f"config file {path} is not valid YAML: {why}")
         return cls.from_dict(raw, overrides)
 
     def to_yaml(self) -> str:
@@ -677,6 +683,49 @@ class JobConfig(_Section):
         return out
 
 
+MAX_YAML_VALUES = 1_000_000  # a config (or sweep) file's values, its aliases expanded
+
+
+def yaml_shape_problem(value: Any) -> Optional[str]:
+    """Why a loaded YAML value cannot be a config, or None: it contains itself (an alias inside
+    its own anchor), nests too deeply, or holds more than MAX_YAML_VALUES values once its aliases
+    are expanded (a few lines of anchors can stand for billions of values, which every later
+    copy or dump of the config would expand)."""
+    sizes: dict[int, int] = {}
+    open_ids: set[int] = set()
+
+    def size(v: Any) -> int:
+        if not isinstance(v, (dict, list)):
+            return 1
+        key = id(v)
+        if key in sizes:
+            return sizes[key]
+        if key in open_ids:
+            raise _Shape("a value contains itself (an alias inside its own anchor)")
+        open_ids.add(key)
+        items = [*v.keys(), *v.values()] if isinstance(v, dict) else v
+        n = 1
+        for item in items:
+            n += size(item)
+            if n > MAX_YAML_VALUES:
+                raise _Shape(f"more than {MAX_YAML_VALUES:,} values once its aliases are expanded")
+        open_ids.discard(key)
+        sizes[key] = n
+        return n
+
+    try:
+        size(value)
+    except _Shape as exc:
+        return str(exc)
+    except RecursionError:
+        return "nested too deeply"
+    return None
+
+
+class _Shape(Exception):
+    pass
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Return a copy of `raw` with each `a.b.c=value` set; values are parsed as YAML scalars
     (so `0.1` is a float, `[1, 28, 28]` a list) and then coerced by the field's type."""
@@ -690,8 +739,11 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
             raise ConfigError(f"--set expects section.key=value, got {item!r}")
         try:
             value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError:
+        except (yaml.YAMLError, RecursionError):
             value = text
+        why = yaml_shape_problem(value)
+        if why:
+            raise ConfigError(f"--set {key}: {why}")
         node = out
         parts = key.split(".")
         for part in parts[:-1]:
@@ -705,9 +757,13 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
 
 def describe_validation_error(exc: ValidationError) -> str:
     """One line naming the first bad field: `optimizer.lr: Input should be greater than 0 (got -1)`."""
+    import re
+
     err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"])
-    msg = err["msg"].removeprefix("Value error, ")
+    # a key the user wrote is shown as written when it is a plain (or dotted) name, else quoted: an
+    # empty key, or one holding spaces or newlines, would read as something else or break the line
+    loc = ".".join(str(p) if re.fullmatch(r"[A-Za-z0-9_.-]+", str(p)) else repr(p) for p in err["loc"])
+    msg = " ".join(err["msg"].removeprefix("Value error, ").split())
     if not loc:  # a rule across fields: the message names them
         return f"config error: {msg}"
     if err["type"] == "extra_forbidden":

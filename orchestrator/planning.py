@@ -37,7 +37,7 @@ from actors.reading import Block, SourceReadError, StreamPlan, count_kept, cut_r
 from orchestrator.checks import bounded, one_line
 from orchestrator.data import Split
 from orchestrator.errors import ConfigError
-from orchestrator.sources import decode_spec, open_source
+from orchestrator.sources import check_column_names, decode_spec, open_source
 
 PLAN_TIMEOUT_S = 300.0  # footers of every file, and counting a CSV's rows (remote stores retry on their own)
 PARTITION_BYTES = 64 << 20  # the default partition count keeps each partition at most about this big
@@ -118,6 +118,7 @@ def plan_source(source: str, field: str, data_cfg: Any, task: Any, keep: str) ->
         raise ConfigError(f"config error: {field}: cannot read {source} as {fmt} ({one_line(exc)})") from None
     if not blocks or blocks[-1].start + blocks[-1].rows == 0:
         raise ConfigError(f"config error: {field}: {source} has no rows")
+    check_column_names(schema, field, source)
     spec = decode_spec(data_cfg, schema, task)
     try:
         check_schema(schema, spec, source)

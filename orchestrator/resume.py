@@ -14,38 +14,73 @@ import os
 from typing import Any, Optional
 
 from orchestrator.checkpoint import CheckpointStore
+from orchestrator.checks import bounded, one_line
 from orchestrator.errors import ConfigError
+
+
+# what a checkpoint a run can go on from holds (orchestrator/controller.py writes and reads them)
+RESUME_KEYS = {"config": dict, "run": dict, "mlflow_run_id": str, "epoch": int, "step": int, "model": dict}
+LOOKUP_TIMEOUT_S = 30.0  # listing a run's checkpoints, looking a run id up in MLflow
 
 
 def find_checkpoint(run: str, tracking_uri: Optional[str] = None) -> tuple[str, dict[str, Any], list]:
     """(path, state, skipped) of RUN's newest good checkpoint; ConfigError naming what is
-    missing otherwise."""
+    missing otherwise. Nothing is written (an MLflow store that is not there is not created)."""
+    if "\x00" in run:
+        raise ConfigError(f"resume: {run!r} is not a path or run id (it holds a NUL byte)")
     if "://" in run or os.path.isdir(run):
         directory = run.rstrip("/")
+    elif os.path.lexists(run):
+        raise ConfigError(f"resume: {run} is a file, not a run's checkpoint directory "
+                          "(<checkpoint.storage>/<mlflow run id>) or an MLflow run id")
+    elif os.sep in run or run.startswith("."):
+        raise ConfigError(f"resume: no such directory: {run}")
     else:
         directory = _directory_of_run_id(run, tracking_uri)
     storage, _, run_name = directory.rpartition("/")
     if not run_name:
         raise ConfigError(f"resume: {run} is not a run's checkpoint directory")
-    store = CheckpointStore(storage or "/", run_name, keep=1_000_000)
-    found = store.latest_good()
+
+    def latest() -> tuple[CheckpointStore, Any]:
+        store = CheckpointStore(storage or "/", run_name, keep=1_000_000)
+        return store, store.latest_good()
+
+    try:
+        store, found = bounded(latest, LOOKUP_TIMEOUT_S, f"listing {directory}")
+    except Exception as exc:  # a URI pyarrow cannot open, a store that does not answer
+        raise ConfigError(f"resume: cannot open {directory} ({one_line(exc)})") from None
     if found is None:
         why = "; ".join(f"{name}: {reason}" for name, reason in store.skipped) or "none written"
         raise ConfigError(f"resume: no usable checkpoint in {directory} ({why})")
     path, state = found
     if "run" not in state or "config" not in state:
         raise ConfigError(f"resume: {path} holds no run position (written by a version that could not resume)")
+    for key, kind in RESUME_KEYS.items():
+        value = state.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ConfigError(f"resume: {path} is not a checkpoint a run can go on from: its {key} is "
+                              f"{type(value).__name__ if key in state else 'missing'}, not {kind.__name__}")
     return path, state, list(store.skipped)
 
 
 def _directory_of_run_id(run_id: str, tracking_uri: Optional[str]) -> str:
     from mlflow.tracking import MlflowClient
 
+    from orchestrator.tracking import check_store, store_missing
+
+    def unknown(why: str) -> ConfigError:
+        return ConfigError(f"resume: {run_id} is neither a checkpoint directory nor an MLflow run id the tracking "
+                           f"store knows ({why})")
+
+    check_store(tracking_uri, "--tracking-uri")  # a scheme MLflow has no store for; a server that does not answer
+    missing = store_missing(tracking_uri)
+    if missing:  # looking a run up would create the store (an mlflow.db in the working directory)
+        raise unknown(missing)
     try:
-        params = MlflowClient(tracking_uri).get_run(run_id).data.params
+        params = bounded(lambda: MlflowClient(tracking_uri).get_run(run_id).data.params, LOOKUP_TIMEOUT_S,
+                         f"MLflow at {tracking_uri or 'the default store'}")
     except Exception as exc:
-        raise ConfigError(f"resume: {run_id} is neither a checkpoint directory nor an MLflow run id the tracking "
-                          f"store knows ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        raise unknown(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
     storage = params.get("checkpoint.storage")
     if not storage:
         raise ConfigError(f"resume: MLflow run {run_id} has no checkpoint.storage param")

@@ -81,9 +81,21 @@ def read_table(source: str, field: str = "data.source") -> pa.Table:
     fs, path = _filesystem(source, field)
     fmt = _format_of(fs, path, field, source)
     try:
-        return pads.dataset(path, filesystem=fs, format=fmt).to_table()
+        table = pads.dataset(path, filesystem=fs, format=fmt).to_table()
     except Exception as exc:
-        raise ConfigError(f"config error: {field}: cannot read {source} as {fmt} ({exc})") from None
+        raise ConfigError(f"config error: {field}: cannot read {source} as {fmt} ({one_line(exc)})") from None
+    check_column_names(table.schema, field, source)
+    return table
+
+
+def check_column_names(schema: pa.Schema, field: str, source: str) -> None:
+    """Every column name is UTF-8 text (a CSV header in another encoding is not); ConfigError
+    naming the file otherwise (pyarrow raises UnicodeDecodeError on the first look at the names)."""
+    try:
+        schema.names
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config error: {field}: {source} has a column name that is not UTF-8 text "
+                          f"({exc.reason}: byte 0x{exc.object[exc.start]:02x})") from None
 
 
 def table_from_memory(data: Any) -> pa.Table:

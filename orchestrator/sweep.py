@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional, Sequence
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from orchestrator.config import JobConfig, _Section, apply_overrides
+from orchestrator.config import JobConfig, _Section, apply_overrides, yaml_shape_problem
 from orchestrator.errors import ConfigError, TrainingError
 
 MAX_CHECKED_COMBINATIONS = 256  # discrete values checked together before anything starts (each alone beyond)
@@ -274,10 +274,15 @@ def _read_yaml(path: str, what: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             raw = yaml.safe_load(f) or {}
+    except RecursionError:
+        raise ConfigError(f"{what} {path} cannot be read as YAML (nested too deeply)") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"{what} {path} cannot be read as YAML ({' '.join(str(exc).split())[:200]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{what} {path} must hold a mapping, got {type(raw).__name__}")
+    why = yaml_shape_problem(raw)
+    if why:
+        raise ConfigError(f"{what} {path} cannot be read as YAML ({why})")
     return raw
 
 

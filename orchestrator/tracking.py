@@ -27,7 +27,7 @@ import mlflow
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from orchestrator.checks import bounded, one_line, writable_local_dir
+from orchestrator.checks import bad_local_path, bounded, one_line, writable_local_dir
 from orchestrator.errors import ConfigError, TrainingError
 
 MAX_BATCH = 900  # MLflow accepts up to 1000 metrics per log_batch
@@ -39,13 +39,45 @@ FINISH_TIMEOUT_S = 60.0  # the writes still queued and the run's end status
 DB_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
 
-def check_store(tracking_uri: Optional[str]) -> None:
+def check_store(tracking_uri: Optional[str], field: str = "tracking.tracking_uri") -> None:
     """The tracking store answers (an HTTP server within HEALTH_TIMEOUT_S, a database port) or,
-    for a local store (sqlite, file), its directory can be written. ConfigError otherwise;
-    nothing is created."""
+    for a local store (sqlite, file), its directory can be written. ConfigError otherwise (a
+    scheme MLflow has no store for, a URI that cannot be parsed); nothing is created."""
     uri = tracking_uri or mlflow.get_tracking_uri()
-    field = "tracking.tracking_uri" if tracking_uri else f"tracking.tracking_uri (default {uri})"
-    scheme = urllib.parse.urlparse(uri).scheme.lower()
+    field = field if tracking_uri else f"{field} (default {uri})"
+    try:
+        _check_store(uri, field)
+    except ConfigError:
+        raise
+    except Exception as exc:  # urlparse, sqlalchemy's make_url: a bracket, a port that is not a number
+        raise ConfigError(f"config error: {field}: malformed URI {uri!r} ({one_line(exc)})") from None
+
+
+def _store_scheme(uri: str) -> str:
+    """The scheme MLflow picks the store by; ConfigError naming the schemes it has when it has
+    no store for it (today such a URI fails only when the run is created)."""
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+    if "\x00" in uri:
+        raise ValueError("malformed URI (it holds a NUL byte)")
+    try:
+        scheme = urllib.parse.urlparse(uri).scheme
+    except ValueError as exc:  # an unclosed [ in the host
+        raise ValueError(f"malformed URI ({one_line(exc)})") from None
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except Exception:
+        known = ", ".join(sorted(s for s in _tracking_store_registry._registry if s))
+        raise ValueError(f"MLflow has no tracking store for the scheme {scheme!r}; use a local path or one of "
+                         f"{known}") from None
+    return scheme.lower()
+
+
+def _check_store(uri: str, field: str) -> None:
+    try:
+        scheme = _store_scheme(uri)
+    except ValueError as exc:
+        raise ConfigError(f"config error: {field}: {exc} (got {uri!r})") from None
     backend = scheme.split("+")[0]
     if scheme in ("http", "https"):
         why = _http_unreachable(uri)
@@ -57,8 +89,9 @@ def check_store(tracking_uri: Optional[str]) -> None:
         path = make_url(uri).database
         if path and path != ":memory:":
             path = os.path.abspath(path)
-            why = (None if os.access(path, os.W_OK) else f"{path} is not writable") if os.path.isfile(path) \
-                else writable_local_dir(os.path.dirname(path))
+            why = bad_local_path(path) or (
+                (None if os.access(path, os.W_OK) else f"{path} is not writable") if os.path.isfile(path)
+                else writable_local_dir(os.path.dirname(path)))
             if why:
                 raise ConfigError(f"config error: {field}: cannot write the MLflow store {uri} ({why})")
     elif scheme in ("", "file"):
@@ -76,6 +109,26 @@ def check_store(tracking_uri: Optional[str]) -> None:
         except OSError as exc:
             raise ConfigError(f"config error: {field}: no database answers at {host}:{port} "
                               f"within {HEALTH_TIMEOUT_S:g}s ({exc.strerror or exc})") from None
+
+
+def store_missing(tracking_uri: Optional[str]) -> Optional[str]:
+    """Why a local tracking store (an sqlite file, a file store's directory) is not there, or
+    None (it is, or the store is not local). Opening a missing one creates it."""
+    uri = tracking_uri or mlflow.get_tracking_uri()
+    scheme = urllib.parse.urlparse(uri).scheme.lower()
+    if scheme.split("+")[0] == "sqlite":
+        from sqlalchemy.engine import make_url
+
+        path = make_url(uri).database
+        if path and path != ":memory:" and not os.path.isfile(path):
+            return f"no MLflow store at {uri}"
+        if not path or path == ":memory:":
+            return f"{uri} is an empty in-memory store"
+    elif scheme in ("", "file"):
+        path = urllib.parse.urlparse(uri).path if scheme == "file" else uri
+        if not os.path.isdir(path):
+            return f"no MLflow store at {uri}"
+    return None
 
 
 def _http_unreachable(uri: str) -> Optional[str]:

@@ -179,11 +179,17 @@ def load_task(name: str, kwargs: Optional[dict[str, Any]] = None) -> Task:
     ValueError (unknown name, not importable, not a task) in one line."""
     kwargs = kwargs or {}
     if name in BUILTIN_TASKS:
-        return BUILTIN_TASKS[name](**kwargs)
-    if ":" not in name:
+        make = BUILTIN_TASKS[name]
+    elif ":" not in name:
         raise ValueError(f"unknown task {name!r}; choose one of {', '.join(BUILTIN_TASKS)} or give 'module:function'")
-    task = import_function(name)(**kwargs)  # NotImportable (a ValueError) names what is missing
-    check_task(task, name)
+    else:
+        make = import_function(name)  # NotImportable (a ValueError) names what is missing
+    try:
+        task = make(**kwargs)
+    except Exception as exc:  # kwargs the task does not take, or its constructor's own complaint
+        raise ValueError(f"{name}(**task.kwargs) failed ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
+    if name not in BUILTIN_TASKS:
+        check_task(task, name)
     return task
 
 
