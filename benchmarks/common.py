@@ -104,7 +104,7 @@ def ray_train_worker(partitions: int, seed: int, lr: float, momentum: float, log
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as path:
-            state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+            state = torch.load(os.path.join(path, "state.pt"), weights_only=True)
         net.load_state_dict(state["model"])
         done_epochs, step, opt_state = state["epoch"], state["step"], state["optimizer"]
     model = prepare_model(net)
