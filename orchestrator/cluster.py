@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from typing import Callable, Optional
 
 import ray
 
@@ -11,6 +13,7 @@ from orchestrator.checks import bounded
 from orchestrator.errors import ConfigError, TrainingError
 
 RESOURCES_TIMEOUT_S = 30.0
+ROOM_POLL_S = 1.0
 
 
 def connect(logical_cpus: float) -> bool:
@@ -35,6 +38,13 @@ def connect(logical_cpus: float) -> bool:
 def check_fits(replicas: int, cpus_per_replica: float, gpus_per_replica: float) -> None:
     """The connected cluster can hold the replicas (shards and the partition server reserve no
     CPU): ConfigError naming the short resource otherwise, instead of actors that never start."""
+    short = shortfall(replicas, cpus_per_replica, gpus_per_replica)
+    if short is not None:
+        raise ConfigError(short)
+
+
+def shortfall(replicas: int, cpus_per_replica: float, gpus_per_replica: float) -> Optional[str]:
+    """Why the connected cluster cannot hold the replicas now (the config error's line), or None."""
     def look() -> tuple[dict, list[dict]]:
         return ray.cluster_resources(), [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
 
@@ -47,13 +57,49 @@ def check_fits(replicas: int, cpus_per_replica: float, gpus_per_replica: float) 
             continue
         need, have = replicas * each, total.get(key, 0.0)
         if need > have + 1e-9:
-            raise ConfigError(f"config error: scaling: {replicas} replicas x {each:g} {key} need {need:g} {key}, "
-                              f"the cluster has {have:g}")
+            return (f"config error: scaling: {replicas} replicas x {each:g} {key} need {need:g} {key}, "
+                    f"the cluster has {have:g}")
         largest = max((n.get(key, 0.0) for n in nodes), default=have)
         if each > largest + 1e-9:
             field = "cpus_per_replica" if key == "CPU" else "gpus_per_replica"
-            raise ConfigError(f"config error: scaling.{field}: one replica needs {each:g} {key}, "
-                              f"the largest node has {largest:g}")
+            return (f"config error: scaling.{field}: one replica needs {each:g} {key}, "
+                    f"the largest node has {largest:g}")
+    return None
+
+
+def wait_for_room(replicas: int, cpus_per_replica: float, gpus_per_replica: float, timeout_s: float,
+                  say: Callable[[str], None] = print) -> float:
+    """A joined cluster that cannot hold the starting replicas yet (an autoscaling cluster that
+    starts from zero worker nodes): ask Ray's autoscaler for one bundle per replica and wait up
+    to `timeout_s` for the room, saying so once; the request is taken back once the room is
+    there (the replicas take it within seconds) or the wait is given up. ConfigError naming
+    what is short, and how long it waited, if the room never came. Returns the seconds waited."""
+    short = shortfall(replicas, cpus_per_replica, gpus_per_replica)
+    if short is None:
+        return 0.0
+    if timeout_s <= 0:
+        raise ConfigError(short)
+    from ray.autoscaler.sdk import request_resources
+
+    bundle = {k: v for k, v in (("CPU", cpus_per_replica), ("GPU", gpus_per_replica)) if v > 0}
+    t0 = time.monotonic()
+    bounded(lambda: request_resources(bundles=[bundle] * replicas), RESOURCES_TIMEOUT_S, "the autoscaler request")
+    say(f"waiting up to {timeout_s:g}s (scaling.wait_for_room_s) for the autoscaler: "
+        f"{short.removeprefix('config error: ')}; asked for {replicas} x {bundle}")
+    try:
+        while short is not None:
+            if time.monotonic() - t0 > timeout_s:
+                raise ConfigError(f"{short} (waited {timeout_s:g}s for the autoscaler: scaling.wait_for_room_s)")
+            time.sleep(ROOM_POLL_S)
+            short = shortfall(replicas, cpus_per_replica, gpus_per_replica)
+    finally:
+        try:
+            bounded(lambda: request_resources(bundles=[]), RESOURCES_TIMEOUT_S, "the autoscaler request")
+        except Exception:  # the cluster may be going away; nothing to take back then
+            pass
+    waited = time.monotonic() - t0
+    say(f"room for {replicas} replicas after {waited:.1f}s")
+    return waited
 
 
 def beside_driver():

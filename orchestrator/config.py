@@ -404,6 +404,12 @@ class ScalingConfig(_Section):
         2, ge=1, description="Consecutive polls that must see room for another replica before the run grows (a "
         "shrink after lost resources is at once)."
     )
+    wait_for_room_s: float = Field(
+        600.0, ge=0, le=86400, description="On a cluster the run joins (RAY_ADDRESS, `ray job submit`, an earlier "
+        "ray.init) that cannot hold the starting replicas yet: ask the autoscaler for them and wait up to this "
+        "many seconds for the room (a cluster scaling up from zero worker nodes), then exit 2 naming what is "
+        "short. 0 = refuse at once. A local cluster the run starts itself is never waited for."
+    )
 
     def max_or_replicas(self) -> int:
         """max_replicas, or replicas when it is unset (no growth)."""

@@ -126,7 +126,12 @@ class ElasticTrainer:
         connected_here = not ray.is_initialized()
         started_ray = cluster.connect(cfg.scaling.replicas * cfg.scaling.cpus_per_replica)
         try:  # before any actor: a cluster that cannot hold the replicas is bad input
-            cluster.check_fits(cfg.scaling.replicas, cfg.scaling.cpus_per_replica, cfg.scaling.gpus_per_replica)
+            if started_ray:  # no autoscaler can add to a cluster started here: say so at once
+                cluster.check_fits(cfg.scaling.replicas, cfg.scaling.cpus_per_replica, cfg.scaling.gpus_per_replica)
+            else:
+                cluster.wait_for_room(cfg.scaling.replicas, cfg.scaling.cpus_per_replica,
+                                      cfg.scaling.gpus_per_replica, cfg.scaling.wait_for_room_s,
+                                      say=lambda line: print(line, flush=True))
         except BaseException:
             if connected_here:  # leave nothing behind: stop the cluster we started, or leave the one we joined
                 ray.shutdown()

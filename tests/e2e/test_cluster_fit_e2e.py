@@ -1,5 +1,6 @@
-"""A job the cluster cannot hold is bad input: found right after connecting (RAY_ADDRESS), one
-line naming the short resource, exit code 2, no actor started, nothing written."""
+"""A job the cluster cannot hold is bad input: found right after connecting (RAY_ADDRESS) and
+waiting scaling.wait_for_room_s for an autoscaler, one line naming the short resource, exit
+code 2, no actor started, nothing written."""
 from __future__ import annotations
 
 import os
@@ -21,9 +22,12 @@ def replica_actors(ray_head) -> int:
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["scaling.replicas=3", "scaling.cpus_per_replica=2"], "scaling: 3 replicas x 2 CPU need 6 CPU, the cluster has 4"),
-    (["scaling.gpus_per_replica=1"], "scaling: 2 replicas x 1 GPU need 2 GPU, the cluster has 0"),
-    (["strategy.mode=downpour", "scaling.gpus_per_replica=0.5"], "scaling: 2 replicas x 0.5 GPU need 1 GPU, the cluster has 0"),
+    (["scaling.replicas=3", "scaling.cpus_per_replica=2", "scaling.wait_for_room_s=0"],
+     "scaling: 3 replicas x 2 CPU need 6 CPU, the cluster has 4"),
+    (["scaling.gpus_per_replica=1", "scaling.wait_for_room_s=0"], "scaling: 2 replicas x 1 GPU need 2 GPU, the cluster has 0"),
+    # a joined cluster is given time to grow (no autoscaler here: the wait runs out)
+    (["strategy.mode=downpour", "scaling.gpus_per_replica=0.5", "scaling.wait_for_room_s=2"],
+     "scaling: 2 replicas x 0.5 GPU need 1 GPU, the cluster has 0 (waited 2s for the autoscaler: scaling.wait_for_room_s)"),
 ])
 def test_cluster_too_small_for_the_job(ray_head, tmp_path, overrides, needle):
     before = replica_actors(ray_head)
