@@ -121,6 +121,7 @@ class FaultInjector:
         deadline = time.monotonic() + self.timeout_s
         t_start = None
         pending = list(self.faults)
+        last_error: dict[Fault, str] = {}
         while (pending or self._stopped) and not self._stop.is_set() and time.monotonic() < deadline:
             self._resume_slowed()
             ctl = self._controller()
@@ -134,12 +135,14 @@ class FaultInjector:
                 try:
                     self.fired.append(self._fire(ctl, fault))
                 except Exception as exc:  # e.g. the target is being replaced right now: try again
+                    last_error[fault] = f"{type(exc).__name__}: {exc}"
                     time.sleep(0.05)
-                    if time.monotonic() > deadline:
-                        self.fired.append({"kind": fault.kind, "target": fault.target, "error": str(exc)})
                     continue
                 pending.pop(0)
             time.sleep(self.POLL_S)
+        for fault in pending:  # the run ended (or the injector was stopped) first
+            self.fired.append({"kind": fault.kind, "target": fault.target,
+                               "error": "not fired before the end" + (f" ({last_error[fault]})" if fault in last_error else "")})
         self._resume_slowed(everything=True)
 
     def _resume_slowed(self, everything: bool = False) -> None:

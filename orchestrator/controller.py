@@ -40,7 +40,7 @@ from orchestrator.cluster import beside_driver
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
 from orchestrator.elastic import Elasticity
-from orchestrator.errors import TrainingError, issued_whole
+from orchestrator.errors import MemberLost, TrainingError, issued_whole
 from orchestrator.group import ReplicaGroup
 from orchestrator.placement import place_data
 from orchestrator.progress import ProgressDisplay
@@ -222,9 +222,16 @@ class Controller:
             if isinstance(state, Starting):
                 nxt = Running(self._start())
             elif isinstance(state, Running):
-                nxt = recovery.run_segment(self, state.segment)
+                try:
+                    nxt = recovery.run_segment(self, state.segment)
+                except MemberLost as lost:
+                    nxt = recovery.lost_meanwhile(self, state.segment, lost)
             elif isinstance(state, Reconfiguring) and isinstance(state.plan, SwitchPlan):
-                nxt = Running(switching.carry_out(self, state.plan, state.segment))
+                try:
+                    nxt = Running(switching.carry_out(self, state.plan, state.segment))
+                except MemberLost as lost:  # the switch is decided again after the repair
+                    self.pending_switch = state.plan
+                    nxt = recovery.lost_meanwhile(self, state.segment, lost)
             elif isinstance(state, Reconfiguring):
                 nxt = Running(recovery.reconfigure(self, state.plan, state.segment))
             elif isinstance(state, Finishing):

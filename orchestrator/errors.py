@@ -9,6 +9,16 @@ class TrainingError(RuntimeError):
     """A run that started and could not finish (a replica died, a collective timed out)."""
 
 
+class MemberLost(TrainingError):
+    """Replicas whose processes died while the driver waited on a call to them (during a repair,
+    a switch or a grow). Not the end of the run: the controller hands each to the failure
+    policy as a failure, like a death seen on an epoch stream."""
+
+    def __init__(self, ranks: list[int], what: str) -> None:
+        self.ranks, self.what = sorted(ranks), what
+        super().__init__(f"{what}: replica(s) {self.ranks} died")
+
+
 import contextlib as _contextlib
 import threading as _threading
 

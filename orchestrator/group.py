@@ -16,10 +16,12 @@ from typing import Any, Callable, Optional
 import ray
 
 from orchestrator.config import JobConfig
-from orchestrator.errors import TrainingError, issued_whole
+from orchestrator.errors import MemberLost, TrainingError, issued_whole
 from policies.registry import mode_spec
 
 READY_TIMEOUT_S = 120.0  # a new actor imports torch and builds the model
+LIVENESS_TIMEOUT_S = 5.0
+SPARE_PING_S = 2.0  # how often an idle spare is asked whether it is alive  # after a call failed: how long members get to show they are alive
 
 
 class ReplicaGroup:
@@ -36,6 +38,8 @@ class ReplicaGroup:
         self.replacements: set[int] = set()  # ranks whose actor replaced a failed one
         self.generation = 0
         self.spares: list[Any] = []
+        self._spare_pings: dict[int, Any] = {}  # id(spare) -> its pending pid() call (check_spares)
+        self._spare_pinged: dict[int, float] = {}
         self.timeout_s = config.strategy.timeout_s
         self.sample = None  # a ref to a few rows spares rehearse a step on (set once data is in the store)
 
@@ -64,6 +68,31 @@ class ReplicaGroup:
         self.sample = sample
         for spare in self.spares:
             spare.warm_up.remote([sample])
+
+    def check_spares(self) -> int:
+        """Replace spares whose process died (the OOM killer, a lost node) with new ones, so a
+        failure still finds one; returns how many were replaced. Never waits: each spare is
+        pinged at most every SPARE_PING_S and its answer read on a later call."""
+        now, replaced = time.monotonic(), 0
+        for i, spare in enumerate(list(self.spares)):
+            ping = self._spare_pings.get(id(spare))
+            if ping is None:
+                if now - self._spare_pinged.get(id(spare), 0.0) >= SPARE_PING_S:
+                    self._spare_pings[id(spare)] = spare.pid.remote()
+                    self._spare_pinged[id(spare)] = now
+                continue
+            if not ray.wait([ping], timeout=0)[0]:
+                continue
+            del self._spare_pings[id(spare)]
+            try:
+                ray.get(ping, timeout=0)
+            except ray.exceptions.RayActorError:
+                self.spares.remove(spare)
+                self.spares.append(self._spare())
+                replaced += 1
+            except Exception:
+                pass
+        return replaced
 
     def _spare(self):
         spare = self._actor(None, spare=True)
@@ -133,7 +162,7 @@ class ReplicaGroup:
                 continue
             self.spares.append(self._spare())
         if actor is None:
-            actor = self._actor(rank)
+            actor = self.members[rank] = self._actor(rank)  # a member already: its death is a MemberLost
             self.pids[rank] = self._get(actor.pid.remote(), f"replacement for replica {rank}", READY_TIMEOUT_S)
         self.members[rank] = actor
         self.replacements.add(rank)
@@ -174,6 +203,21 @@ class ReplicaGroup:
             refs = [getattr(self.members[r], method).remote(*(per_rank(r) if per_rank else args)) for r in ranks]
         return self._get(refs, what or method, timeout_s or self.timeout_s)
 
+    def dead_members(self, timeout_s: float = LIVENESS_TIMEOUT_S) -> list[int]:
+        """The members whose actors are gone (a call to them fails with RayActorError)."""
+        ranks = self.ranks
+        refs = {r: self.members[r].pid.remote() for r in ranks}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        dead = []
+        for rank, ref in refs.items():
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError:
+                dead.append(rank)
+            except Exception:  # not answered yet (busy or stopped): not known to be dead
+                pass
+        return dead
+
     def shutdown(self) -> None:
         for actor in list(self.members.values()) + self.spares + list(self.joining.values()):
             _kill(actor)
@@ -185,6 +229,9 @@ class ReplicaGroup:
         except ray.exceptions.GetTimeoutError:
             raise TrainingError(f"{what}: no answer within {timeout:.0f}s") from None
         except ray.exceptions.RayActorError as exc:
+            dead = self.dead_members()
+            if dead:  # a value for the failure policy, not the end of the run
+                raise MemberLost(dead, what) from None
             raise TrainingError(f"{what}: a replica died ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
         except ray.exceptions.RayTaskError as exc:
             raise TrainingError(f"{what}: {exc.cause if hasattr(exc, 'cause') else exc}") from None

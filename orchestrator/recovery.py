@@ -16,11 +16,11 @@ replacement joins.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import ray
 
-from orchestrator.errors import INTERRUPTED, TrainingError
+from orchestrator.errors import INTERRUPTED, MemberLost, TrainingError
 from orchestrator.segment import EpochSegment, Plan, Recovery
 from policies.failure import Drop, Fail, Replace, ReplicaFailure, error_detail
 
@@ -62,6 +62,8 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
             if stream in ready:
                 read_item(ctl, seg, rank, stream)
         poll_shards(ctl, seg)
+        if ctl.group.check_spares():
+            ctl.report.event("spare_replaced", epoch=seg.epoch, spares=len(ctl.group.spares))
         check_hangs(ctl, seg)
         ctl.elastic.tick(seg)
         if seg.fresh_signals or ctl.switch_policy.plan[ctl.switch_policy.current]["until"] is not None:
@@ -185,19 +187,10 @@ def judge(ctl: "Controller", seg: EpochSegment) -> "State":
     from orchestrator.controller import Errored, Reconfiguring
 
     failures, seg.failures = seg.failures, []
-    decisions = []
     failed = {f.rank for f in failures}
-    room = ctl.elastic.placeable(failures)  # replicas that died with their node: is there room elsewhere?
-    for f in failures:
-        survivors = len([r for r in ctl.group.members if r not in failed]) + sum(
-            isinstance(d, Replace) for d in decisions)
-        placeable, note = room.get(f.rank, (True, ""))
-        decision = ctl.failure_policy.decide(f, survivors, placeable, note)
-        ctl.report.event("failure_decision", rank=f.rank, decision=type(decision).__name__.lower(),
-                         reason=decision.reason.splitlines()[0])
-        if isinstance(decision, Fail):
-            return Errored(TrainingError(f"epoch {seg.epoch}: {decision.reason}"))
-        decisions.append(decision)
+    decisions = decide(ctl, failures, failed)
+    if isinstance(decisions, Fail):
+        return Errored(TrainingError(f"epoch {seg.epoch}: {decisions.reason}"))
     steps = {r: item["step"] for r, item in seg.ended.items()
              if r not in failed and item["kind"] == "interrupted"}
     plan = Plan(failures, decisions, seg.t_first_failure or time.time(), steps)
@@ -205,8 +198,62 @@ def judge(ctl: "Controller", seg: EpochSegment) -> "State":
     return Reconfiguring(plan, seg)
 
 
+def decide(ctl: "Controller", failures: list[ReplicaFailure], failed: set[int],
+           decided: Sequence[Any] = ()) -> Union[list, Fail]:
+    """The failure policy's decision for each failure (an event each), given `decided` ones
+    already being carried out; the first Fail instead, if any."""
+    decisions: list = []
+    room = ctl.elastic.placeable(failures)  # replicas that died with their node: is there room elsewhere?
+    for f in failures:
+        survivors = len([r for r in ctl.group.members if r not in failed]) + sum(
+            isinstance(d, Replace) for d in [*decided, *decisions])
+        placeable, note = room.get(f.rank, (True, ""))
+        decision = ctl.failure_policy.decide(f, survivors, placeable, note)
+        ctl.report.event("failure_decision", rank=f.rank, decision=type(decision).__name__.lower(),
+                         reason=decision.reason.splitlines()[0])
+        if isinstance(decision, Fail):
+            return decision
+        decisions.append(decision)
+    return decisions
+
+
+MAX_REPLANS = 5  # deaths during one repair that are folded into it before the run gives up
+
+
 def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegment:
-    """Carry the plan out and return the same epoch, going on."""
+    """Carry the plan out and return the same epoch, going on. A replica that dies meanwhile
+    (a survivor, the donor or a newcomer: MemberLost) is decided by the failure policy like any
+    failure and folded into the plan, which is carried out again from the top."""
+    for _ in range(MAX_REPLANS):
+        try:
+            return carry_out(ctl, plan, seg)
+        except MemberLost as lost:
+            plan = replan(ctl, plan, seg, lost)
+    return carry_out(ctl, plan, seg)
+
+
+def replan(ctl: "Controller", plan: Plan, seg: EpochSegment, lost: MemberLost) -> Plan:
+    """The plan with the replicas lost during it added (a failure event and a decision each); a
+    newcomer that died is replaced again, within the restart budget."""
+    now = time.time()
+    new = []
+    for rank in lost.ranks:
+        failure = ReplicaFailure(rank, "died", f"died during a repair ({lost.what})",
+                                 replacement=rank in ctl.group.replacements)
+        ctl.report.event("replica_failed", rank=rank, epoch=seg.epoch, cause="died", detected_by=DETECTED_BY["died"],
+                         detail=failure.detail, t_wall=round(now, 3), during="repair")
+        ctl.report.say(f"replica {rank} died during the repair ({lost.what})")
+        new.append(failure)
+    kept = [d for d in plan.decisions if d.rank not in lost.ranks]
+    decisions = decide(ctl, new, set(lost.ranks) | {f.rank for f in plan.failures}, kept)
+    if isinstance(decisions, Fail):
+        raise TrainingError(f"epoch {seg.epoch}: {decisions.reason}")
+    failures = [f for f in plan.failures if f.rank not in lost.ranks] + new
+    steps = {r: s for r, s in plan.steps_at_interrupt.items() if r not in lost.ranks}
+    return Plan(failures, kept + decisions, plan.t_detect_wall, steps)
+
+
+def carry_out(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegment:
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     group, lock = ctl.group, ctl.lock_step
@@ -237,6 +284,16 @@ def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegmen
     t1 = time.perf_counter()
     timings["ledger"] = t1 - t0 - timings["replace"]
     donor, donor_step = pick_donor(ctl, plan, survivors)
+    from_checkpoint = None
+    if donor is None and replaced and not ctl.spec.sharded:  # allreduce's state lived only in the replicas
+        if ctl._last_state is None:
+            raise TrainingError(f"epoch {seg.epoch}: every replica holding the model died at once (replicas "
+                                f"{sorted(replaced)}) and the run has no checkpoint to go on from "
+                                "(checkpoint.every_epochs)")
+        from_checkpoint = ctl._last_state["step"]
+        donor_step = group.call(replaced, "load_state", ctl._last_state, what="state from the last checkpoint")[0]
+        ctl.report.say(f"every replica holding the model died: going on from the last checkpoint "
+                       f"(replica step {from_checkpoint}); the steps since are lost")
     if ctl.spec.sharded:
         if replaced:
             group.call(replaced, "sync_from_shards", donor_step, what="state from the shards")
@@ -268,13 +325,16 @@ def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegmen
         ctl.open_stream(seg, rank, resume=rank in survivors, announce=True)
     seg.disturbed = True
     steps_lost = (1 + max(plan.steps_at_interrupt.values()) - donor_step) if (lock and plan.steps_at_interrupt) else 0
+    if from_checkpoint is not None:
+        steps_lost = max(ctl.progress.values(), default=from_checkpoint) - from_checkpoint
     event = {"kind": "replica_replaced" if replaced else "replica_dropped", "epoch": seg.epoch,
              "ranks": replaced or dropped, "how": {str(r): how[r] for r in replaced}, "dropped": dropped,
              "causes": {str(f.rank): f.cause for f in plan.failures}, "generation": group.generation,
              "survivors_kept": survivors, "steps_lost": steps_lost, "resumed_from_step": donor_step,
              "partitions_served_again": sorted(p for ps in back.values() for p in ps),
              "reconfigure_s": round(time.perf_counter() - t0, 3),
-             "reconfigure_parts_s": {k: round(v, 3) for k, v in timings.items()}, **lr}
+             "reconfigure_parts_s": {k: round(v, 3) for k, v in timings.items()}, **lr,
+             **({"state_from": "checkpoint"} if from_checkpoint is not None else {})}
     if shrink:  # the cluster could not hold a replacement: the run shrank
         event.update(kind="resize", direction="shrink", reason=shrink[0].reason.splitlines()[0], old_size=old_size,
                      new_size=len(members))
@@ -290,6 +350,21 @@ def reconfigure(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegmen
     return seg
 
 
+def lost_meanwhile(ctl: "Controller", seg: EpochSegment, lost: MemberLost) -> "State":
+    """Replicas that died while the driver waited on them outside a repair (a switch, the
+    epoch's evaluation, a checkpoint): failures of the segment, judged like any other."""
+    from orchestrator.controller import Running
+
+    now = time.time()
+    for rank in lost.ranks:
+        if rank in seg.streams or any(f.rank == rank for f in seg.failures):
+            continue  # its stream will say so, or it is already known
+        fail(ctl, seg, ReplicaFailure(rank, "died", f"died while the driver waited on it ({lost.what})",
+                                      replacement=rank in ctl.group.replacements))
+    seg.t_first_failure = seg.t_first_failure or now
+    return Running(seg)
+
+
 def report_finished_passes(ctl: "Controller", seg: EpochSegment, failed: set[int]) -> None:
     """Survivors that had ended their pass before the failure: their last completions go to the
     ledger now (their next stream starts a new pass and would overwrite them)."""
@@ -297,6 +372,10 @@ def report_finished_passes(ctl: "Controller", seg: EpochSegment, failed: set[int
         ctl.get(seg.started, f"partition server, start of epoch {seg.epoch}")
         seg.started = None
     done = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch" and r not in failed}
+    # a failure seen after the pass closed (at the epoch's end): the completions it kept for the
+    # next epoch's start go now, once (the same lists as the ended items': reported once)
+    done.update(ctl._unreported)
+    ctl._unreported = {}
     if done:
         ctl.get(ctl.server.finish.remote(done), "partition server")
     seg.ended = {}
@@ -307,9 +386,10 @@ def pick_donor(ctl: "Controller", plan: Plan, survivors: list[int]) -> tuple[Any
     applied, so a step that some survivor applied and another did not is dropped everywhere."""
     if not survivors:
         return None, max(ctl.progress.values(), default=0)
-    if plan.steps_at_interrupt:
-        donor = min(plan.steps_at_interrupt, key=lambda r: (plan.steps_at_interrupt[r], r))
-        return donor, plan.steps_at_interrupt[donor]
+    steps = {r: s for r, s in plan.steps_at_interrupt.items() if r in survivors}
+    if steps:
+        donor = min(steps, key=lambda r: (steps[r], r))
+        return donor, steps[donor]
     step = min(ctl.progress.get(r, 0) for r in survivors)
     return survivors[0], step
 

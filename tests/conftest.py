@@ -22,6 +22,16 @@ from tests.ray_head import RayHead, free_port  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Long soaks (marker `soak`) run only when the marker expression asks for them."""
+    if "soak" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="long soak: run with -m soak (docs/reliability.md)")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _mlflow_in_tmp(tmp_path, monkeypatch):
     """No test writes MLflow data into the repo: the default store is a temp sqlite file."""

@@ -1,0 +1,121 @@
+"""The soak: each mode trains mnist5k for a while with a fault every 5-15 s drawn at random from
+a seed (replica SIGKILLs, stalls and hangs, spare and shard SIGKILLs), on the shared Ray
+cluster. Checks: the run reaches its target and ends above it, no wait ran past its bound (the
+run did not fail; the only hangs are the injected ones), no acknowledged update lost without a
+cause, and every actor and process of the run gone at the end. Each run's numbers go to
+runs/soak/<mode>-seed<seed>.json (docs/reliability.md).
+
+Short form (in `make test`): 45 s per mode. Long form (docs/reliability.md):
+    EO_SOAK_S=600 .venv/bin/python -m pytest tests/chaos -m soak -s
+A seed that fails becomes a fixed case in SEEDS."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from orchestrator.chaos import FaultInjector, random_schedule
+from orchestrator.config import JobConfig
+from orchestrator.trainer import ElasticTrainer
+from tests.conftest import REPO
+from tests.integration.test_shutdown_ray import alive_run_actors, pid_alive, wait_gone
+
+pytestmark = pytest.mark.ray
+
+SHORT_S = 45.0
+KINDS = {
+    "allreduce": ("kill_replica", "kill_replica", "slow_replica", "hang_replica", "kill_spare"),
+    "downpour": ("kill_replica", "kill_replica", "slow_replica", "hang_replica", "kill_spare", "kill_shard"),
+    "easgd": ("kill_replica", "kill_replica", "slow_replica", "hang_replica", "kill_spare", "kill_shard"),
+}
+SEEDS = {"allreduce": 45, "downpour": 17, "easgd": 17}  # short form: each seed draws a kill, a stall and a hang or shard kill
+RECOVERED_BY = {"replica_replaced", "replica_dropped", "shard_rebuilt", "spare_replaced"}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def soak(mode: str, seed: int, duration_s: float, tmp_path) -> dict:
+    faults = random_schedule(seed, duration_s - 15, KINDS[mode], every_s=(5.0, 15.0), targets=2, start_s=3.0)
+    cfg = JobConfig.from_yaml(os.path.join(REPO, "examples", f"mnist_{mode}.yaml"), [
+        "scaling.cpus_per_replica=0.5", "fault_tolerance.spares=1", "fault_tolerance.hang_timeout_s=8",
+        "fault_tolerance.max_replica_restarts=1000", "checkpoint.every_epochs=1", "tracking.progress_interval_s=0", "tracking.log_every_steps=5",
+        "stop.epochs=100000", "stop.at_target=false", f"stop.max_wall_s={duration_s}",
+        f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint.storage={tmp_path}/ck"])
+    before = alive_run_actors()
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    pids: set[int] = set()
+
+    def controller():
+        ctl = trainer.controller
+        if ctl is not None:
+            pids.update(ctl.group.pids.values())
+        return ctl
+
+    t0 = time.perf_counter()
+    with FaultInjector(controller, faults, timeout_s=duration_s + 120) as injector:
+        result = trainer.fit()
+    wall_s = time.perf_counter() - t0
+    wait_gone(lambda: alive_run_actors() - before, "actors")
+    wait_gone(lambda: {p for p in pids if pid_alive(p)}, "replica processes")
+    events = result.events
+    recoveries = [e.get("recovery_s") for e in events if e["kind"] in RECOVERED_BY and e.get("recovery_s") is not None]
+    fired = [f for f in injector.fired if "error" not in f]
+    by_kind: dict[str, int] = {}
+    for f in fired:
+        by_kind[f["kind"]] = by_kind.get(f["kind"], 0) + 1
+    rebuilt = [e for e in events if e["kind"] == "shard_rebuilt"]
+    report = {
+        "mode": mode, "seed": seed, "duration_s": duration_s, "wall_s": round(wall_s, 1),
+        "faults_scheduled": len(faults), "faults_fired": len(fired), "fired_by_kind": by_kind,
+        "not_fired": [f for f in injector.fired if "error" in f],
+        "replica_failed_by_cause": _count(e["cause"] for e in events if e["kind"] == "replica_failed"),
+        "recovered_by_kind": _count(e["kind"] for e in events if e["kind"] in RECOVERED_BY),
+        "recovery_s_p50": percentile(recoveries, 0.5), "recovery_s_p95": percentile(recoveries, 0.95),
+        "recovery_s_max": max(recoveries, default=None),
+        "lost_updates": sum(e["lost_updates"] for e in rebuilt),
+        "lost_causes": [e.get("lost_causes") for e in rebuilt if e["lost_updates"]],
+        "time_to_target_s": result.time_to_target_s, "final_test_accuracy": result.final.test_accuracy,
+        "epochs": result.epochs, "stop_reason": result.stop_reason,
+        "accuracy_by_epoch": [round(e["test_accuracy"], 4) for e in events if e["kind"] == "epoch_end"],
+        "disturbances": [(e["kind"], e.get("epoch"), e.get("rank", e.get("ranks")), e.get("cause"), e.get("state_from"))
+                         for e in events if e["kind"] in ("replica_failed", "replica_replaced", "shard_rebuilt")],
+    }
+    out = os.path.join(REPO, "runs", "soak")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{mode}-seed{seed}.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report))
+    return report
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return out
+
+
+def check(report: dict) -> None:
+    assert report["time_to_target_s"] is not None and report["final_test_accuracy"] >= 0.97, report
+    injected_hangs = report["fired_by_kind"].get("hang_replica", 0)
+    assert report["replica_failed_by_cause"].get("hung", 0) <= injected_hangs, report  # no other wait ran out
+    assert report["lost_updates"] == 0 or all(report["lost_causes"]), report
+    assert report["faults_fired"] >= 1 and not report["not_fired"], report
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "downpour", "easgd"])
+def test_soak_short(ray_cluster, tmp_path, mode):
+    check(soak(mode, SEEDS[mode], SHORT_S, tmp_path))
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("mode", ["allreduce", "downpour", "easgd"])
+def test_soak_long(ray_cluster, tmp_path, mode):
+    check(soak(mode, SEEDS[mode], float(os.environ.get("EO_SOAK_S", "600")), tmp_path))
