@@ -227,11 +227,7 @@ class Controller:
                 except MemberLost as lost:
                     nxt = recovery.lost_meanwhile(self, state.segment, lost)
             elif isinstance(state, Reconfiguring) and isinstance(state.plan, SwitchPlan):
-                try:
-                    nxt = Running(switching.carry_out(self, state.plan, state.segment))
-                except MemberLost as lost:  # the switch is decided again after the repair
-                    self.pending_switch = state.plan
-                    nxt = recovery.lost_meanwhile(self, state.segment, lost)
+                nxt = Running(switching.carry_out(self, state.plan, state.segment))  # a death here ends the run
             elif isinstance(state, Reconfiguring):
                 nxt = Running(recovery.reconfigure(self, state.plan, state.segment))
             elif isinstance(state, Finishing):

@@ -33,3 +33,37 @@ def test_replica_and_shard_kills_do_not_stop_the_run(ray_cluster, tmp_path, mode
         [rebuilt] = [e for e in result.events if e["kind"] == "shard_rebuilt"]
         assert rebuilt["shard"] == 0 and rebuilt["replayed_updates"] + rebuilt["resent_updates"] > 0
         assert rebuilt["lost_updates"] == 0  # every acknowledged update replayed or re-sent
+
+
+def compound_config(tmp_path, mode, *overrides):
+    return JobConfig.from_yaml(f"examples/mnist_{mode}.yaml", [
+        "scaling.cpus_per_replica=0.5", "tracking.progress_interval_s=0", "tracking.log_every_steps=2",
+        f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint.storage={tmp_path}/ck", *overrides])
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "downpour", "easgd"])
+def test_a_kill_during_a_repair_is_repaired_too(ray_cluster, tmp_path, mode):
+    """Replica 1's process SIGKILLed, then replica 0's while the first repair is carried out
+    (allreduce: 3 replicas, so a holder of the model survives; both ranks are replaced)."""
+    cfg = compound_config(tmp_path, mode, f"scaling.replicas={3 if mode == 'allreduce' else 2}")
+    faults = [Fault("kill_replica", 1, at_step=30), Fault("kill_replica", 0, during="repair")]
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    with FaultInjector(lambda: trainer.controller, faults) as inj:
+        result = trainer.fit()
+    assert [f.get("during") for f in inj.fired] == [None, "repair"] and all("error" not in f for f in inj.fired)
+    assert result.final.test_accuracy >= 0.97
+    failed = [e["rank"] for e in result.events if e["kind"] == "replica_failed"]
+    replaced = sorted(r for e in result.events if e["kind"] == "replica_replaced" for r in e["ranks"])
+    assert failed[:2] == [1, 0] and {0, 1} <= set(replaced), (failed, replaced)
+
+
+def test_a_kill_during_a_grow_is_repaired(ray_cluster, tmp_path):
+    """2 -> 3 replicas; replica 1's process SIGKILLed while the newcomer joins."""
+    cfg = compound_config(tmp_path, "allreduce", "scaling.replicas=2", "scaling.max_replicas=3",
+                          "scaling.poll_s=0.5", "scaling.grow_after=1")
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    with FaultInjector(lambda: trainer.controller, [Fault("kill_replica", 1, during="resize")]) as inj:
+        result = trainer.fit()
+    assert [f.get("during") for f in inj.fired] == ["resize"] and "error" not in inj.fired[0]
+    assert result.final.test_accuracy >= 0.97
+    assert any(e["kind"] == "replica_replaced" and 1 in e["ranks"] for e in result.events)
