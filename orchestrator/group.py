@@ -232,7 +232,7 @@ class ReplicaGroup:
             dead = self.dead_members()
             if dead:  # a value for the failure policy, not the end of the run
                 raise MemberLost(dead, what) from None
-            raise TrainingError(f"{what}: a replica died ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+            raise TrainingError(f"{what}: the process answering it died ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
         except ray.exceptions.RayTaskError as exc:
             raise TrainingError(f"{what}: {exc.cause if hasattr(exc, 'cause') else exc}") from None
 
