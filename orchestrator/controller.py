@@ -227,7 +227,11 @@ class Controller:
                 except MemberLost as lost:
                     nxt = recovery.lost_meanwhile(self, state.segment, lost)
             elif isinstance(state, Reconfiguring) and isinstance(state.plan, SwitchPlan):
-                nxt = Running(switching.carry_out(self, state.plan, state.segment))  # a death here ends the run
+                try:
+                    nxt = Running(switching.carry_out(self, state.plan, state.segment))
+                except MemberLost as lost:  # repaired first; the switch is carried out after
+                    self.pending_switch = state.plan
+                    nxt = recovery.lost_meanwhile(self, state.segment, lost)
             elif isinstance(state, Reconfiguring):
                 nxt = Running(recovery.reconfigure(self, state.plan, state.segment))
             elif isinstance(state, Finishing):
@@ -456,7 +460,11 @@ class Controller:
         ck = cfg.checkpoint
         if checkpoint_due(epoch, time.perf_counter(), max(self._last_checkpoint_s, self._train_started),
                           ck.every_epochs, ck.every_s):
-            tot.checkpoint = self.checkpoint(f"epoch_{epoch:04d}", CONTROL_CALL_TIMEOUT_S)
+            try:
+                tot.checkpoint = self.checkpoint(f"epoch_{epoch:04d}", CONTROL_CALL_TIMEOUT_S)
+            except TrainingError as exc:  # a replica stopped or died meanwhile: the next epoch sees to it
+                self.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
+                self.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
         decision = self.stop_policy.decide(EpochSnapshot(epoch, judged, time.perf_counter() - self._train_started))
         if decision.stop:
             tot.stop_reason = decision.reason

@@ -14,9 +14,9 @@ class MemberLost(TrainingError):
     a switch or a grow). Not the end of the run: the controller hands each to the failure
     policy as a failure, like a death seen on an epoch stream."""
 
-    def __init__(self, ranks: list[int], what: str) -> None:
-        self.ranks, self.what = sorted(ranks), what
-        super().__init__(f"{what}: replica(s) {self.ranks} died")
+    def __init__(self, ranks: list[int], what: str, cause: str = "died") -> None:
+        self.ranks, self.what, self.cause = sorted(ranks), what, cause  # cause: died | hung (no answer in time)
+        super().__init__(f"{what}: replica(s) {self.ranks} {cause}")
 
 
 import contextlib as _contextlib

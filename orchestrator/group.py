@@ -201,7 +201,17 @@ class ReplicaGroup:
         """Call `method` on the replicas of `ranks` (arguments per rank from `per_rank`)."""
         with issued_whole():
             refs = [getattr(self.members[r], method).remote(*(per_rank(r) if per_rank else args)) for r in ranks]
-        return self._get(refs, what or method, timeout_s or self.timeout_s)
+        timeout = timeout_s or self.timeout_s
+        try:
+            return self._get(refs, what or method, timeout)
+        except MemberLost:
+            raise
+        except TrainingError:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            silent = [r for r, ref in zip(ranks, refs) if ref not in ready]
+            if silent:  # stopped or stuck (SIGSTOP, a livelock): hung, for the failure policy
+                raise MemberLost(silent, f"{what or method}: no answer within {timeout:.0f}s", cause="hung") from None
+            raise
 
     def dead_members(self, timeout_s: float = LIVENESS_TIMEOUT_S) -> list[int]:
         """The members whose actors are gone (a call to them fails with RayActorError)."""

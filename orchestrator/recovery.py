@@ -38,6 +38,8 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
     from orchestrator.controller import Reconfiguring
 
     if not seg.begun:
+        if seg.failures:  # a replica died between epochs (e.g. during a switch): repaired first
+            return judge(ctl, seg)
         if ctl.pending_switch is not None:  # decided at the last epoch's end: switch before this one opens
             return Reconfiguring(ctl.pending_switch, seg)
         ctl.elastic.join_ready(seg)  # replicas started for a grow join at the epoch boundary
@@ -238,11 +240,12 @@ def replan(ctl: "Controller", plan: Plan, seg: EpochSegment, lost: MemberLost) -
     now = time.time()
     new = []
     for rank in lost.ranks:
-        failure = ReplicaFailure(rank, "died", f"died during a repair ({lost.what})",
+        failure = ReplicaFailure(rank, lost.cause, f"{lost.cause} during a repair ({lost.what})",
                                  replacement=rank in ctl.group.replacements)
-        ctl.report.event("replica_failed", rank=rank, epoch=seg.epoch, cause="died", detected_by=DETECTED_BY["died"],
-                         detail=failure.detail, t_wall=round(now, 3), during="repair")
-        ctl.report.say(f"replica {rank} died during the repair ({lost.what})")
+        ctl.report.event("replica_failed", rank=rank, epoch=seg.epoch, cause=lost.cause,
+                         detected_by=DETECTED_BY[lost.cause], detail=failure.detail, t_wall=round(now, 3),
+                         during="repair")
+        ctl.report.say(f"replica {rank} {lost.cause} during the repair ({lost.what})")
         new.append(failure)
     kept = [d for d in plan.decisions if d.rank not in lost.ranks]
     decisions = decide(ctl, new, set(lost.ranks) | {f.rank for f in plan.failures}, kept)
@@ -320,7 +323,8 @@ def carry_out(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegment:
     ctl.report.metrics([("replicas_alive", len(members), ctl.totals.steps),
                         ("replica_restarts", ctl.totals.replica_restarts, ctl.totals.steps)])
     # the epoch goes on: lock-step members all resume together; else only the newcomers start
-    restart = members if lock else replaced
+    # (between epochs nobody does: every member starts when the next epoch opens)
+    restart = (members if lock else replaced) if seg.begun else []
     for rank in restart:
         ctl.open_stream(seg, rank, resume=rank in survivors, announce=True)
     seg.disturbed = True
@@ -359,7 +363,7 @@ def lost_meanwhile(ctl: "Controller", seg: EpochSegment, lost: MemberLost) -> "S
     for rank in lost.ranks:
         if rank in seg.streams or any(f.rank == rank for f in seg.failures):
             continue  # its stream will say so, or it is already known
-        fail(ctl, seg, ReplicaFailure(rank, "died", f"died while the driver waited on it ({lost.what})",
+        fail(ctl, seg, ReplicaFailure(rank, lost.cause, f"{lost.cause} while the driver waited on it ({lost.what})",
                                       replacement=rank in ctl.group.replacements))
     seg.t_first_failure = seg.t_first_failure or now
     return Running(seg)

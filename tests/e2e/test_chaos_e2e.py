@@ -67,3 +67,21 @@ def test_a_kill_during_a_grow_is_repaired(ray_cluster, tmp_path):
     assert [f.get("during") for f in inj.fired] == ["resize"] and "error" not in inj.fired[0]
     assert result.final.test_accuracy >= 0.97
     assert any(e["kind"] == "replica_replaced" and 1 in e["ranks"] for e in result.events)
+
+
+@pytest.mark.parametrize("mid_epoch", [False, True])
+def test_a_kill_during_a_switch_is_repaired_and_the_switch_carried_out(ray_cluster, tmp_path, mid_epoch):
+    """examples/mnist_phases.yaml (downpour -> allreduce -> easgd; the first switch at an epoch's
+    end, or mid-epoch when its `until` is steps): replica 1's process SIGKILLed while the first
+    switch is carried out."""
+    extra = [("strategy.phases=[{mode: downpour, n_push: 4, optimizer: {lr: 0.0125, momentum: 0.5}, "
+              "until: {steps: 100}}, {mode: allreduce, until: {test_accuracy: 0.96}}, {mode: easgd, tau: 8, "
+              "momentum: 0.9}]")] if mid_epoch else []
+    cfg = compound_config(tmp_path, "phases", *extra)
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    with FaultInjector(lambda: trainer.controller, [Fault("kill_replica", 1, during="switch")]) as inj:
+        result = trainer.fit()
+    assert [f.get("during") for f in inj.fired] == ["switch"] and "error" not in inj.fired[0]
+    assert result.final.test_accuracy >= 0.97
+    assert [e["to"] for e in result.events if e["kind"] == "mode_switch"] == ["allreduce", "easgd"]
+    assert any(e["kind"] == "replica_replaced" and 1 in e["ranks"] for e in result.events)
