@@ -144,6 +144,7 @@ class Controller:
         self.state: State = Starting()
         self.group = ReplicaGroup(config, strategy=self.strategy)
         self.shard_group = None
+        self.group.on_wait = self._watch_shards  # a replica waited on may be waiting for a shard rebuild
         self.totals = RunTotals()
         self.consumed: list[dict[int, list[list[int]]]] = []  # [epoch] {rank: [step] -> row ids} (trace_ids)
         self.redone: list[dict[str, Any]] = []  # partitions served again after a replica died
@@ -533,6 +534,14 @@ class Controller:
         self.report.event("checkpoint", path=path, epoch=self.totals.epochs, step=self.totals.steps,
                           **({"stored": stored} if named else {}))
         return path
+
+    def _watch_shards(self) -> None:
+        """While the driver waits on replicas (a repair, a switch, an evaluation): dead shards
+        are still noticed and rebuilt, so a replica waiting for one is not left waiting."""
+        if self.shard_group is not None:
+            from orchestrator.recovery import report_shard_events
+
+            report_shard_events(self, self.shard_group.poll(), self.totals.epochs + 1)
 
     def halt(self, timeout_s: float) -> None:
         """An interrupted run: the replicas stop at their next partition boundary (the phase

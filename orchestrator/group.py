@@ -21,6 +21,7 @@ from policies.registry import mode_spec
 
 READY_TIMEOUT_S = 120.0  # a new actor imports torch and builds the model
 LIVENESS_TIMEOUT_S = 5.0
+WAIT_SLICE_S = 0.5  # a wait on replicas is cut into slices of this, with on_wait between them
 SPARE_PING_S = 2.0  # how often an idle spare is asked whether it is alive  # after a call failed: how long members get to show they are alive
 
 
@@ -40,6 +41,7 @@ class ReplicaGroup:
         self.spares: list[Any] = []
         self._spare_pings: dict[int, Any] = {}  # id(spare) -> its pending pid() call (check_spares)
         self._spare_pinged: dict[int, float] = {}
+        self.on_wait: Optional[Callable[[], None]] = None  # called while the driver waits on replicas
         self.timeout_s = config.strategy.timeout_s
         self.sample = None  # a ref to a few rows spares rehearse a step on (set once data is in the store)
 
@@ -213,6 +215,22 @@ class ReplicaGroup:
                 raise MemberLost(silent, f"{what or method}: no answer within {timeout:.0f}s", cause="hung") from None
             raise
 
+    def _wait_all(self, refs, timeout: float) -> None:
+        """Wait for `refs` in slices, calling `on_wait` between them (the driver's shard watch: a
+        replica may be waiting for a shard the driver has to rebuild); GetTimeoutError past
+        `timeout`."""
+        refs = list(refs) if isinstance(refs, (list, tuple)) else [refs]
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(WAIT_SLICE_S, left)))
+            if len(ready) == len(refs):
+                return
+            if left <= 0:
+                raise ray.exceptions.GetTimeoutError(f"no answer within {timeout:.0f}s")
+            if self.on_wait is not None:
+                self.on_wait()
+
     def dead_members(self, timeout_s: float = LIVENESS_TIMEOUT_S) -> list[int]:
         """The members whose actors are gone (a call to them fails with RayActorError)."""
         ranks = self.ranks
@@ -235,6 +253,7 @@ class ReplicaGroup:
 
     def _get(self, refs, what: str, timeout: float):
         try:
+            self._wait_all(refs, timeout)
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise TrainingError(f"{what}: no answer within {timeout:.0f}s") from None
