@@ -37,6 +37,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_head(proc: subprocess.Popen, dashboard_url: str, token: str, timeout_s: float, temp_dir: str) -> bool:
+    """Wait until a head started with `ray start --head --block` answers on its dashboard (with
+    the token); False after `timeout_s`, RuntimeError if `ray start` exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}; see {temp_dir}/head.log")
+        try:
+            req = urllib.request.Request(f"{dashboard_url}/api/version", headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(req, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except Exception:
+            time.sleep(0.5)
+    return False
+
+
 def base_config(idle_timeout_minutes: float, max_workers: int) -> dict:
     """The fake multi-node provider's base cluster config (upstream's example.yaml)."""
     return {
@@ -127,19 +144,8 @@ class LocalAutoscalingCluster(AutoscalingCluster):
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited with {self.proc.returncode}; see {self.temp_dir}/head.log")
-            try:
-                req = urllib.request.Request(f"{self.dashboard_url}/api/version",
-                                             headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"})
-                with urllib.request.urlopen(req, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except Exception:
-                time.sleep(0.5)
-        raise RuntimeError(f"autoscaling head not ready within {timeout_s}s; see {self.temp_dir}/head.log")
+        if not wait_for_head(self.proc, self.dashboard_url, self.env["RAY_AUTH_TOKEN"], timeout_s, self.temp_dir):
+            raise RuntimeError(f"autoscaling head not ready within {timeout_s}s; see {self.temp_dir}/head.log")
 
     def shutdown(self) -> list[int]:
         """Stop the head's process group (SIGTERM, then SIGKILL), then kill by pid any process of

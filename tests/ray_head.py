@@ -5,19 +5,13 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from orchestrator.local_autoscaler import free_port, wait_for_head
 
 
 @dataclass
@@ -46,20 +40,9 @@ class RayHead:
         return head
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited with {self.proc.returncode}; see {self.temp_dir}/head.log")
-            try:
-                req = urllib.request.Request(f"{self.dashboard_url}/api/version",
-                                             headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"})
-                with urllib.request.urlopen(req, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except Exception:
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"Ray head not ready within {timeout_s}s; see {self.temp_dir}/head.log")
+        if not wait_for_head(self.proc, self.dashboard_url, self.env["RAY_AUTH_TOKEN"], timeout_s, self.temp_dir):
+            self.stop()
+            raise RuntimeError(f"Ray head not ready within {timeout_s}s; see {self.temp_dir}/head.log")
 
     def stop(self) -> None:
         try:

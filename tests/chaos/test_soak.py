@@ -20,7 +20,7 @@ from orchestrator.chaos import FaultInjector, random_schedule
 from orchestrator.config import JobConfig
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import REPO
-from tests.integration.test_shutdown_ray import alive_run_actors, pid_alive, wait_gone
+from tests.integration.test_shutdown_ray import alive_run_actors, pid_alive, wait_gone, watched
 
 pytestmark = pytest.mark.ray
 
@@ -50,13 +50,7 @@ def soak(mode: str, seed: int, duration_s: float, tmp_path) -> dict:
         f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint.storage={tmp_path}/ck"])
     before = alive_run_actors()
     trainer = ElasticTrainer(cfg, show_progress=False)
-    pids: set[int] = set()
-
-    def controller():
-        ctl = trainer.controller
-        if ctl is not None:
-            pids.update(ctl.group.pids.values())
-        return ctl
+    controller, pids = watched(trainer)
 
     t0 = time.perf_counter()
     with FaultInjector(controller, faults, timeout_s=duration_s + 120) as injector:

@@ -96,6 +96,19 @@ SMALL = {"tracking": {"progress_interval_s": 0, "log_every_steps": 2}, "data": {
          "stop": {"epochs": 40, "target_accuracy": None}, "scaling": {"replicas": 2, "cpus_per_replica": 0.5}}
 
 
+def watched(trainer) -> tuple:
+    """(a controller callable for FaultInjector, the set it fills with every replica pid seen)."""
+    pids: set[int] = set()
+
+    def controller():
+        ctl = trainer.controller
+        if ctl is not None:
+            pids.update(ctl.group.pids.values())
+        return ctl
+
+    return controller, pids
+
+
 def cfg_for(tmp_path, **sections):
     raw = {k: dict(v) for k, v in SMALL.items()}
     for section, values in sections.items():
@@ -144,13 +157,7 @@ def test_sigterm_in_every_state_ends_killed_and_leaves_nothing(ray_cluster, tmp_
     actors_before, groups_before = alive_run_actors(), live_placement_groups()
     cfg, callbacks, faults, checkpoint_expected = arm(state, monkeypatch, tmp_path)
     trainer = ElasticTrainer(cfg, callbacks=callbacks, show_progress=False)
-    pids: set[int] = set()
-
-    def controller():
-        ctl = trainer.controller
-        if ctl is not None:
-            pids.update(ctl.group.pids.values())
-        return ctl
+    controller, pids = watched(trainer)
 
     handler_before = signal.getsignal(signal.SIGTERM)
     with FaultInjector(controller, faults) as injector:
