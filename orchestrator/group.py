@@ -20,9 +20,9 @@ from orchestrator.errors import MemberLost, TrainingError, issued_whole
 from policies.registry import mode_spec
 
 READY_TIMEOUT_S = 120.0  # a new actor imports torch and builds the model
-LIVENESS_TIMEOUT_S = 5.0
+LIVENESS_TIMEOUT_S = 5.0  # after a call failed: how long members get to show they are alive
 WAIT_SLICE_S = 0.5  # a wait on replicas is cut into slices of this, with on_wait between them
-SPARE_PING_S = 2.0  # how often an idle spare is asked whether it is alive  # after a call failed: how long members get to show they are alive
+SPARE_PING_S = 2.0  # how often idle spares are asked whether they are alive
 
 
 class ReplicaGroup:
@@ -40,7 +40,7 @@ class ReplicaGroup:
         self.generation = 0
         self.spares: list[Any] = []
         self._spare_pings: dict[int, Any] = {}  # id(spare) -> its pending pid() call (check_spares)
-        self._spare_pinged: dict[int, float] = {}
+        self._spares_due = 0.0  # when check_spares asks the spares again
         self.on_wait: Optional[Callable[[], None]] = None  # called while the driver waits on replicas
         self.timeout_s = config.strategy.timeout_s
         self.sample = None  # a ref to a few rows spares rehearse a step on (set once data is in the store)
@@ -73,27 +73,28 @@ class ReplicaGroup:
 
     def check_spares(self) -> int:
         """Replace spares whose process died (the OOM killer, a lost node) with new ones, so a
-        failure still finds one; returns how many were replaced. Never waits: each spare is
-        pinged at most every SPARE_PING_S and its answer read on a later call."""
+        failure still finds one; returns how many were replaced. Never waits: every
+        SPARE_PING_S each spare is asked for its pid, and the answer is read on a later call."""
         now, replaced = time.monotonic(), 0
-        for i, spare in enumerate(list(self.spares)):
-            ping = self._spare_pings.get(id(spare))
-            if ping is None:
-                if now - self._spare_pinged.get(id(spare), 0.0) >= SPARE_PING_S:
-                    self._spare_pings[id(spare)] = spare.pid.remote()
-                    self._spare_pinged[id(spare)] = now
+        if now < self._spares_due:
+            return 0
+        self._spares_due = now + SPARE_PING_S
+        for spare in list(self.spares):
+            ping = self._spare_pings.pop(id(spare), None)
+            if ping is not None and not ray.wait([ping], timeout=0)[0]:
+                self._spare_pings[id(spare)] = ping  # not answered yet (e.g. still warming up)
                 continue
-            if not ray.wait([ping], timeout=0)[0]:
-                continue
-            del self._spare_pings[id(spare)]
-            try:
-                ray.get(ping, timeout=0)
-            except ray.exceptions.RayActorError:
-                self.spares.remove(spare)
-                self.spares.append(self._spare())
-                replaced += 1
-            except Exception:
-                pass
+            if ping is not None:
+                try:
+                    ray.get(ping, timeout=0)
+                except ray.exceptions.RayActorError:
+                    self.spares.remove(spare)
+                    self.spares.append(self._spare())
+                    replaced += 1
+                    continue
+                except Exception:
+                    pass
+            self._spare_pings[id(spare)] = spare.pid.remote()
         return replaced
 
     def _spare(self):
