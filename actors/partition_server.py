@@ -14,21 +14,36 @@ a granted partition's rows from depends on the source:
 """
 from __future__ import annotations
 
+import os
+import pickle
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import numpy as np
 import ray
 import torch
 
+from actors.incarnation import find_successor, wait_for_successor
 from actors.reading import StreamPlan, read_partition_task
 from policies.batches import as_tensors, rows as batch_rows, take, to_device
 from policies.leases import MAX_GRANT, PartitionLedger, grant_message
 
 PAUSE = "pause"  # what the reader yields where the server said pause (a phase switch)
+
+
+@dataclass
+class ServerAddress:
+    """How a replica reaches the partition server: its handle and, when the driver rebuilds it
+    after a death (orchestrator/server_link.py), the name its incarnations take."""
+    handle: Any
+    name: Optional[str] = None  # None: a server nobody rebuilds (a caller that built it alone)
+    namespace: Optional[str] = None
+    generation: int = 0
 
 
 def is_pause(item: Any) -> bool:
@@ -38,79 +53,142 @@ def is_pause(item: Any) -> bool:
 
 @ray.remote(num_cpus=0)
 class PartitionServer:
+    """`journal`: a file the server rewrites (atomically) after every call that changes its
+    state, before answering; a server started on an existing journal (the driver's rebuild of
+    one whose process died, orchestrator/server_link.py) goes on from it. A call that carries a
+    call id (`caller` from a replica, `call` from the driver) and was answered already, by this
+    incarnation or the one before, gets the same answer again and changes nothing: a call
+    re-sent after the server died is applied once."""
+
     def __init__(self, rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool,
-                 max_grant: int = MAX_GRANT) -> None:
-        self.rows = rows
+                 max_grant: int = MAX_GRANT, journal: Optional[str] = None, generation: int = 0) -> None:
+        self.rows, self.journal, self.generation = rows, journal, generation
         self.ledger = PartitionLedger(len(rows), replicas, seed, pinned, shuffle, max_grant)
         self.refused: dict[int, str] = {}  # epoch -> why it could not start
         self.pausing = False
+        self.answered: dict[str, tuple[Any, Any]] = {}  # caller -> (its last call id, the answer)
+        if journal is not None and os.path.exists(journal):
+            with open(journal, "rb") as f:
+                kept = pickle.load(f)  # written by this run's own servers, in the driver's private directory
+            self.ledger, self.refused, self.pausing, self.answered = (kept["ledger"], kept["refused"], kept["pausing"],
+                                                                      kept["answered"])
+
+    def _save(self) -> None:
+        if self.journal is None:
+            return
+        tmp = f"{self.journal}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump({"ledger": self.ledger, "refused": self.refused, "pausing": self.pausing,
+                         "answered": self.answered}, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, self.journal)
+
+    def _once(self, caller: str, call: Any, act):
+        """`act()` unless `caller`'s call `call` was answered already (then that answer); the
+        state saved before the answer leaves."""
+        if call is not None:
+            seen = self.answered.get(caller)
+            if seen is not None and seen[0] == call:
+                return seen[1]
+        try:
+            answer = act()
+        finally:
+            self._save()  # a refused epoch is kept too
+        if call is not None:
+            self.answered[caller] = (call, answer)
+            if caller.startswith("driver:"):
+                for old in [k for k in self.answered if k.startswith("driver:")][:-DRIVER_CALLS_KEPT]:
+                    del self.answered[old]
+            self._save()
+        return answer
 
     def start_epoch(self, epoch: int, ranks: list[int] = (),
                     completed: Optional[dict[int, list[int]]] = None,
-                    pinned: Optional[bool] = None) -> dict[int, dict[str, Any]]:
+                    pinned: Optional[bool] = None, call: Optional[int] = None) -> dict[int, dict[str, Any]]:
         """Record the previous epoch's last completions (`completed`, as for `finish`), check
         that it was served whole (a RuntimeError names what is left), begin `epoch` and grant
         the first partitions of each of `ranks`, in that order: the grants
         `policies.leases.first_grant_messages` computes, which the driver has already handed to
         the replicas. `pinned`: this epoch's leasing (the mode may have changed)."""
-        try:
-            self.finish(completed or {})
-            if pinned is not None:
-                self.ledger.pinned = pinned
-            self.ledger.start_epoch(epoch, list(ranks))
-        except (RuntimeError, ValueError) as exc:
-            self.refused[epoch] = str(exc)
-            raise
-        return {rank: self.grant(rank) for rank in ranks}
+        def act():
+            try:
+                self._finish(completed or {})
+                if pinned is not None:
+                    self.ledger.pinned = pinned
+                self.ledger.start_epoch(epoch, list(ranks))
+            except (RuntimeError, ValueError) as exc:
+                self.refused[epoch] = str(exc)
+                raise
+            return {rank: self._next(rank) for rank in ranks}
+        return self._once(f"driver:{call}", call, act)
 
-    def grant(self, rank: int, completed: list[int] = (), epoch: Optional[int] = None) -> dict[str, Any]:
+    def grant(self, rank: int, completed: list[int] = (), epoch: Optional[int] = None,
+              caller: Optional[str] = None) -> dict[str, Any]:
         """Record `completed` partitions of `rank` (of `epoch`, when given), then grant it the
         next ones (`policies.leases.grant_message`). {"retry": True} when `epoch` has not started
         yet: the replica began with the grants the driver computed and its request overtook the
         driver's `start_epoch` (calls from different callers are not ordered); a RuntimeError
-        when that epoch was refused."""
+        when that epoch was refused. `caller`: "<reader id>:<call number>", unique per call."""
         if epoch is not None and epoch != self.ledger.epoch:
             if epoch in self.refused:
                 raise RuntimeError(f"epoch {epoch} could not start: {self.refused[epoch]}")
             if epoch > self.ledger.epoch:
                 return {"retry": True}
             raise RuntimeError(f"replica {rank} asked for partitions of epoch {epoch}, the server is in {self.ledger.epoch}")
-        self.complete(rank, completed)
-        if self.pausing:
-            return {"pause": True, "leases": [], "last": False}
+
+        def act():
+            self.complete(rank, completed)
+            if self.pausing:
+                return {"pause": True, "leases": [], "last": False}
+            return self._next(rank)
+        return self._once(f"rank:{rank}", caller, act)
+
+    def _next(self, rank: int) -> dict[str, Any]:
         return grant_message(self.ledger.grant(rank), self.rows)
 
     def pid(self) -> int:
         return os.getpid()
 
-    def pause(self, on: bool, share: bool = False) -> None:
+    def incarnation(self) -> int:
+        """This server's generation (a reconnecting reader's probe, actors/incarnation.py)."""
+        return self.generation
+
+    def pause(self, on: bool, share: bool = False, call: Optional[int] = None) -> None:
         """A phase switch: while on, a replica asking for partitions is told to pause (it stops
         at that partition boundary and asks again when resumed). `share`: the rest of this
         epoch is leased from one shared queue (the next mode is asynchronous)."""
-        self.pausing = on
-        if share:
-            self.ledger.share_rest()
+        def act():
+            self.pausing = on
+            if share:
+                self.ledger.share_rest()
+        return self._once(f"driver:{call}", call, act)
 
     def complete(self, rank: int, partitions: list[int]) -> None:
         for p in partitions:
             self.ledger.complete(rank, p)
 
-    def finish(self, completed: dict[int, list[int]]) -> dict[str, Any]:
+    def finish(self, completed: dict[int, list[int]], call: Optional[int] = None) -> dict[str, Any]:
         """Record the last completions of a pass, as the replicas returned them with their epoch
         results (`PartitionReader.unreported`), and return the status."""
+        return self._once(f"driver:{call}", call, lambda: self._finish(completed))
+
+    def _finish(self, completed: dict[int, list[int]]) -> dict[str, Any]:
         for rank, partitions in completed.items():
             self.complete(rank, partitions)
         return self.status()
 
-    def release(self, rank: int, survivors: list[int]) -> list[int]:
-        return self.ledger.release(rank, survivors)
+    def release(self, rank: int, survivors: list[int], call: Optional[int] = None) -> list[int]:
+        return self._once(f"driver:{call}", call, lambda: self.ledger.release(rank, survivors))
 
     def status(self) -> dict[str, Any]:
         return {"epoch": self.ledger.epoch, "complete": self.ledger.epoch_complete,
                 "remaining": self.ledger.remaining(), "done": dict(self.ledger.done),
-                "redone": list(self.ledger.redone)}
+                "redone": list(self.ledger.redone), "generation": self.generation}
 
 
+DRIVER_CALLS_KEPT = 32  # the driver's answered calls a rebuilt server remembers (it re-sends only unanswered ones)
+
+
+ASK_SLICE_S = 1.0  # a grant unanswered this long: is there a newer server? (the driver replaced a stopped one)
 READ_TIMEOUT_S = 120.0  # a streamed partition's read is given at least this long (remote stores retry on their own)
 
 
@@ -213,9 +291,11 @@ class PartitionReader:
     in-memory partitions' refs, or a file source's plan (actors/reading.py); `read_ahead`: how
     many partitions of a file source are read ahead of the one training (data.prefetch_partitions)."""
 
-    def __init__(self, server, refs: "list | StreamPlan", rank: int, batch_size: int, shuffle: bool,
-                 device: torch.device, timeout_s: float, read_ahead: int = 2):
-        self.server, self.rank, self.batch_size, self.shuffle = server, rank, batch_size, shuffle
+    def __init__(self, server: "ServerAddress | Any", refs: "list | StreamPlan", rank: int, batch_size: int,
+                 shuffle: bool, device: torch.device, timeout_s: float, read_ahead: int = 2):
+        self.where = server if isinstance(server, ServerAddress) else ServerAddress(server)
+        self.rank, self.batch_size, self.shuffle = rank, batch_size, shuffle
+        self.caller, self.calls = uuid.uuid4().hex[:12], 0  # every grant call carries a unique id
         self.device, self.timeout_s = device, timeout_s
         self.source = (StreamedPartitions(refs, read_ahead, timeout_s) if isinstance(refs, StreamPlan)
                        else StoredPartitions(refs, timeout_s))
@@ -251,7 +331,7 @@ class PartitionReader:
             self.source.release(lease["partition"])  # a streamed partition is let go once trained
             finished.append(lease["partition"])
             if pending is not None:
-                grant = pending.result(timeout=2 * self.timeout_s)
+                grant = pending.result(timeout=3 * self.timeout_s)  # a call, a wait for a rebuilt server, a call
                 while grant.get("pause"):
                     yield PAUSE
                     grant, finished = self._grant(finished, lease["epoch"]), []
@@ -262,15 +342,49 @@ class PartitionReader:
     def _grant(self, completed: list[int], epoch: Optional[int]) -> dict:
         """The next grant (reporting `completed`), asked again while the server has not yet
         started `epoch` (see PartitionServer.grant), for at most timeout_s."""
+        self.calls += 1
+        caller = f"{self.caller}:{self.calls}"  # the same id if sent again to a rebuilt server: applied once
         deadline, wait = time.monotonic() + self.timeout_s, 0.0005
         while True:
-            grant = ray.get(self.server.grant.remote(self.rank, completed, epoch), timeout=self.timeout_s)
+            try:
+                grant = self._ask(self.where.handle.grant.remote(self.rank, completed, epoch, caller))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                self._reconnect(exc)
+                deadline = time.monotonic() + self.timeout_s
+                continue
             if not grant.get("retry"):
                 return self._fetch(grant)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"epoch {epoch} did not start on the partition server within {self.timeout_s:.0f}s")
             time.sleep(wait)
             wait = min(2 * wait, 0.05)
+
+    def _ask(self, ref: Any) -> Any:
+        """`ref`'s answer within timeout_s. A server that is slow to answer may have been
+        stopped and replaced by the driver: past each second without an answer, a newer
+        incarnation is looked for (GetTimeoutError at once if there is one: the call goes to it)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            ready, _ = ray.wait([ref], timeout=max(0.0, min(ASK_SLICE_S, deadline - time.monotonic())))
+            if ready:
+                return ray.get(ref)
+            where = self.where
+            if time.monotonic() >= deadline or (where.name is not None and find_successor(
+                    where.name, where.namespace, where.generation, where.handle, time.monotonic() + ASK_SLICE_S,
+                    lambda h: h.incarnation.remote()) is not None):
+                raise ray.exceptions.GetTimeoutError(f"the partition server did not answer within {self.timeout_s:.0f}s")
+
+    def _reconnect(self, error: BaseException) -> None:
+        """The server died or stopped answering: wait (at most timeout_s) for the incarnation
+        the driver starts from its journal and use it; `error` again if none comes."""
+        where = self.where
+        if where.name is None:
+            raise error
+        found = wait_for_successor(where.name, where.namespace, where.generation, where.handle, self.timeout_s,
+                                   lambda h: h.incarnation.remote())
+        if found is None:
+            raise error
+        where.handle, where.generation = found
 
     def _fetch(self, grant: dict) -> dict:
         """Start getting the granted partitions' rows (StoredPartitions / StreamedPartitions)."""

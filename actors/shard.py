@@ -43,19 +43,11 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from actors.incarnation import incarnation_name, wait_for_successor
 from policies.modes import Interrupted
 from policies.sharding import ShardState, average_buffers
 
 INLINE_BYTES = 100 * 1024  # push slices up to this size are copied into the client's log, larger ones put once
-RECOVERY_POLL_S = 0.05  # how often a client looks up a dead shard's name while it is being rebuilt
-REBUILD_LOOKAHEAD = 8  # incarnations a reconnecting client looks for past the one it holds
-
-
-def incarnation_name(base: str, generation: int) -> str:
-    """The actor name of shard `base`'s incarnation `generation`. Ray keeps the name of an actor
-    whose process died (SIGKILL, the OOM killer, a lost node) taken; only ray.kill frees it. So
-    every rebuild takes a name of its own, and clients look for the next ones."""
-    return base if generation == 0 else f"{base}-g{generation}"
 
 
 def _view(array: np.ndarray) -> torch.Tensor:
@@ -203,6 +195,10 @@ class ParameterShard:
     # ---- driver --------------------------------------------------------------------------
     async def pid(self) -> int:
         return os.getpid()
+
+    async def incarnation(self) -> int:
+        """This actor's generation (a reconnecting client's probe, actors/incarnation.py)."""
+        return self.generation
 
     async def status(self) -> tuple[int, int, int]:
         """(generation, version, newest confirmed snapshot version): the driver's ping."""
@@ -517,15 +513,11 @@ class RayShardClient:
             return  # an earlier call already reconnected
         if self.directory.names is None:
             raise error
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            found = self._successor(i, failed, deadline)
-            if found is not None:
-                handle, generation = found
-                break
-            if time.monotonic() > deadline:
-                raise error
-            time.sleep(RECOVERY_POLL_S)
+        found = wait_for_successor(self.directory.names[i], self.directory.namespace, self.generations[i], failed,
+                                   self.timeout_s, lambda h: h.incarnation.remote())
+        if found is None:
+            raise error
+        handle, generation = found
         self._harvest(i, failed)
         log = list(self._log[i])
         entries = [(e.generation, e.version, e.kind, e.payload, e.staleness, e.staleness_lr) for e in log]
@@ -548,21 +540,6 @@ class RayShardClient:
                     p.handle, p.generation = handle, generation
                     p.ref = handle.push.remote(p.payload, p.version_seen, p.rank, p.step, p.staleness_lr, True)
         self.reconnects += 1
-
-    def _successor(self, i: int, failed, deadline: float) -> Optional[tuple[Any, int]]:
-        """The newest live incarnation of shard i after the one this client holds, and its
-        generation; None while the driver has not rebuilt it (or every newer one died too)."""
-        base = self.directory.names[i]
-        for generation in range(self.generations[i] + REBUILD_LOOKAHEAD, self.generations[i], -1):
-            try:
-                handle = ray.get_actor(incarnation_name(base, generation), namespace=self.directory.namespace)
-                if handle._actor_id == failed._actor_id:
-                    continue
-                answered, _, _ = ray.get(handle.status.remote(), timeout=max(0.1, deadline - time.monotonic()))
-                return handle, answered
-            except (ValueError, RayActorError, GetTimeoutError):
-                continue  # not started under that name (or that incarnation died too)
-        return None
 
     def _harvest(self, i: int, failed) -> None:
         """Pushes in flight to the dead actor that it did acknowledge (their replies not read

@@ -15,6 +15,8 @@ Kinds (all act from outside, on the process, as the real thing would):
   (a noisy neighbour, swapping) and comes back;
 - `kill_shard`: SIGKILL a parameter shard's process (the sharded modes);
 - `kill_server`: SIGKILL the partition server's process;
+- `hang_server`: SIGSTOP the partition server's process (never resumed: the driver must see it
+  stopped answering and put a new one in its place);
 - `kill_spare`: SIGKILL an idle pre-started spare's process (`target` is its index);
 - `drop_node`: remove a worker node from a `ray.cluster_utils.Cluster` given as `cluster`
   (`target` indexes the cluster's worker nodes that hold a replica of the run).
@@ -39,7 +41,8 @@ from typing import Any, Callable, Optional
 
 import ray
 
-KINDS = ("kill_replica", "hang_replica", "slow_replica", "kill_shard", "kill_server", "kill_spare", "drop_node")
+KINDS = ("kill_replica", "hang_replica", "slow_replica", "kill_shard", "kill_server", "hang_server", "kill_spare",
+         "drop_node")
 DURING = ("repair", "switch", "resize")
 REPLICA_KINDS = ("kill_replica", "hang_replica", "slow_replica")
 PID_TIMEOUT_S = 5.0
@@ -161,7 +164,7 @@ class FaultInjector:
             self.cluster.remove_node(node, allow_graceful=False)
             return {**fired, "node_id": node.node_id}
         pid = self._pid(ctl, fault)
-        if fault.kind == "hang_replica":
+        if fault.kind in ("hang_replica", "hang_server"):
             os.kill(pid, signal.SIGSTOP)
         elif fault.kind == "slow_replica":
             os.kill(pid, signal.SIGSTOP)
@@ -177,8 +180,8 @@ class FaultInjector:
         if fault.kind == "kill_shard":
             handles = ctl.shard_group.handles
             handle = handles[fault.target % len(handles)]
-        elif fault.kind == "kill_server":
-            handle = ctl.server
+        elif fault.kind in ("kill_server", "hang_server"):
+            handle = ctl.server.handle
         else:
             handle = ctl.group.spares[fault.target % len(ctl.group.spares)]
         return ray.get(handle.pid.remote(), timeout=PID_TIMEOUT_S)

@@ -431,7 +431,8 @@ class FaultToleranceConfig(_Section):
     )
     hang_timeout_s: float = Field(
         60.0, gt=0, description="A replica that reports no progress for this long is hung: it is killed and "
-        "replaced. allreduce: also the process group's collective timeout."
+        "replaced. allreduce: also the process group's collective timeout. The partition server: unanswered pings "
+        "for half of it, and it is killed and started again from its journal."
     )
     shard_snapshot_every_s: float = Field(
         5.0, gt=0, description="downpour, easgd: seconds between snapshots of each parameter shard, from which a "

@@ -144,7 +144,7 @@ class Controller:
         self.state: State = Starting()
         self.group = ReplicaGroup(config, strategy=self.strategy)
         self.shard_group = None
-        self.group.on_wait = self._watch_shards  # a replica waited on may be waiting for a shard rebuild
+        self.group.on_wait = self._watch  # a replica waited on may be waiting for a shard or server rebuild
         self.totals = RunTotals()
         self.consumed: list[dict[int, list[list[int]]]] = []  # [epoch] {rank: [step] -> row ids} (trace_ids)
         self.redone: list[dict[str, Any]] = []  # partitions served again after a replica died
@@ -289,7 +289,7 @@ class Controller:
                                              name_prefix=f"eo-{uuid.uuid4().hex[:12]}", placement=beside_driver())
 
     def _start(self) -> EpochSegment:
-        from actors.partition_server import PartitionServer
+        from orchestrator.server_link import ServerLink
 
         if not self.group.members:
             self.launch()
@@ -303,7 +303,8 @@ class Controller:
         # a run that can switch modes is granted one partition at a time: every partition boundary
         # is a point where a replica can hear a pause (two at a time saves calls otherwise)
         self.max_grant = 1 if len(self.switch_policy.plan) > 1 else MAX_GRANT
-        self.server = PartitionServer.options(scheduling_strategy=beside_driver()).remote(*self._plan, self.max_grant)
+        self.server = ServerLink(*self._plan, self.max_grant, placement=beside_driver(),
+                                 hang_s=cfg.fault_tolerance.hang_timeout_s / 2)
         self.group.wait_ready()
         self.group.form()
         self.group.warm_spares(self.data.sample)
@@ -365,7 +366,7 @@ class Controller:
         members = self.group.ranks
         where = {r: self.data.test_share(i, len(members)) for i, r in enumerate(members)}
         self.group.call(ranks, "set_data", what="data",
-                        per_rank=lambda r: (self.server, [self.data.train], *where[r], self._t_train_wall))
+                        per_rank=lambda r: (self.server.address(), [self.data.train], *where[r], self._t_train_wall))
 
     def reslice_tests(self) -> None:
         members = self.group.ranks
@@ -389,7 +390,7 @@ class Controller:
         with issued_whole():
             for rank in ranks:
                 self.open_stream(seg, rank, first_grant=first.get(rank), announce=rank in announce)
-            seg.started = self.server.start_epoch.remote(epoch, ranks, self._unreported, self.spec.pinned)
+            seg.started = self.server.send("start_epoch", epoch, ranks, self._unreported, self.spec.pinned)
         self._unreported = {}
         return seg
 
@@ -482,7 +483,7 @@ class Controller:
     def finish_epochs(self) -> dict[str, Any]:
         """Report the last epoch's final completions; the server's status, which must say the
         epoch was served whole."""
-        status = self.get(self.server.finish.remote(self._unreported), "partition server")
+        status = self.server.call("finish", self._unreported)
         self._unreported = {}
         if not status["complete"]:
             raise TrainingError(f"epoch {status['epoch']}: {status['remaining']} partitions were never served")
@@ -535,20 +536,20 @@ class Controller:
                           **({"stored": stored} if named else {}))
         return path
 
-    def _watch_shards(self) -> None:
-        """While the driver waits on replicas (a repair, a switch, an evaluation): dead shards
-        are still noticed and rebuilt, so a replica waiting for one is not left waiting."""
-        if self.shard_group is not None:
-            from orchestrator.recovery import report_shard_events
+    def _watch(self) -> None:
+        """While the driver waits on replicas (a repair, a switch, an evaluation): a dead shard
+        or partition server is still noticed and rebuilt, so a replica waiting for one is not
+        left waiting."""
+        from orchestrator.recovery import watch_servers
 
-            report_shard_events(self, self.shard_group.poll(), self.totals.epochs + 1)
+        watch_servers(self, self.totals.epochs + 1)
 
     def halt(self, timeout_s: float) -> None:
         """An interrupted run: the replicas stop at their next partition boundary (the phase
         switch's pause; allreduce replicas all after the same step), so the lowest rank can
         answer for the final checkpoint without finishing its epoch."""
         if self.server is not None:
-            self.get(self.server.pause.remote(True), "partition server", timeout_s)
+            self.server.call("pause", True, timeout_s=timeout_s)
 
     def shutdown(self) -> None:
         """Stop every actor this controller started (replicas, spares, shards, the server) and
@@ -558,10 +559,7 @@ class Controller:
         if self.shard_group is not None:
             self.shard_group.shutdown()
         if self.server is not None:
-            try:
-                ray.kill(self.server, no_restart=True)
-            except Exception:
-                pass
+            self.server.shutdown()
         self.server = None
 
     # ---- helpers ---------------------------------------------------------------------------

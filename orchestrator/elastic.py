@@ -208,7 +208,7 @@ class Elasticity:
             return
         done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
         if done:
-            self.ctl.get(self.ctl.server.pause.remote(True), "partition server")
+            self.ctl.server.call("pause", True)
             self.pausing = True
 
     def join_paused(self, seg: EpochSegment) -> None:
@@ -237,9 +237,29 @@ class Elasticity:
         self._stop_pausing()  # a pause nobody reached (every replica held its last partitions)
         self._join(seg, mid_epoch=False)
 
+    def promote_joining(self) -> list[int]:
+        """Every member is gone (a repair with nobody left) while replicas started for a grow are
+        on their way: they become the members now (waited for, bounded by strategy.timeout_s);
+        the repair gives them state and data as it does replacements. Their ranks ([] if none,
+        or if they died too)."""
+        j = self.joining
+        if j is None or not j.ready:
+            return []
+        self.joining = None
+        self._stop_pausing()
+        group = self.ctl.group
+        try:
+            group.finish_joining(dict(j.ready))
+        except Exception as exc:  # they died as well: nothing to go on with
+            group.abandon_joining(j.ranks)
+            self.ctl.report.event("resize_abandoned", ranks=j.ranks, reason=f"{type(exc).__name__}: {exc}")
+            return []
+        self.ctl.report.say(f"replicas {sorted(j.ready)}, started for a grow, go on in place of the lost ones")
+        return sorted(j.ready)
+
     def _stop_pausing(self) -> None:
         if self.pausing:
-            self.ctl.get(self.ctl.server.pause.remote(False), "partition server")
+            self.ctl.server.call("pause", False)
             self.pausing = False
 
     def _join(self, seg: EpochSegment, mid_epoch: bool) -> Optional[list[int]]:

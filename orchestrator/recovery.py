@@ -63,7 +63,7 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
         for rank, stream in list(seg.streams.items()):
             if stream in ready:
                 read_item(ctl, seg, rank, stream)
-        poll_shards(ctl, seg)
+        watch_servers(ctl, seg.epoch)
         if ctl.group.check_spares():
             ctl.report.event("spare_replaced", epoch=seg.epoch, spares=len(ctl.group.spares))
         check_hangs(ctl, seg)
@@ -154,10 +154,17 @@ def check_hangs(ctl: "Controller", seg: EpochSegment) -> None:
                                       replacement=rank in ctl.group.replacements))
 
 
-def poll_shards(ctl: "Controller", seg: EpochSegment) -> None:
-    if ctl.shard_group is None:
-        return
-    report_shard_events(ctl, ctl.shard_group.poll(), seg.epoch)
+def watch_servers(ctl: "Controller", epoch: int) -> None:
+    """The shards and the partition server: a dead (or stopped) one is rebuilt, whatever else
+    the driver is doing (never waits)."""
+    if ctl.server is not None:
+        for event in ctl.server.poll():
+            ctl.report.event(event.pop("kind"), **event)
+            ctl.report.say(f"partition server died ({event['detected_by']}); rebuilt from its journal in "
+                           f"{event['recovery_s']:.2f}s, epoch {event['epoch']} with {event['partitions_done']} "
+                           f"partitions served kept")
+    if ctl.shard_group is not None:
+        report_shard_events(ctl, ctl.shard_group.poll(), epoch)
 
 
 def report_shard_events(ctl: "Controller", events: list[dict], epoch: int) -> None:
@@ -206,8 +213,9 @@ def decide(ctl: "Controller", failures: list[ReplicaFailure], failed: set[int],
     already being carried out; the first Fail instead, if any."""
     decisions: list = []
     room = ctl.elastic.placeable(failures)  # replicas that died with their node: is there room elsewhere?
+    joining = len(ctl.group.joining)  # started for a grow: they become members if nobody else is left
     for f in failures:
-        survivors = len([r for r in ctl.group.members if r not in failed]) + sum(
+        survivors = joining + len([r for r in ctl.group.members if r not in failed]) + sum(
             isinstance(d, Replace) for d in [*decided, *decisions])
         placeable, note = room.get(f.rank, (True, ""))
         decision = ctl.failure_policy.decide(f, survivors, placeable, note)
@@ -272,35 +280,38 @@ def carry_out(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegment:
             replaced.append(d.rank)
         elif isinstance(d, Drop):
             dropped.append(d.rank)
+    survivors = [r for r in group.ranks if r not in replaced]
+    # every member gone, none replaced, replicas on their way for a grow: they are the run now
+    joined = ctl.elastic.promote_joining() if not survivors and not replaced else []
+    newcomers = replaced + joined
     timings["replace"] = time.perf_counter() - t0
     members = group.ranks
-    survivors = [r for r in members if r not in replaced]
     report_finished_passes(ctl, seg, {f.rank for f in plan.failures})
-    if not survivors and not replaced:
+    if not survivors and not newcomers:
         raise TrainingError(f"epoch {seg.epoch}: no replica left")
     # the ledger: the failed replicas' unfinished partitions are served again
     back = {}
     for rank in replaced + dropped:
-        to = [rank] if rank in replaced and ctl.spec.pinned else (survivors or replaced)
-        back[rank] = ctl.get(ctl.server.release.remote(rank, to), "partition server")
+        to = [rank] if rank in replaced and ctl.spec.pinned else (survivors or newcomers)
+        back[rank] = ctl.server.call("release", rank, to)
     # state: newcomers (and any survivor that applied a step the others did not) copy a survivor
     t1 = time.perf_counter()
     timings["ledger"] = t1 - t0 - timings["replace"]
     donor, donor_step = pick_donor(ctl, plan, survivors)
     from_checkpoint = None
-    if donor is None and replaced and not ctl.spec.sharded:  # allreduce's state lived only in the replicas
+    if donor is None and newcomers and not ctl.spec.sharded:  # allreduce's state lived only in the replicas
         if ctl._last_state is None:
             raise TrainingError(f"epoch {seg.epoch}: every replica holding the model died at once (replicas "
-                                f"{sorted(replaced)}) and the run has no checkpoint to go on from "
+                                f"{sorted(newcomers)}) and the run has no checkpoint to go on from "
                                 "(checkpoint.every_epochs)")
         from_checkpoint = ctl._last_state["step"]
-        donor_step = group.call(replaced, "load_state", ctl._last_state, what="state from the last checkpoint")[0]
+        donor_step = group.call(newcomers, "load_state", ctl._last_state, what="state from the last checkpoint")[0]
         ctl.report.say(f"every replica holding the model died: going on from the last checkpoint "
                        f"(replica step {from_checkpoint}); the steps since are lost")
     if ctl.spec.sharded:
-        if replaced:
-            group.call(replaced, "sync_from_shards", donor_step, what="state from the shards")
-            for r in replaced:
+        if newcomers:
+            group.call(newcomers, "sync_from_shards", donor_step, what="state from the shards")
+            for r in newcomers:
                 ctl.shard_group.welcome_replica(r, donor_step)
     elif donor is not None:
         behind = [r for r in survivors if plan.steps_at_interrupt.get(r, donor_step) != donor_step]
@@ -311,8 +322,8 @@ def carry_out(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegment:
         group.form()
     t3 = time.perf_counter()
     timings["group"] = t3 - t2
-    if replaced:
-        ctl.give_data(replaced)
+    if newcomers:
+        ctl.give_data(newcomers)
     if dropped:
         ctl.reslice_tests()
     timings["data"] = time.perf_counter() - t3
@@ -324,7 +335,7 @@ def carry_out(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegment:
                         ("replica_restarts", ctl.totals.replica_restarts, ctl.totals.steps)])
     # the epoch goes on: lock-step members all resume together; else only the newcomers start
     # (between epochs nobody does: every member starts when the next epoch opens)
-    restart = (members if lock else replaced) if seg.begun else []
+    restart = (members if lock else newcomers) if seg.begun else []
     for rank in restart:
         ctl.open_stream(seg, rank, resume=rank in survivors, announce=True)
     seg.disturbed = True
@@ -334,7 +345,7 @@ def carry_out(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegment:
     event = {"kind": "replica_replaced" if replaced else "replica_dropped", "epoch": seg.epoch,
              "ranks": replaced or dropped, "how": {str(r): how[r] for r in replaced}, "dropped": dropped,
              "causes": {str(f.rank): f.cause for f in plan.failures}, "generation": group.generation,
-             "survivors_kept": survivors, "steps_lost": steps_lost, "resumed_from_step": donor_step,
+             "survivors_kept": survivors, **({"joined": joined} if joined else {}), "steps_lost": steps_lost, "resumed_from_step": donor_step,
              "partitions_served_again": sorted(p for ps in back.values() for p in ps),
              "reconfigure_s": round(time.perf_counter() - t0, 3),
              "reconfigure_parts_s": {k: round(v, 3) for k, v in timings.items()}, **lr,
@@ -373,7 +384,7 @@ def report_finished_passes(ctl: "Controller", seg: EpochSegment, failed: set[int
     """Survivors that had ended their pass before the failure: their last completions go to the
     ledger now (their next stream starts a new pass and would overwrite them)."""
     if seg.started is not None:
-        ctl.get(seg.started, f"partition server, start of epoch {seg.epoch}")
+        ctl.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
         seg.started = None
     done = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch" and r not in failed}
     # a failure seen after the pass closed (at the epoch's end): the completions it kept for the
@@ -381,7 +392,7 @@ def report_finished_passes(ctl: "Controller", seg: EpochSegment, failed: set[int
     done.update(ctl._unreported)
     ctl._unreported = {}
     if done:
-        ctl.get(ctl.server.finish.remote(done), "partition server")
+        ctl.server.call("finish", done)
     seg.ended = {}
 
 
@@ -403,13 +414,13 @@ def close_pass(ctl: "Controller", seg: EpochSegment):
     completions are reported with the next start_epoch); else ask the server's ledger whether
     every partition was served, and start a further pass over what is left if not."""
     if seg.started is not None:
-        ctl.get(seg.started, f"partition server, start of epoch {seg.epoch}")
+        ctl.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
         seg.started = None
     completed = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch"}
     if not seg.disturbed:
         ctl._unreported = completed
         return ctl.end_epoch(seg)
-    status = ctl.get(ctl.server.finish.remote(completed), "partition server")
+    status = ctl.server.call("finish", completed)
     seg.ended = {}
     if status["complete"]:
         ctl.redone += status["redone"]

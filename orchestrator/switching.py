@@ -74,7 +74,7 @@ def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = F
     ctl.pending_switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid)
     ctl.report.say(f"switch to {sw.mode} decided ({sw.rule}): {sw.reason}")
     if mid:
-        ctl.get(ctl.server.pause.remote(True), "partition server")
+        ctl.server.call("pause", True)
 
 
 def evaluate(ctl: "Controller") -> float:
@@ -128,7 +128,7 @@ def carry_out(ctl: "Controller", plan: SwitchPlan, seg: EpochSegment) -> EpochSe
     after = evaluate(ctl)
 
     t4 = time.perf_counter()
-    ctl.get(ctl.server.pause.remote(False, share=seg.begun and not new_spec.pinned), "partition server")
+    ctl.server.call("pause", False, share=seg.begun and not new_spec.pinned)
     parts["data"] = time.perf_counter() - t4
     step = max(ctl.progress.values(), default=0)
     ctl.record_phase(sw, step, before, after)

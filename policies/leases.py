@@ -98,6 +98,9 @@ class PartitionLedger:
         return Grant(tuple(self.lease(rank) for _ in range(n)), not queue)
 
     def complete(self, rank: int, partition: int) -> None:
+        """`rank` finished `partition`; reported again (a call re-sent to a rebuilt server), nothing."""
+        if self.done.get(partition) == rank and partition not in self.leased:
+            return
         if self.leased.get(partition) != rank:
             raise ValueError(f"replica {rank} completed partition {partition} it does not hold")
         del self.leased[partition]

@@ -1,7 +1,7 @@
 """Chaos through the public API on mnist5k, one run per mode: a replica's process SIGKILLed
-twice mid-epoch (and, in the sharded modes, a parameter shard's process SIGKILLed once); the run still
-reaches the example's 97% target, the survivors keep their actors, and the events time each
-recovery."""
+twice mid-epoch, the partition server's process SIGKILLed once (and, in the sharded modes, a
+parameter shard's); the run still reaches the example's 97% target, the survivors keep their
+actors, and the events time each recovery."""
 from __future__ import annotations
 
 import pytest
@@ -18,9 +18,10 @@ def test_replica_and_shard_kills_do_not_stop_the_run(ray_cluster, tmp_path, mode
     cfg = JobConfig.from_yaml(f"examples/mnist_{mode}.yaml", [
         "scaling.cpus_per_replica=0.5", "tracking.progress_interval_s=0", "tracking.log_every_steps=2",
         f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint.storage={tmp_path}/ck"])
-    faults = [Fault("kill_replica", 1, at_step=30), Fault("kill_replica", 1, at_step=80)]
+    faults = [Fault("kill_replica", 1, at_step=30), Fault("kill_server", 0, at_step=45),
+              Fault("kill_replica", 1, at_step=80)]
     if mode != "allreduce":
-        faults.insert(1, Fault("kill_shard", 0, at_step=55))
+        faults.insert(2, Fault("kill_shard", 0, at_step=55))
     trainer = ElasticTrainer(cfg, show_progress=False)
     with FaultInjector(lambda: trainer.controller, faults) as inj:
         result = trainer.fit()
@@ -29,6 +30,8 @@ def test_replica_and_shard_kills_do_not_stop_the_run(ray_cluster, tmp_path, mode
     replaced = [e for e in result.events if e["kind"] == "replica_replaced"]
     assert len(replaced) == 2 and all(e["ranks"] == [1] and e["recovery_s"] > 0 for e in replaced)
     assert all(e["survivors_kept"] == [0] for e in replaced)
+    [server] = [e for e in result.events if e["kind"] == "server_rebuilt"]
+    assert server["generation"] == 1 and server["partitions_done"] >= 0
     if mode != "allreduce":
         [rebuilt] = [e for e in result.events if e["kind"] == "shard_rebuilt"]
         assert rebuilt["shard"] == 0 and rebuilt["replayed_updates"] + rebuilt["resent_updates"] > 0
@@ -85,3 +88,20 @@ def test_a_kill_during_a_switch_is_repaired_and_the_switch_carried_out(ray_clust
     assert result.final.test_accuracy >= 0.97
     assert [e["to"] for e in result.events if e["kind"] == "mode_switch"] == ["allreduce", "easgd"]
     assert any(e["kind"] == "replica_replaced" and 1 in e["ranks"] for e in result.events)
+
+
+@pytest.mark.parametrize("mode", ["allreduce"])
+def test_a_stopped_partition_server_is_replaced_from_its_journal(ray_cluster, tmp_path, mode):
+    """The server's process SIGSTOPped (never resumed): the driver sees its pings go unanswered
+    for hang_timeout_s / 2, kills it and starts the next incarnation from the journal; the
+    replicas move to it and no replica is taken for hung. (The soak stops the server in every
+    mode.)"""
+    cfg = compound_config(tmp_path, mode, "fault_tolerance.hang_timeout_s=20")
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    with FaultInjector(lambda: trainer.controller, [Fault("hang_server", 0, at_step=40)]) as inj:
+        result = trainer.fit()
+    assert [f["kind"] for f in inj.fired] == ["hang_server"] and "error" not in inj.fired[0]
+    assert result.final.test_accuracy >= 0.97
+    [server] = [e for e in result.events if e["kind"] == "server_rebuilt"]
+    assert server["generation"] == 1 and "no answer" in server["detected_by"]
+    assert not [e for e in result.events if e["kind"] == "replica_failed"]

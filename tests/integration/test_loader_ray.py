@@ -101,7 +101,7 @@ def test_a_killed_replica_leaves_every_row_once_plus_the_reported_redo(ray_clust
         ctl.step()
         with FaultInjector(ctl, [Fault("kill_replica", 2, at_step=30)]):
             assert not isinstance(ctl.run_epoch(), Errored)  # the epoch finishes without replica 2
-        status = ray.get(ctl.server.status.remote(), timeout=30)
+        status = ray.get(ctl.server.handle.status.remote(), timeout=30)
         ctl.run_epoch()  # and the next epoch runs on the survivors
     finally:
         ctl.shutdown()

@@ -70,7 +70,7 @@ def test_allreduce_replicas_stay_identical_after_a_replacement_and_keep_their_ac
             ctl.run_epoch()
         after = {r: a._actor_id.hex() for r, a in ctl.group.members.items()}
         flats = ray.get([r.flat_parameters.remote() for r in ctl.replicas], timeout=30)
-        status = ray.get(ctl.server.status.remote(), timeout=30)
+        status = ray.get(ctl.server.handle.status.remote(), timeout=30)
     finally:
         ctl.shutdown()
     assert inj.fired

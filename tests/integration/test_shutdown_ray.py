@@ -1,6 +1,7 @@
 """Shutdown in every state: a real SIGTERM (what `ray job stop` and schedulers send; Ctrl-C takes
 the same path) delivered to the driver while it is starting, running an epoch, between epochs,
-repairing, switching modes, growing, shrinking and checkpointing. Each time: fit() ends with
+repairing, switching modes, growing, shrinking and checkpointing (and SIGINT, Ctrl-C, while
+repairing and switching). Each time: fit() ends with
 KeyboardInterrupt, the MLflow run is KILLED with its `ended` event, a final checkpoint is written
 (in every state once the replicas exist: while starting it holds the initial model, epoch 0),
 and every actor, placement group and replica process of the run is gone.
@@ -31,8 +32,11 @@ pytestmark = pytest.mark.ray
 RUN_CLASSES = ("ModelReplica", "ParameterShard", "PartitionServer")
 
 
+SENT = {"signal": signal.SIGTERM}  # what the armed points send (a test may choose SIGINT: Ctrl-C)
+
+
 def sigterm_self() -> None:
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), SENT["signal"])
 
 
 def signal_on_call(monkeypatch, owner, name: str, nth: int = 1) -> dict:
@@ -151,19 +155,21 @@ def arm(state: str, monkeypatch, tmp_path):
     raise AssertionError(state)
 
 
-@pytest.mark.parametrize("state", ["starting", "running", "between_epochs", "repairing", "shrinking",
-                                   "switching", "growing", "checkpointing"])
-def test_sigterm_in_every_state_ends_killed_and_leaves_nothing(ray_cluster, tmp_path, monkeypatch, state):
+@pytest.mark.parametrize("state,sig", [(s, signal.SIGTERM) for s in (
+    "starting", "running", "between_epochs", "repairing", "shrinking", "switching", "growing", "checkpointing")]
+    + [("repairing", signal.SIGINT), ("switching", signal.SIGINT)])
+def test_sigterm_in_every_state_ends_killed_and_leaves_nothing(ray_cluster, tmp_path, monkeypatch, state, sig):
+    monkeypatch.setitem(SENT, "signal", sig)
     actors_before, groups_before = alive_run_actors(), live_placement_groups()
     cfg, callbacks, faults, checkpoint_expected = arm(state, monkeypatch, tmp_path)
     trainer = ElasticTrainer(cfg, callbacks=callbacks, show_progress=False)
     controller, pids = watched(trainer)
 
-    handler_before = signal.getsignal(signal.SIGTERM)
+    handlers_before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with FaultInjector(controller, faults) as injector:
         with pytest.raises(KeyboardInterrupt):
             trainer.fit()
-    assert signal.getsignal(signal.SIGTERM) is handler_before  # the driver's handlers are put back
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers_before  # put back
     assert len(injector.fired) == len(faults)
     ctl = trainer.controller
     pids.update(ctl.group.pids.values())

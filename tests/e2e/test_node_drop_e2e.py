@@ -1,0 +1,93 @@
+"""A node dropped during a grow, in process on a cluster this test starts
+(`ray.cluster_utils.Cluster`: a 0-CPU head for the driver, the partition server and the shards,
+one 1-CPU worker node). The run starts with 1 replica and scaling.max_replicas 2; after its
+second epoch's checkpoint a second worker node is added, the run grows into it, and while the
+newcomer joins, the node of the run's only member is removed (`drop_node` during `resize`):
+the state holder is gone mid-grow. The run goes on (allreduce from its last checkpoint, the
+sharded modes from their shards) and finishes at the 97% target. allreduce runs in `make test`;
+every mode with `-m soak` (docs/reliability.md)."""
+from __future__ import annotations
+
+import glob
+import threading
+import time
+
+import pytest
+
+from orchestrator.chaos import Fault, FaultInjector
+from orchestrator.config import JobConfig
+from orchestrator.trainer import ElasticTrainer
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def own_cluster(request):
+    """A cluster of this test's own; the session's connection (if any) is put back after."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    shared = ray.is_initialized()
+    if shared:  # the session's head stays up; this process leaves it for the test and comes back
+        head_address = request.getfixturevalue("ray_head").address
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING")
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if shared:
+            ray.init(address=head_address, logging_level="WARNING")
+
+
+def drop_during_grow(cluster, tmp_path, mode: str):
+    ck = tmp_path / "ck"
+    cfg = JobConfig.from_yaml(f"{REPO}/examples/mnist_{mode}.yaml", [
+        "scaling.replicas=1", "scaling.min_replicas=1", "scaling.max_replicas=2", "scaling.poll_s=0.5",
+        "scaling.grow_after=1", "checkpoint.every_epochs=1", f"checkpoint.storage={ck}",
+        "tracking.progress_interval_s=0", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    out: dict = {}
+
+    def fit():  # in a thread: only the main thread can add a node (Ray sets signal handlers)
+        try:
+            with FaultInjector(lambda: trainer.controller, [Fault("drop_node", 0, during="resize")],
+                               cluster=cluster) as inj:
+                out["result"] = trainer.fit()
+            out["fired"] = inj.fired
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            out["error"] = exc
+    runner = threading.Thread(target=fit, daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 240
+    while not glob.glob(f"{ck}/*/ckpt-*-epoch_0002.pt.json"):
+        assert runner.is_alive() and time.monotonic() < deadline, out
+        time.sleep(0.2)
+    cluster.add_node(num_cpus=1)
+    runner.join(timeout=600)
+    assert not runner.is_alive(), "the run did not end within 600 s"
+    if "error" in out:
+        raise out["error"]
+    result, fired = out["result"], out["fired"]
+    assert [f["kind"] for f in fired] == ["drop_node"] and "error" not in fired[0], fired
+    assert result.final.test_accuracy >= 0.97
+    failed = [e for e in result.events if e["kind"] == "replica_failed"]
+    assert failed and failed[0]["rank"] == 0, failed
+    return result
+
+
+def test_a_node_dropped_during_a_grow_allreduce(own_cluster, tmp_path):
+    result = drop_during_grow(own_cluster, tmp_path, "allreduce")
+    assert any(e.get("state_from") == "checkpoint" for e in result.events), \
+        [e for e in result.events if e["kind"] in ("replica_replaced", "replica_dropped", "resize")]
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("mode", ["downpour", "easgd"])
+def test_a_node_dropped_during_a_grow_sharded(own_cluster, tmp_path, mode):
+    drop_during_grow(own_cluster, tmp_path, mode)
