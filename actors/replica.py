@@ -35,7 +35,7 @@ from actors.reading import StreamPlan, count_kept, read_range, eval_pieces
 from actors.shard import RayShardClient
 from policies.factory import build_model
 from policies.lr_scaling import warmup_lr
-from policies.modes import Interrupted
+from policies.modes import Diverged, Interrupted
 from policies.batches import as_tensors, forward, rows as batch_rows, slice_rows, to_device, tree_map
 from policies.registry import Transport, build_worker, mode_spec
 from policies.tasks import add_stats, load_task
@@ -465,7 +465,7 @@ class ModelReplica:
             except FloatingPointError as exc:
                 self.leave_group()
                 lr = self.cfg["optimizer"]["lr"]
-                raise RuntimeError(f"training diverged: {exc} at step {self.step + 1} (epoch {epoch}) with "
+                raise Diverged(f"training diverged: {exc} at step {self.step + 1} (epoch {epoch}) with "
                                    f"optimizer.lr {lr:g}; the step was not applied and the last checkpoint is kept; "
                                    "lower optimizer.lr") from None
             except Exception:
@@ -565,7 +565,9 @@ class ModelReplica:
 
     # ---- state ---------------------------------------------------------------------------
     def flat_parameters(self) -> np.ndarray:
-        return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters()]).numpy()
+        """The trainable parameters as one flat vector: the layout of the shards and FlatParams
+        (a frozen parameter is in neither)."""
+        return torch.cat([p.detach().reshape(-1).cpu() for p in self.model.parameters() if p.requires_grad]).numpy()
 
     def local_buffers(self) -> dict[str, np.ndarray]:
         """This replica's module buffers (e.g. BatchNorm running statistics) as numpy arrays."""

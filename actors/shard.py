@@ -571,6 +571,7 @@ class _Slot:
     pending_snapshot: Optional[tuple] = None  # (version ref, snapshot ref)
     last_snapshot_at: float = 0.0
     ping: Any = None
+    ping_at: float = 0.0  # when the outstanding ping was sent
     known_version: Optional[int] = None  # the newest version the driver saw
     state: str = "up"  # up | dead | starting
     dead_at: float = 0.0
@@ -601,12 +602,13 @@ class ShardGroup:
         self._membership: dict[int, Optional[int]] = {}  # rank -> None (forgotten) | step it was welcomed at
         self.rebuilds = 0
         self.placement: Any = None  # the scheduling strategy shards (and their rebuilds) are started with
+        self.hang_s: Optional[float] = None  # a shard whose ping goes unanswered this long is killed and rebuilt
 
     @classmethod
     def create(cls, initial: np.ndarray, bounds: list[tuple[int, int]], optimizer: str, lr: float, momentum: float,
                weight_decay: float, replicas: int, snapshot_every_s: float, name_prefix: str,
                namespace: Optional[str] = None, settle_s: float = 10.0, log_limit_bytes: int = 512 * 2**20,
-               timeout_s: float = 60.0, placement: Any = None) -> "ShardGroup":
+               timeout_s: float = 60.0, placement: Any = None, hang_s: Optional[float] = None) -> "ShardGroup":
         """One named ParameterShard per bound, each given its slice; returns once every shard
         answered its first snapshot (snapshot 0: a rebuild never lacks one). `settle_s`: how
         long after a rebuild poll() waits for clients to replay before reporting what is lost."""
@@ -617,7 +619,7 @@ class ShardGroup:
                                           scheduling_strategy=placement).remote(initial[lo:hi], *args)
                    for name, (lo, hi) in zip(names, bounds)]
         group = cls(handles, bounds, names, namespace, args, snapshot_every_s, settle_s, log_limit_bytes)
-        group.placement = placement
+        group.placement, group.hang_s = placement, hang_s
         try:
             group.snapshot_now(timeout_s)
         except BaseException:
@@ -707,8 +709,14 @@ class ShardGroup:
                 slot.ping = None
         except RayActorError:
             return self._died(i, slot, "ping", now)
+        if slot.ping is not None and self.hang_s is not None and now - slot.ping_at > self.hang_s:
+            try:  # stopped (SIGSTOP), stuck: its clients would wait on it; a rebuild replaces it
+                ray.kill(slot.handle, no_restart=True)
+            except Exception:
+                pass
+            return self._died(i, slot, f"no answer to a ping for {self.hang_s:.0f}s", now)
         if slot.ping is None:
-            slot.ping = slot.handle.status.remote()
+            slot.ping, slot.ping_at = slot.handle.status.remote(), now
         if slot.pending_snapshot is None and now - slot.last_snapshot_at >= self.snapshot_every_s:
             slot.pending_snapshot = tuple(slot.handle.snapshot.remote())
             slot.last_snapshot_at = now

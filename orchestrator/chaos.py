@@ -14,6 +14,7 @@ Kinds (all act from outside, on the process, as the real thing would):
 - `slow_replica`: SIGSTOP, then SIGCONT `duration_s` later: a replica that stalls for a while
   (a noisy neighbour, swapping) and comes back;
 - `kill_shard`: SIGKILL a parameter shard's process (the sharded modes);
+- `hang_shard`: SIGSTOP a parameter shard's process (never resumed);
 - `kill_server`: SIGKILL the partition server's process;
 - `hang_server`: SIGSTOP the partition server's process (never resumed: the driver must see it
   stopped answering and put a new one in its place);
@@ -41,7 +42,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
-KINDS = ("kill_replica", "hang_replica", "slow_replica", "kill_shard", "kill_server", "hang_server", "kill_spare",
+KINDS = ("kill_replica", "hang_replica", "slow_replica", "kill_shard", "kill_server", "hang_server", "kill_spare", "hang_shard",
          "drop_node")
 DURING = ("repair", "switch", "resize")
 REPLICA_KINDS = ("kill_replica", "hang_replica", "slow_replica")
@@ -164,7 +165,7 @@ class FaultInjector:
             self.cluster.remove_node(node, allow_graceful=False)
             return {**fired, "node_id": node.node_id}
         pid = self._pid(ctl, fault)
-        if fault.kind in ("hang_replica", "hang_server"):
+        if fault.kind in ("hang_replica", "hang_server", "hang_shard"):
             os.kill(pid, signal.SIGSTOP)
         elif fault.kind == "slow_replica":
             os.kill(pid, signal.SIGSTOP)
@@ -177,7 +178,7 @@ class FaultInjector:
         if fault.kind in REPLICA_KINDS:
             ranks = sorted(ctl.group.pids)
             return ctl.group.pids[fault.target if fault.target in ctl.group.pids else ranks[fault.target % len(ranks)]]
-        if fault.kind == "kill_shard":
+        if fault.kind in ("kill_shard", "hang_shard"):
             handles = ctl.shard_group.handles
             handle = handles[fault.target % len(handles)]
         elif fault.kind in ("kill_server", "hang_server"):

@@ -60,9 +60,11 @@ def _guarded(work, doing: str, run: str):
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    from orchestrator.config import JobConfig, reference_markdown
+    from orchestrator.config import JobConfig
 
     if args.command == "config-reference":
+        from orchestrator.config_docs import reference_markdown
+
         print(reference_markdown())
         return 0
     from orchestrator.checks import one_line

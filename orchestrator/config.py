@@ -1,6 +1,6 @@
 """The job config: typed, validated, documented; YAML is a view of these models.
 
-Every field carries a one-line description (shown in docs/config.md). Unknown keys are errors.
+Every field carries a one-line description (docs/config.md, written by orchestrator/config_docs.py). Unknown keys are errors.
 `JobConfig.from_yaml(path, overrides)` is the one way in from the outside world; it raises
 `ConfigError` with a single line naming the field or file on bad input.
 """
@@ -17,12 +17,15 @@ from orchestrator.errors import ConfigError
 from policies.stop import Target
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
+    """A config section: unknown keys are errors; every field has a description (docs/config.md,
+    orchestrator/config_docs.py)."""
+
     # inf and nan (also `1e400`, which overflows to inf) are rejected in every float field
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     factory: str = Field(
         "examples.models:mnist_cnn",
         description="'module:function' returning a torch.nn.Module; importable on every Ray worker.",
@@ -40,7 +43,7 @@ class ModelConfig(_Section):
         return v
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     source: str = Field(
         "builtin:mnist5k",
         description="Dataset: builtin:mnist5k (5,000 real MNIST digits), builtin:digits (scikit-learn 8x8 "
@@ -123,7 +126,7 @@ class DataConfig(_Section):
         return v
 
 
-class TaskConfig(_Section):
+class TaskConfig(Section):
     """What is learned and how it is judged (policies/tasks.py, docs/tasks.md)."""
 
     name: str = Field(
@@ -140,7 +143,7 @@ class TaskConfig(_Section):
         return load_task(self.name, self.kwargs)
 
 
-class TargetConfig(_Section):
+class TargetConfig(Section):
     """stop.target: the metric a run is judged by and the value that counts as reached."""
 
     metric: str = Field(min_length=1, description="A metric the task produces (e.g. test_r2) or train_loss.")
@@ -148,7 +151,7 @@ class TargetConfig(_Section):
     value: float = Field(description="The target value.")
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(Section):
     name: Literal["sgd", "adam", "adagrad"] = Field(
         "sgd", description="The update rule: allreduce replicas step with it; downpour shards apply it (sgd or "
         "adagrad); easgd replicas take their local steps with it (sgd: plain or, with strategy.momentum > 0, "
@@ -170,7 +173,7 @@ MODE_OPTIONS = {
 UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
 
 
-class PhaseOptimizer(_Section):
+class PhaseOptimizer(Section):
     """A phase's own optimizer settings: each given one overrides optimizer.* while the phase runs
     (e.g. a lower momentum for downpour's shards than for allreduce)."""
 
@@ -179,7 +182,7 @@ class PhaseOptimizer(_Section):
     weight_decay: Optional[float] = Field(None, ge=0, description="As optimizer.weight_decay.")
 
 
-class PhaseConfig(_Section):
+class PhaseConfig(Section):
     """One phase of strategy.phases: a mode, that mode's options (each overrides the strategy.*
     value of the same name) and when the phase ends."""
 
@@ -225,7 +228,7 @@ class PhaseConfig(_Section):
         return self
 
 
-class AdaptiveConfig(_Section):
+class AdaptiveConfig(Section):
     """strategy.switch adaptive: from the step times the replicas report, go asynchronous while a
     replica straggles and come back when it recovers (policies/switching.py)."""
 
@@ -258,7 +261,7 @@ class AdaptiveConfig(_Section):
         return self
 
 
-class StrategyConfig(_Section):
+class StrategyConfig(Section):
     mode: Literal["allreduce", "downpour", "easgd"] = Field(
         "allreduce", description="Synchronization mode: allreduce (synchronous data parallel), downpour "
         "(asynchronous SGD via parameter shards) or easgd (elastic averaging); see docs/modes.md."
@@ -363,7 +366,7 @@ class StrategyConfig(_Section):
 
 
 
-class ScalingConfig(_Section):
+class ScalingConfig(Section):
     replicas: int = Field(2, ge=1, description="Number of ModelReplica actors.")
     cpus_per_replica: float = Field(1.0, gt=0, description="Logical CPUs per replica (also its torch threads).")
     gpus_per_replica: float = Field(
@@ -416,7 +419,7 @@ class ScalingConfig(_Section):
         return self.max_replicas if self.max_replicas is not None else self.replicas
 
 
-class FaultToleranceConfig(_Section):
+class FaultToleranceConfig(Section):
     max_replica_restarts: int = Field(
         3, ge=0, description="Replicas replaced per run (a dead, hung or raising replica is replaced by a new "
         "actor or a spare); past it a dead replica is dropped if scaling.min_replicas allows, else the run fails."
@@ -426,13 +429,13 @@ class FaultToleranceConfig(_Section):
         "2^(n-1), at most 30 s; 0 replaces at once. A run that goes one epoch without a failure starts over at n = 1."
     )
     spares: int = Field(
-        0, ge=0, description="Idle replicas started with the run (model built, no CPU reserved): a failed replica "
+        0, ge=0, description="Idle replicas started with the run (model built, no CPU reserved; with GPUs each holds its GPU): a failed replica "
         "is replaced at once by a spare, which is then started afresh in the background."
     )
     hang_timeout_s: float = Field(
         60.0, gt=0, description="A replica that reports no progress for this long is hung: it is killed and "
-        "replaced. allreduce: also the process group's collective timeout. The partition server: unanswered pings "
-        "for half of it, and it is killed and started again from its journal."
+        "replaced. allreduce: also the process group's collective timeout. A parameter shard or the partition "
+        "server whose pings go unanswered for half of it is killed and rebuilt (from its snapshot, its journal)."
     )
     shard_snapshot_every_s: float = Field(
         5.0, gt=0, description="downpour, easgd: seconds between snapshots of each parameter shard, from which a "
@@ -440,7 +443,7 @@ class FaultToleranceConfig(_Section):
     )
 
 
-class SlowWindow(_Section):
+class SlowWindow(Section):
     """A deliberate straggler: replica `rank` slowed while its step count or the training time
     is inside the window."""
 
@@ -464,7 +467,7 @@ class SlowWindow(_Section):
         return self
 
 
-class FaultsConfig(_Section):
+class FaultsConfig(Section):
     slow_replicas: list[SlowWindow] = Field(
         default_factory=list, description="Straggler experiments: a list of windows {rank, delay_s or factor, "
         "from_step/to_step or from_s/to_s}; or the short form {rank: seconds added to each step} (all run long)."
@@ -481,7 +484,7 @@ class FaultsConfig(_Section):
         return v
 
 
-class StopConfig(_Section):
+class StopConfig(Section):
     epochs: int = Field(5, ge=1, description="Stop after this many epochs.")
     target: Optional[TargetConfig] = Field(
         None, description="{metric: NAME, goal: max|min, value: X}: stop once the metric reaches the value (goal max: "
@@ -509,7 +512,7 @@ class StopConfig(_Section):
     max_wall_s: Optional[float] = Field(None, gt=0, description="Stop after this many seconds of training.")
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     experiment: str = Field("elastic-orchestrator", min_length=1, description="MLflow experiment name.")
     tracking_uri: Optional[str] = Field(
         None, description="MLflow tracking URI; default: MLflow's own default (MLFLOW_TRACKING_URI or local)."
@@ -527,7 +530,7 @@ class TrackingConfig(_Section):
     )
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     storage: str = Field(
         "runs/checkpoints",
         description="Where checkpoints go: a local path or any pyarrow.fs URI (file://, s3://, gs://, hdfs://).",
@@ -548,7 +551,7 @@ class CheckpointConfig(_Section):
     )
 
 
-class JobConfig(_Section):
+class JobConfig(Section):
     """A whole job. Build it in Python, or load it from YAML with `JobConfig.from_yaml`."""
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="What to train.")
@@ -778,48 +781,3 @@ def describe_validation_error(exc: ValidationError) -> str:
     given = err.get("input")
     shown = "" if isinstance(given, (dict, list)) or given is None else f" (got {given!r})"
     return f"config error: {loc}: {msg}{shown}"
-
-
-def reference_markdown() -> str:
-    """docs/config.md, generated from the models so the reference cannot drift from the code."""
-    lines = ["# Config reference", "",
-             "Generated by `python -m orchestrator config-reference` from `orchestrator/config.py`.",
-             "Every key can be set in the YAML file or with `--set section.key=value`.", ""]
-    nested: list[tuple[str, type]] = []
-    for section, field in JobConfig.model_fields.items():
-        lines += [f"## `{section}`: {field.description}", ""]
-        lines += _field_table(section, type(field.default_factory()), nested)  # type: ignore[misc]
-    for name, model in nested:
-        lines += [f"## `{name}`", "", " ".join((model.__doc__ or "").split()), ""]
-        lines += _field_table(name, model, [])
-    from orchestrator.sweep import sweep_reference  # the sweep file's models live with the sweep
-
-    lines += sweep_reference()
-    return "\n".join(lines)
-
-
-def _field_table(prefix: str, model: type, nested: list[tuple[str, type]]) -> list[str]:
-    """One table row per field; fields that are sections of their own (or lists of them) are
-    appended to `nested` and get a table below."""
-    import typing
-
-    lines = ["| key | type | allowed | default | meaning |", "|---|---|---|---|---|"]
-    ops = {"gt": ">", "ge": ">=", "lt": "<", "le": "<=", "min_length": "length >="}
-    for name, f in model.model_fields.items():
-        inner = [a for a in typing.get_args(f.annotation) for a in (typing.get_args(a) or (a,))]
-        sub = next((a for a in [f.annotation, *inner] if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-        ann = ann.replace("orchestrator.config.", "").replace("orchestrator.sweep.", "")
-        if f.is_required():
-            shown = "required"
-        else:
-            default = f.get_default(call_default_factory=True)
-            shown = ("none" if default is None else "see below" if isinstance(default, BaseModel)
-                     else f"`{default}`")
-        allowed = ", ".join(f"{ops[k]} {getattr(m, k)}" for m in f.metadata for k in ops if hasattr(m, k))
-        key = f"{prefix}.{name}" if prefix else name  # a sweep file's keys are top-level
-        lines.append(f"| `{key}` | `{ann}` | {allowed} | {shown} | {f.description} |")
-        if sub is not None:
-            nested.append((key + ("[]" if "list" in ann else ""), sub))
-    lines.append("")
-    return lines

@@ -56,7 +56,6 @@ from policies.stop import EpochSnapshot, StopPolicy
 from policies.switching import make_switch_policy
 from policies.tasks import sum_stats
 
-CONTROL_CALL_TIMEOUT_S = 30.0
 
 
 # ---- states ------------------------------------------------------------------------------
@@ -156,8 +155,8 @@ class Controller:
         self.failure_policy = FailurePolicy(ft.max_replica_restarts, ft.restart_backoff_s, config.scaling.min_replicas)
         self.steps_per_epoch = 0
         self._train_started = 0.0
-        self._unreported: dict[int, list[int]] = {}  # last epoch's final completions, not yet reported
-        self._last_state: Optional[dict[str, Any]] = None
+        self.unreported: dict[int, list[int]] = {}  # last epoch's final completions, not yet reported
+        self.last_state: Optional[dict[str, Any]] = None
         self._store: Optional[CheckpointStore] = None  # opened at the first checkpoint (the run id is known then)
         self._last_checkpoint_s = 0.0  # perf_counter when the last checkpoint was written
 
@@ -286,7 +285,8 @@ class Controller:
         name, lr, momentum, weight_decay = self.shard_optimizer(first_sharded)
         self.shard_group = ShardGroup.create(initial, bounds, name, lr, momentum, weight_decay, cfg.scaling.replicas,
                                              cfg.fault_tolerance.shard_snapshot_every_s,
-                                             name_prefix=f"eo-{uuid.uuid4().hex[:12]}", placement=beside_driver())
+                                             name_prefix=f"eo-{uuid.uuid4().hex[:12]}", placement=beside_driver(),
+                                             hang_s=cfg.fault_tolerance.hang_timeout_s / 2)
 
     def _start(self) -> EpochSegment:
         from orchestrator.server_link import ServerLink
@@ -304,7 +304,7 @@ class Controller:
         # is a point where a replica can hear a pause (two at a time saves calls otherwise)
         self.max_grant = 1 if len(self.switch_policy.plan) > 1 else MAX_GRANT
         self.server = ServerLink(*self._plan, self.max_grant, placement=beside_driver(),
-                                 hang_s=cfg.fault_tolerance.hang_timeout_s / 2)
+                                 hang_s=cfg.fault_tolerance.hang_timeout_s / 2, timeout_s=cfg.strategy.timeout_s)
         self.group.wait_ready()
         self.group.form()
         self.group.warm_spares(self.data.sample)
@@ -334,6 +334,8 @@ class Controller:
             if key != "startup_s":  # this start's own
                 setattr(self.totals, key, value)
         self.phases = run["phases"]
+        # the replacement budget goes on where it was (a checkpoint from before it was kept: the count)
+        self.failure_policy.restore(run.get("failure") or {"restarts": self.totals.replica_restarts, "in_a_row": 0})
         self._train_started = time.perf_counter() - run["train_elapsed_s"]
         self.t0 = time.perf_counter() - run["wall_elapsed_s"]  # time_to_target_s goes on counting from the first start
         ranks, step = self.group.ranks, state["step"]
@@ -352,11 +354,12 @@ class Controller:
 
     def run_position(self) -> dict[str, Any]:
         """What a checkpoint needs to go on from here: the run's totals, the switch policy's
-        position, the phases so far and the training clock."""
+        position, the failure policy's replacement budget, the phases so far and the training clock."""
         from dataclasses import asdict
 
         totals = {k: v for k, v in asdict(self.totals).items() if k not in ("checkpoint", "stop_reason")}
-        return {"totals": totals, "policy": self.switch_policy.position(), "phases": [dict(p) for p in self.phases],
+        return {"totals": totals, "policy": self.switch_policy.position(), "failure": self.failure_policy.position(),
+                "phases": [dict(p) for p in self.phases],
                 "train_elapsed_s": time.perf_counter() - self._train_started,
                 "wall_elapsed_s": time.perf_counter() - self.t0}
 
@@ -390,8 +393,8 @@ class Controller:
         with issued_whole():
             for rank in ranks:
                 self.open_stream(seg, rank, first_grant=first.get(rank), announce=rank in announce)
-            seg.started = self.server.send("start_epoch", epoch, ranks, self._unreported, self.spec.pinned)
-        self._unreported = {}
+            seg.started = self.server.send("start_epoch", epoch, ranks, self.unreported, self.spec.pinned)
+        self.unreported = {}
         return seg
 
     def open_stream(self, seg: EpochSegment, rank: int, first_grant: Optional[dict] = None, resume: bool = False,
@@ -463,7 +466,7 @@ class Controller:
         if checkpoint_due(epoch, time.perf_counter(), max(self._last_checkpoint_s, self._train_started),
                           ck.every_epochs, ck.every_s):
             try:
-                tot.checkpoint = self.checkpoint(f"epoch_{epoch:04d}", CONTROL_CALL_TIMEOUT_S)
+                tot.checkpoint = self.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s)
             except TrainingError as exc:  # a replica stopped or died meanwhile: the next epoch sees to it
                 self.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
                 self.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
@@ -483,8 +486,8 @@ class Controller:
     def finish_epochs(self) -> dict[str, Any]:
         """Report the last epoch's final completions; the server's status, which must say the
         epoch was served whole."""
-        status = self.server.call("finish", self._unreported)
-        self._unreported = {}
+        status = self.server.call("finish", self.unreported)
+        self.unreported = {}
         if not status["complete"]:
             raise TrainingError(f"epoch {status['epoch']}: {status['remaining']} partitions were never served")
         return status
@@ -500,16 +503,16 @@ class Controller:
 
             report_shard_events(self, self.shard_group.settle_all(), self.totals.epochs)
         self.finish_epochs()
-        self.totals.checkpoint = self.checkpoint("final", CONTROL_CALL_TIMEOUT_S, named="model.pt")
+        self.totals.checkpoint = self.checkpoint("final", self.cfg.strategy.timeout_s, named="model.pt")
         with tempfile.TemporaryDirectory() as tmp:
             import torch
 
             path = os.path.join(tmp, "model.pt")
-            torch.save(self._last_state["model"], path)
+            torch.save(self.last_state["model"], path)
             self.report.tracker.log_file(path)
         from orchestrator.final_model import log_trained_model
 
-        seconds = log_trained_model(self.report.tracker, self.cfg, self.dataset, self._last_state["model"])
+        seconds = log_trained_model(self.report.tracker, self.cfg, self.dataset, self.last_state["model"])
         if seconds is not None:
             self.report.event("model_logged", name="model", seconds=round(seconds, 3))
 
@@ -530,7 +533,7 @@ class Controller:
         # the run's step count (monotonic, the x-axis of the epoch metrics) orders the store
         stored = self._store.save(state, step=self.totals.steps, epoch=self.totals.epochs, tag=tag)
         path = save_checkpoint(storage, run_id, named, state) if named else stored
-        self._last_state = state
+        self.last_state = state
         self._last_checkpoint_s = time.perf_counter()
         self.report.event("checkpoint", path=path, epoch=self.totals.epochs, step=self.totals.steps,
                           **({"stored": stored} if named else {}))
@@ -563,5 +566,5 @@ class Controller:
         self.server = None
 
     # ---- helpers ---------------------------------------------------------------------------
-    def get(self, refs, what: str, timeout: float = CONTROL_CALL_TIMEOUT_S):
-        return self.group._get(refs, what, timeout)
+    def get(self, refs, what: str, timeout: Optional[float] = None):
+        return self.group._get(refs, what, self.cfg.strategy.timeout_s if timeout is None else timeout)

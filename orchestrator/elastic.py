@@ -157,7 +157,11 @@ class Elasticity:
     # ---- growing -----------------------------------------------------------------------------
     def tick(self, seg: Optional[EpochSegment] = None) -> None:
         """`poll` (and, with the epoch in flight, `pause_for_ready`), where a failed look at the
-        cluster is reported (once) and training goes on."""
+        cluster is reported (once) and training goes on. Not while failures wait for the failure
+        policy: a hung or raising replica is already out of the group, and the room it left is
+        its replacement's, not a grow's."""
+        if seg is not None and seg.failures:
+            return
         try:
             self.poll()
             if seg is not None:
@@ -249,13 +253,13 @@ class Elasticity:
         self._stop_pausing()
         group = self.ctl.group
         try:
-            group.finish_joining(dict(j.ready))
+            joined = group.finish_joining(dict(j.ready))
         except Exception as exc:  # they died as well: nothing to go on with
             group.abandon_joining(j.ranks)
             self.ctl.report.event("resize_abandoned", ranks=j.ranks, reason=f"{type(exc).__name__}: {exc}")
             return []
-        self.ctl.report.say(f"replicas {sorted(j.ready)}, started for a grow, go on in place of the lost ones")
-        return sorted(j.ready)
+        self.ctl.report.say(f"replicas {joined}, started for a grow, go on in place of the lost ones")
+        return sorted(joined)
 
     def _stop_pausing(self) -> None:
         if self.pausing:
@@ -280,7 +284,7 @@ class Elasticity:
             return None
         t0 = time.perf_counter()
         try:
-            group.finish_joining({r: j.ready[r] for r in ready})
+            joined = group.finish_joining({r: j.ready[r] for r in ready})
         except Exception as exc:  # a newcomer died while starting: give this grow up, poll again
             group.abandon_joining(j.ranks)
             self.joining = None
@@ -290,6 +294,9 @@ class Elasticity:
             j.ready.pop(r)
         if not j.ready:
             self.joining = None
+        ready = joined
+        if not ready:  # their ranks were taken by replacements meanwhile
+            return None
         members = group.ranks
         old = [r for r in members if r not in ready]
         step = max((ctl.progress.get(r, 0) for r in old), default=0)

@@ -55,8 +55,7 @@ class ReplicaGroup:
         from actors.replica import ModelReplica
 
         s = self.cfg.scaling
-        cpus = 0 if spare else s.cpus_per_replica  # a spare holds memory, not CPU
-        return ModelReplica.options(num_cpus=cpus, num_gpus=0 if spare else s.gpus_per_replica,
+        return ModelReplica.options(**replica_resources(s.cpus_per_replica, s.gpus_per_replica, spare),
                                     max_restarts=0).remote(rank, s.replicas, self.raw, self.shards)
 
     def launch(self) -> None:
@@ -121,15 +120,22 @@ class ReplicaGroup:
             self.joining[rank] = self._actor(rank)
         return {rank: self.joining[rank].pid.remote() for rank in ranks}
 
-    def finish_joining(self, ready: dict[int, Any]) -> None:
+    def finish_joining(self, ready: dict[int, Any]) -> list[int]:
         """The started replicas of `ready` (rank -> its resolved pid() call from start_joining)
-        become members."""
-        ranks = list(ready)
+        become members; returns their ranks. One whose rank was filled meanwhile (a replacement
+        took it) is stopped instead: a member is never overwritten and orphaned."""
+        ranks = [r for r in ready if r in self.joining]
         pids = self._get([ready[r] for r in ranks], "new replicas", self.timeout_s)
+        joined = []
         for rank, pid in zip(ranks, pids):
+            if rank in self.members:
+                _kill(self.joining.pop(rank))
+                continue
             self.members[rank] = self.joining.pop(rank)
             self.pids[rank] = pid
-        self._locate(ranks)
+            joined.append(rank)
+        self._locate(joined)
+        return joined
 
     def abandon_joining(self, ranks: list[int]) -> None:
         for rank in ranks:
@@ -155,6 +161,7 @@ class ReplicaGroup:
         t0 = time.perf_counter()
         how = "new_actor"
         actor = None
+        _kill(self.joining.pop(rank, None))  # a grow's replica of the same rank: the rank is this one's
         while self.spares and actor is None:
             spare = self.spares.pop(0)
             try:
@@ -265,6 +272,13 @@ class ReplicaGroup:
             raise TrainingError(f"{what}: the process answering it died ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
         except ray.exceptions.RayTaskError as exc:
             raise TrainingError(f"{what}: {exc.cause if hasattr(exc, 'cause') else exc}") from None
+
+
+def replica_resources(cpus_per_replica: float, gpus_per_replica: float, spare: bool) -> dict[str, float]:
+    """What a replica reserves. A spare holds memory, not CPU; but with GPUs it holds its GPU
+    too: Ray gives a process only the GPUs it reserved (CUDA_VISIBLE_DEVICES), a replica builds
+    its model on its device at start, and an actor's resources cannot change once it runs."""
+    return {"num_cpus": 0 if spare else cpus_per_replica, "num_gpus": gpus_per_replica}
 
 
 def _kill(actor: Any) -> None:

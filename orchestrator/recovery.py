@@ -23,6 +23,7 @@ import ray
 from orchestrator.errors import INTERRUPTED, MemberLost, TrainingError
 from orchestrator.segment import EpochSegment, Plan, Recovery
 from policies.failure import Drop, Fail, Replace, ReplicaFailure, error_detail
+from policies.modes import Diverged
 
 if TYPE_CHECKING:
     from orchestrator.controller import Controller, State
@@ -87,7 +88,7 @@ def read_item(ctl: "Controller", seg: EpochSegment, rank: int, stream: Any) -> N
         return
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        if "training diverged" in str(cause):  # not a fault of this replica: every replica would diverge
+        if isinstance(cause, Diverged):  # not a fault of this replica: every replica would diverge
             raise TrainingError(f"replica {rank} epoch {seg.epoch}: {cause}") from None
         tb = str(exc)  # the replica's own traceback, as Ray carried it back
         fail(ctl, seg, ReplicaFailure(rank, "error", error_detail(type(cause).__name__, str(cause)), tb,
@@ -300,12 +301,12 @@ def carry_out(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegment:
     donor, donor_step = pick_donor(ctl, plan, survivors)
     from_checkpoint = None
     if donor is None and newcomers and not ctl.spec.sharded:  # allreduce's state lived only in the replicas
-        if ctl._last_state is None:
+        if ctl.last_state is None:
             raise TrainingError(f"epoch {seg.epoch}: every replica holding the model died at once (replicas "
                                 f"{sorted(newcomers)}) and the run has no checkpoint to go on from "
                                 "(checkpoint.every_epochs)")
-        from_checkpoint = ctl._last_state["step"]
-        donor_step = group.call(newcomers, "load_state", ctl._last_state, what="state from the last checkpoint")[0]
+        from_checkpoint = ctl.last_state["step"]
+        donor_step = group.call(newcomers, "load_state", ctl.last_state, what="state from the last checkpoint")[0]
         ctl.report.say(f"every replica holding the model died: going on from the last checkpoint "
                        f"(replica step {from_checkpoint}); the steps since are lost")
     if ctl.spec.sharded:
@@ -389,8 +390,8 @@ def report_finished_passes(ctl: "Controller", seg: EpochSegment, failed: set[int
     done = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch" and r not in failed}
     # a failure seen after the pass closed (at the epoch's end): the completions it kept for the
     # next epoch's start go now, once (the same lists as the ended items': reported once)
-    done.update(ctl._unreported)
-    ctl._unreported = {}
+    done.update(ctl.unreported)
+    ctl.unreported = {}
     if done:
         ctl.server.call("finish", done)
     seg.ended = {}
@@ -418,7 +419,7 @@ def close_pass(ctl: "Controller", seg: EpochSegment):
         seg.started = None
     completed = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch"}
     if not seg.disturbed:
-        ctl._unreported = completed
+        ctl.unreported = completed
         return ctl.end_epoch(seg)
     status = ctl.server.call("finish", completed)
     seg.ended = {}

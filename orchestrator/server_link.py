@@ -33,7 +33,6 @@ from actors.incarnation import incarnation_name
 from orchestrator.errors import TrainingError
 
 START_TIMEOUT_S = 60.0  # a rebuilt server's process starts and reads its journal within this
-CALL_TIMEOUT_S = 30.0  # the driver's calls (the server answers in milliseconds)
 REBUILDS_PER_CALL = 3  # a call that meets this many dead incarnations in a row ends the run
 
 
@@ -48,13 +47,13 @@ class Call:
 
 class ServerLink:
     def __init__(self, rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool, max_grant: int,
-                 placement: Any, hang_s: float) -> None:
+                 placement: Any, hang_s: float, timeout_s: float) -> None:
         self.args = (rows, replicas, seed, pinned, shuffle, max_grant)
         self.dir = tempfile.mkdtemp(prefix="eo-ledger-")
         self.journal = os.path.join(self.dir, "ledger.pkl")
         self.name = f"eo-{uuid.uuid4().hex[:12]}-partitions"
         self.namespace = ray.get_runtime_context().namespace
-        self.placement, self.hang_s = placement, hang_s
+        self.placement, self.hang_s, self.timeout_s = placement, hang_s, timeout_s  # timeout_s: strategy.timeout_s
         self.generation, self.handle = -1, None
         self.pending: dict[int, Call] = {}  # sent, answer not read yet: sent again to a rebuilt server
         self.events: list[dict] = []
@@ -93,11 +92,12 @@ class ServerLink:
     def _send(self, call: Call) -> None:
         call.ref = getattr(self.handle, call.method).remote(*call.args, call=call.id, **call.kwargs)
 
-    def result(self, call: Call, what: str = "partition server", timeout_s: float = CALL_TIMEOUT_S) -> Any:
+    def result(self, call: Call, what: str = "partition server", timeout_s: Optional[float] = None) -> Any:
         """`call`'s answer. A dead server is rebuilt and the call sent again (at most
         REBUILDS_PER_CALL times); one that does not answer within `timeout_s` is taken for
         stopped and rebuilt once. A TrainingError naming `what` past that, or when the server
         refused the call."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         rebuilds, hung = 0, False
         while True:
             try:
@@ -120,7 +120,7 @@ class ServerLink:
             self.pending.pop(call.id, None)
             return answer
 
-    def call(self, method: str, *args, what: str = "partition server", timeout_s: float = CALL_TIMEOUT_S, **kwargs) -> Any:
+    def call(self, method: str, *args, what: str = "partition server", timeout_s: Optional[float] = None, **kwargs) -> Any:
         return self.result(self.send(method, *args, **kwargs), what, timeout_s)
 
     # ---- watching -----------------------------------------------------------------------------

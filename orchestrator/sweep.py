@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional, Sequence
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from orchestrator.config import JobConfig, _Section, apply_overrides, yaml_shape_problem
+from orchestrator.config import JobConfig, Section, apply_overrides, yaml_shape_problem
 from orchestrator.errors import ConfigError, TrainingError
 
 MAX_CHECKED_COMBINATIONS = 256  # discrete values checked together before anything starts (each alone beyond)
@@ -32,7 +32,7 @@ READ_TIMEOUT_S = 60.0  # reading a trial's result back from MLflow
 SWEEP_PREFIX = "sweep."  # tags the sweep sets on its runs
 
 
-class SearchSpace(_Section):
+class SearchSpace(Section):
     """The values one config key takes: exactly one of grid (every value, crossed with the other
     grid keys), choice (one value per sample), uniform or loguniform ([low, high], one draw per
     sample)."""
@@ -80,9 +80,10 @@ class SearchSpace(_Section):
             else {"uniform": tune.uniform, "loguniform": tune.loguniform}[self.kind](*value)
 
 
-class AshaConfig(_Section):
+class AshaConfig(Section):
     """scheduler asha: Asynchronous Successive Halving stops trials whose metric trails the others'
-    at the same epoch (ray.tune.schedulers.ASHAScheduler, time_attr epoch, max_t stop.epochs)."""
+    at the same epoch (ray.tune.schedulers.ASHAScheduler, time_attr epoch, max_t one past the
+    largest stop.epochs of the trials, so a trial that ends at its last epoch is not also stopped by ASHA)."""
 
     grace_period: int = Field(1, ge=1, description="Epochs every trial runs before it can be stopped.")
     reduction_factor: float = Field(
@@ -90,7 +91,7 @@ class AshaConfig(_Section):
         "of the trials seen there go on.")
 
 
-class SweepConfig(_Section):
+class SweepConfig(Section):
     """Its top-level keys: the base job config, the search space over the base's keys, how trials
     are ranked, scheduled and recorded."""
 
@@ -292,22 +293,6 @@ def _describe(exc: ValidationError) -> str:
     return describe_validation_error(exc).replace("config error:", "sweep error:", 1)
 
 
-def sweep_reference() -> list[str]:
-    """The sweep file's section of docs/config.md."""
-    from orchestrator.config import _field_table
-
-    nested: list[tuple[str, type]] = []
-    lines = ["## Sweep file (`python -m orchestrator sweep SWEEP.yaml`, see docs/sweeps.md)", "",
-             " ".join((SweepConfig.__doc__ or "").split()), ""]
-    lines += _field_table("", SweepConfig, nested)
-    for name, model in nested:
-        name = "search.<key>" if name == "search" else name
-        lines += [f"## `{name}` (sweep file)", "", " ".join((model.__doc__ or "").split()), ""]
-        lines += _field_table(name, model, [])
-    return lines
-
-
-# ---- one trial (runs inside a Ray Tune trial actor) -------------------------------------------------
 class _TuneReport:
     """A reporting callback: after every epoch, the epoch's figures (and the child run's id, so the
     driver finds every trial's run) to Ray Tune. When Tune ends the trial (a scheduler stopped it),

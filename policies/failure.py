@@ -107,6 +107,15 @@ class FailurePolicy:
                     f"scaling.min_replicas {self.min_replicas}" +
                     (f"\n{failure.traceback}".rstrip() if failure.traceback else ""))
 
+    def position(self) -> dict:
+        """What a checkpoint keeps of the policy, so a resumed run has the budget it had left."""
+        return {"restarts": self.restarts, "in_a_row": self.in_a_row,
+                "last_error": {str(r): e for r, e in self.last_error.items()}}
+
+    def restore(self, position: dict) -> None:
+        self.restarts, self.in_a_row = int(position["restarts"]), int(position["in_a_row"])
+        self.last_error = {int(r): e for r, e in position.get("last_error", {}).items()}
+
     def epoch_without_failure(self) -> None:
         """The backoff starts over after an epoch with no failure."""
         self.in_a_row = 0

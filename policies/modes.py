@@ -22,6 +22,11 @@ class Interrupted(Exception):
     waits for the controller to regroup."""
 
 
+class Diverged(RuntimeError):
+    """The loss became nan or inf: not a fault of the replica that saw it (every replica would),
+    so the run ends instead of replacing it. The controller tells it apart by this type."""
+
+
 class StepResult(NamedTuple):
     loss: float  # mean loss of the step (allreduce: across replicas; else this replica's batch)
     comm_s: float  # seconds waiting for communication

@@ -1,4 +1,5 @@
-"""Deliberately bad model factories for the bad-input tests."""
+"""Model factories the tests need and no example has: deliberately bad ones for the bad-input
+tests, and unusual but valid ones."""
 
 
 def not_a_module():
@@ -23,3 +24,14 @@ def friedman_net(width: int = 64):
             return self.linear(x) + self.deep(x)
 
     return FriedmanNet()
+
+
+def partly_frozen_mlp():
+    """examples.models:tiny_mlp with its first layer frozen (transfer learning's usual shape):
+    the frozen weights are in model.parameters() but never trained, sharded or averaged."""
+    from examples.models import tiny_mlp
+
+    model = tiny_mlp()
+    for p in model[1].parameters():
+        p.requires_grad_(False)
+    return model

@@ -105,3 +105,18 @@ def test_a_stopped_partition_server_is_replaced_from_its_journal(ray_cluster, tm
     [server] = [e for e in result.events if e["kind"] == "server_rebuilt"]
     assert server["generation"] == 1 and "no answer" in server["detected_by"]
     assert not [e for e in result.events if e["kind"] == "replica_failed"]
+
+
+def test_a_stopped_shard_is_killed_and_rebuilt(ray_cluster, tmp_path):
+    """downpour: a parameter shard's process SIGSTOPped (never resumed): its pings go unanswered
+    for hang_timeout_s / 2, the driver kills it and rebuilds it from its snapshot; the replicas
+    waiting on it replay into the new one and nothing acknowledged is lost."""
+    cfg = compound_config(tmp_path, "downpour", "fault_tolerance.hang_timeout_s=20")
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    with FaultInjector(lambda: trainer.controller, [Fault("hang_shard", 0, at_step=40)]) as inj:
+        result = trainer.fit()
+    assert [f["kind"] for f in inj.fired] == ["hang_shard"] and "error" not in inj.fired[0]
+    assert result.final.test_accuracy >= 0.97
+    [rebuilt] = [e for e in result.events if e["kind"] == "shard_rebuilt"]
+    assert "no answer" in rebuilt["detected_by"] and rebuilt["lost_updates"] == 0, rebuilt
+    assert not [e for e in result.events if e["kind"] == "replica_failed"]

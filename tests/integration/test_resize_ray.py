@@ -50,3 +50,26 @@ def test_allreduce_grows_to_max_replicas_and_the_rate_follows_the_rule(ray_clust
     assert [v for _, v in ramp] == sorted(v for _, v in ramp)
     assert result.final.test_accuracy > 0.9
 
+
+
+def test_the_room_a_hung_replica_leaves_is_its_replacements_not_a_grows(ray_cluster, tmp_path):
+    """A hung replica is taken out of the group at once (its process stopped); until the failure
+    policy has replaced it, the run is one replica short with room on the cluster. A grow
+    started in that window took the same rank, and the replacement made next was overwritten
+    by the grow's replica and orphaned. Now no grow starts while failures wait: one replacement,
+    no resize, the original rank set at the end."""
+    from orchestrator.chaos import Fault
+    from tests.integration.test_recovery_ray import events, fit_with
+
+    cfg = job_config(strategy={"mode": "allreduce", "timeout_s": 30},
+                     scaling={"replicas": 2, "max_replicas": 2, "cpus_per_replica": 0.5, "poll_s": 0.1,
+                              "grow_after": 1},
+                     fault_tolerance={"hang_timeout_s": 3}, stop={"epochs": 6}, data={"batch_size": 8},
+                     faults={"slow_replicas": [{"rank": 0, "delay_s": 0.005}]},
+                     tracking={"progress_interval_s": 0, "log_every_steps": 1},
+                     checkpoint={"storage": str(tmp_path / "ck")})
+    result, inj, _, _ = fit_with(cfg, [Fault("hang_replica", 1, at_step=20)])
+    assert [f["kind"] for f in inj.fired] == ["hang_replica"]
+    assert [e["cause"] for e in events(result, "replica_failed")] == ["hung"]
+    assert [e["ranks"] for e in events(result, "replica_replaced")] == [[1]]
+    assert not events(result, "resize"), events(result, "resize")

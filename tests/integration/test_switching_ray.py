@@ -70,6 +70,30 @@ def test_allreduce_to_easgd_seeds_the_center_with_the_replicas_parameters_and_ba
         ctl.shutdown()
 
 
+def test_a_frozen_parameter_stays_out_of_the_center_a_switch_seeds(ray_cluster):
+    """A model whose first layer is frozen: the center seeded from a replica holds exactly the
+    trainable parameters, in the shards' layout, and the replicas train on from them."""
+    ctl = controller([{"mode": "allreduce", "until": {"epochs": 1}}, {"mode": "easgd", "tau": 2}],
+                     model={"factory": "tests.factories:partly_frozen_mlp"})
+    try:
+        ctl.step()
+        ctl.run_epoch()
+        [before] = ray.get([ctl.replicas[0].state.remote()], timeout=30)
+        ctl.step()
+        ctl.step()
+        assert ctl.spec.name == "easgd"
+        trainable = np.concatenate([v.reshape(-1).numpy() for k, v in before["model"].items()
+                                    if not k.startswith("1.")])
+        np.testing.assert_array_equal(ctl.shard_group.values(), trainable)
+        for flat in replica_flats(ctl):
+            np.testing.assert_array_equal(flat, trainable)
+        [after] = ray.get([ctl.replicas[1].state.remote()], timeout=30)
+        for k in ("1.weight", "1.bias"):  # frozen: as built, on every replica
+            np.testing.assert_array_equal(after["model"][k].numpy(), before["model"][k].numpy())
+    finally:
+        ctl.shutdown()
+
+
 def test_downpour_to_easgd_carries_the_shards_contents_over(ray_cluster):
     ctl = controller([{"mode": "downpour", "n_push": 2, "until": {"epochs": 1}}, {"mode": "easgd"}],
                      optimizer={"momentum": 0.5})

@@ -74,7 +74,7 @@ def test_malformed_override_and_missing_file(tmp_path):
 def test_docs_config_reference_is_current():
     import os
 
-    from orchestrator.config import reference_markdown
+    from orchestrator.config_docs import reference_markdown
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "config.md")
     with open(path) as f:

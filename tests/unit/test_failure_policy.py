@@ -63,3 +63,16 @@ def test_no_room_for_a_replacement_shrinks_without_spending_a_restart():
 def test_no_room_and_too_few_survivors_fails():
     d = FailurePolicy(max_restarts=3, min_replicas=2).decide(died(), 1, placeable=False)
     assert isinstance(d, Fail) and "min_replicas 2" in d.reason
+
+
+def test_a_resumed_policy_has_the_budget_it_had_left():
+    """The policy's position goes into every checkpoint: a run resumed after spending its
+    replacements does not get them again."""
+    used = FailurePolicy(max_restarts=2, min_replicas=1)
+    for _ in range(2):
+        assert isinstance(used.decide(ReplicaFailure(1, "died", "gone"), survivors=1), Replace)
+    used.decide(ReplicaFailure(0, "error", "ValueError: x"), survivors=1)  # a third: over budget, remembered
+    resumed = FailurePolicy(max_restarts=2, min_replicas=1)
+    resumed.restore(used.position())
+    assert (resumed.restarts, resumed.in_a_row, resumed.last_error) == (used.restarts, used.in_a_row, used.last_error)
+    assert isinstance(resumed.decide(ReplicaFailure(1, "died", "gone"), survivors=1), Drop)

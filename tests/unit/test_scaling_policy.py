@@ -152,3 +152,13 @@ def test_bad_scaling_options_are_one_line_config_errors(overrides, message):
     with pytest.raises(ConfigError) as exc:
         JobConfig.from_dict({}, overrides)
     assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
+
+
+def test_a_spare_reserves_no_cpu_but_its_gpu():
+    """A spare in a GPU run reserves the GPU it builds its model on (without it Ray hides every
+    GPU from the process and the spare dies at start); no CPU either way."""
+    from orchestrator.group import replica_resources
+
+    assert replica_resources(1.0, 0.0, spare=True) == {"num_cpus": 0, "num_gpus": 0.0}
+    assert replica_resources(1.0, 0.5, spare=True) == {"num_cpus": 0, "num_gpus": 0.5}
+    assert replica_resources(2.0, 1.0, spare=False) == {"num_cpus": 2.0, "num_gpus": 1.0}
