@@ -1,5 +1,5 @@
 """docs/config.md, generated from the config models (orchestrator/config.py) and the sweep
-file's (orchestrator/sweep.py), so the reference cannot drift from the code:
+file's (orchestrator/sweep/schema.py), so the reference cannot drift from the code:
 `python -m orchestrator config-reference > docs/config.md`."""
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def field_table(prefix: str, model: type, nested: list[tuple[str, type]]) -> lis
         inner = [a for a in typing.get_args(f.annotation) for a in (typing.get_args(a) or (a,))]
         sub = next((a for a in [f.annotation, *inner] if isinstance(a, type) and issubclass(a, BaseModel)), None)
         ann = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-        ann = ann.replace("orchestrator.config.", "").replace("orchestrator.sweep.", "")
+        ann = ann.replace("orchestrator.config.", "").replace("orchestrator.sweep.schema.", "")
         if f.is_required():
             shown = "required"
         else:

@@ -111,7 +111,11 @@ def test_soak_short(ray_cluster, tmp_path, mode):
     check(soak(mode, SEEDS[mode], SHORT_S, tmp_path))
 
 
+LONG_S = float(os.environ.get("EO_SOAK_S", "600"))
+
+
 @pytest.mark.soak
+@pytest.mark.timeout(LONG_S + 600)  # the soak's own length, then start-up, the end and the checks
 @pytest.mark.parametrize("mode", ["allreduce", "downpour", "easgd"])
 def test_soak_long(ray_cluster, tmp_path, mode):
-    check(soak(mode, SEEDS[mode], float(os.environ.get("EO_SOAK_S", "600")), tmp_path))
+    check(soak(mode, SEEDS[mode], LONG_S, tmp_path))

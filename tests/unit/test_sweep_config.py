@@ -163,7 +163,7 @@ def test_comparison_table_and_plot(tmp_path):
 ])
 def test_trials_get_the_drivers_tracking_store_as_an_absolute_uri(tmp_path, monkeypatch, uri, expected):
     """Tune runs each trial in its own working directory: a relative store would be another store."""
-    from orchestrator.sweep import _absolute_uri
+    from orchestrator.sweep import absolute_uri as _absolute_uri
 
     monkeypatch.chdir(tmp_path)
     assert _absolute_uri(uri) == expected.format(cwd=os.getcwd())
