@@ -102,6 +102,7 @@ class FaultInjector:
     `ray.cluster_utils.Cluster` that `drop_node` removes nodes from."""
 
     POLL_S = 0.005
+    GIVE_UP_S = 10.0  # a due fault that cannot fire for this long (its target does not exist) is skipped
 
     def __init__(self, controller: Any, faults: list[Fault], timeout_s: float = 600.0, cluster: Any = None) -> None:
         self._controller: Callable[[], Any] = controller if callable(controller) else (lambda: controller)
@@ -126,6 +127,7 @@ class FaultInjector:
         t_start = None
         pending = list(self.faults)
         last_error: dict[Fault, str] = {}
+        failing_since: dict[Fault, float] = {}
         while (pending or self._stopped) and not self._stop.is_set() and time.monotonic() < deadline:
             self._resume_slowed()
             ctl = self._controller()
@@ -140,6 +142,11 @@ class FaultInjector:
                     self.fired.append(self._fire(ctl, fault))
                 except Exception as exc:  # e.g. the target is being replaced right now: try again
                     last_error[fault] = f"{type(exc).__name__}: {exc}"
+                    since = failing_since.setdefault(fault, time.monotonic())
+                    if time.monotonic() - since > self.GIVE_UP_S:  # the rest of the schedule goes on
+                        self.fired.append({"kind": fault.kind, "target": fault.target,
+                                           "error": f"not fired: {last_error[fault]} for {self.GIVE_UP_S:.0f}s"})
+                        pending.pop(0)
                     time.sleep(0.05)
                     continue
                 pending.pop(0)
@@ -184,6 +191,8 @@ class FaultInjector:
         elif fault.kind in ("kill_server", "hang_server"):
             handle = ctl.server.handle
         else:
+            if not ctl.group.spares:
+                raise ValueError("no spare to kill now")
             handle = ctl.group.spares[fault.target % len(ctl.group.spares)]
         return ray.get(handle.pid.remote(), timeout=PID_TIMEOUT_S)
 

@@ -515,7 +515,8 @@ class StopConfig(Section):
 class TrackingConfig(Section):
     experiment: str = Field("elastic-orchestrator", min_length=1, description="MLflow experiment name.")
     tracking_uri: Optional[str] = Field(
-        None, description="MLflow tracking URI; default: MLflow's own default (MLFLOW_TRACKING_URI or local)."
+        None, description="MLflow tracking URI; default: MLflow's own default (MLFLOW_TRACKING_URI or local). A "
+        "new experiment in a sqlite store keeps its artifacts in `mlruns/<experiment>/` beside the database file."
     )
     run_name: Optional[str] = Field(None, description="MLflow run name; default: MLflow picks one.")
     register_as: Optional[str] = Field(

@@ -162,15 +162,16 @@ class ReplicaGroup:
         how = "new_actor"
         actor = None
         _kill(self.joining.pop(rank, None))  # a grow's replica of the same rank: the rank is this one's
-        while self.spares and actor is None:
+        for _ in range(len(self.spares)):
             spare = self.spares.pop(0)
+            self.spares.append(self._spare())  # the pool keeps its size whatever this one does
             try:
                 self.pids[rank] = self._get(spare.assign.remote(rank, self.cfg.scaling.replicas, self.raw["strategy"]),
                                             "spare", self.timeout_s)
                 actor, how = spare, "spare"
+                break
             except TrainingError:  # the spare itself died: try the next, or a new actor
-                continue
-            self.spares.append(self._spare())
+                _kill(spare)
         if actor is None:
             actor = self.members[rank] = self._actor(rank)  # a member already: its death is a MemberLost
             self.pids[rank] = self._get(actor.pid.remote(), f"replacement for replica {rank}", READY_TIMEOUT_S)

@@ -94,10 +94,10 @@ class ServerLink:
 
     def result(self, call: Call, what: str = "partition server", timeout_s: Optional[float] = None) -> Any:
         """`call`'s answer. A dead server is rebuilt and the call sent again (at most
-        REBUILDS_PER_CALL times); one that does not answer within `timeout_s` is taken for
-        stopped and rebuilt once. A TrainingError naming `what` past that, or when the server
-        refused the call."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        REBUILDS_PER_CALL times); one that does not answer within hang_s (it answers in
+        milliseconds when it runs) is taken for stopped, killed and rebuilt once. A
+        TrainingError naming `what` past that, or when the server refused the call."""
+        timeout_s = min(self.timeout_s if timeout_s is None else timeout_s, self.hang_s)
         rebuilds, hung = 0, False
         while True:
             try:
@@ -112,7 +112,7 @@ class ServerLink:
                 if hung:
                     raise TrainingError(f"{what}: no answer within {timeout_s:.0f}s, twice") from None
                 hung = True
-                self._rebuild("call timed out", kill=True)
+                self._rebuild(f"no answer to a call for {timeout_s:.0f}s", kill=True)
                 continue
             except RayTaskError as exc:
                 self.pending.pop(call.id, None)

@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -199,6 +200,17 @@ def _read_events(client: MlflowClient, run_id: str) -> list[dict[str, Any]]:
             return [json.loads(line) for line in f if line.strip()]
 
 
+def artifacts_beside(tracking_uri: str, experiment: str) -> Optional[str]:
+    """Where a new experiment's artifacts go: for a sqlite file store, a `mlruns` directory beside
+    the database (MLflow's own default is `./mlruns` in the working directory, wherever the
+    database is); for any other store, its own default (None)."""
+    if not tracking_uri.startswith("sqlite:///") or tracking_uri.endswith(":memory:"):
+        return None
+    path = os.path.abspath(tracking_uri.removeprefix("sqlite:///").split("?")[0])
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in experiment) or "experiment"
+    return Path(os.path.dirname(path), "mlruns", slug).as_uri()
+
+
 class Tracker:
     def __init__(self, tracking_uri: Optional[str], experiment: str, run_name: Optional[str],
                  warn: Callable[[str], None] = _stderr, run_id: Optional[str] = None) -> None:
@@ -216,7 +228,8 @@ class Tracker:
                 previous.extend(_read_events(self.client, run_id))
                 return run.info.experiment_id, run_id
             exp = self.client.get_experiment_by_name(experiment)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+            exp_id = exp.experiment_id if exp else self.client.create_experiment(
+                experiment, artifact_location=artifacts_beside(self.tracking_uri, experiment))
             return exp_id, self.client.create_run(exp_id, run_name=run_name).info.run_id
 
         try:

@@ -71,3 +71,17 @@ def test_a_failing_or_hanging_store_never_stops_the_run(tmp_path, monkeypatch):
     assert time.monotonic() - start < 5
     assert any("ending the run as KILLED" in w for w in warnings)
     hang.set()
+
+
+def test_a_sqlite_stores_artifacts_go_beside_it(tmp_path):
+    """A new experiment in a sqlite store keeps its artifacts in mlruns/ beside the database,
+    not in the working directory (MLflow's default), so a store in a temporary directory leaves
+    nothing behind elsewhere."""
+    from orchestrator.tracking import Tracker, artifacts_beside
+
+    assert artifacts_beside(f"sqlite:///{tmp_path}/m.db", "my exp") == (tmp_path / "mlruns" / "my_exp").as_uri()
+    assert artifacts_beside("http://127.0.0.1:5000", "x") is None
+    tracker = Tracker(f"sqlite:///{tmp_path}/m.db", "beside", None)
+    tracker.log_text("hello", "note.txt")
+    tracker.finish("FINISHED")
+    assert (tmp_path / "mlruns" / "beside" / tracker.run_id / "artifacts" / "note.txt").read_text() == "hello"
