@@ -102,7 +102,7 @@ class FaultInjector:
     `ray.cluster_utils.Cluster` that `drop_node` removes nodes from."""
 
     POLL_S = 0.005
-    GIVE_UP_S = 10.0  # a due fault that cannot fire for this long (its target does not exist) is skipped
+    GIVE_UP_S = 30.0  # a due fault that cannot fire for this long (its target does not exist) is skipped
 
     def __init__(self, controller: Any, faults: list[Fault], timeout_s: float = 600.0, cluster: Any = None) -> None:
         self._controller: Callable[[], Any] = controller if callable(controller) else (lambda: controller)

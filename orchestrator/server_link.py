@@ -33,7 +33,7 @@ from actors.incarnation import incarnation_name
 from orchestrator.errors import TrainingError
 
 START_TIMEOUT_S = 60.0  # a rebuilt server's process starts and reads its journal within this
-REBUILDS_PER_CALL = 3  # a call that meets this many dead incarnations in a row ends the run
+REBUILDS_PER_CALL = 5  # a call that meets this many dead or stopped incarnations in a row ends the run
 
 
 @dataclass
@@ -93,26 +93,22 @@ class ServerLink:
         call.ref = getattr(self.handle, call.method).remote(*call.args, call=call.id, **call.kwargs)
 
     def result(self, call: Call, what: str = "partition server", timeout_s: Optional[float] = None) -> Any:
-        """`call`'s answer. A dead server is rebuilt and the call sent again (at most
-        REBUILDS_PER_CALL times); one that does not answer within hang_s (it answers in
-        milliseconds when it runs) is taken for stopped, killed and rebuilt once. A
-        TrainingError naming `what` past that, or when the server refused the call."""
+        """`call`'s answer. A server that died, or does not answer within hang_s (it answers in
+        milliseconds when it runs: it is taken for stopped and killed), is rebuilt and the call
+        sent again, at most REBUILDS_PER_CALL times in a row; past that, or when the server
+        refused the call, a TrainingError naming `what`."""
         timeout_s = min(self.timeout_s if timeout_s is None else timeout_s, self.hang_s)
-        rebuilds, hung = 0, False
+        rebuilds = 0
         while True:
             try:
                 answer = ray.get(call.ref, timeout=timeout_s)
-            except RayActorError:
+            except (RayActorError, GetTimeoutError) as exc:
                 rebuilds += 1
                 if rebuilds > REBUILDS_PER_CALL:
-                    raise TrainingError(f"{what}: the partition server died {rebuilds} times in a row") from None
-                self._rebuild("call")
-                continue
-            except GetTimeoutError:
-                if hung:
-                    raise TrainingError(f"{what}: no answer within {timeout_s:.0f}s, twice") from None
-                hung = True
-                self._rebuild(f"no answer to a call for {timeout_s:.0f}s", kill=True)
+                    raise TrainingError(f"{what}: the partition server died or stopped {REBUILDS_PER_CALL} times "
+                                        "during one call") from None
+                stopped = isinstance(exc, GetTimeoutError)
+                self._rebuild(f"no answer to a call for {timeout_s:.0f}s" if stopped else "call", kill=stopped)
                 continue
             except RayTaskError as exc:
                 self.pending.pop(call.id, None)
