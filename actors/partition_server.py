@@ -83,22 +83,25 @@ class PartitionServer:
         os.replace(tmp, self.journal)
 
     def _once(self, caller: str, call: Any, act):
-        """`act()` unless `caller`'s call `call` was answered already (then that answer); the
-        state saved before the answer leaves."""
+        """`act()` unless `caller`'s call `call` was answered already (then that answer). The
+        state and the answer are saved in one write before the answer leaves: a journal that
+        held the change without the answer would apply a re-sent call twice (a grant would
+        lease new partitions while the ones it first leased stayed held by nobody)."""
         if call is not None:
             seen = self.answered.get(caller)
             if seen is not None and seen[0] == call:
                 return seen[1]
         try:
             answer = act()
-        finally:
+        except BaseException:
             self._save()  # a refused epoch is kept too
+            raise
         if call is not None:
             self.answered[caller] = (call, answer)
             if caller.startswith("driver:"):
                 for old in [k for k in self.answered if k.startswith("driver:")][:-DRIVER_CALLS_KEPT]:
                     del self.answered[old]
-            self._save()
+        self._save()
         return answer
 
     def start_epoch(self, epoch: int, ranks: list[int] = (),

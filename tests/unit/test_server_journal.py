@@ -91,3 +91,21 @@ def test_deaths_between_any_calls_still_serve_each_partition_once(tmp_path, seed
         assert sorted(seen) == list(range(len(ROWS)))
         served.append(seen)
     assert gen > 0
+
+
+def test_each_call_is_journaled_once_with_its_answer(tmp_path, monkeypatch):
+    """The change a call makes and its answer reach the journal in one write: a server that
+    died between two writes would leave a journal whose re-sent grant leases new partitions
+    while the first ones stay held by nobody (an epoch that never finishes)."""
+    server = fresh(tmp_path / "ledger.pkl")
+    writes = []
+    real = Server._save
+
+    def save(self):
+        writes.append(dict(self.answered))
+        real(self)
+    monkeypatch.setattr(Server, "_save", save)
+    server.start_epoch(1, [0, 1], call=1)
+    server.grant(0, [], 1, caller="a:1")
+    assert len(writes) == 2
+    assert "driver:1" in writes[0] and writes[1]["rank:0"][0] == "a:1"
