@@ -90,33 +90,21 @@ def test_a_kill_during_a_switch_is_repaired_and_the_switch_carried_out(ray_clust
     assert any(e["kind"] == "replica_replaced" and 1 in e["ranks"] for e in result.events)
 
 
-@pytest.mark.parametrize("mode", ["allreduce"])
-def test_a_stopped_partition_server_is_replaced_from_its_journal(ray_cluster, tmp_path, mode):
-    """The server's process SIGSTOPped (never resumed): the driver sees its pings go unanswered
-    for hang_timeout_s / 2, kills it and starts the next incarnation from the journal; the
-    replicas move to it and no replica is taken for hung. (The soak stops the server in every
-    mode.)"""
+@pytest.mark.parametrize("mode,fault,rebuilt", [("allreduce", "hang_server", "server_rebuilt"),
+                                                 ("downpour", "hang_shard", "shard_rebuilt")])
+def test_a_stopped_server_or_shard_is_killed_and_rebuilt(ray_cluster, tmp_path, mode, fault, rebuilt):
+    """The partition server's (allreduce) or a parameter shard's (downpour) process SIGSTOPped,
+    never resumed: the driver sees its pings go unanswered for hang_timeout_s / 2, kills it and
+    starts the next incarnation (the server from its journal, the shard from its snapshot, the
+    replicas replaying into it); no replica is taken for hung and nothing acknowledged is lost.
+    (The soak stops the server in every mode.)"""
     cfg = compound_config(tmp_path, mode, "fault_tolerance.hang_timeout_s=20")
     trainer = ElasticTrainer(cfg, show_progress=False)
-    with FaultInjector(lambda: trainer.controller, [Fault("hang_server", 0, at_step=40)]) as inj:
+    with FaultInjector(lambda: trainer.controller, [Fault(fault, 0, at_step=40)]) as inj:
         result = trainer.fit()
-    assert [f["kind"] for f in inj.fired] == ["hang_server"] and "error" not in inj.fired[0]
+    assert [f["kind"] for f in inj.fired] == [fault] and "error" not in inj.fired[0]
     assert result.final.test_accuracy >= 0.97
-    [server] = [e for e in result.events if e["kind"] == "server_rebuilt"]
-    assert server["generation"] == 1 and "no answer" in server["detected_by"]
-    assert not [e for e in result.events if e["kind"] == "replica_failed"]
-
-
-def test_a_stopped_shard_is_killed_and_rebuilt(ray_cluster, tmp_path):
-    """downpour: a parameter shard's process SIGSTOPped (never resumed): its pings go unanswered
-    for hang_timeout_s / 2, the driver kills it and rebuilds it from its snapshot; the replicas
-    waiting on it replay into the new one and nothing acknowledged is lost."""
-    cfg = compound_config(tmp_path, "downpour", "fault_tolerance.hang_timeout_s=20")
-    trainer = ElasticTrainer(cfg, show_progress=False)
-    with FaultInjector(lambda: trainer.controller, [Fault("hang_shard", 0, at_step=40)]) as inj:
-        result = trainer.fit()
-    assert [f["kind"] for f in inj.fired] == ["hang_shard"] and "error" not in inj.fired[0]
-    assert result.final.test_accuracy >= 0.97
-    [rebuilt] = [e for e in result.events if e["kind"] == "shard_rebuilt"]
-    assert "no answer" in rebuilt["detected_by"] and rebuilt["lost_updates"] == 0, rebuilt
+    [event] = [e for e in result.events if e["kind"] == rebuilt]
+    assert event["generation"] == 1 and "no answer" in event["detected_by"], event
+    assert event.get("lost_updates", 0) == 0, event
     assert not [e for e in result.events if e["kind"] == "replica_failed"]
