@@ -1,4 +1,4 @@
-"""`python -m orchestrator run CONFIG.yaml [--set k=v ...] [--result-json PATH]`;
+"""`python -m orchestrator run CONFIG.yaml [--name NAME] [--set k=v ...] [--result-json PATH]`;
 `python -m orchestrator resume RUN [--result-json PATH]`;
 `python -m orchestrator sweep SWEEP.yaml [--set k=v ...] [--json PATH]`."""
 from __future__ import annotations
@@ -20,6 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="path to the job's YAML config")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override one config field (repeatable), e.g. --set optimizer.lr=0.1")
+    run.add_argument("--name", metavar="NAME", help="name the run (run.name): its checkpoints go to "
+                     "<checkpoint.storage>/NAME/, and the same command again after a crash goes on from the newest")
     run.add_argument("--result-json", metavar="PATH", help="write the result as JSON to PATH")
     run.add_argument("--no-progress", action="store_true", help="no progress display, only the final line")
     res = sub.add_parser("resume", help="go on with a run from its newest good checkpoint, in the same MLflow run")
@@ -68,7 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(reference_markdown())
         return 0
     from orchestrator.checks import one_line
-    from orchestrator.errors import ConfigError, TrainingError
+    from orchestrator.errors import ConfigError
 
     if args.command == "sweep":
         return _sweep(args)
@@ -80,7 +82,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             path, resume, skipped = find_checkpoint(args.run, args.tracking_uri)
             config = JobConfig.from_dict(resume["config"])
         else:
-            config = JobConfig.from_yaml(args.config, args.overrides)
+            overrides = list(args.overrides) + ([f"run.name={args.name}"] if args.name is not None else [])
+            config = JobConfig.from_yaml(args.config, overrides)
         if args.result_json:
             parent = os.path.dirname(os.path.abspath(args.result_json))
             if not os.path.isdir(parent):
@@ -88,14 +91,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from orchestrator.trainer import ElasticTrainer
 
         trainer = ElasticTrainer(config, show_progress=not args.no_progress, resume=resume)
+        if resume is not None:
+            trainer.resumed_from, trainer.skipped = path, skipped
         trainer.check()  # bad input stops here, before Ray or MLflow start (fit() checks the cluster)
     except ConfigError as exc:
         print(f"orchestrator: {one_line(exc)}", file=sys.stderr)  # bad input: this one line is all stderr gets
         return EXIT_BAD_INPUT
-    if resume is not None:
-        for name, why in skipped:
-            print(f"orchestrator: skipped checkpoint {name}: {why}", file=sys.stderr)
-        print(f"resuming MLflow run {resume['mlflow_run_id']} from {path} (epoch {resume['epoch']})", flush=True)
     result, code = _guarded(trainer.fit, "training", "the MLflow run")
     if code is not None:
         return code
@@ -114,7 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _sweep(args: argparse.Namespace) -> int:
     """The sweep subcommand: bad input exits 2 before Ray starts; 1 when no trial finished."""
     from orchestrator.checks import one_line
-    from orchestrator.errors import ConfigError, TrainingError
+    from orchestrator.errors import ConfigError
     from orchestrator.sweep import load_sweep, run_sweep
 
     try:

@@ -531,14 +531,29 @@ class TrackingConfig(Section):
     )
 
 
+RUN_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+
+
+class RunConfig(Section):
+    name: Optional[str] = Field(
+        None, pattern=RUN_NAME, description="Names the run (also `--name NAME` on the command line): its checkpoints "
+        "go to `<checkpoint.storage>/<name>/`, and starting a run of the same name again goes on from its newest good "
+        "checkpoint, in the same MLflow run (the console says so); a finished run of that name is refused, and a "
+        "config that differs from the checkpoint's in anything but `stop` is refused, naming the keys. Letters, "
+        "digits, `_`, `.` and `-`, up to 128. Default: none; a fresh run whose checkpoints go to "
+        "`<checkpoint.storage>/<mlflow run id>/` (`orchestrator resume` goes on from those). Also the MLflow run "
+        "name when tracking.run_name is not set."
+    )
+
+
 class CheckpointConfig(Section):
     storage: str = Field(
         "runs/checkpoints",
         description="Where checkpoints go: a local path or any pyarrow.fs URI (file://, s3://, gs://, hdfs://).",
     )
     every_epochs: int = Field(
-        0, ge=0, description="Also checkpoint at the end of every N-th epoch; 0 = off (with every_s 0 too: only the "
-        "final model)."
+        1, ge=0, description="Checkpoint at the end of every N-th epoch (by default every epoch, so a killed run can "
+        "go on; docs/fault-tolerance.md gives the cost); 0 = off (with every_s 0 too: only the final model)."
     )
     every_s: float = Field(
         0.0, ge=0, description="Also checkpoint at the first epoch end at least this many seconds after the last "
@@ -546,7 +561,7 @@ class CheckpointConfig(Section):
         "epoch later than this; 0 = off."
     )
     keep: int = Field(
-        3, ge=1, description="Checkpoints kept per run, each `<storage>/<run id>/ckpt-<step>-<tag>.pt` with a `.json` "
+        3, ge=1, description="Checkpoints kept per run, each `<storage>/<run.name or mlflow run id>/ckpt-<step>-<tag>.pt` with a `.json` "
         "sidecar (its length and sha256): after each save all but the newest `keep` (by step) are deleted. The "
         "extra copies model.pt and interrupted.pt are never deleted."
     )
@@ -563,6 +578,7 @@ class JobConfig(Section):
     scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="How many replicas, how big.")
     stop: StopConfig = Field(default_factory=StopConfig, description="When to stop.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    run: RunConfig = Field(default_factory=RunConfig, description="The run's name (resume by name).")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
     fault_tolerance: FaultToleranceConfig = Field(
         default_factory=FaultToleranceConfig, description="What happens when replicas or shards fail."

@@ -519,24 +519,26 @@ class Controller:
     def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None) -> str:
         """The lowest rank's model and optimizer state (all replicas hold the same parameters,
         or the mode's reference) plus the run's position, saved in the run's checkpoint store as
-        checkpoint.storage/<mlflow run id>/ckpt-<run step>-<tag>.pt with its sidecar (the newest
-        checkpoint.keep kept) and, given `named`, also as checkpoint.storage/<mlflow run id>/<named>.
+        checkpoint.storage/<run.name or mlflow run id>/ckpt-<run step>-<tag>.pt with its sidecar (the
+        newest checkpoint.keep kept) and, given `named`, also as <that directory>/<named>. The
+        final one says the run finished (a named run is not started again from it).
         Returns the named copy's path if there is one, else the store's."""
+        t = time.perf_counter()
         first = self.group.ranks[0]
         state = self.group.call([first], "state", what=f"checkpoint {tag}", timeout_s=timeout_s)[0]
         run_id = self.tracker.run_id
         state.update(epoch=self.totals.epochs, mlflow_run_id=run_id, config=self.cfg.model_dump(mode="json"),
-                     run=self.run_position())
-        storage = self.cfg.checkpoint.storage
-        if self._store is None or self._store.run_name != run_id:
-            self._store = CheckpointStore(storage, run_id, self.cfg.checkpoint.keep)
+                     run=self.run_position(), finished=tag == "final")
+        storage, directory = self.cfg.checkpoint.storage, self.cfg.run.name or run_id
+        if self._store is None or self._store.run_name != directory:
+            self._store = CheckpointStore(storage, directory, self.cfg.checkpoint.keep)
         # the run's step count (monotonic, the x-axis of the epoch metrics) orders the store
         stored = self._store.save(state, step=self.totals.steps, epoch=self.totals.epochs, tag=tag)
-        path = save_checkpoint(storage, run_id, named, state) if named else stored
+        path = save_checkpoint(storage, directory, named, state) if named else stored
         self.last_state = state
         self._last_checkpoint_s = time.perf_counter()
         self.report.event("checkpoint", path=path, epoch=self.totals.epochs, step=self.totals.steps,
-                          **({"stored": stored} if named else {}))
+                          seconds=round(self._last_checkpoint_s - t, 4), **({"stored": stored} if named else {}))
         return path
 
     def _watch(self) -> None:

@@ -1,4 +1,9 @@
-"""`python -m orchestrator resume RUN`: find a run's newest good checkpoint and go on from it.
+"""Going on from a run's newest good checkpoint: by name (`run --name NAME`, `run.name`), or
+`python -m orchestrator resume RUN`.
+
+A named run keeps its checkpoints in `<checkpoint.storage>/<NAME>/`; `named_checkpoint` finds the
+newest good one there, so running the same command again after a crash goes on from it (a
+finished run, or a config that differs in more than `stop`, is refused with the reason).
 
 RUN is the run's checkpoint directory (`<checkpoint.storage>/<mlflow run id>`, a local path or
 any pyarrow filesystem URI) or its MLflow run id (its `checkpoint.storage` param says where the
@@ -53,6 +58,14 @@ def find_checkpoint(run: str, tracking_uri: Optional[str] = None) -> tuple[str, 
         why = "; ".join(f"{name}: {reason}" for name, reason in store.skipped) or "none written"
         raise ConfigError(f"resume: no usable checkpoint in {directory} ({why})")
     path, state = found
+    _check_resumable(path, state)
+    if state.get("finished"):
+        raise ConfigError(f"resume: {run} already finished (epoch {state['epoch']}, MLflow run "
+                          f"{state['mlflow_run_id']}; its model is {store.path_of('model.pt')}): nothing to go on from")
+    return path, state, list(store.skipped)
+
+
+def _check_resumable(path: str, state: dict[str, Any]) -> None:
     if "run" not in state or "config" not in state:
         raise ConfigError(f"resume: {path} holds no run position (written by a version that could not resume)")
     for key, kind in RESUME_KEYS.items():
@@ -60,6 +73,46 @@ def find_checkpoint(run: str, tracking_uri: Optional[str] = None) -> tuple[str, 
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ConfigError(f"resume: {path} is not a checkpoint a run can go on from: its {key} is "
                               f"{type(value).__name__ if key in state else 'missing'}, not {kind.__name__}")
+
+
+MAY_DIFFER = ("stop.",)  # a named run may be given other stop rules when it goes on (e.g. more epochs)
+
+
+def named_checkpoint(config: Any) -> tuple[Optional[str], Optional[dict[str, Any]], list]:
+    """(path, state, skipped) of the newest good checkpoint of the run `config.run.name` in
+    `config.checkpoint.storage`, or (None, None, skipped) when there is none (a new run). ConfigError
+    when that run finished, or when `config` differs from the one it was started with in more
+    than the stop rules."""
+    from orchestrator.config import JobConfig
+
+    name, storage = config.run.name, config.checkpoint.storage
+    directory = f"{storage.rstrip('/')}/{name}"
+
+    def latest() -> tuple[CheckpointStore, Any]:
+        store = CheckpointStore(storage, name, keep=1_000_000)
+        return store, store.latest_good()
+
+    try:
+        store, found = bounded(latest, LOOKUP_TIMEOUT_S, f"listing {directory}")
+    except Exception as exc:
+        raise ConfigError(f"run {name}: cannot open {directory} ({one_line(exc)})") from None
+    if found is None:
+        return None, None, list(store.skipped)
+    path, state = found
+    _check_resumable(path, state)
+    if state.get("finished"):
+        raise ConfigError(f"run {name} already finished (epoch {state['epoch']}, MLflow run {state['mlflow_run_id']}; "
+                          f"its model is {store.path_of('model.pt')}): nothing is retrained. Give another --name to "
+                          f"train again, or remove {directory}")
+    before = JobConfig.from_dict(state["config"]).flat()
+    now = config.flat()
+    changed = sorted(k for k in set(before) | set(now)
+                     if before.get(k) != now.get(k) and not k.startswith(MAY_DIFFER))
+    if changed:
+        shown = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:5])
+        more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+        raise ConfigError(f"run {name} was started with another config ({shown}{more}); only stop.* may change "
+                          f"when a run goes on. Give another --name for a new run")
     return path, state, list(store.skipped)
 
 
@@ -86,4 +139,5 @@ def _directory_of_run_id(run_id: str, tracking_uri: Optional[str]) -> str:
         raise ConfigError(f"resume: MLflow run {run_id} has no checkpoint.storage param")
     if "://" not in storage:
         storage = os.path.abspath(storage)
-    return f"{storage.rstrip('/')}/{run_id}"
+    name = params.get("run.name")  # a named run's checkpoints are under its name
+    return f"{storage.rstrip('/')}/{name if name not in (None, '', 'None') else run_id}"

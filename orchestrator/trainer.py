@@ -101,6 +101,8 @@ class ElasticTrainer:
         self.callbacks = list(callbacks)
         self.run_tags = dict(run_tags or {})
         self.resume = resume
+        self.resumed_from: Optional[str] = None  # the checkpoint a run goes on from (check() / the caller)
+        self.skipped: list = []  # newer checkpoints passed over, (name, why)
         self.data = data
         self.show_progress = show_progress
         self.controller = None
@@ -108,10 +110,27 @@ class ElasticTrainer:
         self._trace_ids = False  # tests: record the row ids every replica consumes
 
     def check(self) -> Union[Dataset, StreamedDataset]:
-        """Validate what can be validated before starting anything (ConfigError on bad input)."""
+        """Validate what can be validated before starting anything (ConfigError on bad input). A
+        named run (`run.name`) with a checkpoint goes on from it: found here, so a finished run or
+        a changed config is refused before anything starts."""
         if self._dataset is None:
             self._dataset = check_inputs(self.config, self.data)
+            if self.resume is None and self.config.run.name:
+                from orchestrator.resume import named_checkpoint
+
+                self.resumed_from, self.resume, self.skipped = named_checkpoint(self.config)
         return self._dataset
+
+    def say_resuming(self) -> None:
+        """The console lines of a run that goes on: the checkpoints passed over, and where from."""
+        for name, why in self.skipped:
+            print(f"orchestrator: skipped checkpoint {name}: {why}", file=sys.stderr, flush=True)
+        if self.resume is not None:
+            named = f"run {self.config.run.name}: " if self.config.run.name else ""
+            print(f"{named}resuming MLflow run {self.resume['mlflow_run_id']} from {self.resumed_from} "
+                  f"(after epoch {self.resume['epoch']})", flush=True)
+        elif self.config.run.name:
+            print(f"run {self.config.run.name}: no checkpoint yet, starting it", flush=True)
 
     def fit(self) -> TrainResult:
         import ray
@@ -123,6 +142,7 @@ class ElasticTrainer:
         t0 = time.perf_counter()
         cfg = self.config
         dataset = self.check()
+        self.say_resuming()
         connected_here = not ray.is_initialized()
         started_ray = cluster.connect(cfg.scaling.replicas * cfg.scaling.cpus_per_replica)
         try:  # before any actor: a cluster that cannot hold the replicas is bad input
@@ -237,7 +257,8 @@ def _log_plot(tracker, timeout_s: Optional[float] = None) -> None:
 def _open_tracking(cfg: JobConfig, run_id: Optional[str] = None):
     from orchestrator.tracking import Tracker
 
-    return Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.tracking.run_name, run_id=run_id)
+    return Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.tracking.run_name or cfg.run.name,
+                   run_id=run_id)
 
 
 def _describe_run(tracker, cfg: JobConfig) -> None:

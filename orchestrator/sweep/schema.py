@@ -181,6 +181,9 @@ def plan_sweep(sweep: SweepConfig, overrides: Sequence[str] = (), relative_to: O
     base_raw = apply_overrides(with_values(base_raw, sweep.set), list(overrides))
     base = JobConfig.from_dict(base_raw)  # the base alone is valid (its error names the field)
     sweep.check_metric(base.metric_goals(), base.task.name)
+    if base.run.name or "run.name" in sweep.search:
+        raise ConfigError("sweep error: run.name: trials are not named runs (they would share one checkpoint "
+                          "directory and go on from each other's checkpoints); leave run.name unset in a sweep")
     for key in sweep.search:
         _check_key(key, "search")
     probes: list[JobConfig] = []

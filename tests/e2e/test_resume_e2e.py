@@ -1,6 +1,8 @@
-"""End to end: SIGKILL the driver of a CLI run mid-training, then `python -m orchestrator resume
-RUN_ID`: the run goes on from its newest good checkpoint in the same MLflow run (on a real
-`mlflow server`), its step counter continues, and it reaches the target."""
+"""End to end: a named run (`run CONFIG --name NAME`) whose driver is SIGKILLed after epoch 2 is
+started again with the same command: it goes on from its newest checkpoint in the same MLflow run
+(on a real `mlflow server`), its step counter continues, it reaches the target, and its trajectory
+is the one an uncrashed run of the same config takes. Starting it a third time, or `resume RUN_ID`,
+is refused: the run finished."""
 from __future__ import annotations
 
 import glob
@@ -17,51 +19,70 @@ from mlflow.tracking import MlflowClient
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
+EXAMPLE = os.path.join(REPO, "examples", "mnist_allreduce.yaml")
 
 
-def test_a_killed_driver_resumes_in_the_same_mlflow_run(ray_head, mlflow_server, tmp_path):
-    env = dict(ray_head.env, RAY_ADDRESS=ray_head.address, PYTHONPATH=REPO)
-    env.pop("MLFLOW_TRACKING_URI", None)
-    ck = tmp_path / "ck"
-    cmd = [sys.executable, "-m", "orchestrator", "run", os.path.join(REPO, "examples", "mnist_allreduce.yaml"),
-           "--set", f"tracking.tracking_uri={mlflow_server}", "--set", "tracking.experiment=e2e-resume",
-           "--set", f"checkpoint.storage={ck}", "--set", "checkpoint.every_epochs=1",
-           "--set", "faults.slow_replicas={0: 0.02}", "--no-progress"]  # epochs of a few seconds
-    driver = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True)
+def by_step(client, run_id, metric):
+    return {m.step: m.value for m in client.get_metric_history(run_id, metric)}
+
+
+def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, mlflow_server, tmp_path):
+    # the tracking store comes from the environment and checkpoints go to the example's
+    # runs/checkpoints under the working directory: the command is the example and --name only
+    env = dict(ray_head.env, RAY_ADDRESS=ray_head.address, PYTHONPATH=REPO, MLFLOW_TRACKING_URI=mlflow_server)
+    client = MlflowClient(mlflow_server)
+
+    def command(name, *extra):
+        return [sys.executable, "-m", "orchestrator", "run", EXAMPLE, "--name", name, "--no-progress", *extra]
+
+    driver = subprocess.Popen(command("nightly"), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    second = f"{tmp_path}/runs/checkpoints/nightly/ckpt-*-epoch_0002.pt.json"
     try:
         deadline = time.monotonic() + 300
-        while not glob.glob(f"{ck}/*/ckpt-*-epoch_0002.pt.json") and time.monotonic() < deadline:
+        while not glob.glob(second) and time.monotonic() < deadline:
             assert driver.poll() is None, driver.stdout.read()[-3000:]
-            time.sleep(0.2)
-        assert glob.glob(f"{ck}/*/ckpt-*-epoch_0002.pt.json"), "no epoch-2 checkpoint in time"
+            time.sleep(0.05)
+        assert glob.glob(second), "no epoch-2 checkpoint in time"
         os.kill(driver.pid, signal.SIGKILL)  # the driver dies at once: no handler, no final record
         driver.wait(timeout=30)
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
-    [run_dir] = glob.glob(f"{ck}/*")
-    run_id = os.path.basename(run_dir)
-    client = MlflowClient(mlflow_server)
+    [killed] = client.search_runs([client.get_experiment_by_name("mnist-allreduce").experiment_id])
+    run_id = killed.info.run_id
+    assert killed.info.status == "RUNNING" and killed.info.run_name == "nightly"  # killed: nobody ended it
     before = client.get_metric_history(run_id, "test_accuracy")
-    assert client.get_run(run_id).info.status == "RUNNING"  # killed: nobody ended it
 
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "resume", run_id, "--tracking-uri", mlflow_server,
-                           "--result-json", str(out), "--no-progress"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(command("nightly", "--result-json", str(out)), cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    [said] = [line for line in proc.stdout.splitlines() if line.startswith("run nightly: resuming")]
+    assert f"MLflow run {run_id} from " in said and "runs/checkpoints/nightly/ckpt-" in said
     result = json.loads(out.read_text())
     assert result["mlflow_run_id"] == run_id  # the same run, not a second one
-    assert result["final"]["test_accuracy"] >= 0.97
+    assert result["final"]["test_accuracy"] >= 0.97 and result["stop_reason"].startswith("target")
     [resumed] = [e for e in result["events"] if e["kind"] == "resumed"]
-    ends = [e for e in result["events"] if e["kind"] == "epoch_end"]
-    after = [e for e in ends if e["t_wall"] > resumed["t_wall"]]
-    assert resumed["epoch"] >= 2 and after[0]["epoch"] == resumed["epoch"] + 1
+    ends = [e for e in result["events"] if e["kind"] == "epoch_end" and e["t_wall"] > resumed["t_wall"]]
+    assert resumed["epoch"] >= 2 and ends[0]["epoch"] == resumed["epoch"] + 1
+    assert f"after epoch {resumed['epoch']})" in said
     assert resumed["step"] in {m.step for m in before}  # the step of the checkpoint's epoch end, as logged
-    assert after[0]["step"] > resumed["step"]  # the step counter continues
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
-    history = client.get_metric_history(run_id, "test_accuracy")
-    assert len(history) > len(before) and max(m.step for m in history) == result["steps"]
-    assert len(client.search_runs([run.info.experiment_id])) == 1  # no second run was opened
+    assert ends[0]["step"] > resumed["step"]  # the step counter continues
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert len(client.search_runs([killed.info.experiment_id])) == 1  # no second run was opened
+
+    # a finished run is not trained again, by name or by run id
+    again = subprocess.run(command("nightly"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "run nightly already finished" in again.stderr, again.stderr[-2000:]
+    by_id = subprocess.run([sys.executable, "-m", "orchestrator", "resume", run_id], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert by_id.returncode == 2 and "already finished" in by_id.stderr, by_id.stderr[-2000:]
+
+    # the uncrashed run of the same config takes the same path, epoch by epoch
+    ref = subprocess.run(command("uncrashed"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    [uncrashed] = [r for r in client.search_runs([killed.info.experiment_id]) if r.info.run_name == "uncrashed"]
+    for metric in ("test_accuracy", "train_loss"):
+        assert by_step(client, run_id, metric) == pytest.approx(by_step(client, uncrashed.info.run_id, metric),
+                                                                rel=1e-4), metric
