@@ -209,7 +209,8 @@ def main() -> None:
     from orchestrator.config import DataConfig
     from orchestrator.data import partition
     from orchestrator.placement import StreamedData, place_data
-    from orchestrator.sources import load_dataset, read_table, table_to_split
+    from orchestrator.loading import load_dataset
+    from orchestrator.sources import read_table, table_to_split
 
     rows, epochs = (60_000, 30) if args.quick else (120_000, 60)
     stream_epochs = STREAM_EPOCHS[args.quick]

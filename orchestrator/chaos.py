@@ -84,8 +84,7 @@ def random_schedule(seed: int, duration_s: float, kinds: tuple[str, ...] = ("kil
 
 def reconfiguring(ctl: Any) -> Optional[str]:
     """What the controller is reconfiguring right now: `repair`, `switch`, `resize` or None."""
-    from orchestrator.controller import Reconfiguring
-    from orchestrator.switching import SwitchPlan
+    from orchestrator.states import Reconfiguring, SwitchPlan
 
     state = getattr(ctl, "state", None)
     if isinstance(state, Reconfiguring):

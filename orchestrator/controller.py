@@ -8,7 +8,7 @@ controller acts, actors hold state and move tensors.
 
 `step()` runs the current state once and returns the next:
 - Starting: actors, data into the object store, process group, first epoch's segment;
-- Running(segment): reads the replicas' epoch streams (orchestrator/segment.py) until the epoch
+- Running(segment): reads the replicas' epoch streams (orchestrator/states.py) until the epoch
   ends (-> the epoch's bookkeeping, then Running(next epoch) or Finishing) or a failure needs a
   decision. A failure (a replica died, hung, or its user code raised) is a value: the failure
   policy (policies/failure.py) judges it; Fail -> Errored;
@@ -31,7 +31,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import ray
 
@@ -39,14 +39,16 @@ from orchestrator.checkpoint import CheckpointStore, save_checkpoint
 from orchestrator.cluster import beside_driver
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
+from orchestrator import recovery, switching
 from orchestrator.elastic import Elasticity
+from orchestrator.epoch import report_shard_events, watch_servers
 from orchestrator.errors import MemberLost, TrainingError, issued_whole
 from orchestrator.group import ReplicaGroup
 from orchestrator.placement import place_data
 from orchestrator.progress import ProgressDisplay
 from orchestrator.reporting import Reporter
-from orchestrator.segment import EpochSegment, Plan
-from orchestrator.switching import MODE_CODES, SwitchPlan
+from orchestrator.states import (TERMINAL, EpochSegment, Errored, Finished, Finishing, Reconfiguring, Running,
+                                  Starting, State, SwitchPlan)
 from orchestrator.tracking import Tracker
 from policies.checkpointing import due as checkpoint_due
 from policies.failure import FailurePolicy
@@ -56,42 +58,6 @@ from policies.stop import EpochSnapshot, StopPolicy
 from policies.switching import make_switch_policy
 from policies.tasks import sum_stats
 
-
-
-# ---- states ------------------------------------------------------------------------------
-@dataclass
-class Starting:
-    pass
-
-
-@dataclass
-class Running:
-    segment: EpochSegment
-
-
-@dataclass
-class Reconfiguring:
-    plan: Union[Plan, SwitchPlan]  # failures to repair, or a phase switch to carry out
-    segment: EpochSegment
-
-
-@dataclass
-class Finishing:
-    pass
-
-
-@dataclass
-class Finished:
-    pass
-
-
-@dataclass
-class Errored:
-    error: BaseException
-
-
-State = Union[Starting, Running, Reconfiguring, Finishing, Finished, Errored]
-TERMINAL = (Finished, Errored)
 
 
 @dataclass
@@ -215,8 +181,6 @@ class Controller:
     # ---- the state machine ---------------------------------------------------------------
     def step(self) -> State:
         """Run the current state once; the next state."""
-        from orchestrator import recovery, switching
-
         state = self.state
         try:
             if isinstance(state, Starting):
@@ -273,7 +237,7 @@ class Controller:
         replica), cut into balanced slices of the flat vector, snapshotted for rebuilds."""
         import torch
 
-        from actors.shard import ShardGroup
+        from orchestrator.shard_group import ShardGroup
         from orchestrator.factory import build_model
         from policies.sharding import shard_bounds
 
@@ -323,7 +287,7 @@ class Controller:
                         f"replica) in {self.totals.startup_s:.1f}s")
         at = self.totals.steps
         self.report.metrics([("replicas_alive", n, at), ("replica_restarts", self.totals.replica_restarts, at),
-                             ("mode", MODE_CODES[self.spec.name], at)])
+                             ("mode", switching.MODE_CODES[self.spec.name], at)])
         return self.begin_epoch(self.totals.epochs + 1)
 
     def _restore(self, state: dict[str, Any]) -> None:
@@ -475,8 +439,6 @@ class Controller:
             tot.stop_reason = decision.reason
             self.report.event("stop", reason=decision.reason)
             return Finishing()
-        from orchestrator import switching
-
         switching.consider(self, None, epoch_end=True,
                            metrics=judged)
         # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
@@ -499,8 +461,6 @@ class Controller:
                                    end_s=round(time.perf_counter() - self._train_started, 3),
                                    ended_by="stop", **{f"{self.metric}_at_end": round(self.headline_value(self.totals.metrics), 4)})
         if self.shard_group is not None:  # a rebuild still waiting for replay is reported as it stands
-            from orchestrator.recovery import report_shard_events
-
             report_shard_events(self, self.shard_group.settle_all(), self.totals.epochs)
         self.finish_epochs()
         self.totals.checkpoint = self.checkpoint("final", self.cfg.strategy.timeout_s, named="model.pt")
@@ -545,8 +505,6 @@ class Controller:
         """While the driver waits on replicas (a repair, a switch, an evaluation): a dead shard
         or partition server is still noticed and rebuilt, so a replica waiting for one is not
         left waiting."""
-        from orchestrator.recovery import watch_servers
-
         watch_servers(self, self.totals.epochs + 1)
 
     def halt(self, timeout_s: float) -> None:

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import ray
 
 from orchestrator.checks import bounded
-from orchestrator.segment import EpochSegment, Recovery
+from orchestrator.epoch import report_finished_passes
+from orchestrator.states import EpochSegment, Recovery
 from policies.failure import ReplicaFailure
 from policies.lr_scaling import LrSchedule
 from policies.scaling import ClusterView, ScaleDecision, make_scaling_policy
@@ -221,8 +222,6 @@ class Elasticity:
         data until the epoch ends, since the epoch's partitions were dealt already;
         asynchronous modes: the paused replicas resume and the newcomers lease from the shared
         queue)."""
-        from orchestrator.recovery import report_finished_passes
-
         ctl = self.ctl
         paused = [r for r, item in seg.ended.items() if item["kind"] == "paused"]
         report_finished_passes(ctl, seg, set())

@@ -21,23 +21,21 @@ from typing import TYPE_CHECKING, Any, Sequence, Union
 import ray
 
 from orchestrator.errors import INTERRUPTED, MemberLost, TrainingError
-from orchestrator.segment import EpochSegment, Plan, Recovery
+from orchestrator import switching
+from orchestrator.epoch import close_pass, report_finished_passes, watch_servers
+from orchestrator.states import EpochSegment, Errored, Plan, Reconfiguring, Recovery, Running, State
 from policies.failure import Drop, Fail, Replace, ReplicaFailure, error_detail
 from policies.modes import Diverged
 
 if TYPE_CHECKING:
-    from orchestrator.controller import Controller, State
+    from orchestrator.controller import Controller
 
 TICK_S = 0.5  # the loop's longest wait: shard snapshots, hang checks
 HANG_GRACE_S = 5.0
-MAX_PASSES = 8
 
 
 def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
     """Read the epoch's streams until the epoch ends or a failure needs a decision."""
-    from orchestrator import switching
-    from orchestrator.controller import Reconfiguring
-
     if not seg.begun:
         if seg.failures:  # a replica died between epochs (e.g. during a switch): repaired first
             return judge(ctl, seg)
@@ -155,27 +153,6 @@ def check_hangs(ctl: "Controller", seg: EpochSegment) -> None:
                                       replacement=rank in ctl.group.replacements))
 
 
-def watch_servers(ctl: "Controller", epoch: int) -> None:
-    """The shards and the partition server: a dead (or stopped) one is rebuilt, whatever else
-    the driver is doing (never waits)."""
-    if ctl.server is not None:
-        for event in ctl.server.poll():
-            ctl.report.event(event.pop("kind"), **event)
-            ctl.report.say(f"partition server died ({event['detected_by']}); rebuilt from its journal in "
-                           f"{event['recovery_s']:.2f}s, epoch {event['epoch']} with {event['partitions_done']} "
-                           f"partitions served kept")
-    if ctl.shard_group is not None:
-        report_shard_events(ctl, ctl.shard_group.poll(), epoch)
-
-
-def report_shard_events(ctl: "Controller", events: list[dict], epoch: int) -> None:
-    for event in events:
-        kind = event.pop("kind", "shard_rebuilt")
-        ctl.report.event(kind, epoch=epoch, **event)
-        ctl.report.say(f"shard {event.get('shard')} died and was rebuilt from its snapshot "
-                       f"({event.get('lost_updates')} acknowledged updates lost)")
-
-
 def stepped(ctl: "Controller", seg: EpochSegment, rank: int, t_wall: float) -> None:
     """A member took its first step after a reconfiguration; the recovery's event once all have."""
     for rec in list(seg.recoveries):
@@ -194,7 +171,6 @@ def stepped(ctl: "Controller", seg: EpochSegment, rank: int, t_wall: float) -> N
 
 def judge(ctl: "Controller", seg: EpochSegment) -> "State":
     """The failure policy decides each failure; Fail ends the run, else Reconfiguring."""
-    from orchestrator.controller import Errored, Reconfiguring
 
     failures, seg.failures = seg.failures, []
     failed = {f.rank for f in failures}
@@ -369,7 +345,6 @@ def carry_out(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegment:
 def lost_meanwhile(ctl: "Controller", seg: EpochSegment, lost: MemberLost) -> "State":
     """Replicas that died while the driver waited on them outside a repair (a switch, the
     epoch's evaluation, a checkpoint): failures of the segment, judged like any other."""
-    from orchestrator.controller import Running
 
     now = time.time()
     for rank in lost.ranks:
@@ -379,22 +354,6 @@ def lost_meanwhile(ctl: "Controller", seg: EpochSegment, lost: MemberLost) -> "S
                                       replacement=rank in ctl.group.replacements))
     seg.t_first_failure = seg.t_first_failure or now
     return Running(seg)
-
-
-def report_finished_passes(ctl: "Controller", seg: EpochSegment, failed: set[int]) -> None:
-    """Survivors that had ended their pass before the failure: their last completions go to the
-    ledger now (their next stream starts a new pass and would overwrite them)."""
-    if seg.started is not None:
-        ctl.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
-        seg.started = None
-    done = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch" and r not in failed}
-    # a failure seen after the pass closed (at the epoch's end): the completions it kept for the
-    # next epoch's start go now, once (the same lists as the ended items': reported once)
-    done.update(ctl.unreported)
-    ctl.unreported = {}
-    if done:
-        ctl.server.call("finish", done)
-    seg.ended = {}
 
 
 def pick_donor(ctl: "Controller", plan: Plan, survivors: list[int]) -> tuple[Any, int]:
@@ -410,25 +369,3 @@ def pick_donor(ctl: "Controller", plan: Plan, survivors: list[int]) -> tuple[Any
     return survivors[0], step
 
 
-def close_pass(ctl: "Controller", seg: EpochSegment):
-    """Every stream ended with no failure pending. An undisturbed epoch ends here (its last
-    completions are reported with the next start_epoch); else ask the server's ledger whether
-    every partition was served, and start a further pass over what is left if not."""
-    if seg.started is not None:
-        ctl.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
-        seg.started = None
-    completed = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch"}
-    if not seg.disturbed:
-        ctl.unreported = completed
-        return ctl.end_epoch(seg)
-    status = ctl.server.call("finish", completed)
-    seg.ended = {}
-    if status["complete"]:
-        ctl.redone += status["redone"]
-        return ctl.end_epoch(seg)
-    seg.passes += 1
-    if seg.passes > MAX_PASSES:
-        raise TrainingError(f"epoch {seg.epoch}: {status['remaining']} partitions were never served")
-    for rank in ctl.group.ranks:  # a further pass: every member asks the server for what is left
-        ctl.open_stream(seg, rank, announce=rank in seg.awaiting_steps())
-    return None

@@ -18,8 +18,7 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
 from actors.decoding import DecodeError, DecodeSpec, check_schema, decode
-from orchestrator.data import Dataset, Split, load_source
-from policies.batches import shape_of
+from orchestrator.data import Split
 from orchestrator.errors import ConfigError
 from orchestrator.checks import bounded, one_line
 
@@ -146,42 +145,9 @@ def table_to_split(table: pa.Table, spec: DecodeSpec, source: str) -> Split:
     return Split(x, y, ids)
 
 
-def _classes(*splits: Split) -> int:
+def classes_of(*splits: Split) -> int:
     """max class id + 1 for integer class-id targets (one per row); 0 for other targets."""
     ys = [s.y for s in splits]
     if not all(isinstance(y, np.ndarray) and y.ndim == 1 and y.dtype.kind in "iu" and len(y) for y in ys):
         return 0
     return int(max(y.max() for y in ys)) + 1
-
-
-def load_dataset(data_cfg, in_memory: Any = None, task: Any = None, replicas: int = 1) -> "Union[Dataset, StreamedDataset]":
-    """The train and test data for a job (see DataConfig for the fields): builtins and in-memory
-    data as arrays (put into the object store by the driver), a file source as a plan
-    (orchestrator/planning.py: read where it is consumed). `task`: whose dtypes the builtin
-    decoder makes (default: classification's); `replicas`: for a file source's partition count."""
-    source = data_cfg.source
-    if in_memory is None and source.startswith("builtin:"):
-        return load_source(source, data_cfg.seed)
-    if in_memory is None:
-        from orchestrator.planning import plan_file_dataset
-
-        return plan_file_dataset(data_cfg, task, replicas)
-    table = table_from_memory(in_memory)
-    if isinstance(in_memory, tuple):
-        data_cfg = data_cfg.model_copy(update={"label_column": "label", "feature_columns": ["features"], "id_column": None})
-    whole = table_to_split(table, decode_spec(data_cfg, table.schema, task), source="in-memory data")
-    if data_cfg.test_source:  # in-memory training data: its test set is read whole too
-        test_table = read_table(data_cfg.test_source, "data.test_source")
-        test = table_to_split(test_table, decode_spec(data_cfg, test_table.schema, task), source=data_cfg.test_source)
-        train = whole
-        if shape_of(test.x) != shape_of(train.x):
-            raise ConfigError(f"config error: data.test_source: {data_cfg.test_source} rows decode to inputs "
-                              f"{shape_of(test.x)}, the train data to {shape_of(train.x)}")
-    else:
-        order = np.random.default_rng(data_cfg.seed).permutation(len(whole))
-        n_test = int(round(len(whole) * data_cfg.test_fraction))
-        if n_test < 1 or n_test >= len(whole):
-            raise ConfigError(f"config error: data.test_fraction: {data_cfg.test_fraction} of {len(whole)} rows "
-                              "leaves an empty train or test split")
-        test, train = whole.take(order[:n_test]), whole.take(order[n_test:])
-    return Dataset(os.path.basename(source.rstrip("/")) or source, train, test, _classes(train, test))

@@ -29,27 +29,17 @@ How (`carry_out`), with every replica stopped:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
-from orchestrator.segment import EpochSegment, Recovery
+from orchestrator.epoch import report_finished_passes
+from orchestrator.states import EpochSegment, Recovery, SwitchPlan
 from policies.registry import mode_spec
-from policies.switching import Observation, Switch
+from policies.switching import Observation
 
 if TYPE_CHECKING:
     from orchestrator.controller import Controller
 
 MODE_CODES = {"allreduce": 0, "downpour": 1, "easgd": 2}  # the MLflow `mode` metric
-
-
-@dataclass
-class SwitchPlan:
-    """What Reconfiguring carries out for a phase switch."""
-
-    switch: Switch
-    t_decide_wall: float
-    t_decide: float
-    mid_epoch: bool
 
 
 def observe(ctl: "Controller", epoch_end: bool, metrics: Optional[dict[str, float]] = None) -> Observation:
@@ -87,8 +77,6 @@ def evaluate(ctl: "Controller") -> float:
 
 def carry_out(ctl: "Controller", plan: SwitchPlan, seg: EpochSegment) -> EpochSegment:
     """Consolidate state, change every replica's rule, and let the epoch go on (module doc)."""
-    from orchestrator.recovery import report_finished_passes
-
     t0 = time.perf_counter()
     parts: dict[str, float] = {}
     sw, group = plan.switch, ctl.group

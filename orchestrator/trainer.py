@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence, Union
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
 from orchestrator.planning import StreamedDataset
-from orchestrator.sources import load_dataset
+from orchestrator.loading import load_dataset
 from orchestrator.errors import ConfigError
 from orchestrator.factory import build_model
 from orchestrator.result import FinalMetrics, TrainResult
@@ -22,8 +22,6 @@ def check_inputs(config: JobConfig, data: Any = None) -> Union[Dataset, Streamed
     parameter per shard), the data loads (a file source: is planned and its first rows decode),
     the model accepts the data's shape. ConfigError
     otherwise; nothing is written."""
-    import torch
-
     from orchestrator.checkpoint import check_storage
     from orchestrator.tracking import check_store
     from policies.registry import mode_spec

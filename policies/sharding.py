@@ -7,7 +7,7 @@ split across shards, small ones are packed together. `ShardState` is everything 
 it applies; the `ParameterShard` actor is a thin Ray wrapper around it, and tests use it
 directly without Ray.
 
-Recovery (actors/shard.py, ShardGroup): `ShardState.snapshot()` is a plain picklable dict
+Recovery (orchestrator/shard_group.py, ShardGroup): `ShardState.snapshot()` is a plain picklable dict
 (numpy arrays, no tensors) that `ShardState.from_snapshot` / `restore` turn back into the same
 state bit for bit, server-optimizer state included; `replay_gradient` / `replay_elastic`
 re-apply an update logged by a replica with exactly the step it had the first time, so a shard

@@ -45,7 +45,7 @@ def test_cli_run_joins_ray_address_and_tracks_to_server(ray_head, mlflow_server,
     assert not os.path.exists(tmp_path / "mlflow.db")  # tracked to the server, not a local store
 
     from orchestrator.config import JobConfig
-    from orchestrator.sources import load_dataset
+    from orchestrator.loading import load_dataset
 
     cfg = JobConfig.from_yaml(example, overrides)
     accuracy = accuracy_of_logged_model(mlflow_server, result["mlflow_run_id"], load_dataset(cfg.data),

@@ -9,8 +9,8 @@ import ray
 import torch
 import torch.nn.functional as F
 
-from orchestrator.chaos import Fault, FaultInjector
-from orchestrator.controller import Controller, Running
+from orchestrator.controller import Controller
+from orchestrator.states import Running
 from orchestrator.data import load_source
 from orchestrator.errors import TrainingError
 from orchestrator.factory import build_model

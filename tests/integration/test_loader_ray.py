@@ -2,7 +2,6 @@
 sources streamed by the replicas' readers); file, file:// and in-memory sources train alike."""
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -12,9 +11,10 @@ import pytest
 import ray
 
 from orchestrator.chaos import Fault, FaultInjector
-from orchestrator.controller import Controller, Errored
+from orchestrator.controller import Controller
+from orchestrator.states import Errored
 from actors.reading import read_partition
-from orchestrator.sources import load_dataset
+from orchestrator.loading import load_dataset
 from orchestrator.tracking import Tracker
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import job_config

@@ -12,7 +12,8 @@ import pytest
 import ray
 import torch
 
-from actors.shard import RayShardClient, ShardGroup
+from actors.shard import RayShardClient
+from orchestrator.shard_group import ShardGroup
 from orchestrator.chaos import kill_process
 from policies.modes import Interrupted
 from policies.sharding import ShardState, shard_bounds

@@ -19,7 +19,7 @@ import pytest
 import ray
 from mlflow.tracking import MlflowClient
 
-from actors.shard import ShardGroup
+from orchestrator.shard_group import ShardGroup
 from orchestrator import recovery
 from orchestrator.chaos import Fault, FaultInjector
 from orchestrator.checkpoint import CheckpointStore

@@ -9,9 +9,9 @@ import pytest
 import ray
 
 from orchestrator.chaos import Fault
-from orchestrator.controller import Controller, Reconfiguring, Running
+from orchestrator.controller import Controller
 from orchestrator.data import load_source
-from orchestrator.switching import SwitchPlan
+from orchestrator.states import Reconfiguring, Running, SwitchPlan
 from orchestrator.tracking import Tracker
 from tests.conftest import job_config
 from tests.integration.test_recovery_ray import events, fit_with

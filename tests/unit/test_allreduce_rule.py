@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from examples.models import tiny_mlp
-from policies.allreduce import AllReduceWorker, GradientBuckets, allreduce_step
+from policies.allreduce import AllReduceWorker, GradientBuckets
 
 
 class ThreadSum:

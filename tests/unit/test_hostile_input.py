@@ -500,7 +500,6 @@ def _table(rng, rows: int, width: int, label: str):
 
 
 def _encode(table, fmt: str) -> bytes:
-    import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.feather as feather
     import pyarrow.parquet as pq

@@ -9,7 +9,7 @@ import yaml
 
 from orchestrator.cli import main
 from orchestrator.config import DataConfig
-from orchestrator.sources import load_dataset
+from orchestrator.loading import load_dataset
 
 
 def blobs(n=200, dim=4, seed=0):

@@ -15,7 +15,7 @@ from actors.reading import (SourceReadError, count_kept, cut_ranges, eval_shares
 from orchestrator.config import DataConfig
 from orchestrator.errors import ConfigError
 from orchestrator.planning import default_partitions
-from orchestrator.sources import load_dataset
+from orchestrator.loading import load_dataset
 from policies.tasks import load_task
 
 

@@ -1,4 +1,10 @@
-"""What the Running and Reconfiguring states carry: the epoch in flight and the plan.
+"""The controller's states and what they carry: the epoch in flight (`EpochSegment`), a repair
+plan (`Plan`), a switch plan (`SwitchPlan`), the reason a run errored. This module imports
+nothing of the orchestrator above it; orchestrator/controller.py maps each state to its handler.
+
+    Starting -> Running(segment) -> Reconfiguring(plan, segment) -> Running ... -> Finishing -> Finished
+                                 \-> Errored(error)            (any state)
+
 
 `EpochSegment` is the driver's view of one epoch while it runs: the replicas' open epoch
 streams, what each sent, failures seen and not yet judged, and recoveries waiting for every
@@ -8,9 +14,10 @@ is the one ledger of that.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from policies.failure import Decision, ReplicaFailure
+from policies.switching import Switch
 
 
 @dataclass
@@ -79,3 +86,48 @@ class EpochSegment:
 
     def awaiting_steps(self) -> set[int]:
         return set().union(*(r.waiting for r in self.recoveries)) if self.recoveries else set()
+
+
+@dataclass
+class SwitchPlan:
+    """What Reconfiguring carries out for a phase switch (decided in orchestrator/switching.py)."""
+
+    switch: Switch
+    t_decide_wall: float
+    t_decide: float
+    mid_epoch: bool
+
+
+@dataclass
+class Starting:
+    pass
+
+
+@dataclass
+class Running:
+    segment: EpochSegment
+
+
+@dataclass
+class Reconfiguring:
+    plan: Union[Plan, SwitchPlan]  # failures to repair, or a phase switch to carry out
+    segment: EpochSegment
+
+
+@dataclass
+class Finishing:
+    pass
+
+
+@dataclass
+class Finished:
+    pass
+
+
+@dataclass
+class Errored:
+    error: BaseException
+
+
+State = Union[Starting, Running, Reconfiguring, Finishing, Finished, Errored]
+TERMINAL = (Finished, Errored)

@@ -1,0 +1,45 @@
+"""The data a job trains on: `load_dataset` picks the loader for the job's source (a builtin,
+in-memory data, or files, which are planned rather than read: orchestrator/planning.py)."""
+from __future__ import annotations
+
+import os
+from typing import Any, Union
+
+import numpy as np
+
+from orchestrator.data import Dataset, load_source
+from orchestrator.errors import ConfigError
+from orchestrator.planning import StreamedDataset, plan_file_dataset
+from orchestrator.sources import classes_of, decode_spec, read_table, table_from_memory, table_to_split
+from policies.batches import shape_of
+
+
+def load_dataset(data_cfg, in_memory: Any = None, task: Any = None, replicas: int = 1) -> Union[Dataset, StreamedDataset]:
+    """The train and test data for a job (see DataConfig for the fields): builtins and in-memory
+    data as arrays (put into the object store by the driver), a file source as a plan
+    (orchestrator/planning.py: read where it is consumed). `task`: whose dtypes the builtin
+    decoder makes (default: classification's); `replicas`: for a file source's partition count."""
+    source = data_cfg.source
+    if in_memory is None and source.startswith("builtin:"):
+        return load_source(source, data_cfg.seed)
+    if in_memory is None:
+        return plan_file_dataset(data_cfg, task, replicas)
+    table = table_from_memory(in_memory)
+    if isinstance(in_memory, tuple):
+        data_cfg = data_cfg.model_copy(update={"label_column": "label", "feature_columns": ["features"], "id_column": None})
+    whole = table_to_split(table, decode_spec(data_cfg, table.schema, task), source="in-memory data")
+    if data_cfg.test_source:  # in-memory training data: its test set is read whole too
+        test_table = read_table(data_cfg.test_source, "data.test_source")
+        test = table_to_split(test_table, decode_spec(data_cfg, test_table.schema, task), source=data_cfg.test_source)
+        train = whole
+        if shape_of(test.x) != shape_of(train.x):
+            raise ConfigError(f"config error: data.test_source: {data_cfg.test_source} rows decode to inputs "
+                              f"{shape_of(test.x)}, the train data to {shape_of(train.x)}")
+    else:
+        order = np.random.default_rng(data_cfg.seed).permutation(len(whole))
+        n_test = int(round(len(whole) * data_cfg.test_fraction))
+        if n_test < 1 or n_test >= len(whole):
+            raise ConfigError(f"config error: data.test_fraction: {data_cfg.test_fraction} of {len(whole)} rows "
+                              "leaves an empty train or test split")
+        test, train = whole.take(order[:n_test]), whole.take(order[n_test:])
+    return Dataset(os.path.basename(source.rstrip("/")) or source, train, test, classes_of(train, test))
