@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from actors.partition_server import PartitionReader, is_pause
 from actors.reading import StreamPlan, count_kept, read_range, eval_pieces
-from actors.shard import RayShardClient
+from actors.shard_client import RayShardClient
 from policies.factory import build_model
 from policies.lr_scaling import warmup_lr
 from policies.modes import Diverged, Interrupted

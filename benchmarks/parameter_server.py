@@ -60,7 +60,8 @@ def push_pull_gbps(numel: int, shards: int, reps: int) -> tuple[float, float]:
     import ray
     import torch
 
-    from actors.shard import RayShardClient, create_shards
+    from actors.shard import create_shards
+    from actors.shard_client import RayShardClient
     from policies.sharding import shard_bounds
 
     bounds = shard_bounds(numel, shards)

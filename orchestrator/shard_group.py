@@ -13,7 +13,8 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.incarnation import incarnation_name
-from actors.shard import ParameterShard, ShardDirectory
+from actors.shard import ParameterShard
+from actors.shard_client import ShardDirectory
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 import ray
 import torch
 
-from actors.shard import RayShardClient
+from actors.shard_client import RayShardClient
 from orchestrator.shard_group import ShardGroup
 from orchestrator.chaos import kill_process
 from policies.modes import Interrupted
