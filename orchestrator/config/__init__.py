@@ -1,0 +1,22 @@
+"""The job config: typed, validated, documented; YAML is a view of these models.
+
+`JobConfig` (orchestrator/config/job.py) holds the sections: what is trained and how it is kept
+(orchestrator/config/sections.py) and how replicas train together (orchestrator/config/strategy.py).
+`JobConfig.from_yaml(path, overrides)` is the one way in from the outside world; it raises
+`ConfigError` with a single line naming the field or file on bad input. docs/config.md is
+written from these models by orchestrator/config_docs.py.
+"""
+from orchestrator.config.job import (MAX_YAML_VALUES, JobConfig, apply_overrides, describe_validation_error,
+                                     yaml_shape_problem)
+from orchestrator.config.sections import (RUN_NAME, CheckpointConfig, DataConfig, ModelConfig, OptimizerConfig,
+                                          RunConfig, Section, StopConfig, TargetConfig, TaskConfig, TrackingConfig)
+from orchestrator.config.strategy import (MODE_OPTIONS, UNTIL_COUNTS, AdaptiveConfig, FaultsConfig,
+                                          FaultToleranceConfig, PhaseConfig, PhaseOptimizer, ScalingConfig,
+                                          SlowWindow, StrategyConfig)
+
+__all__ = [
+    "MAX_YAML_VALUES", "JobConfig", "apply_overrides", "describe_validation_error", "yaml_shape_problem", "RUN_NAME",
+    "CheckpointConfig", "DataConfig", "ModelConfig", "OptimizerConfig", "RunConfig", "Section", "StopConfig",
+    "TargetConfig", "TaskConfig", "TrackingConfig", "MODE_OPTIONS", "UNTIL_COUNTS", "AdaptiveConfig", "FaultsConfig",
+    "FaultToleranceConfig", "PhaseConfig", "PhaseOptimizer", "ScalingConfig", "SlowWindow", "StrategyConfig",
+]

@@ -1,0 +1,253 @@
+"""The job config: typed, validated, documented; YAML is a view of these models.
+
+Every field carries a one-line description (docs/config.md, written by orchestrator/config_docs.py). Unknown keys are errors.
+`JobConfig.from_yaml(path, overrides)` is the one way in from the outside world; it raises
+`ConfigError` with a single line naming the field or file on bad input.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from orchestrator.errors import ConfigError
+
+from orchestrator.config.sections import (CheckpointConfig, DataConfig, ModelConfig, OptimizerConfig, RunConfig, Section,
+                                          StopConfig, TaskConfig, TrackingConfig)
+from orchestrator.config.strategy import (UNTIL_COUNTS, FaultsConfig, FaultToleranceConfig, ScalingConfig,
+                                          StrategyConfig)
+
+
+class JobConfig(Section):
+    """A whole job. Build it in Python, or load it from YAML with `JobConfig.from_yaml`."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="What to train.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="What is learned and how it is judged.")
+    data: DataConfig = Field(default_factory=DataConfig, description="What to train on.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="How to step.")
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="How replicas synchronize.")
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="How many replicas, how big.")
+    stop: StopConfig = Field(default_factory=StopConfig, description="When to stop.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    run: RunConfig = Field(default_factory=RunConfig, description="The run's name (resume by name).")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints.")
+    fault_tolerance: FaultToleranceConfig = Field(
+        default_factory=FaultToleranceConfig, description="What happens when replicas or shards fail."
+    )
+    faults: FaultsConfig = Field(default_factory=FaultsConfig, description="Fault injection for experiments.")
+
+    @model_validator(mode="after")
+    def _mode_fits(self) -> "JobConfig":
+        if "downpour" in self.strategy.modes() and self.optimizer.name not in ("sgd", "adagrad"):
+            raise ValueError(f"optimizer.name: downpour shards apply sgd or adagrad, not {self.optimizer.name}")
+        return self
+
+    @model_validator(mode="after")
+    def _metrics_known(self) -> "JobConfig":
+        """stop.target's metric and each phase's `until` metric are ones the task produces."""
+        try:
+            task = self.task.build()
+        except ValueError as exc:
+            raise ValueError(f"task.name: {exc}") from None
+        known = {**dict(task.goals), "train_loss": "min"}
+        names = ", ".join(known)
+        target = self.stop.the_target()
+        if target is not None and target.metric not in known:
+            raise ValueError(f"stop.target.metric: the {self.task.name} task has no metric {target.metric!r}; "
+                             f"choose one of {names}")
+        for i, phase in enumerate(self.strategy.phases or []):
+            key = next(iter(phase.until or {}), None)
+            if key is not None and key not in UNTIL_COUNTS and key not in known:
+                raise ValueError(f"strategy.phases[{i}].until: unknown condition {key!r}; choose one of "
+                                 f"{', '.join(UNTIL_COUNTS)} or a metric of the {self.task.name} task ({names})")
+        return self
+
+    def metric_goals(self) -> dict[str, str]:
+        """Every metric name a run of this job produces, with its goal (the task's and train_loss)."""
+        return {**dict(self.task.build().goals), "train_loss": "min"}
+
+    def headline_metric(self) -> str:
+        """The metric the run is judged by: stop.target's, else the task's primary metric
+        (classification: test_accuracy)."""
+        from policies.tasks import primary_metric
+
+        target = self.stop.the_target()
+        return target.metric if target is not None else primary_metric(self.task.build())
+
+    @model_validator(mode="after")
+    def _optimizer_fits(self) -> "JobConfig":
+        opt = self.optimizer
+        for phase in self.strategy.plan():
+            if phase["mode"] == "easgd" and opt.name != "sgd" and phase["momentum"] > 0:
+                raise ValueError(f"strategy.momentum is EAMSGD's Nesterov momentum for optimizer.name sgd; set it "
+                                 f"to 0 with optimizer.name {opt.name} (got {phase['momentum']})")
+        return self
+
+    @model_validator(mode="after")
+    def _scaling_fits(self) -> "JobConfig":
+        gpus = self.scaling.gpus_per_replica
+        if "allreduce" in self.strategy.modes() and 0 < gpus < 1:
+            raise ValueError(f"scaling.gpus_per_replica: allreduce needs a whole GPU per replica (NCCL cannot put "
+                             f"two ranks on one GPU), got {gpus}")
+        missing = sorted(w.rank for w in self.faults.slow_replicas if w.rank >= self.scaling.replicas)
+        if missing:
+            raise ValueError(f"faults.slow_replicas: no replica of rank {missing[0]}; ranks are 0.."
+                             f"{self.scaling.replicas - 1} (scaling.replicas {self.scaling.replicas})")
+        return self
+
+    @model_validator(mode="after")
+    def _replica_range(self) -> "JobConfig":
+        s = self.scaling
+        if s.min_replicas > s.replicas:
+            raise ValueError(f"scaling.min_replicas ({s.min_replicas}) is more than scaling.replicas ({s.replicas}); "
+                             "need min_replicas <= replicas <= max_replicas")
+        if s.max_replicas is not None and s.max_replicas < s.replicas:
+            raise ValueError(f"scaling.max_replicas ({s.max_replicas}) is less than scaling.replicas ({s.replicas}); "
+                             "need min_replicas <= replicas <= max_replicas")
+        return self
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> "JobConfig":
+        """Validate a nested dict plus `section.key=value` overrides; ConfigError on bad input."""
+        raw = apply_overrides(raw, overrides)
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ConfigError(describe_validation_error(exc)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> "JobConfig":
+        """Load a YAML file (a missing or malformed file is a ConfigError naming the file)."""
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = yaml.safe_load(f) or {}
+        except RecursionError:
+            raise ConfigError(f"config file {path} is not valid YAML: nested too deeply") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason}: byte "
+                              f"0x{exc.object[exc.start]:02x})") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path} cannot be read ({exc.strerror or exc})") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            problem = " ".join(str(getattr(exc, "problem", None) or getattr(exc, "reason", None) or exc).split())
+            raise ConfigError(f"config file {path}{where} is not valid YAML: {problem}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+        why = yaml_shape_problem(raw)
+        if why:
+            raise ConfigError(f"config file {path} is not valid YAML: {why}")
+        return cls.from_dict(raw, overrides)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """The config as `section.key -> value` (MLflow params)."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, value: Any) -> None:
+            if isinstance(value, dict) and value:
+                for k, v in value.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = value
+
+        walk("", self.model_dump(mode="json"))
+        return out
+
+
+MAX_YAML_VALUES = 1_000_000  # a config (or sweep) file's values, its aliases expanded
+
+
+def yaml_shape_problem(value: Any) -> Optional[str]:
+    """Why a loaded YAML value cannot be a config, or None: it contains itself (an alias inside
+    its own anchor), nests too deeply, or holds more than MAX_YAML_VALUES values once its aliases
+    are expanded (a few lines of anchors can stand for billions of values, which every later
+    copy or dump of the config would expand)."""
+    sizes: dict[int, int] = {}
+    open_ids: set[int] = set()
+
+    def size(v: Any) -> int:
+        if not isinstance(v, (dict, list)):
+            return 1
+        key = id(v)
+        if key in sizes:
+            return sizes[key]
+        if key in open_ids:
+            raise _Shape("a value contains itself (an alias inside its own anchor)")
+        open_ids.add(key)
+        items = [*v.keys(), *v.values()] if isinstance(v, dict) else v
+        n = 1
+        for item in items:
+            n += size(item)
+            if n > MAX_YAML_VALUES:
+                raise _Shape(f"more than {MAX_YAML_VALUES:,} values once its aliases are expanded")
+        open_ids.discard(key)
+        sizes[key] = n
+        return n
+
+    try:
+        size(value)
+    except _Shape as exc:
+        return str(exc)
+    except RecursionError:
+        return "nested too deeply"
+    return None
+
+
+class _Shape(Exception):
+    pass
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Return a copy of `raw` with each `a.b.c=value` set; values are parsed as YAML scalars
+    (so `0.1` is a float, `[1, 28, 28]` a list) and then coerced by the field's type."""
+    import copy
+
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except (yaml.YAMLError, RecursionError):
+            value = text
+        why = yaml_shape_problem(value)
+        if why:
+            raise ConfigError(f"--set {key}: {why}")
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {part} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line naming the first bad field: `optimizer.lr: Input should be greater than 0 (got -1)`."""
+    import re
+
+    err = exc.errors()[0]
+    # a key the user wrote is shown as written when it is a plain (or dotted) name, else quoted: an
+    # empty key, or one holding spaces or newlines, would read as something else or break the line
+    loc = ".".join(str(p) if re.fullmatch(r"[A-Za-z0-9_.-]+", str(p)) else repr(p) for p in err["loc"])
+    msg = " ".join(err["msg"].removeprefix("Value error, ").split())
+    if not loc:  # a rule across fields: the message names them
+        return f"config error: {msg}"
+    if err["type"] == "extra_forbidden":
+        return f"config error: unknown key {loc}"
+    given = err.get("input")
+    shown = "" if isinstance(given, (dict, list)) or given is None else f" (got {given!r})"
+    return f"config error: {loc}: {msg}{shown}"

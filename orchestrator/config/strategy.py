@@ -1,0 +1,328 @@
+"""The config sections of how replicas train together: the strategy (a mode, phases or the
+adaptive policy), scaling, fault tolerance and injected faults."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, field_validator, model_serializer, model_validator
+
+from orchestrator.config.sections import Section
+
+
+MODE_OPTIONS = {
+    "allreduce": ("bucket_mb",),
+    "downpour": ("n_fetch", "n_push", "max_in_flight", "max_staleness", "staleness_lr", "warmstart_steps"),
+    "easgd": ("tau", "alpha", "variant", "momentum"),
+}
+UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
+
+
+class PhaseOptimizer(Section):
+    """A phase's own optimizer settings: each given one overrides optimizer.* while the phase runs
+    (e.g. a lower momentum for downpour's shards than for allreduce)."""
+
+    lr: Optional[float] = Field(None, gt=0, description="As optimizer.lr.")
+    momentum: Optional[float] = Field(None, ge=0, lt=1, description="As optimizer.momentum.")
+    weight_decay: Optional[float] = Field(None, ge=0, description="As optimizer.weight_decay.")
+
+
+class PhaseConfig(Section):
+    """One phase of strategy.phases: a mode, that mode's options (each overrides the strategy.*
+    value of the same name) and when the phase ends."""
+
+    mode: Literal["allreduce", "downpour", "easgd"] = Field(description="The phase's synchronization mode.")
+    until: Optional[dict[str, float]] = Field(
+        None, description="One of {epochs: N}, {steps: N}, {seconds: S} spent in this phase, or {metric: threshold} "
+        "for any metric the task produces or train_loss: reached (a metric whose goal is max, e.g. test_accuracy) or "
+        "fallen to (goal min, e.g. test_loss)."
+    )
+    optimizer: Optional[PhaseOptimizer] = Field(None, description="This phase's optimizer.* overrides.")
+    bucket_mb: Optional[float] = Field(None, gt=0, description="allreduce: as strategy.bucket_mb.")
+    n_fetch: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_fetch.")
+    n_push: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_push.")
+    max_in_flight: Optional[int] = Field(None, ge=1, description="downpour: as strategy.max_in_flight.")
+    max_staleness: Optional[int] = Field(None, ge=0, description="downpour: as strategy.max_staleness.")
+    staleness_lr: Optional[bool] = Field(None, description="downpour: as strategy.staleness_lr.")
+    warmstart_steps: Optional[int] = Field(None, ge=0, description="downpour: as strategy.warmstart_steps.")
+    tau: Optional[int] = Field(None, ge=1, description="easgd: as strategy.tau.")
+    alpha: Optional[float] = Field(None, gt=0, le=1, description="easgd: as strategy.alpha.")
+    variant: Optional[Literal["async", "sync"]] = Field(None, description="easgd: as strategy.variant.")
+    momentum: Optional[float] = Field(None, ge=0, lt=1, description="easgd: as strategy.momentum.")
+
+    @field_validator("until")
+    @classmethod
+    def _one_condition(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        if v is None:
+            return v
+        if len(v) != 1:
+            raise ValueError(f"give exactly one condition, got {sorted(v) or 'none'}")
+        (key, value), = v.items()
+        if not key.isidentifier():
+            raise ValueError(f"unknown condition {key!r}; choose one of {', '.join(UNTIL_COUNTS)} or a metric name")
+        if value <= 0 or (key in ("epochs", "steps") and value != int(value)):
+            raise ValueError(f"{key} must be {'a whole number ' if key in ('epochs', 'steps') else ''}> 0, got {value}")
+        return v
+
+    @model_validator(mode="after")
+    def _options_of_its_mode(self) -> "PhaseConfig":
+        for mode, options in MODE_OPTIONS.items():
+            given = [o for o in options if getattr(self, o) is not None]
+            if mode != self.mode and given:
+                raise ValueError(f"{given[0]} is {'an' if mode[0] in 'ae' else 'a'} {mode} option; this phase's mode is {self.mode}")
+        return self
+
+
+class AdaptiveConfig(Section):
+    """strategy.switch adaptive: from the step times the replicas report, go asynchronous while a
+    replica straggles and come back when it recovers (policies/switching.py)."""
+
+    sync_mode: Literal["allreduce"] = Field("allreduce", description="The mode while no replica straggles.")
+    async_mode: Literal["downpour", "easgd"] = Field(
+        "easgd", description="The mode while one does (asynchronous: the others do not wait for it); easgd runs "
+        "as variant async with the strategy.* easgd options."
+    )
+    slow_ratio: float = Field(
+        2.0, gt=1, description="A replica straggles when its compute time per step is at least this many times "
+        "the median replica's."
+    )
+    recover_ratio: float = Field(
+        1.4, gt=1, description="It has recovered when the slowest replica's ratio is at most this (below "
+        "slow_ratio: the gap is the hysteresis)."
+    )
+    patience: int = Field(
+        2, ge=1, description="Consecutive observations (one per replica progress report) a condition must hold."
+    )
+    min_phase_s: float = Field(3.0, ge=0, description="No switch sooner than this many seconds after the last one.")
+    sync_optimizer: Optional[PhaseOptimizer] = Field(None, description="optimizer.* overrides in the synchronous mode.")
+    async_optimizer: Optional[PhaseOptimizer] = Field(
+        None, description="optimizer.* overrides in the asynchronous mode (e.g. a lower momentum for downpour)."
+    )
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> "AdaptiveConfig":
+        if self.recover_ratio >= self.slow_ratio:
+            raise ValueError(f"recover_ratio ({self.recover_ratio}) must be below slow_ratio ({self.slow_ratio})")
+        return self
+
+
+class StrategyConfig(Section):
+    mode: Literal["allreduce", "downpour", "easgd"] = Field(
+        "allreduce", description="Synchronization mode: allreduce (synchronous data parallel), downpour "
+        "(asynchronous SGD via parameter shards) or easgd (elastic averaging); see docs/modes.md."
+    )
+    timeout_s: float = Field(
+        60.0, gt=0, description="Timeout of each call to the parameter shards and the partition server, and of the replicas' control calls (collectives and progress: fault_tolerance.hang_timeout_s)."
+    )
+    bucket_mb: float = Field(
+        25.0, gt=0, description="Bucket size (MiB) for gradient all-reduce; the first bucket closes at "
+        "1 MiB so the last layers' all-reduce overlaps the rest of the backward pass."
+    )
+    n_fetch: int = Field(1, ge=1, description="downpour: pull parameters from the shards every n_fetch steps.")
+    n_push: int = Field(1, ge=1, description="downpour: push the accumulated gradient every n_push steps.")
+    max_in_flight: int = Field(2, ge=1, description="downpour: pushes outstanding before a replica waits.")
+    max_staleness: Optional[int] = Field(
+        None, ge=0, description="downpour: a replica more than this many steps ahead of the slowest waits (SSP); "
+        "none = unbounded."
+    )
+    staleness_lr: bool = Field(False, description="downpour: shards step eta / staleness for stale gradients.")
+    warmstart_steps: int = Field(0, ge=0, description="downpour: rank 0 trains alone for this many steps first.")
+    tau: int = Field(4, ge=1, description="easgd: elastic exchange with the center every tau steps.")
+    alpha: Optional[float] = Field(
+        None, gt=0, le=1, description="easgd: elastic coefficient; default 0.9 / replicas (beta = 0.9)."
+    )
+    variant: Literal["async", "sync"] = Field("async", description="easgd: asynchronous, or synchronous at a barrier.")
+    momentum: float = Field(
+        0.0, ge=0, lt=1, description="easgd: local Nesterov momentum (EAMSGD) when > 0; optimizer.name sgd only."
+    )
+    phases: Optional[list[PhaseConfig]] = Field(
+        None, description="A run in phases, each {mode, that mode's options, until}: e.g. [{mode: downpour, n_push: "
+        "4, until: {epochs: 2}}, {mode: allreduce, until: {test_accuracy: 0.96}}, {mode: easgd, tau: 8}]. `until`: "
+        "epochs, steps or seconds spent in the phase, or a metric threshold (test_accuracy reached, test_loss or "
+        "train_loss fallen to); the last phase has none and runs until the run stops. A phase's options override "
+        "the strategy.* values above; none = one phase of strategy.mode. See docs/modes.md."
+    )
+    switch: Literal["schedule", "adaptive"] = Field(
+        "schedule", description="Who picks the mode: schedule (strategy.phases, or strategy.mode throughout) or "
+        "adaptive (strategy.adaptive switches between a synchronous and an asynchronous mode while the run goes)."
+    )
+    adaptive: AdaptiveConfig = Field(
+        default_factory=lambda: AdaptiveConfig(), description="The adaptive switch policy's rules (switch: adaptive)."
+    )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: Any) -> dict[str, Any]:
+        """A run in phases is dumped without strategy.mode (its default would read as the
+        one-mode form, and mode with phases is a config error): config.yaml and a checkpoint's
+        config load back as they were given."""
+        out = handler(self)
+        if self.phases is not None and "mode" not in self.model_fields_set:
+            out.pop("mode", None)
+        return out
+
+    @model_validator(mode="after")
+    def _phases_fit(self) -> "StrategyConfig":
+        if self.phases is None:
+            if self.switch == "adaptive" and self.variant == "sync":
+                raise ValueError("switch adaptive switches to and from asynchronous EASGD; strategy.variant "
+                                 "sync cannot take part")
+            return self
+        if "mode" in self.model_fields_set:
+            raise ValueError("set mode (one mode) or phases, not both")
+        if self.switch == "adaptive":
+            raise ValueError("switch adaptive picks the modes itself; remove phases or use "
+                             "switch: schedule")
+        if not self.phases:
+            raise ValueError("phases: give at least one phase")
+        for i, phase in enumerate(self.phases):
+            last = i == len(self.phases) - 1
+            if last and phase.until is not None:
+                raise ValueError(f"phases[{i}]: the last phase runs until the run stops; remove its until")
+            if not last and phase.until is None:
+                raise ValueError(f"phases[{i}]: every phase but the last needs until (epochs, steps, "
+                                 "seconds or a metric threshold)")
+            variant = phase.variant if phase.variant is not None else self.variant
+            if len(self.phases) > 1 and phase.mode == "easgd" and variant == "sync":
+                raise ValueError(f"phases[{i}]: synchronous EASGD cannot switch mid-run (its rounds are "
+                                 "not paused yet); use variant async in a run with several phases")
+        return self
+
+    def plan(self) -> list[dict[str, Any]]:
+        """The strategy of each phase, in order: every strategy.* value with the phase's own
+        options over it, `until` (None for the last) and `optimizer` (its optimizer.* overrides). `switch: adaptive`: the synchronous
+        and the asynchronous mode it moves between (no until; the policy decides)."""
+        base = self.model_dump(exclude={"phases", "switch", "adaptive"})
+
+        def opt(o: Optional[PhaseOptimizer]) -> dict[str, Any]:
+            return o.model_dump(exclude_none=True) if o is not None else {}
+
+        if self.switch == "adaptive":
+            a = self.adaptive
+            return [{**base, "mode": m, "variant": "async", "until": None, "optimizer": opt(o)}
+                    for m, o in ((a.sync_mode, a.sync_optimizer), (a.async_mode, a.async_optimizer))]
+        phases = self.phases or [PhaseConfig(mode=self.mode)]
+        return [{**base, **phase.model_dump(exclude_none=True, exclude={"until", "optimizer"}), "until": phase.until,
+                 "optimizer": opt(phase.optimizer)} for phase in phases]
+
+    def modes(self) -> list[str]:
+        """Every mode the run can take."""
+        return [p["mode"] for p in self.plan()]
+
+
+
+
+class ScalingConfig(Section):
+    replicas: int = Field(2, ge=1, description="Number of ModelReplica actors.")
+    cpus_per_replica: float = Field(1.0, gt=0, description="Logical CPUs per replica (also its torch threads).")
+    gpus_per_replica: float = Field(
+        0.0, ge=0, description="GPUs per replica; > 0 selects the NCCL backend (allreduce: 0 or at least 1, "
+        "NCCL cannot put two ranks on one GPU)."
+    )
+    shards: int = Field(
+        1, ge=1, description="ParameterShard actors (downpour, easgd); they reserve no CPU; at most one per "
+        "model parameter."
+    )
+    min_replicas: int = Field(
+        1, ge=1, description="The fewest replicas the run goes on with when a dead replica is not replaced "
+        "(fault_tolerance.max_replica_restarts spent, or its node gone and no room elsewhere: a shrink); below it "
+        "the run fails."
+    )
+    max_replicas: Optional[int] = Field(
+        None, ge=1, description="The most replicas the run may grow to when the cluster has room; none = "
+        "scaling.replicas (no growth beyond it; a run that shrank grows back to it). New replicas start when room "
+        "is seen and join once ready, at the replicas' next partition boundary; while below it the run asks the "
+        "autoscaler for the room "
+        "(docs/elasticity.md)."
+    )
+    lr_scaling: Literal["linear", "none"] = Field(
+        "linear", description="How the learning rate follows the replica count on a resize: linear (optimizer.lr "
+        "x replicas / scaling.replicas, a rise reached by a warmup of lr_warmup_steps) or none (optimizer.lr "
+        "throughout). Applies to allreduce (its batch is replicas x data.batch_size); easgd keeps beta = replicas "
+        "x alpha; downpour's rate does not change."
+    )
+    lr_warmup_steps: int = Field(
+        100, ge=0, description="Steps of the linear ramp from the current learning rate up to the new one after a "
+        "grow (lr_scaling linear); 0 = at once. A shrink lowers the rate at once."
+    )
+    poll_s: float = Field(
+        5.0, gt=0, description="Seconds between two looks at the cluster's resources by the scaling policy (a "
+        "replica whose node dies is seen at once, without waiting for a poll)."
+    )
+    grow_after: int = Field(
+        2, ge=1, description="Consecutive polls that must see room for another replica before the run grows (a "
+        "shrink after lost resources is at once)."
+    )
+    wait_for_room_s: float = Field(
+        600.0, ge=0, le=86400, description="On a cluster the run joins (RAY_ADDRESS, `ray job submit`, an earlier "
+        "ray.init) that cannot hold the starting replicas yet: ask the autoscaler for them and wait up to this "
+        "many seconds for the room (a cluster scaling up from zero worker nodes), then exit 2 naming what is "
+        "short. 0 = refuse at once. A local cluster the run starts itself is never waited for."
+    )
+
+    def max_or_replicas(self) -> int:
+        """max_replicas, or replicas when it is unset (no growth)."""
+        return self.max_replicas if self.max_replicas is not None else self.replicas
+
+
+class FaultToleranceConfig(Section):
+    max_replica_restarts: int = Field(
+        3, ge=0, description="Replicas replaced per run (a dead, hung or raising replica is replaced by a new "
+        "actor or a spare); past it a dead replica is dropped if scaling.min_replicas allows, else the run fails."
+    )
+    restart_backoff_s: float = Field(
+        0.0, ge=0, description="Seconds to wait before the n-th replacement in a row: restart_backoff_s * "
+        "2^(n-1), at most 30 s; 0 replaces at once. A run that goes one epoch without a failure starts over at n = 1."
+    )
+    spares: int = Field(
+        0, ge=0, description="Idle replicas started with the run (model built, no CPU reserved; with GPUs each holds its GPU): a failed replica "
+        "is replaced at once by a spare, which is then started afresh in the background."
+    )
+    hang_timeout_s: float = Field(
+        60.0, gt=0, description="A replica that reports no progress for this long is hung: it is killed and "
+        "replaced. allreduce: also the process group's collective timeout. A parameter shard or the partition "
+        "server whose pings go unanswered for half of it is killed and rebuilt (from its snapshot, its journal)."
+    )
+    shard_snapshot_every_s: float = Field(
+        5.0, gt=0, description="downpour, easgd: seconds between snapshots of each parameter shard, from which a "
+        "dead shard is rebuilt (the replicas replay the updates they pushed since)."
+    )
+
+
+class SlowWindow(Section):
+    """A deliberate straggler: replica `rank` slowed while its step count or the training time
+    is inside the window."""
+
+    rank: int = Field(ge=0, description="The replica to slow.")
+    delay_s: Optional[float] = Field(None, ge=0, description="Seconds added to each of its steps.")
+    factor: Optional[float] = Field(
+        None, ge=1, description="Or: its steps take this many times as long (after each step it sleeps factor - 1 "
+        "times that step's duration)."
+    )
+    from_step: Optional[int] = Field(None, ge=0, description="From this step of the replica on (default: the start).")
+    to_step: Optional[int] = Field(None, ge=0, description="Until this step (default: the end).")
+    from_s: Optional[float] = Field(None, ge=0, description="From this many seconds after training started.")
+    to_s: Optional[float] = Field(None, ge=0, description="Until this many seconds after training started.")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> "SlowWindow":
+        if (self.delay_s is None) == (self.factor is None):
+            raise ValueError("give delay_s or factor (one of them)")
+        if (self.from_step is not None or self.to_step is not None) and (self.from_s is not None or self.to_s is not None):
+            raise ValueError("give the window in steps (from_step, to_step) or seconds (from_s, to_s), not both")
+        return self
+
+
+class FaultsConfig(Section):
+    slow_replicas: list[SlowWindow] = Field(
+        default_factory=list, description="Straggler experiments: a list of windows {rank, delay_s or factor, "
+        "from_step/to_step or from_s/to_s}; or the short form {rank: seconds added to each step} (all run long)."
+    )
+
+    @field_validator("slow_replicas", mode="before")
+    @classmethod
+    def _short_form(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            for rank, delay in v.items():
+                if not isinstance(rank, int) or rank < 0 or not isinstance(delay, (int, float)) or delay < 0:
+                    raise ValueError(f"ranks and delays must be >= 0, got {rank}: {delay}")
+            return [{"rank": rank, "delay_s": delay} for rank, delay in v.items()]
+        return v
