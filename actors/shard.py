@@ -217,6 +217,12 @@ class ParameterShard:
                           optimizer[0], clocks, *optimizer[1:])
         return self.state.version
 
+    async def optimizer_state(self) -> dict:
+        return self.state.optimizer_state()
+
+    async def load_optimizer_state(self, state: dict) -> None:
+        self.state.load_optimizer_state(state)
+
     async def observed_max_lead(self) -> int:
         return self.state.max_lead
 

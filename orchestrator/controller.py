@@ -30,12 +30,10 @@ import os
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import ray
 
-from orchestrator.checkpoint import CheckpointStore, save_checkpoint
 from orchestrator.cluster import beside_driver
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
@@ -47,6 +45,7 @@ from orchestrator.group import ReplicaGroup
 from orchestrator.placement import place_data
 from orchestrator.progress import ProgressDisplay
 from orchestrator.reporting import Reporter
+from orchestrator.run_state import Checkpointer, Position, RunTotals
 from orchestrator.states import (TERMINAL, EpochSegment, Errored, Finished, Finishing, Reconfiguring, Running,
                                   Starting, State, SwitchPlan)
 from orchestrator.tracking import Tracker
@@ -60,22 +59,7 @@ from policies.tasks import sum_stats
 
 
 
-@dataclass
-class RunTotals:
-    epochs: int = 0
-    steps: int = 0
-    samples: int = 0
-    epoch_wall_s: float = 0.0  # whole epochs: training + evaluation + logging
-    train_s: float = 0.0  # inside the replicas' step loops (slowest replica per epoch)
-    comm_s: float = 0.0
-    startup_s: float = 0.0
-    time_to_target_s: Optional[float] = None
-    metrics: dict[str, float] = field(default_factory=dict)  # the last epoch's task metrics (test_accuracy, ...)
-    train_loss: float = float("nan")
-    stop_reason: str = ""
-    checkpoint: Optional[str] = None
-    rows_per_epoch: list[int] = field(default_factory=list)  # train rows each epoch stepped on (all replicas)
-    replica_restarts: int = 0
+SHARD_STATE_TIMEOUT_S = 10.0  # the shards' optimizer states for a checkpoint
 
 
 class Controller:
@@ -122,9 +106,57 @@ class Controller:
         self.steps_per_epoch = 0
         self._train_started = 0.0
         self.unreported: dict[int, list[int]] = {}  # last epoch's final completions, not yet reported
-        self.last_state: Optional[dict[str, Any]] = None
-        self._store: Optional[CheckpointStore] = None  # opened at the first checkpoint (the run id is known then)
-        self._last_checkpoint_s = 0.0  # perf_counter when the last checkpoint was written
+        self.checkpoints = Checkpointer(config.checkpoint.storage, config.checkpoint.keep, config.run.name)
+        self.position = self._position()
+
+    def _position(self) -> Position:
+        """The run's position a checkpoint holds: each part with its owner's save and load
+        (orchestrator/run_state.py)."""
+        from dataclasses import asdict
+
+        pos = Position()
+
+        def load_totals(saved: dict[str, Any]) -> None:
+            for key, value in saved.items():
+                if key != "startup_s":  # this start's own
+                    setattr(self.totals, key, value)
+
+        def load_phases(saved: list) -> None:
+            self.phases = saved
+
+        def load_train_clock(seconds: float) -> None:
+            self._train_started = time.perf_counter() - seconds
+
+        def load_wall_clock(seconds: float) -> None:
+            self.t0 = time.perf_counter() - seconds  # time_to_target_s goes on counting from the first start
+
+        def save_shards() -> Optional[list]:
+            if self.shard_group is None:
+                return None
+            try:
+                return self.shard_group.optimizer_states(min(self.cfg.strategy.timeout_s, SHARD_STATE_TIMEOUT_S))
+            except Exception:  # a shard down (rebuilt at the next poll): a resume starts its optimizer afresh
+                return None
+
+        def load_shards(saved: Optional[list]) -> None:
+            if saved is not None and self.shard_group is not None:
+                self.shard_group.load_optimizer_states(saved, self.cfg.strategy.timeout_s)
+
+        pos.register("totals", lambda: {k: v for k, v in asdict(self.totals).items()
+                                        if k not in ("checkpoint", "stop_reason")}, load_totals)
+        pos.register("policy", self.switch_policy.position, self.switch_policy.restore)
+        pos.register("failure", self.failure_policy.position, self.failure_policy.restore)
+        pos.register("phases", lambda: [dict(p) for p in self.phases], load_phases)
+        pos.register("train_elapsed_s", lambda: time.perf_counter() - self._train_started, load_train_clock)
+        pos.register("wall_elapsed_s", lambda: time.perf_counter() - self.t0, load_wall_clock)
+        pos.register("lr_schedule", self.elastic.lr.position, self.elastic.restore_lr)
+        pos.register("shards", save_shards, load_shards)
+        return pos
+
+    @property
+    def last_state(self) -> Optional[dict[str, Any]]:
+        """The newest checkpoint's state (a repair that lost every allreduce replica loads it)."""
+        return self.checkpoints.last_state
 
     def set_strategy(self, strategy: dict[str, Any]) -> None:
         """The phase that runs now: its strategy, its mode's registry entry, lock-step or not."""
@@ -291,17 +323,9 @@ class Controller:
         return self.begin_epoch(self.totals.epochs + 1)
 
     def _restore(self, state: dict[str, Any]) -> None:
-        """Go on from a checkpoint: the run's totals, phases and clock; every replica loads the
-        checkpoint's model, optimizer state and step; the shards (if any) take its parameters."""
-        run = state["run"]
-        for key, value in run["totals"].items():
-            if key != "startup_s":  # this start's own
-                setattr(self.totals, key, value)
-        self.phases = run["phases"]
-        # the replacement budget goes on where it was (a checkpoint from before it was kept: the count)
-        self.failure_policy.restore(run.get("failure") or {"restarts": self.totals.replica_restarts, "in_a_row": 0})
-        self._train_started = time.perf_counter() - run["train_elapsed_s"]
-        self.t0 = time.perf_counter() - run["wall_elapsed_s"]  # time_to_target_s goes on counting from the first start
+        """Go on from a checkpoint: every replica loads its model, optimizer state and step; the
+        shards (if any) take its parameters; then each part of the run's position goes back to
+        its owner (orchestrator/run_state.py)."""
         ranks, step = self.group.ranks, state["step"]
         payload = ray.put({"model": state["model"], "optimizer": state["optimizer"], "step": step})
         self.group.call(ranks, "load_state", payload, what="state from the checkpoint")
@@ -312,20 +336,13 @@ class Controller:
             if self.spec.sharded:
                 self.group.call(ranks, "sync_from_shards", step, what="state from the shards")
         self.progress = {r: step for r in ranks}
+        missing = self.position.load(state["run"])
+        if "failure" in missing:  # a checkpoint from before the budget was kept: the count
+            self.failure_policy.restore({"restarts": self.totals.replica_restarts, "in_a_row": 0})
         self.report.event("resumed", epoch=self.totals.epochs, step=self.totals.steps, replica_step=step,
-                          phase=self.switch_policy.current, mode=self.spec.name)
+                          phase=self.switch_policy.current, mode=self.spec.name,
+                          **({"parts_missing": missing} if missing else {}))
         self.report.say(f"resumed after epoch {self.totals.epochs} (step {self.totals.steps}) in {self.spec.name}")
-
-    def run_position(self) -> dict[str, Any]:
-        """What a checkpoint needs to go on from here: the run's totals, the switch policy's
-        position, the failure policy's replacement budget, the phases so far and the training clock."""
-        from dataclasses import asdict
-
-        totals = {k: v for k, v in asdict(self.totals).items() if k not in ("checkpoint", "stop_reason")}
-        return {"totals": totals, "policy": self.switch_policy.position(), "failure": self.failure_policy.position(),
-                "phases": [dict(p) for p in self.phases],
-                "train_elapsed_s": time.perf_counter() - self._train_started,
-                "wall_elapsed_s": time.perf_counter() - self.t0}
 
     def give_data(self, ranks: list[int]) -> None:
         """The partition server, the train partitions (refs, or a file source's plan) and each
@@ -427,7 +444,7 @@ class Controller:
             self.failure_policy.epoch_without_failure()
 
         ck = cfg.checkpoint
-        if checkpoint_due(epoch, time.perf_counter(), max(self._last_checkpoint_s, self._train_started),
+        if checkpoint_due(epoch, time.perf_counter(), max(self.checkpoints.last_s, self._train_started),
                           ck.every_epochs, ck.every_s):
             try:
                 tot.checkpoint = self.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s)
@@ -478,27 +495,18 @@ class Controller:
 
     def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None) -> str:
         """The lowest rank's model and optimizer state (all replicas hold the same parameters,
-        or the mode's reference) plus the run's position, saved in the run's checkpoint store as
-        checkpoint.storage/<run.name or mlflow run id>/ckpt-<run step>-<tag>.pt with its sidecar (the
-        newest checkpoint.keep kept) and, given `named`, also as <that directory>/<named>. The
-        final one says the run finished (a named run is not started again from it).
-        Returns the named copy's path if there is one, else the store's."""
+        or the mode's reference) plus the run's position, written by the Checkpointer
+        (orchestrator/run_state.py). The final one says the run finished (a named run is not
+        started again from it). Returns the named copy's path if there is one, else the store's."""
         t = time.perf_counter()
         first = self.group.ranks[0]
         state = self.group.call([first], "state", what=f"checkpoint {tag}", timeout_s=timeout_s)[0]
-        run_id = self.tracker.run_id
-        state.update(epoch=self.totals.epochs, mlflow_run_id=run_id, config=self.cfg.model_dump(mode="json"),
-                     run=self.run_position(), finished=tag == "final")
-        storage, directory = self.cfg.checkpoint.storage, self.cfg.run.name or run_id
-        if self._store is None or self._store.run_name != directory:
-            self._store = CheckpointStore(storage, directory, self.cfg.checkpoint.keep)
-        # the run's step count (monotonic, the x-axis of the epoch metrics) orders the store
-        stored = self._store.save(state, step=self.totals.steps, epoch=self.totals.epochs, tag=tag)
-        path = save_checkpoint(storage, directory, named, state) if named else stored
-        self.last_state = state
-        self._last_checkpoint_s = time.perf_counter()
+        state.update(epoch=self.totals.epochs, mlflow_run_id=self.tracker.run_id,
+                     config=self.cfg.model_dump(mode="json"), run=self.position.save(), finished=tag == "final")
+        path, stored = self.checkpoints.write(state, tag, self.totals.steps, self.totals.epochs, self.tracker.run_id,
+                                              named)
         self.report.event("checkpoint", path=path, epoch=self.totals.epochs, step=self.totals.steps,
-                          seconds=round(self._last_checkpoint_s - t, 4), **({"stored": stored} if named else {}))
+                          seconds=round(self.checkpoints.last_s - t, 4), **({"stored": stored} if named else {}))
         return path
 
     def _watch(self) -> None:

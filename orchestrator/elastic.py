@@ -333,6 +333,16 @@ class Elasticity:
         return {"lr_rule": self.lr.rule, "lr_before": round(base * before, 6), "lr_target": round(base * seg.target_lr, 6),
                 "lr_warmup_steps": seg.ramp_steps, "lr_applies": self.ctl.spec.global_batch}
 
+    def restore_lr(self, segments: list[list]) -> None:
+        """A resumed run: the schedule as the checkpoint kept it, moved to the replica count the
+        run starts again with, and sent to the replicas."""
+        self.lr.restore(segments)
+        members = len(self.ctl.group.ranks)
+        if self.lr.replicas != members:
+            step = max(self.ctl.progress.values(), default=0)
+            self.lr.resize(max(step, self.lr.segments[-1].from_step), members)
+        self.send_lr()
+
     def send_lr(self, ranks: Optional[list[int]] = None) -> None:
         """The schedule's current ramp to the replicas (a replacement needs it too, once resized)."""
         if len(self.lr.segments) < 2:

@@ -296,6 +296,19 @@ class ShardGroup:
             self._membership[rank] = step
         self.snapshot_now(timeout_s)
 
+    def optimizer_states(self, timeout_s: float = 30.0) -> list[dict]:
+        """Each shard's server-optimizer state (a checkpoint's `shards` part)."""
+        return ray.get([s.handle.optimizer_state.remote() for s in self._slots], timeout=timeout_s)
+
+    def load_optimizer_states(self, states: list[dict], timeout_s: float = 60.0) -> None:
+        """A resumed run: each shard goes on with the server-optimizer state a checkpoint kept,
+        then a snapshot, so a rebuild keeps it too."""
+        if len(states) != len(self._slots):
+            raise ValueError(f"the checkpoint holds {len(states)} shards' optimizer states, the run has "
+                             f"{len(self._slots)} shards")
+        ray.get([s.handle.load_optimizer_state.remote(st) for s, st in zip(self._slots, states)], timeout=timeout_s)
+        self.snapshot_now(timeout_s)
+
     def values(self, timeout_s: float = 30.0) -> np.ndarray:
         """The reference parameters, concatenated (raises if a shard is down)."""
         return np.concatenate(ray.get([s.handle.values.remote() for s in self._slots], timeout=timeout_s))

@@ -3,8 +3,7 @@ plan (`Plan`), a switch plan (`SwitchPlan`), the reason a run errored. This modu
 nothing of the orchestrator above it; orchestrator/controller.py maps each state to its handler.
 
     Starting -> Running(segment) -> Reconfiguring(plan, segment) -> Running ... -> Finishing -> Finished
-                                 \-> Errored(error)            (any state)
-
+    any state -> Errored(error)
 
 `EpochSegment` is the driver's view of one epoch while it runs: the replicas' open epoch
 streams, what each sent, failures seen and not yet judged, and recoveries waiting for every

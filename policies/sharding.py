@@ -15,6 +15,8 @@ restored from a snapshot and given the same updates in the same order ends ident
 """
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -145,6 +147,15 @@ class ShardState:
         self.clocks = dict(clocks)
         self.gone = set()
         self.max_lead = 0
+
+    def optimizer_state(self) -> dict:
+        """The server optimizer's state_dict as tensor copies (a checkpoint's part: momentum
+        buffers or Adagrad sums and steps), loadable with torch.load(weights_only=True)."""
+        return copy.deepcopy(self._opt.state_dict())
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Go on with the server optimizer state `optimizer_state()` returned (a resumed run)."""
+        self._opt.load_state_dict(copy.deepcopy(state))
 
     def init_clocks(self, replicas: int) -> None:
         self.clocks = {r: 0 for r in range(replicas)}

@@ -195,3 +195,39 @@ def test_batchnorm_buffers_are_consistent_in_every_mode(ray_cluster, tmp_path, s
             np.testing.assert_array_equal(local[0][n], local[1][n])
             np.testing.assert_array_equal(saved[n].numpy(), local[0][n])
     assert ctl.totals.metrics["test_accuracy"] > 0.9  # evaluated with consistent statistics
+
+
+def test_a_resumed_downpour_run_gives_the_shards_back_their_server_optimizer_state(ray_cluster, tmp_path):
+    """The shards' momentum is part of the checkpoint: a run resumed from epoch 1's checkpoint
+    has, before it trains again, the server-optimizer state the shards had then."""
+    import torch
+
+    from orchestrator.checkpoint import CheckpointStore
+
+    sections = dict(strategy={"mode": "downpour", "n_fetch": 2, "n_push": 2}, data={"batch_size": 16},
+                    optimizer={"lr": 0.05, "momentum": 0.9}, checkpoint={"storage": str(tmp_path / "ck")},
+                    scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 2}, run={"name": "ps"})
+    first = ElasticTrainer(job_config(**sections, stop={"epochs": 2}), show_progress=False).fit()
+    store = CheckpointStore(str(tmp_path / "ck"), "ps", keep=10)
+    [entry] = [e for e in store.list() if e.tag == "epoch_0001"]
+    state, _ = store.verify(entry)
+    kept = state["run"]["shards"]
+    assert len(kept) == 2 and all(s["state"] for s in kept)  # momentum buffers, one per shard
+
+    seen = {}
+
+    class AtResume:
+        def on_event(self, event):
+            if event["kind"] == "resumed":
+                seen["event"] = event
+                seen["shards"] = trainer.controller.shard_group.optimizer_states()
+
+    sections.pop("run")
+    trainer = ElasticTrainer(job_config(**sections, stop={"epochs": 2}), show_progress=False, resume=state,
+                             callbacks=[AtResume()])
+    result = trainer.fit()
+    assert "parts_missing" not in seen["event"] and seen["event"]["epoch"] == 1
+    for got, want in zip(seen["shards"], kept):
+        for key, buf in want["state"].items():
+            assert torch.equal(got["state"][key]["momentum_buffer"], buf["momentum_buffer"])
+    assert result.mlflow_run_id == first.mlflow_run_id and result.epochs == 2
