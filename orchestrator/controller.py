@@ -44,6 +44,7 @@ from orchestrator.errors import MemberLost, TrainingError, issued_whole
 from orchestrator.group import ReplicaGroup
 from orchestrator.placement import place_data
 from orchestrator.progress import ProgressDisplay
+from orchestrator.pause import PauseGate
 from orchestrator.reporting import Reporter
 from orchestrator.run_state import Checkpointer, Position, RunTotals
 from orchestrator.states import (TERMINAL, EpochSegment, Errored, Finished, Finishing, Reconfiguring, Running,
@@ -81,6 +82,7 @@ class Controller:
             self.switch_policy.restore(resume["run"]["policy"])
         self.set_strategy(self.switch_policy.plan[self.switch_policy.current])
         self.pending_switch = None  # a SwitchPlan decided, not carried out yet (orchestrator/switching.py)
+        self.pause = PauseGate(lambda: self.server)  # why the replicas are held at partition boundaries
         modes = config.strategy.modes()
         sharded = [m for m in modes if mode_spec(m).sharded]
         self.needs_shards = bool(sharded)  # any phase keeps its reference in shards
@@ -520,7 +522,7 @@ class Controller:
         switch's pause; allreduce replicas all after the same step), so the lowest rank can
         answer for the final checkpoint without finishing its epoch."""
         if self.server is not None:
-            self.server.call("pause", True, timeout_s=timeout_s)
+            self.pause.close("halt", timeout_s)  # already closed (a switch, a grow): the replicas pause anyway
 
     def shutdown(self) -> None:
         """Stop every actor this controller started (replicas, spares, shards, the server) and

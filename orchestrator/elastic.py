@@ -76,7 +76,6 @@ class Elasticity:
     _next_poll: float = 0.0
     _room_since: Optional[float] = None
     _look_failed: bool = False
-    pausing: bool = False  # the partition server is pausing the replicas for ready newcomers to join
 
     def __post_init__(self) -> None:
         s = self.ctl.cfg.scaling
@@ -209,12 +208,11 @@ class Elasticity:
         their next partition boundary (allreduce: all after the same step), where it joins
         (`join_paused`). Not while a phase switch or a failure is being handled."""
         j = self.joining
-        if j is None or self.pausing or not seg.begun or self.ctl.pending_switch is not None or seg.failures:
+        if j is None or self.ctl.pause.closed or not seg.begun or self.ctl.pending_switch is not None or seg.failures:
             return
         done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
         if done:
-            self.ctl.server.call("pause", True)
-            self.pausing = True
+            self.ctl.pause.close("grow")
 
     def join_paused(self, seg: EpochSegment) -> None:
         """Every stream has ended, some paused for the grow: the ready replicas join, the epoch
@@ -261,9 +259,8 @@ class Elasticity:
         return sorted(joined)
 
     def _stop_pausing(self) -> None:
-        if self.pausing:
-            self.ctl.server.call("pause", False)
-            self.pausing = False
+        if self.ctl.pause.reason == "grow":
+            self.ctl.pause.open()
 
     def _join(self, seg: EpochSegment, mid_epoch: bool) -> Optional[list[int]]:
         """The started replicas that are ready become members (the rest join later; none ready

@@ -47,9 +47,10 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
         if seg.failures and (not ctl.lock_step or not seg.streams):
             return judge(ctl, seg)
         if not seg.streams:
-            if ctl.pending_switch is not None and any(i["kind"] == "paused" for i in seg.ended.values()):
+            paused = any(i["kind"] == "paused" for i in seg.ended.values())
+            if ctl.pause.reason == "switch" and paused:
                 return Reconfiguring(ctl.pending_switch, seg)
-            if ctl.elastic.pausing and any(i["kind"] == "paused" for i in seg.ended.values()):
+            if ctl.pause.reason == "grow" and paused:
                 ctl.elastic.join_paused(seg)  # ready newcomers join; the epoch goes on
                 continue
             nxt = close_pass(ctl, seg)
@@ -97,7 +98,7 @@ def read_item(ctl: "Controller", seg: EpochSegment, rank: int, stream: Any) -> N
     if kind == "stepping":
         stepped(ctl, seg, rank, item["t_wall"])
         return
-    if kind == "paused" and ctl.pending_switch is None and not ctl.elastic.pausing:
+    if kind == "paused" and not ctl.pause.closed:
         # a stale pause: the replica's grant request was answered while the last switch was
         # being decided, and it heard it only after resuming: it goes on at once
         seg.items.append(item)

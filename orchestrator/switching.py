@@ -55,7 +55,7 @@ def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = F
              metrics: Optional[dict[str, float]] = None) -> None:
     """Ask the policy; a switch it decides is recorded as pending (and, mid-epoch, the partition
     server starts pausing the replicas)."""
-    if ctl.pending_switch is not None or len(ctl.switch_policy.plan) < 2 or ctl.elastic.pausing:
+    if ctl.pending_switch is not None or len(ctl.switch_policy.plan) < 2 or ctl.pause.closed:
         return
     sw = ctl.switch_policy.decide(observe(ctl, epoch_end, metrics))
     if sw is None:
@@ -64,7 +64,7 @@ def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = F
     ctl.pending_switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid)
     ctl.report.say(f"switch to {sw.mode} decided ({sw.rule}): {sw.reason}")
     if mid:
-        ctl.server.call("pause", True)
+        ctl.pause.close("switch")
 
 
 def evaluate(ctl: "Controller") -> float:
@@ -116,7 +116,7 @@ def carry_out(ctl: "Controller", plan: SwitchPlan, seg: EpochSegment) -> EpochSe
     after = evaluate(ctl)
 
     t4 = time.perf_counter()
-    ctl.server.call("pause", False, share=seg.begun and not new_spec.pinned)
+    ctl.pause.open(share=seg.begun and not new_spec.pinned)
     parts["data"] = time.perf_counter() - t4
     step = max(ctl.progress.values(), default=0)
     ctl.record_phase(sw, step, before, after)
