@@ -8,7 +8,7 @@ controller acts, actors hold state and move tensors.
 
 `step()` runs the current state once and returns the next:
 - Starting: actors, data into the object store, process group, first epoch's segment;
-- Running(segment): reads the replicas' epoch streams (orchestrator/states.py) until the epoch
+- Running(segment): reads the replicas' epoch streams (orchestrator/running.py) until the epoch
   ends (-> the epoch's bookkeeping, then Running(next epoch) or Finishing) or a failure needs a
   decision. A failure (a replica died, hung, or its user code raised) is a value: the failure
   policy (policies/failure.py) judges it; Fail -> Errored;
@@ -37,7 +37,7 @@ import ray
 from orchestrator.cluster import beside_driver
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
-from orchestrator import recovery, switching
+from orchestrator import recovery, running, switching
 from orchestrator.elastic import Elasticity
 from orchestrator.epoch import report_shard_events, watch_servers
 from orchestrator.errors import MemberLost, TrainingError, issued_whole
@@ -221,15 +221,15 @@ class Controller:
                 nxt = Running(self._start())
             elif isinstance(state, Running):
                 try:
-                    nxt = recovery.run_segment(self, state.segment)
+                    nxt = running.run_segment(self, state.segment)
                 except MemberLost as lost:
-                    nxt = recovery.lost_meanwhile(self, state.segment, lost)
+                    nxt = running.lost_meanwhile(self, state.segment, lost)
             elif isinstance(state, Reconfiguring) and isinstance(state.plan, SwitchPlan):
                 try:
                     nxt = Running(switching.carry_out(self, state.plan, state.segment))
                 except MemberLost as lost:  # repaired first; the switch is carried out after
                     self.pending_switch = state.plan
-                    nxt = recovery.lost_meanwhile(self, state.segment, lost)
+                    nxt = running.lost_meanwhile(self, state.segment, lost)
             elif isinstance(state, Reconfiguring):
                 nxt = Running(recovery.reconfigure(self, state.plan, state.segment))
             elif isinstance(state, Finishing):

@@ -1,5 +1,5 @@
 """One epoch's bookkeeping with the partition server and the shards, shared by the running
-epoch (orchestrator/recovery.py), a repair, a switch (orchestrator/switching.py) and a grow
+epoch (orchestrator/running.py), a repair (orchestrator/recovery.py), a switch (orchestrator/switching.py) and a grow
 (orchestrator/elastic.py): closing a pass over the partitions, reporting the passes that ended
 before a reconfiguration, and noticing a rebuilt server or shard."""
 from __future__ import annotations

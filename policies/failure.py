@@ -126,3 +126,7 @@ def error_detail(exc_type: str, message: str) -> str:
     first = (message or "").strip().splitlines()
     return f"{exc_type}: {first[0] if first else ''}".strip()
 
+
+# how each cause is seen, for the replica_failed event
+DETECTED_BY = {"died": "actor died (its epoch stream failed)", "error": "exception raised in the replica",
+               "hung": "no progress for fault_tolerance.hang_timeout_s"}

@@ -20,7 +20,7 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from orchestrator.shard_group import ShardGroup
-from orchestrator import recovery
+from orchestrator import running
 from orchestrator.chaos import Fault, FaultInjector
 from orchestrator.checkpoint import CheckpointStore
 from orchestrator.group import ReplicaGroup
@@ -128,7 +128,7 @@ def arm(state: str, monkeypatch, tmp_path):
         signal_on_call(monkeypatch, ReplicaGroup, "form", nth=1)
         return cfg_for(tmp_path), callbacks, faults, True  # the replicas hold the initial model: epoch 0
     if state == "running":  # mid-epoch: the replicas' streams open
-        signal_on_call(monkeypatch, recovery, "read_item", nth=12)
+        signal_on_call(monkeypatch, running, "read_item", nth=12)
         return cfg_for(tmp_path), callbacks, faults, True
     if state == "between_epochs":
         callbacks.append(SignalOnEvent("epoch_end", epoch=2))

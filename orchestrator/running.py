@@ -1,0 +1,197 @@
+"""Running: one epoch read from the replicas' streams until it ends (the epoch's bookkeeping,
+orchestrator/controller.py: end_epoch), a phase switch is due, or a failure needs a decision
+(the next state: Reconfiguring with the failure policy's decisions, orchestrator/recovery.py).
+
+Failures are seen here, within seconds:
+- died: a stream's next item raises RayActorError (the process or its node is gone: ~0.05 s);
+- error: it raises RayTaskError (the user's model or data raised; the replica left its process
+  group first, so its peers fail at once);
+- hung: no item from a replica for fault_tolerance.hang_timeout_s (lock-step modes: plus
+  HANG_GRACE_S, since its peers wait for it in the collective until the same timeout and end
+  their segments "interrupted"; the one still silent is the hung one). It is killed.
+Each becomes a `ReplicaFailure` value; lock-step modes (allreduce, synchronous EASGD) first let
+every other member end its segment (their step fails: a broken collective, an aborted round),
+then the policy decides; in the asynchronous modes the survivors keep training while the
+replacement joins.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from orchestrator import switching
+from orchestrator.epoch import close_pass, watch_servers
+from orchestrator.errors import INTERRUPTED, MemberLost, TrainingError
+from orchestrator.recovery import decide
+from orchestrator.states import EpochSegment, Errored, Plan, Reconfiguring, Running, State
+from policies.failure import DETECTED_BY, Fail, ReplicaFailure, error_detail
+from policies.modes import Diverged
+
+if TYPE_CHECKING:
+    from orchestrator.controller import Controller
+
+TICK_S = 0.5  # the loop's longest wait: shard snapshots, hang checks
+HANG_GRACE_S = 5.0
+
+
+def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
+    """Read the epoch's streams until the epoch ends or a failure needs a decision."""
+    if not seg.begun:
+        if seg.failures:  # a replica died between epochs (e.g. during a switch): repaired first
+            return judge(ctl, seg)
+        if ctl.pending_switch is not None:  # decided at the last epoch's end: switch before this one opens
+            return Reconfiguring(ctl.pending_switch, seg)
+        ctl.elastic.join_ready(seg)  # replicas started for a grow join at the epoch boundary
+        ctl.open_epoch(seg, frozenset(seg.awaiting_steps()))
+    while True:
+        if seg.failures and (not ctl.lock_step or not seg.streams):
+            return judge(ctl, seg)
+        if not seg.streams:
+            paused = any(i["kind"] == "paused" for i in seg.ended.values())
+            if ctl.pause.reason == "switch" and paused:
+                return Reconfiguring(ctl.pending_switch, seg)
+            if ctl.pause.reason == "grow" and paused:
+                ctl.elastic.join_paused(seg)  # ready newcomers join; the epoch goes on
+                continue
+            nxt = close_pass(ctl, seg)
+            if nxt is None:
+                continue  # a further pass of the epoch started
+            return nxt
+        if INTERRUPTED.is_set():  # a SIGTERM whose KeyboardInterrupt was swallowed where it landed
+            raise KeyboardInterrupt
+        ready, _ = ray.wait(list(seg.streams.values()), num_returns=1, timeout=TICK_S)
+        for rank, stream in list(seg.streams.items()):
+            if stream in ready:
+                read_item(ctl, seg, rank, stream)
+        watch_servers(ctl, seg.epoch)
+        if ctl.group.check_spares():
+            ctl.report.event("spare_replaced", epoch=seg.epoch, spares=len(ctl.group.spares))
+        check_hangs(ctl, seg)
+        ctl.elastic.tick(seg)
+        if seg.fresh_signals or ctl.switch_policy.plan[ctl.switch_policy.current]["until"] is not None:
+            seg.fresh_signals = False
+            switching.consider(ctl, seg)
+        if seg.failures and ctl.lock_step and ctl.shard_group is not None:
+            ctl.shard_group.abort_rounds()  # again each tick: a survivor may reach the round after an abort
+
+
+def read_item(ctl: "Controller", seg: EpochSegment, rank: int, stream: Any) -> None:
+    try:
+        item = ray.get(next(stream), timeout=ctl.cfg.strategy.timeout_s)
+    except StopIteration:
+        del seg.streams[rank]
+        return
+    except ray.exceptions.RayActorError as exc:
+        fail(ctl, seg, ReplicaFailure(rank, "died", f"{type(exc).__name__}: the replica's process is gone",
+                                      replacement=rank in ctl.group.replacements))
+        return
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        if isinstance(cause, Diverged):  # not a fault of this replica: every replica would diverge
+            raise TrainingError(f"replica {rank} epoch {seg.epoch}: {cause}") from None
+        tb = str(exc)  # the replica's own traceback, as Ray carried it back
+        fail(ctl, seg, ReplicaFailure(rank, "error", error_detail(type(cause).__name__, str(cause)), tb,
+                                      replacement=rank in ctl.group.replacements))
+        return
+    seg.heard[rank] = time.perf_counter()
+    kind = item["kind"]
+    if kind == "stepping":
+        stepped(ctl, seg, rank, item["t_wall"])
+        return
+    if kind == "paused" and not ctl.pause.closed:
+        # a stale pause: the replica's grant request was answered while the last switch was
+        # being decided, and it heard it only after resuming: it goes on at once
+        seg.items.append(item)
+        ctl.open_stream(seg, rank, resume=True)
+    elif kind in ("epoch", "interrupted", "paused"):
+        seg.items.append(item)
+        seg.ended[rank] = item
+        ctl.progress[rank] = item["step"]
+    rows = item["progress"] if kind != "progress" else item["rows"]
+    if rows:
+        ctl.progress[rank] = max(ctl.progress.get(rank, 0), rows[-1]["step"])
+        ctl.signals[rank] = rows[-1]
+        seg.fresh_signals = True
+    if rank == min(ctl.group.members, default=rank) and rows:
+        seg.progress += rows
+        last = rows[-1]
+        ctl.report.steps(seg.epoch, last["step_in_epoch"], last["loss"], ctl.steps_per_epoch)
+
+
+def fail(ctl: "Controller", seg: EpochSegment, failure: ReplicaFailure) -> None:
+    """A failure seen: stop reading the replica, record it, and make sure nobody waits for it."""
+    seg.streams.pop(failure.rank, None)
+    seg.heard.pop(failure.rank, None)
+    now = time.time()
+    if seg.t_first_failure is None:
+        seg.t_first_failure = now
+    seg.failures.append(failure)
+    seg.had_failure = True
+    for rec in seg.recoveries:
+        rec.waiting.discard(failure.rank)
+    ctl.report.event("replica_failed", rank=failure.rank, epoch=seg.epoch, cause=failure.cause,
+                     detected_by=DETECTED_BY[failure.cause], detail=failure.detail, t_wall=round(now, 3),
+                     **({"traceback": failure.traceback} if failure.traceback else {}))
+    ctl.report.say(f"replica {failure.rank} {failure.cause} in epoch {seg.epoch}: {failure.detail}")
+    if failure.cause != "died":  # a hung or raising replica's process is stopped now (its sockets close)
+        ctl.group.remove(failure.rank)
+    sg = ctl.shard_group
+    if sg is not None:
+        sg.forget_replica(failure.rank)  # the survivors' slowest-replica clock (SSP) must not wait for it
+        if ctl.lock_step:
+            sg.abort_rounds()  # synchronous EASGD: the survivors' pending round ends now
+
+
+def check_hangs(ctl: "Controller", seg: EpochSegment) -> None:
+    limit = ctl.cfg.fault_tolerance.hang_timeout_s + (HANG_GRACE_S if ctl.lock_step else 0.0)
+    now = time.perf_counter()
+    for rank in [r for r, t in seg.heard.items() if now - t > limit and r in seg.streams]:
+        fail(ctl, seg, ReplicaFailure(rank, "hung", f"no progress for {now - seg.heard.get(rank, now):.0f}s",
+                                      replacement=rank in ctl.group.replacements))
+
+
+def stepped(ctl: "Controller", seg: EpochSegment, rank: int, t_wall: float) -> None:
+    """A member took its first step after a reconfiguration; the recovery's event once all have."""
+    for rec in list(seg.recoveries):
+        if rank in rec.waiting:
+            rec.waiting.discard(rank)
+            rec.stepping_at = max(rec.stepping_at, t_wall)
+            if not rec.waiting:
+                seg.recoveries.remove(rec)
+                took = rec.stepping_at - rec.t_detect_wall
+                ctl.report.event(rec.event.pop("kind"), **rec.event, stepping_at=round(rec.stepping_at, 3),
+                                 **{rec.duration_key: round(took, 3)})
+                what = {"recovery_s": "the failure was seen", "switch_s": "the switch was decided",
+                        "resize_s": "the resize was decided"}[rec.duration_key]
+                ctl.report.say(f"every replica stepping {took:.2f}s after {what}")
+
+
+def judge(ctl: "Controller", seg: EpochSegment) -> "State":
+    """The failure policy decides each failure; Fail ends the run, else Reconfiguring."""
+
+    failures, seg.failures = seg.failures, []
+    failed = {f.rank for f in failures}
+    decisions = decide(ctl, failures, failed)
+    if isinstance(decisions, Fail):
+        return Errored(TrainingError(f"epoch {seg.epoch}: {decisions.reason}"))
+    steps = {r: item["step"] for r, item in seg.ended.items()
+             if r not in failed and item["kind"] == "interrupted"}
+    plan = Plan(failures, decisions, seg.t_first_failure or time.time(), steps)
+    seg.t_first_failure = None
+    return Reconfiguring(plan, seg)
+
+
+def lost_meanwhile(ctl: "Controller", seg: EpochSegment, lost: MemberLost) -> "State":
+    """Replicas that died while the driver waited on them outside a repair (a switch, the
+    epoch's evaluation, a checkpoint): failures of the segment, judged like any other."""
+
+    now = time.time()
+    for rank in lost.ranks:
+        if rank in seg.streams or any(f.rank == rank for f in seg.failures):
+            continue  # its stream will say so, or it is already known
+        fail(ctl, seg, ReplicaFailure(rank, lost.cause, f"{lost.cause} while the driver waited on it ({lost.what})",
+                                      replacement=rank in ctl.group.replacements))
+    seg.t_first_failure = seg.t_first_failure or now
+    return Running(seg)
