@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from actors.partition_server import PartitionReader, is_pause
+from actors.reducer import ProcessGroupReducer, free_port
 from actors.reading import StreamPlan, count_kept, read_range, eval_pieces
 from actors.shard_client import RayShardClient
 from policies.factory import build_model
@@ -41,92 +42,8 @@ from policies.registry import Transport, build_worker, mode_spec
 from policies.tasks import add_stats, load_task
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-class ProcessGroupReducer:
-    """Sums a bucket across replicas with an asynchronous all-reduce on this generation's gloo
-    process group, and broadcasts group rank 0's buffers.
-
-    Gloo cannot abort a collective, and a member that is not a dead rank's ring neighbour would
-    wait for the full collective timeout. So every wait is cut into WAIT_SLICE_S slices; between
-    slices the replica looks for the generation's abort flag in its TCP store. The first member
-    whose collective fails (a neighbour of the dead one: at once) sets the flag, and every other
-    member leaves its wait within a slice. Failed or aborted waits raise `Interrupted` (never
-    inside the backward pass's hooks). Each generation has its own store and group; the old
-    group is abandoned, not destroyed (destroying it would wait for its stuck work)."""
-
-    WAIT_SLICE_S = 0.2
-
-    def __init__(self) -> None:
-        self.pg = None
-        self.store = None
-        self.timeout_s = 60.0
-        self.abandoned: list = []  # past generations' groups and stores: freeing one waits for its stuck work
-
-    def configure(self, store, pg, timeout_s: float, keep: Any = None) -> None:
-        if self.pg is not None:
-            self.abandoned.append((self.pg, self.store, getattr(self, "_keep", None)))
-        self.store, self.pg, self.timeout_s, self._keep = store, pg, timeout_s, keep
-
-    def start(self, tensor: torch.Tensor):
-        try:
-            return self.pg.allreduce([tensor])
-        except Exception as exc:  # the group is already broken: report it at wait()
-            return exc
-
-    def wait(self, handle) -> None:
-        if isinstance(handle, Exception):
-            self.abort()
-            raise Interrupted(f"all-reduce failed: {_first_line(handle)}")
-        slice_ = timedelta(seconds=self.WAIT_SLICE_S)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                handle.wait(slice_)
-                return
-            except Exception as exc:
-                if "timed out" not in str(exc).lower():
-                    self.abort()
-                    raise Interrupted(f"collective failed: {_first_line(exc)}") from None
-            if self.aborted():
-                raise Interrupted("collective aborted: another member saw the group fail")
-            if time.monotonic() > deadline:  # a member stopped answering (hung): this generation is over
-                self.abort()
-                raise Interrupted(f"collective timed out after {self.timeout_s:.0f}s")
-
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        try:
-            work = self.pg.broadcast(tensor, 0)
-        except Exception as exc:
-            work = exc
-        self.wait(work)
-
-    def abort(self) -> None:
-        """Tell the other members this generation is over (best effort: the store's host may be
-        the one that died, which the others notice by themselves)."""
-        with contextlib.suppress(Exception):
-            self.store.set("abort", "1")
-
-    def aborted(self) -> bool:
-        try:
-            return bool(self.store.check(["abort"]))
-        except Exception:  # the store's host is gone: so is the generation
-            return True
-
-
 _UNREAD = object()  # the cursor has not looked ahead yet
 _FETCH = object()  # the cursor's next batch is to be asked for (the epoch was paused for a phase switch)
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def replica_device(gpus_per_replica: float) -> torch.device:
