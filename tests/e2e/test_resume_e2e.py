@@ -49,7 +49,12 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
-    [killed] = client.search_runs([client.get_experiment_by_name("mnist-allreduce").experiment_id])
+    experiment = client.get_experiment_by_name("mnist-allreduce").experiment_id  # shared with other e2e tests
+
+    def runs_named(name):
+        return client.search_runs([experiment], filter_string=f"tags.`mlflow.runName` = '{name}'")
+
+    [killed] = runs_named("nightly")
     run_id = killed.info.run_id
     assert killed.info.status == "RUNNING" and killed.info.run_name == "nightly"  # killed: nobody ended it
     before = client.get_metric_history(run_id, "test_accuracy")
@@ -70,7 +75,7 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
     assert resumed["step"] in {m.step for m in before}  # the step of the checkpoint's epoch end, as logged
     assert ends[0]["step"] > resumed["step"]  # the step counter continues
     assert client.get_run(run_id).info.status == "FINISHED"
-    assert len(client.search_runs([killed.info.experiment_id])) == 1  # no second run was opened
+    assert len(runs_named("nightly")) == 1  # no second run was opened
 
     # a finished run is not trained again, by name or by run id
     again = subprocess.run(command("nightly"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
@@ -82,7 +87,7 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
     # the uncrashed run of the same config takes the same path, epoch by epoch
     ref = subprocess.run(command("uncrashed"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    [uncrashed] = [r for r in client.search_runs([killed.info.experiment_id]) if r.info.run_name == "uncrashed"]
+    [uncrashed] = runs_named("uncrashed")
     for metric in ("test_accuracy", "train_loss"):
         assert by_step(client, run_id, metric) == pytest.approx(by_step(client, uncrashed.info.run_id, metric),
                                                                 rel=1e-4), metric
