@@ -58,8 +58,6 @@ from policies.stop import EpochSnapshot, StopPolicy
 from policies.switching import make_switch_policy
 from policies.tasks import sum_stats
 
-
-
 SHARD_STATE_TIMEOUT_S = 10.0  # the shards' optimizer states for a checkpoint
 
 
@@ -79,6 +77,7 @@ class Controller:
         self.switch_policy = make_switch_policy(config.strategy, config.metric_goals())
         self.resume = resume
         if resume is not None:
+            # now, for the phase this start runs in; _restore loads every part again, this one included
             self.switch_policy.restore(resume["run"]["policy"])
         self.set_strategy(self.switch_policy.plan[self.switch_policy.current])
         self.pending_switch = None  # a SwitchPlan decided, not carried out yet (orchestrator/switching.py)

@@ -46,26 +46,30 @@ def find_checkpoint(run: str, tracking_uri: Optional[str] = None) -> tuple[str, 
     if not run_name:
         raise ConfigError(f"resume: {run} is not a run's checkpoint directory")
 
-    def latest() -> tuple[CheckpointStore, Any]:
-        store = CheckpointStore(storage or "/", run_name, keep=1_000_000)
-        return store, store.latest_good()
-
-    try:
-        store, found = bounded(latest, LOOKUP_TIMEOUT_S, f"listing {directory}")
-    except Exception as exc:  # a URI pyarrow cannot open, a store that does not answer
-        raise ConfigError(f"resume: cannot open {directory} ({one_line(exc)})") from None
+    store, found = _newest_good(storage or "/", run_name, directory, "resume")
     if found is None:
         why = "; ".join(f"{name}: {reason}" for name, reason in store.skipped) or "none written"
         raise ConfigError(f"resume: no usable checkpoint in {directory} ({why})")
     path, state = found
-    _check_resumable(path, state)
-    if state.get("finished"):
-        raise ConfigError(f"resume: {run} already finished (epoch {state['epoch']}, MLflow run "
-                          f"{state['mlflow_run_id']}; its model is {store.path_of('model.pt')}): nothing to go on from")
+    _check_resumable(path, state, store, f"resume: {run}", "nothing to go on from")
     return path, state, list(store.skipped)
 
 
-def _check_resumable(path: str, state: dict[str, Any]) -> None:
+def _newest_good(storage: str, run_name: str, directory: str, who: str) -> tuple[CheckpointStore, Any]:
+    """The run's store and its newest good (path, state) or None, listed within LOOKUP_TIMEOUT_S;
+    ConfigError (prefixed `who`) when the store cannot be opened."""
+    def latest() -> tuple[CheckpointStore, Any]:
+        store = CheckpointStore(storage, run_name, keep=1_000_000)
+        return store, store.latest_good()
+
+    try:
+        return bounded(latest, LOOKUP_TIMEOUT_S, f"listing {directory}")
+    except Exception as exc:  # a URI pyarrow cannot open, a store that does not answer
+        raise ConfigError(f"{who}: cannot open {directory} ({one_line(exc)})") from None
+
+
+def _check_resumable(path: str, state: dict[str, Any], store: CheckpointStore, who: str, finished_why: str) -> None:
+    """A checkpoint a run can go on from: it holds a run position, and the run did not finish."""
     if "run" not in state or "config" not in state:
         raise ConfigError(f"resume: {path} holds no run position (written by a version that could not resume)")
     for key, kind in RESUME_KEYS.items():
@@ -73,6 +77,9 @@ def _check_resumable(path: str, state: dict[str, Any]) -> None:
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise ConfigError(f"resume: {path} is not a checkpoint a run can go on from: its {key} is "
                               f"{type(value).__name__ if key in state else 'missing'}, not {kind.__name__}")
+    if state.get("finished"):
+        raise ConfigError(f"{who} already finished (epoch {state['epoch']}, MLflow run {state['mlflow_run_id']}; "
+                          f"its model is {store.path_of('model.pt')}): {finished_why}")
 
 
 MAY_DIFFER = ("stop.",)  # a named run may be given other stop rules when it goes on (e.g. more epochs)
@@ -87,23 +94,12 @@ def named_checkpoint(config: Any) -> tuple[Optional[str], Optional[dict[str, Any
 
     name, storage = config.run.name, config.checkpoint.storage
     directory = f"{storage.rstrip('/')}/{name}"
-
-    def latest() -> tuple[CheckpointStore, Any]:
-        store = CheckpointStore(storage, name, keep=1_000_000)
-        return store, store.latest_good()
-
-    try:
-        store, found = bounded(latest, LOOKUP_TIMEOUT_S, f"listing {directory}")
-    except Exception as exc:
-        raise ConfigError(f"run {name}: cannot open {directory} ({one_line(exc)})") from None
+    store, found = _newest_good(storage, name, directory, f"run {name}")
     if found is None:
         return None, None, list(store.skipped)
     path, state = found
-    _check_resumable(path, state)
-    if state.get("finished"):
-        raise ConfigError(f"run {name} already finished (epoch {state['epoch']}, MLflow run {state['mlflow_run_id']}; "
-                          f"its model is {store.path_of('model.pt')}): nothing is retrained. Give another --name to "
-                          f"train again, or remove {directory}")
+    _check_resumable(path, state, store, f"run {name}",
+                     f"nothing is retrained. Give another --name to train again, or remove {directory}")
     before = JobConfig.from_dict(state["config"]).flat()
     now = config.flat()
     changed = sorted(k for k in set(before) | set(now)

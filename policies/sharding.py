@@ -16,7 +16,6 @@ restored from a snapshot and given the same updates in the same order ends ident
 from __future__ import annotations
 
 import copy
-
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
