@@ -308,7 +308,7 @@ def ours_round(tmp: str) -> dict:
         problems.append("no grow event with stepping_at after the add")
     else:
         out["grow_s"] = grow["stepping_at"] - out["t_add"]
-        out["grow_event"] = {k: grow.get(k) for k in ("resize_s", "since_room_seen_s", "join_s", "epoch", "at_step")}
+        out["grow_event"] = {k: grow.get(k) for k in ("resize_s", "since_room_seen_s", "reconfigure_s", "epoch", "at_step")}
     if [(e["direction"], e["old_size"], e["new_size"]) for e in resizes] != [("shrink", 2, 1), ("grow", 1, 2)]:
         problems.append(f"resizes: {[(e['direction'], e['old_size'], e['new_size']) for e in resizes]}")
     out["problems"] = problems

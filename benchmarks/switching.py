@@ -10,7 +10,7 @@ ElasticTrainer(cfg).fit() (real Ray actors, shards, gloo groups; MLflow in a tem
     allreduce -> downpour -> easgd -> allreduce -> easgd -> downpour -> allreduce.
     Per switch, from its `mode_switch` event: switch_s (from the decision until every replica
     has stepped in the new mode: pausing at partition boundaries, consolidation, the two
-    evaluations before/after, the new group, resuming) and consolidate_s (the driver's part).
+    evaluations before/after, the new group, resuming) and reconfigure_s (the driver's part, per step in reconfigure_parts_s).
     Ratio: switch_budget_vs_switch_s[<from>-><to>] = 1 s (the aim) / median switch_s: above 1 is
     under the aim.
 (b) First T0: allreduce's training seconds to 97% with no straggler (examples/mnist_allreduce.yaml).
@@ -85,7 +85,7 @@ def switch_cycle(tmp: str) -> dict[str, Any]:
     result = fit(cfg)
     switches = [e for e in result.events if e["kind"] == "mode_switch"]
     return {"wall_s": time.perf_counter() - t0, "phases": result.phases,
-            "switches": [{k: e.get(k) for k in ("from", "to", "switch_s", "consolidate_s", "consolidate_parts_s",
+            "switches": [{k: e.get(k) for k in ("from", "to", "switch_s", "reconfigure_s", "reconfigure_parts_s",
                                                 "mid_epoch", "test_accuracy_before", "test_accuracy_after")}
                          for e in switches]}
 

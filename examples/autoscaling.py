@@ -85,7 +85,7 @@ def report(result) -> None:
         print(f"  autoscaler request at +{a['t']:.1f}s: {what} ({a['why']})")
     for g in grows:
         print(f"  grew {g['old_size']} -> {g['new_size']} at epoch {g['epoch']}: room seen -> joined "
-              f"{g['since_room_seen_s']:.1f}s, join {g['join_s']:.2f}s, decided -> every replica stepping "
+              f"{g['since_room_seen_s']:.1f}s, join {g['reconfigure_s']:.2f}s, decided -> every replica stepping "
               f"{g['resize_s']:.2f}s")
     first_ask = next((a for a in asks if not a["withdrawn"]), None)
     if first_ask and grows:

@@ -12,11 +12,13 @@ controller acts, actors hold state and move tensors.
   ends (-> the epoch's bookkeeping, then Running(next epoch) or Finishing) or a failure needs a
   decision. A failure (a replica died, hung, or its user code raised) is a value: the failure
   policy (policies/failure.py) judges it; Fail -> Errored;
-- Reconfiguring(plan, segment): carries the decisions out (orchestrator/recovery.py): failed
-  replicas replaced (a spare or a new actor) or dropped, their partitions back to the pool,
-  state handed to the newcomers, the process group re-formed; or a phase switch the switch
-  policy decided (orchestrator/switching.py): state consolidated, every replica's update rule
-  changed in place; -> Running(same segment): the epoch goes on where it was;
+- Reconfiguring(plan, segment): one carrier (orchestrator/reconfigure.py) takes the same steps
+  for every kind: pause -> membership -> passes -> ledger -> state -> regroup -> data -> lr ->
+  reopen. A repair plan (orchestrator/recovery.py: failed replicas replaced or dropped, their
+  partitions back to the pool, state to the newcomers; a shrink when the cluster has no room), a
+  switch plan (orchestrator/switching.py: state consolidated, every replica's update rule
+  changed in place) or a grow plan (orchestrator/elastic.py: ready replicas join);
+  -> Running(same segment): the epoch goes on where it was;
 - Finishing: final checkpoint and artifacts.
 
 Who owns what: the replica group (orchestrator/group.py) owns the actors, ranks and
@@ -29,32 +31,27 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-import uuid
 from typing import Any, Optional
 
-import ray
 
-from orchestrator.cluster import beside_driver
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
-from orchestrator import recovery, running, switching
-from orchestrator.elastic import Elasticity
+from orchestrator import reconfigure, recovery, running, starting, switching
+from orchestrator.elastic import Elasticity, Grow
 from orchestrator.epoch import report_shard_events, watch_servers
 from orchestrator.errors import MemberLost, TrainingError, issued_whole
 from orchestrator.group import ReplicaGroup
-from orchestrator.placement import place_data
 from orchestrator.progress import ProgressDisplay
 from orchestrator.pause import PauseGate
 from orchestrator.reporting import Reporter
 from orchestrator.run_state import Checkpointer, Position, RunTotals
-from orchestrator.states import (TERMINAL, EpochSegment, Errored, Finished, Finishing, Reconfiguring, Running,
+from orchestrator.states import (TERMINAL, EpochSegment, Errored, Finished, Finishing, Plan, Reconfiguring, Running,
                                   Starting, State, SwitchPlan)
 from orchestrator.tracking import Tracker
-from policies.checkpointing import due as checkpoint_due
 from policies.failure import FailurePolicy
 from policies.leases import MAX_GRANT, first_grant_messages
 from policies.registry import mode_spec
-from policies.stop import EpochSnapshot, StopPolicy
+from policies.stop import StopPolicy
 from policies.switching import make_switch_policy
 from policies.tasks import sum_stats
 
@@ -105,7 +102,10 @@ class Controller:
         self.stop_policy = StopPolicy(s.epochs, self.target, s.at_target, s.max_wall_s)
         self.failure_policy = FailurePolicy(ft.max_replica_restarts, ft.restart_backoff_s, config.scaling.min_replicas)
         self.steps_per_epoch = 0
-        self._train_started = 0.0
+        self.train_started = 0.0  # perf_counter when training began (after start-up)
+        self.t_train_wall = 0.0  # the same, wall clock (the replicas' throughput figures count from it)
+        self.lease_plan: tuple = ()  # (rows, replicas, seed, pinned, shuffle): the grants' pure plan (policies/leases.py)
+        self.max_grant = MAX_GRANT
         self.unreported: dict[int, list[int]] = {}  # last epoch's final completions, not yet reported
         self.checkpoints = Checkpointer(config.checkpoint.storage, config.checkpoint.keep, config.run.name)
         self.position = self._position()
@@ -126,7 +126,7 @@ class Controller:
             self.phases = saved
 
         def load_train_clock(seconds: float) -> None:
-            self._train_started = time.perf_counter() - seconds
+            self.train_started = time.perf_counter() - seconds
 
         def load_wall_clock(seconds: float) -> None:
             self.t0 = time.perf_counter() - seconds  # time_to_target_s goes on counting from the first start
@@ -148,7 +148,7 @@ class Controller:
         pos.register("policy", self.switch_policy.position, self.switch_policy.restore)
         pos.register("failure", self.failure_policy.position, self.failure_policy.restore)
         pos.register("phases", lambda: [dict(p) for p in self.phases], load_phases)
-        pos.register("train_elapsed_s", lambda: time.perf_counter() - self._train_started, load_train_clock)
+        pos.register("train_elapsed_s", lambda: time.perf_counter() - self.train_started, load_train_clock)
         pos.register("wall_elapsed_s", lambda: time.perf_counter() - self.t0, load_wall_clock)
         pos.register("lr_schedule", self.elastic.lr.position, self.elastic.restore_lr)
         pos.register("shards", save_shards, load_shards)
@@ -171,14 +171,10 @@ class Controller:
         opt = {**self.cfg.optimizer.model_dump(), **(strategy.get("optimizer") or {})}
         return self.server_optimizer, opt["lr"], opt["momentum"], opt["weight_decay"]
 
-    @property
-    def train_started(self) -> float:
-        return self._train_started
-
     def record_phase(self, sw: Any, step: int, before: float, after: float) -> None:
         """Close the running phase's record and open the next one's (`before`, `after`: the
         headline metric, e.g. test_accuracy, around the switch)."""
-        now = round(time.perf_counter() - self._train_started, 3)
+        now = round(time.perf_counter() - self.train_started, 3)
         if self.phases:
             self.phases[-1].update(end_step=step, end_s=now, ended_by=sw.rule, **{f"{self.metric}_at_end": round(before, 4)})
         self.phases.append({"phase": sw.phase, "mode": sw.mode, "start_step": step, "start_s": now,
@@ -223,14 +219,8 @@ class Controller:
                     nxt = running.run_segment(self, state.segment)
                 except MemberLost as lost:
                     nxt = running.lost_meanwhile(self, state.segment, lost)
-            elif isinstance(state, Reconfiguring) and isinstance(state.plan, SwitchPlan):
-                try:
-                    nxt = Running(switching.carry_out(self, state.plan, state.segment))
-                except MemberLost as lost:  # repaired first; the switch is carried out after
-                    self.pending_switch = state.plan
-                    nxt = running.lost_meanwhile(self, state.segment, lost)
             elif isinstance(state, Reconfiguring):
-                nxt = Running(recovery.reconfigure(self, state.plan, state.segment))
+                nxt = self._reconfigure(state.plan, state.segment)
             elif isinstance(state, Finishing):
                 self._finish()
                 nxt = Finished()
@@ -243,6 +233,21 @@ class Controller:
         if isinstance(nxt, Errored):
             raise nxt.error
         return nxt
+
+    def _reconfigure(self, plan: Any, seg: EpochSegment) -> State:
+        """Reconfiguring: the plan as the one carrier's steps (orchestrator/reconfigure.py). A
+        replica lost meanwhile is a failure of the segment: a repair folds it into its plan
+        (`recovery.reconfigure`); a switch is carried out after that repair; a grow's newcomers
+        are members by then and the repair sees to the lost one."""
+        if isinstance(plan, Plan):
+            return Running(recovery.reconfigure(self, plan, seg))
+        change = switching.Switching(plan) if isinstance(plan, SwitchPlan) else Grow(plan, self.elastic)
+        try:
+            return Running(reconfigure.carry_out(self, change, seg))
+        except MemberLost as lost:
+            if isinstance(plan, SwitchPlan):
+                self.pending_switch = plan
+            return running.lost_meanwhile(self, seg, lost)
 
     def run(self) -> RunTotals:
         while not isinstance(self.step(), TERMINAL):
@@ -261,89 +266,14 @@ class Controller:
         """Ask Ray for the actors the mode needs and return at once: their worker processes boot
         (import torch, build the model) while the caller does other start-up work."""
         if self.needs_shards:
-            self._launch_shards()
+            starting.launch_shards(self)
             self.group.shards = self.shard_group.directory()
         self.group.launch()
 
-    def _launch_shards(self) -> None:
-        """ParameterShards holding the initial parameters (the same factory and seed as every
-        replica), cut into balanced slices of the flat vector, snapshotted for rebuilds."""
-        import torch
-
-        from orchestrator.shard_group import ShardGroup
-        from orchestrator.factory import build_model
-        from policies.sharding import shard_bounds
-
-        cfg = self.cfg
-        model = build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed)
-        initial = torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad]).numpy()
-        bounds = shard_bounds(initial.size, cfg.scaling.shards)
-        first_sharded = next(p for p in self.switch_policy.plan if mode_spec(p["mode"]).sharded)
-        name, lr, momentum, weight_decay = self.shard_optimizer(first_sharded)
-        self.shard_group = ShardGroup.create(initial, bounds, name, lr, momentum, weight_decay, cfg.scaling.replicas,
-                                             cfg.fault_tolerance.shard_snapshot_every_s,
-                                             name_prefix=f"eo-{uuid.uuid4().hex[:12]}", placement=beside_driver(),
-                                             hang_s=cfg.fault_tolerance.hang_timeout_s / 2)
-
     def _start(self) -> EpochSegment:
-        from orchestrator.server_link import ServerLink
-
-        if not self.group.members:
-            self.launch()
-        cfg, n = self.cfg, self.cfg.scaling.replicas
-        # in-memory data: partitions put once; a file source: only its plan (orchestrator/placement.py)
-        self.data = place_data(self.dataset, cfg.data.partitions or 4 * n, cfg.data.seed)
-        rows = self.data.rows
-        bs = cfg.data.batch_size
-        self.steps_per_epoch = -(-sum(-(-r // bs) for r in rows) // n)  # the display's estimate
-        self._plan = (rows, n, cfg.data.seed, self.spec.pinned, cfg.data.shuffle)
-        # a run that can switch modes is granted one partition at a time: every partition boundary
-        # is a point where a replica can hear a pause (two at a time saves calls otherwise)
-        self.max_grant = 1 if len(self.switch_policy.plan) > 1 else MAX_GRANT
-        self.server = ServerLink(*self._plan, self.max_grant, placement=beside_driver(),
-                                 hang_s=cfg.fault_tolerance.hang_timeout_s / 2, timeout_s=cfg.strategy.timeout_s)
-        self.group.wait_ready()
-        self.group.form()
-        self.group.warm_spares(self.data.sample)
-        self._t_train_wall = time.time()
-        self.give_data(self.group.ranks)
-        self.totals.startup_s = time.perf_counter() - self.t0
-        self._train_started = time.perf_counter()
-        self.phases = [{"phase": self.switch_policy.current, "mode": self.spec.name, "start_step": 0, "start_s": 0.0,
-                        "start_epoch": 1}]
-        if self.resume is not None:
-            self._restore(self.resume)
-        self.report.event("started", metric=self.metric, task=cfg.task.name, replicas=n, spares=cfg.fault_tolerance.spares,
-                          steps_per_epoch=self.steps_per_epoch, partitions=len(rows),
-                          rows_per_partition=[min(rows), max(rows)], startup_s=round(self.totals.startup_s, 3))
-        self.report.say(f"started {n} replicas ({len(rows)} partitions, ~{self.steps_per_epoch} steps/epoch per "
-                        f"replica) in {self.totals.startup_s:.1f}s")
-        at = self.totals.steps
-        self.report.metrics([("replicas_alive", n, at), ("replica_restarts", self.totals.replica_restarts, at),
-                             ("mode", switching.MODE_CODES[self.spec.name], at)])
-        return self.begin_epoch(self.totals.epochs + 1)
-
-    def _restore(self, state: dict[str, Any]) -> None:
-        """Go on from a checkpoint: every replica loads its model, optimizer state and step; the
-        shards (if any) take its parameters; then each part of the run's position goes back to
-        its owner (orchestrator/run_state.py)."""
-        ranks, step = self.group.ranks, state["step"]
-        payload = ray.put({"model": state["model"], "optimizer": state["optimizer"], "step": step})
-        self.group.call(ranks, "load_state", payload, what="state from the checkpoint")
-        if self.shard_group is not None:
-            values = self.group.call([ranks[0]], "flat_parameters", what="parameters")[0]
-            self.shard_group.reseed(values, self.shard_optimizer(self.strategy), {r: step for r in ranks},
-                                    timeout_s=self.cfg.strategy.timeout_s)
-            if self.spec.sharded:
-                self.group.call(ranks, "sync_from_shards", step, what="state from the shards")
-        self.progress = {r: step for r in ranks}
-        missing = self.position.load(state["run"])
-        if "failure" in missing:  # a checkpoint from before the budget was kept: the count
-            self.failure_policy.restore({"restarts": self.totals.replica_restarts, "in_a_row": 0})
-        self.report.event("resumed", epoch=self.totals.epochs, step=self.totals.steps, replica_step=step,
-                          phase=self.switch_policy.current, mode=self.spec.name,
-                          **({"parts_missing": missing} if missing else {}))
-        self.report.say(f"resumed after epoch {self.totals.epochs} (step {self.totals.steps}) in {self.spec.name}")
+        """Starting (orchestrator/starting.py): data placed, the partition server, the process
+        group, the replicas' data; a resumed run's state; the first epoch's segment."""
+        return starting.start(self)
 
     def give_data(self, ranks: list[int]) -> None:
         """The partition server, the train partitions (refs, or a file source's plan) and each
@@ -351,7 +281,7 @@ class Controller:
         members = self.group.ranks
         where = {r: self.data.test_share(i, len(members)) for i, r in enumerate(members)}
         self.group.call(ranks, "set_data", what="data",
-                        per_rank=lambda r: (self.server.address(), [self.data.train], *where[r], self._t_train_wall))
+                        per_rank=lambda r: (self.server.address(), [self.data.train], *where[r], self.t_train_wall))
 
     def reslice_tests(self) -> None:
         members = self.group.ranks
@@ -369,9 +299,9 @@ class Controller:
         epoch = seg.epoch
         seg.begun, seg.t_start = True, time.perf_counter()
         ranks = self.group.ranks
-        rows, n, seed, _, shuffle = self._plan
-        self._plan = (rows, n, seed, self.spec.pinned, shuffle)  # leasing follows the mode of the phase
-        first = first_grant_messages(*self._plan, epoch, ranks, self.max_grant)
+        rows, n, seed, _, shuffle = self.lease_plan
+        self.lease_plan = (rows, n, seed, self.spec.pinned, shuffle)  # leasing follows the mode of the phase
+        first = first_grant_messages(*self.lease_plan, epoch, ranks, self.max_grant)
         with issued_whole():
             for rank in ranks:
                 self.open_stream(seg, rank, first_grant=first.get(rank), announce=rank in announce)
@@ -386,83 +316,6 @@ class Controller:
                                                    first_grant, resume, announce)
         seg.heard[rank] = time.perf_counter()
 
-    def end_epoch(self, seg: EpochSegment) -> State:
-        """The epoch's bookkeeping: evaluation, totals, metrics, events, checkpoint, the stop
-        decision. Running(next epoch) or Finishing."""
-        cfg, tot = self.cfg, self.totals
-        epoch = seg.epoch
-        stats = seg.merged()
-        finals = [s for s in stats if s["eval"] is not None or s["mode"] is not None]
-        if self.spec.sharded:  # evaluate the reference (server copy / center) once all are done
-            evals = self.group.call(self.group.ranks, "evaluate_reference", what="evaluation",
-                                    timeout_s=cfg.strategy.timeout_s)
-        else:
-            evals = [s["eval"] for s in finals]
-        metrics = self.finish_evaluation(evals)
-
-        tot.epochs = epoch
-        tot.steps += max(s["steps"] for s in stats)
-        tot.samples += sum(s["samples"] for s in stats)
-        tot.rows_per_epoch.append(sum(s["samples"] for s in stats))
-        tot.train_s += max(s["train_s"] for s in stats)
-        tot.comm_s += max(s["comm_s"] for s in stats)
-        tot.train_loss = finals[0]["loss"] if finals else stats[0]["loss"]
-        tot.metrics = metrics
-        judged = {**metrics, "train_loss": tot.train_loss}
-        if self.trace_ids:
-            self.consumed.append(seg.consumed())
-        elapsed = time.perf_counter() - self.t0
-        target = self.target
-        if target is not None and tot.time_to_target_s is None and target.reached(judged):
-            tot.time_to_target_s = elapsed
-            self.report.event("target_reached", epoch=epoch, metric=target.metric, value=judged[target.metric],
-                              target=target.value, goal=target.goal, **{target.metric: judged[target.metric]})
-
-        rows_out = [(key, p[name], p["step"]) for p in seg.progress
-                    for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"), ("lr", "lr"))
-                    if p.get(name) is not None]
-        rows_out += [(k, v, tot.steps) for k, v in metrics.items()]
-        rows_out += [("epoch", epoch, tot.steps),
-                     ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
-        mine = [s for s in finals if s["mode"] is not None and s.get("mode_name") == self.spec.name]
-        extra = self.spec.metrics(mine) if mine else {}  # a rank that ended the epoch before a switch: not its figures
-        if self.shard_group is not None:
-            extra.update(self.spec.shard_metrics(self.shard_group))
-        rows_out += [(k, v, tot.steps) for k, v in extra.items()]
-        rows_out += [("epoch_rows", tot.rows_per_epoch[-1], tot.steps),
-                     ("replicas_alive", len(self.group.members), tot.steps),
-                     ("replica_restarts", tot.replica_restarts, tot.steps)]
-        self.report.metrics(rows_out)
-        tot.epoch_wall_s += time.perf_counter() - seg.t_start
-        self.report.event("epoch_end", epoch=epoch, step=tot.steps, **{k: round(v, 6) for k, v in metrics.items()},
-                          train_loss=round(tot.train_loss, 4),
-                          train_s_by_rank=[round(s["train_s"], 3) for s in stats],
-                          steps_by_rank=[s["steps"] for s in stats], rows=tot.rows_per_epoch[-1],
-                          replicas=len(self.group.members), **{k: round(v, 4) for k, v in extra.items()})
-        shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != self.metric))
-        self.report.say(f"epoch {epoch}: {shown}  train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
-        if not seg.had_failure:
-            self.failure_policy.epoch_without_failure()
-
-        ck = cfg.checkpoint
-        if checkpoint_due(epoch, time.perf_counter(), max(self.checkpoints.last_s, self._train_started),
-                          ck.every_epochs, ck.every_s):
-            try:
-                tot.checkpoint = self.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s)
-            except TrainingError as exc:  # a replica stopped or died meanwhile: the next epoch sees to it
-                self.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
-                self.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
-        decision = self.stop_policy.decide(EpochSnapshot(epoch, judged, time.perf_counter() - self._train_started))
-        if decision.stop:
-            tot.stop_reason = decision.reason
-            self.report.event("stop", reason=decision.reason)
-            return Finishing()
-        switching.consider(self, None, epoch_end=True,
-                           metrics=judged)
-        # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
-        # it carries on timing a recovery whose newcomer had nothing left to do in this one
-        return Running(EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False))
-
     def finish_epochs(self) -> dict[str, Any]:
         """Report the last epoch's final completions; the server's status, which must say the
         epoch was served whole."""
@@ -476,7 +329,7 @@ class Controller:
     def _finish(self) -> None:
         if self.phases:
             self.phases[-1].update(end_step=max(self.progress.values(), default=0),
-                                   end_s=round(time.perf_counter() - self._train_started, 3),
+                                   end_s=round(time.perf_counter() - self.train_started, 3),
                                    ended_by="stop", **{f"{self.metric}_at_end": round(self.headline_value(self.totals.metrics), 4)})
         if self.shard_group is not None:  # a rebuild still waiting for replay is reported as it stands
             report_shard_events(self, self.shard_group.settle_all(), self.totals.epochs)

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import ray
 
 from orchestrator.checks import bounded
-from orchestrator.epoch import report_finished_passes
-from orchestrator.states import EpochSegment, Recovery
+from orchestrator.reconfigure import Change
+from orchestrator.states import EpochSegment, GrowPlan
 from policies.failure import ReplicaFailure
 from policies.lr_scaling import LrSchedule
 from policies.scaling import ClusterView, ScaleDecision, make_scaling_policy
@@ -190,7 +190,7 @@ class Elasticity:
 
     def start_grow(self, decision: ScaleDecision, current: int) -> None:
         """Start the new replicas now (they boot while the epoch runs); they join at the next
-        epoch boundary (`join_ready`)."""
+        epoch boundary or, mid-epoch, once paused (`Grow`)."""
         group = self.ctl.group
         ranks, r = [], 0
         while len(ranks) < decision.target - current:
@@ -206,7 +206,7 @@ class Elasticity:
     def pause_for_ready(self, seg: EpochSegment) -> None:
         """Mid-epoch, once a started replica is ready: the partition server pauses the replicas at
         their next partition boundary (allreduce: all after the same step), where it joins
-        (`join_paused`). Not while a phase switch or a failure is being handled."""
+        (Running -> Reconfiguring(GrowPlan): `Grow`). Not while a phase switch or a failure is being handled."""
         j = self.joining
         if j is None or self.ctl.pause.closed or not seg.begun or self.ctl.pending_switch is not None or seg.failures:
             return
@@ -214,29 +214,21 @@ class Elasticity:
         if done:
             self.ctl.pause.close("grow")
 
-    def join_paused(self, seg: EpochSegment) -> None:
-        """Every stream has ended, some paused for the grow: the ready replicas join, the epoch
-        goes on (allreduce: every member resumes after the same step; a newcomer steps without
-        data until the epoch ends, since the epoch's partitions were dealt already;
-        asynchronous modes: the paused replicas resume and the newcomers lease from the shared
-        queue)."""
-        ctl = self.ctl
-        paused = [r for r, item in seg.ended.items() if item["kind"] == "paused"]
-        report_finished_passes(ctl, seg, set())
-        ready = self._join(seg, mid_epoch=True) or []
-        self._stop_pausing()
-        reopen = ctl.group.ranks if ctl.lock_step else paused + ready
-        for rank in reopen:
-            ctl.open_stream(seg, rank, resume=rank not in ready, announce=True)
-        if seg.recoveries and ready:
-            seg.recoveries[-1].waiting = set(reopen)
-        seg.disturbed = True
-
-    def join_ready(self, seg: EpochSegment) -> None:
-        """At an epoch boundary: the started replicas that are ready become members; they step
-        when the next epoch opens."""
-        self._stop_pausing()  # a pause nobody reached (every replica held its last partitions)
-        self._join(seg, mid_epoch=False)
+    def ready_to_join(self) -> bool:
+        """Whether replicas started for a grow are ready to join (none ready within
+        JOIN_TIMEOUT_S: the grow is given up)."""
+        j = self.joining
+        if j is None:
+            return False
+        done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
+        if done:
+            return True
+        if time.perf_counter() - j.t_decide > JOIN_TIMEOUT_S:
+            self.ctl.group.abandon_joining(j.ranks)
+            self.joining = None
+            self.ctl.report.event("resize_abandoned", ranks=j.ranks, reason=j.decision.reason,
+                                  waited_s=round(time.perf_counter() - j.t_decide, 1))
+        return False
 
     def promote_joining(self) -> list[int]:
         """Every member is gone (a repair with nobody left) while replicas started for a grow are
@@ -247,7 +239,7 @@ class Elasticity:
         if j is None or not j.ready:
             return []
         self.joining = None
-        self._stop_pausing()
+        self.stop_pausing()
         group = self.ctl.group
         try:
             joined = group.finish_joining(dict(j.ready))
@@ -258,64 +250,11 @@ class Elasticity:
         self.ctl.report.say(f"replicas {joined}, started for a grow, go on in place of the lost ones")
         return sorted(joined)
 
-    def _stop_pausing(self) -> None:
+    def stop_pausing(self) -> None:
+        """An epoch boundary: a grow's pause nobody reached (every replica held its last
+        partitions) is lifted; the ready replicas join before the next epoch opens."""
         if self.ctl.pause.reason == "grow":
             self.ctl.pause.open()
-
-    def _join(self, seg: EpochSegment, mid_epoch: bool) -> Optional[list[int]]:
-        """The started replicas that are ready become members (the rest join later; none ready
-        within JOIN_TIMEOUT_S: the grow is given up). Returns the ranks that joined."""
-        j = self.joining
-        if j is None:
-            return None
-        ctl, group = self.ctl, self.ctl.group
-        done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
-        ready = [r for r, ref in j.ready.items() if ref in done]
-        if not ready:
-            if time.perf_counter() - j.t_decide > JOIN_TIMEOUT_S:
-                group.abandon_joining(j.ranks)
-                self.joining = None
-                ctl.report.event("resize_abandoned", ranks=j.ranks, reason=j.decision.reason,
-                                 waited_s=round(time.perf_counter() - j.t_decide, 1))
-            return None
-        t0 = time.perf_counter()
-        try:
-            joined = group.finish_joining({r: j.ready[r] for r in ready})
-        except Exception as exc:  # a newcomer died while starting: give this grow up, poll again
-            group.abandon_joining(j.ranks)
-            self.joining = None
-            ctl.report.event("resize_abandoned", ranks=j.ranks, reason=f"{type(exc).__name__}: {exc}")
-            return None
-        for r in ready:
-            j.ready.pop(r)
-        if not j.ready:
-            self.joining = None
-        ready = joined
-        if not ready:  # their ranks were taken by replacements meanwhile
-            return None
-        members = group.ranks
-        old = [r for r in members if r not in ready]
-        step = max((ctl.progress.get(r, 0) for r in old), default=0)
-        if ctl.spec.sharded:
-            group.call(ready, "sync_from_shards", step, what="state from the shards")
-            for r in ready:
-                ctl.shard_group.welcome_replica(r, step)
-        else:  # every allreduce replica is the same at an epoch boundary and after a lock-step pause
-            group.transfer_state(old[0], ready)
-        group.form()
-        ctl.give_data(ready)
-        ctl.reslice_tests()
-        for r in ready:
-            ctl.progress[r] = step
-        lr = self.follow(step, len(members))
-        event = {"kind": "resize", "direction": "grow", "epoch": seg.epoch, "reason": j.decision.reason,
-                 "old_size": len(old), "new_size": len(members), "ranks": ready, "generation": group.generation,
-                 "at_step": step, "mid_epoch": mid_epoch, "join_s": round(time.perf_counter() - t0, 3),
-                 "since_room_seen_s": round(time.time() - j.room_seen_wall, 3), **lr}
-        seg.recoveries.append(Recovery(event, j.t_decide_wall, set(members), duration_key="resize_s"))
-        ctl.report.metrics([("replicas_alive", len(members), ctl.totals.steps)])
-        ctl.report.say(f"grew to {len(members)} replicas (ranks {ready} joined at step {step})")
-        return ready
 
     # ---- the learning rate ---------------------------------------------------------------------
     def follow(self, step: int, replicas: int, ranks: Optional[list[int]] = None) -> dict[str, Any]:
@@ -366,3 +305,86 @@ def read_request() -> list[dict[str, float]]:
 
     raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
     return json.loads(raw) if raw else []
+
+
+class Grow(Change):
+    """A grow as the carrier's steps (orchestrator/reconfigure.py): the started replicas that
+    are ready become members and take the state of a member (allreduce: every member is the same
+    at an epoch boundary and after a lock-step pause) or the shards' reference; the process
+    group is re-formed over everyone, the test slices are re-cut, the learning rate follows.
+    Mid-epoch, the paused replicas go on (allreduce: every member, the newcomer stepping without
+    data until the epoch's end, the epoch's partitions having been dealt already; asynchronous
+    modes: the newcomers lease from the shared queue)."""
+
+    kind = "grow"
+    pause_reason = "grow"
+    duration_key = "resize_s"
+
+    def __init__(self, plan: GrowPlan, elastic: Elasticity) -> None:
+        self.elastic, self.plan, self.j = elastic, plan, elastic.joining
+        super().__init__(self.j.t_decide_wall if self.j is not None else time.time())
+        self.paused: list[int] = []
+
+    def membership(self, ctl: "Controller", seg: EpochSegment) -> None:
+        """The ready ones join (the rest later); a newcomer that died while starting gives this
+        grow up (the policy polls again)."""
+        self.paused = [r for r, item in seg.ended.items() if item["kind"] == "paused"] if seg.begun else []
+        j, group = self.j, ctl.group
+        if j is None:
+            return
+        done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
+        ready = [r for r, ref in j.ready.items() if ref in done]
+        if not ready:
+            return
+        try:
+            joined = group.finish_joining({r: j.ready[r] for r in ready})
+        except Exception as exc:
+            group.abandon_joining(j.ranks)
+            self.elastic.joining = None
+            ctl.report.event("resize_abandoned", ranks=j.ranks, reason=f"{type(exc).__name__}: {exc}")
+            return
+        for r in ready:
+            j.ready.pop(r)
+        if not j.ready:
+            self.elastic.joining = None
+        self.newcomers = joined  # [] if their ranks were taken by replacements meanwhile
+        self.resized = bool(joined)
+        self.old = [r for r in group.ranks if r not in joined]
+        self.step = max((ctl.progress.get(r, 0) for r in self.old), default=0)
+        for r in joined:
+            ctl.progress[r] = self.step
+
+    def hand_off(self, ctl: "Controller", seg: EpochSegment) -> None:
+        if not self.newcomers:
+            return
+        group = ctl.group
+        if ctl.spec.sharded:
+            group.call(self.newcomers, "sync_from_shards", self.step, what="state from the shards")
+            for r in self.newcomers:
+                ctl.shard_group.welcome_replica(r, self.step)
+        else:
+            group.transfer_state(self.old[0], self.newcomers)
+
+    def regroup(self, ctl: "Controller") -> bool:
+        return bool(self.newcomers)
+
+    def learning_rate(self, ctl: "Controller") -> dict[str, Any]:
+        return self.elastic.follow(self.step, len(ctl.group.ranks)) if self.newcomers else {}
+
+    def reopen(self, ctl: "Controller", seg: EpochSegment) -> list[int]:
+        return ctl.group.ranks if ctl.lock_step else self.paused + self.newcomers
+
+    def waiting(self, ctl: "Controller", seg: EpochSegment, reopened: list[int]) -> list[int]:
+        return reopened if seg.begun else ctl.group.ranks  # between epochs: they step when the next one opens
+
+    def event(self, ctl: "Controller", seg: EpochSegment, lr: dict[str, Any],
+              reopened: list[int]) -> Optional[dict[str, Any]]:
+        if not self.newcomers:
+            return None
+        members, ready, j = ctl.group.ranks, self.newcomers, self.j
+        ctl.report.metrics([("replicas_alive", len(members), ctl.totals.steps)])
+        ctl.report.say(f"grew to {len(members)} replicas (ranks {ready} joined at step {self.step})")
+        return {"kind": "resize", "direction": "grow", "epoch": seg.epoch, "reason": j.decision.reason,
+                "old_size": len(self.old), "new_size": len(members), "ranks": ready, "generation": ctl.group.generation,
+                "at_step": self.step, "mid_epoch": self.plan.mid_epoch,
+                "since_room_seen_s": round(time.time() - j.room_seen_wall, 3), **lr}

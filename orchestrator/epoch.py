@@ -1,13 +1,17 @@
-"""One epoch's bookkeeping with the partition server and the shards, shared by the running
-epoch (orchestrator/running.py), a repair (orchestrator/recovery.py), a switch (orchestrator/switching.py) and a grow
-(orchestrator/elastic.py): closing a pass over the partitions, reporting the passes that ended
-before a reconfiguration, and noticing a rebuilt server or shard."""
+"""One epoch's bookkeeping: closing a pass over the partitions (a further pass over what a
+disturbed epoch left unserved), the epoch's end (evaluation, totals, metrics, events, the
+periodic checkpoint, the stop decision: `end_epoch`), and noticing a rebuilt partition server or
+shard whatever else the driver is doing."""
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
+from orchestrator import switching
 from orchestrator.errors import TrainingError
-from orchestrator.states import EpochSegment
+from orchestrator.states import EpochSegment, Finishing, Running
+from policies.checkpointing import due as checkpoint_due
+from policies.stop import EpochSnapshot
 
 if TYPE_CHECKING:
     from orchestrator.controller import Controller
@@ -36,22 +40,6 @@ def report_shard_events(ctl: "Controller", events: list[dict], epoch: int) -> No
                        f"({event.get('lost_updates')} acknowledged updates lost)")
 
 
-def report_finished_passes(ctl: "Controller", seg: EpochSegment, failed: set[int]) -> None:
-    """Survivors that had ended their pass before the failure: their last completions go to the
-    ledger now (their next stream starts a new pass and would overwrite them)."""
-    if seg.started is not None:
-        ctl.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
-        seg.started = None
-    done = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch" and r not in failed}
-    # a failure seen after the pass closed (at the epoch's end): the completions it kept for the
-    # next epoch's start go now, once (the same lists as the ended items': reported once)
-    done.update(ctl.unreported)
-    ctl.unreported = {}
-    if done:
-        ctl.server.call("finish", done)
-    seg.ended = {}
-
-
 def close_pass(ctl: "Controller", seg: EpochSegment):
     """Every stream ended with no failure pending. An undisturbed epoch ends here (its last
     completions are reported with the next start_epoch); else ask the server's ledger whether
@@ -62,15 +50,93 @@ def close_pass(ctl: "Controller", seg: EpochSegment):
     completed = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch"}
     if not seg.disturbed:
         ctl.unreported = completed
-        return ctl.end_epoch(seg)
+        return end_epoch(ctl, seg)
     status = ctl.server.call("finish", completed)
     seg.ended = {}
     if status["complete"]:
         ctl.redone += status["redone"]
-        return ctl.end_epoch(seg)
+        return end_epoch(ctl, seg)
     seg.passes += 1
     if seg.passes > MAX_PASSES:
         raise TrainingError(f"epoch {seg.epoch}: {status['remaining']} partitions were never served")
     for rank in ctl.group.ranks:  # a further pass: every member asks the server for what is left
         ctl.open_stream(seg, rank, announce=rank in seg.awaiting_steps())
     return None
+
+
+def end_epoch(ctl: "Controller", seg: EpochSegment):
+    """The epoch's bookkeeping: evaluation, totals, metrics, events, checkpoint, the stop
+    decision. Running(next epoch) or Finishing."""
+    cfg, tot = ctl.cfg, ctl.totals
+    epoch = seg.epoch
+    stats = seg.merged()
+    finals = [s for s in stats if s["eval"] is not None or s["mode"] is not None]
+    if ctl.spec.sharded:  # evaluate the reference (server copy / center) once all are done
+        evals = ctl.group.call(ctl.group.ranks, "evaluate_reference", what="evaluation",
+                                timeout_s=cfg.strategy.timeout_s)
+    else:
+        evals = [s["eval"] for s in finals]
+    metrics = ctl.finish_evaluation(evals)
+
+    tot.epochs = epoch
+    tot.steps += max(s["steps"] for s in stats)
+    tot.samples += sum(s["samples"] for s in stats)
+    tot.rows_per_epoch.append(sum(s["samples"] for s in stats))
+    tot.train_s += max(s["train_s"] for s in stats)
+    tot.comm_s += max(s["comm_s"] for s in stats)
+    tot.train_loss = finals[0]["loss"] if finals else stats[0]["loss"]
+    tot.metrics = metrics
+    judged = {**metrics, "train_loss": tot.train_loss}
+    if ctl.trace_ids:
+        ctl.consumed.append(seg.consumed())
+    elapsed = time.perf_counter() - ctl.t0
+    target = ctl.target
+    if target is not None and tot.time_to_target_s is None and target.reached(judged):
+        tot.time_to_target_s = elapsed
+        ctl.report.event("target_reached", epoch=epoch, metric=target.metric, value=judged[target.metric],
+                          target=target.value, goal=target.goal, **{target.metric: judged[target.metric]})
+
+    rows_out = [(key, p[name], p["step"]) for p in seg.progress
+                for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"), ("lr", "lr"))
+                if p.get(name) is not None]
+    rows_out += [(k, v, tot.steps) for k, v in metrics.items()]
+    rows_out += [("epoch", epoch, tot.steps),
+                 ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
+    mine = [s for s in finals if s["mode"] is not None and s.get("mode_name") == ctl.spec.name]
+    extra = ctl.spec.metrics(mine) if mine else {}  # a rank that ended the epoch before a switch: not its figures
+    if ctl.shard_group is not None:
+        extra.update(ctl.spec.shard_metrics(ctl.shard_group))
+    rows_out += [(k, v, tot.steps) for k, v in extra.items()]
+    rows_out += [("epoch_rows", tot.rows_per_epoch[-1], tot.steps),
+                 ("replicas_alive", len(ctl.group.members), tot.steps),
+                 ("replica_restarts", tot.replica_restarts, tot.steps)]
+    ctl.report.metrics(rows_out)
+    tot.epoch_wall_s += time.perf_counter() - seg.t_start
+    ctl.report.event("epoch_end", epoch=epoch, step=tot.steps, **{k: round(v, 6) for k, v in metrics.items()},
+                      train_loss=round(tot.train_loss, 4),
+                      train_s_by_rank=[round(s["train_s"], 3) for s in stats],
+                      steps_by_rank=[s["steps"] for s in stats], rows=tot.rows_per_epoch[-1],
+                      replicas=len(ctl.group.members), **{k: round(v, 4) for k, v in extra.items()})
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != ctl.metric))
+    ctl.report.say(f"epoch {epoch}: {shown}  train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
+    if not seg.had_failure:
+        ctl.failure_policy.epoch_without_failure()
+
+    ck = cfg.checkpoint
+    if checkpoint_due(epoch, time.perf_counter(), max(ctl.checkpoints.last_s, ctl.train_started),
+                      ck.every_epochs, ck.every_s):
+        try:
+            tot.checkpoint = ctl.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s)
+        except TrainingError as exc:  # a replica stopped or died meanwhile: the next epoch sees to it
+            ctl.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
+            ctl.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
+    decision = ctl.stop_policy.decide(EpochSnapshot(epoch, judged, time.perf_counter() - ctl.train_started))
+    if decision.stop:
+        tot.stop_reason = decision.reason
+        ctl.report.event("stop", reason=decision.reason)
+        return Finishing()
+    switching.consider(ctl, None, epoch_end=True,
+                       metrics=judged)
+    # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
+    # it carries on timing a recovery whose newcomer had nothing left to do in this one
+    return Running(EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False))

@@ -6,11 +6,11 @@ failure and folded into the plan (`replan`). How failures are seen: orchestrator
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
-from orchestrator.epoch import report_finished_passes
 from orchestrator.errors import MemberLost, TrainingError
-from orchestrator.states import EpochSegment, Plan, Recovery
+from orchestrator.reconfigure import Change, carry_out as carry
+from orchestrator.states import EpochSegment, Plan
 from policies.failure import DETECTED_BY, Drop, Fail, Replace, ReplicaFailure
 
 if TYPE_CHECKING:
@@ -75,104 +75,124 @@ def replan(ctl: "Controller", plan: Plan, seg: EpochSegment, lost: MemberLost) -
 
 
 def carry_out(ctl: "Controller", plan: Plan, seg: EpochSegment) -> EpochSegment:
-    t0 = time.perf_counter()
-    timings: dict[str, float] = {}
-    group, lock = ctl.group, ctl.lock_step
-    replaced, dropped, how = [], [], {}
-    old_size = len(set(group.members) | {f.rank for f in plan.failures})
-    shrink = [d for d in plan.decisions if isinstance(d, Drop) and d.shrink]
-    for d in plan.decisions:
-        group.remove(d.rank)  # a dead actor: a no-op; ensures nothing of it is left
-        if isinstance(d, Replace):
-            if d.backoff_s:
-                time.sleep(d.backoff_s)
-            how[d.rank], _ = group.replace(d.rank)
-            replaced.append(d.rank)
-        elif isinstance(d, Drop):
-            dropped.append(d.rank)
-    survivors = [r for r in group.ranks if r not in replaced]
-    # every member gone, none replaced, replicas on their way for a grow: they are the run now
-    joined = ctl.elastic.promote_joining() if not survivors and not replaced else []
-    newcomers = replaced + joined
-    timings["replace"] = time.perf_counter() - t0
-    members = group.ranks
-    report_finished_passes(ctl, seg, {f.rank for f in plan.failures})
-    if not survivors and not newcomers:
-        raise TrainingError(f"epoch {seg.epoch}: no replica left")
-    # the ledger: the failed replicas' unfinished partitions are served again
-    back = {}
-    for rank in replaced + dropped:
-        to = [rank] if rank in replaced and ctl.spec.pinned else (survivors or newcomers)
-        back[rank] = ctl.server.call("release", rank, to)
-    # state: newcomers (and any survivor that applied a step the others did not) copy a survivor
-    t1 = time.perf_counter()
-    timings["ledger"] = t1 - t0 - timings["replace"]
-    donor, donor_step = pick_donor(ctl, plan, survivors)
-    from_checkpoint = None
-    if donor is None and newcomers and not ctl.spec.sharded:  # allreduce's state lived only in the replicas
-        if ctl.last_state is None:
-            raise TrainingError(f"epoch {seg.epoch}: every replica holding the model died at once (replicas "
-                                f"{sorted(newcomers)}) and the run has no checkpoint to go on from "
-                                "(checkpoint.every_epochs)")
-        from_checkpoint = ctl.last_state["step"]
-        donor_step = group.call(newcomers, "load_state", ctl.last_state, what="state from the last checkpoint")[0]
-        ctl.report.say(f"every replica holding the model died: going on from the last checkpoint "
-                       f"(replica step {from_checkpoint}); the steps since are lost")
-    if ctl.spec.sharded:
-        if newcomers:
-            group.call(newcomers, "sync_from_shards", donor_step, what="state from the shards")
-            for r in newcomers:
-                ctl.shard_group.welcome_replica(r, donor_step)
-    elif donor is not None:
-        behind = [r for r in survivors if plan.steps_at_interrupt.get(r, donor_step) != donor_step]
-        group.transfer_state(donor, replaced + behind)
-    t2 = time.perf_counter()
-    timings["state"] = t2 - t1
-    if lock or ctl.spec.process_group or dropped:  # a smaller group: EASGD's rounds and alpha follow it
-        group.form()
-    t3 = time.perf_counter()
-    timings["group"] = t3 - t2
-    if newcomers:
-        ctl.give_data(newcomers)
-    if dropped:
-        ctl.reslice_tests()
-    timings["data"] = time.perf_counter() - t3
-    lr = ctl.elastic.follow(donor_step, len(members)) if dropped else {}  # the rate follows the smaller batch
-    if replaced and not dropped:
-        ctl.elastic.send_lr(replaced)  # a newcomer steps at the rate the others do
-    ctl.totals.replica_restarts += len(replaced)
-    ctl.report.metrics([("replicas_alive", len(members), ctl.totals.steps),
-                        ("replica_restarts", ctl.totals.replica_restarts, ctl.totals.steps)])
-    # the epoch goes on: lock-step members all resume together; else only the newcomers start
-    # (between epochs nobody does: every member starts when the next epoch opens)
-    restart = (members if lock else newcomers) if seg.begun else []
-    for rank in restart:
-        ctl.open_stream(seg, rank, resume=rank in survivors, announce=True)
-    seg.disturbed = True
-    steps_lost = (1 + max(plan.steps_at_interrupt.values()) - donor_step) if (lock and plan.steps_at_interrupt) else 0
-    if from_checkpoint is not None:
-        steps_lost = max(ctl.progress.values(), default=from_checkpoint) - from_checkpoint
-    event = {"kind": "replica_replaced" if replaced else "replica_dropped", "epoch": seg.epoch,
-             "ranks": replaced or dropped, "how": {str(r): how[r] for r in replaced}, "dropped": dropped,
-             "causes": {str(f.rank): f.cause for f in plan.failures}, "generation": group.generation,
-             "survivors_kept": survivors, **({"joined": joined} if joined else {}), "steps_lost": steps_lost, "resumed_from_step": donor_step,
-             "partitions_served_again": sorted(p for ps in back.values() for p in ps),
-             "reconfigure_s": round(time.perf_counter() - t0, 3),
-             "reconfigure_parts_s": {k: round(v, 3) for k, v in timings.items()}, **lr,
-             **({"state_from": "checkpoint"} if from_checkpoint is not None else {})}
-    if shrink:  # the cluster could not hold a replacement: the run shrank
-        event.update(kind="resize", direction="shrink", reason=shrink[0].reason.splitlines()[0], old_size=old_size,
-                     new_size=len(members))
-    if restart:
-        seg.recoveries.append(Recovery(event, plan.t_detect_wall, set(restart),
-                                       duration_key="resize_s" if shrink else "recovery_s"))
-    else:  # asynchronous survivors never stopped: the resize is done once they know the new size
-        if shrink:
-            event["resize_s"] = round(time.time() - plan.t_detect_wall, 3)
-        ctl.report.event(event.pop("kind"), **event)
-    ctl.report.say(f"{'replaced' if replaced else 'dropped'} replica(s) {replaced or dropped} "
-                   f"({', '.join(how.values()) or 'no replacement'}); generation {group.generation}")
-    return seg
+    return carry(ctl, Repair(plan), seg)
+
+
+class Repair(Change):
+    """The failure policy's decisions as the carrier's steps (orchestrator/reconfigure.py): the
+    failed replicas replaced or dropped, their partitions served again, state from a survivor,
+    the shards or the last checkpoint, the group re-formed, the epoch going on."""
+
+    kind = "repair"
+    passes_between_epochs = True  # a failure seen after the pass closed: its completions go now
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(plan.t_detect_wall)
+        self.plan = plan
+        self.failed = {f.rank for f in plan.failures}
+        self.replaced: list[int] = []
+        self.dropped: list[int] = []
+        self.joined: list[int] = []
+        self.survivors: list[int] = []
+        self.how: dict[int, str] = {}
+        self.back: dict[int, list[int]] = {}
+        self.shrink = [d for d in plan.decisions if isinstance(d, Drop) and d.shrink]
+        self.donor_step = 0
+        self.from_checkpoint: Optional[int] = None
+
+    def membership(self, ctl: "Controller", seg: EpochSegment) -> None:
+        group = ctl.group
+        self.old_size = len(set(group.members) | self.failed)
+        for d in self.plan.decisions:
+            group.remove(d.rank)  # a dead actor: a no-op; ensures nothing of it is left
+            if isinstance(d, Replace):
+                if d.backoff_s:
+                    time.sleep(d.backoff_s)
+                self.how[d.rank], _ = group.replace(d.rank)
+                self.replaced.append(d.rank)
+            elif isinstance(d, Drop):
+                self.dropped.append(d.rank)
+        self.survivors = [r for r in group.ranks if r not in self.replaced]
+        # every member gone, none replaced, replicas on their way for a grow: they are the run now
+        if not self.survivors and not self.replaced:
+            self.joined = ctl.elastic.promote_joining()
+        self.newcomers = self.replaced + self.joined
+        self.resized = bool(self.dropped)
+        if not self.survivors and not self.newcomers:
+            raise TrainingError(f"epoch {seg.epoch}: no replica left")
+
+    def ledger(self, ctl: "Controller", seg: EpochSegment) -> None:
+        """The failed replicas' unfinished partitions are served again."""
+        for rank in self.replaced + self.dropped:
+            to = [rank] if rank in self.replaced and ctl.spec.pinned else (self.survivors or self.newcomers)
+            self.back[rank] = ctl.server.call("release", rank, to)
+        seg.disturbed = True
+
+    def hand_off(self, ctl: "Controller", seg: EpochSegment) -> None:
+        """Newcomers (and any survivor that applied a step the others did not) copy a survivor."""
+        group, newcomers = ctl.group, self.newcomers
+        donor, self.donor_step = pick_donor(ctl, self.plan, self.survivors)
+        if donor is None and newcomers and not ctl.spec.sharded:  # allreduce's state lived only in the replicas
+            if ctl.last_state is None:
+                raise TrainingError(f"epoch {seg.epoch}: every replica holding the model died at once (replicas "
+                                    f"{sorted(newcomers)}) and the run has no checkpoint to go on from "
+                                    "(checkpoint.every_epochs)")
+            self.from_checkpoint = ctl.last_state["step"]
+            self.donor_step = group.call(newcomers, "load_state", ctl.last_state,
+                                         what="state from the last checkpoint")[0]
+            ctl.report.say(f"every replica holding the model died: going on from the last checkpoint "
+                           f"(replica step {self.from_checkpoint}); the steps since are lost")
+        if ctl.spec.sharded:
+            if newcomers:
+                group.call(newcomers, "sync_from_shards", self.donor_step, what="state from the shards")
+                for r in newcomers:
+                    ctl.shard_group.welcome_replica(r, self.donor_step)
+        elif donor is not None:
+            behind = [r for r in self.survivors if self.plan.steps_at_interrupt.get(r, self.donor_step) != self.donor_step]
+            group.transfer_state(donor, self.replaced + behind)
+
+    def regroup(self, ctl: "Controller") -> bool:
+        # a smaller group too: EASGD's rounds and alpha follow it
+        return ctl.lock_step or ctl.spec.process_group or bool(self.dropped)
+
+    def learning_rate(self, ctl: "Controller") -> dict[str, Any]:
+        members = ctl.group.ranks
+        lr = ctl.elastic.follow(self.donor_step, len(members)) if self.dropped else {}  # the rate follows the batch
+        if self.replaced and not self.dropped:
+            ctl.elastic.send_lr(self.replaced)  # a newcomer steps at the rate the others do
+        ctl.totals.replica_restarts += len(self.replaced)
+        ctl.report.metrics([("replicas_alive", len(members), ctl.totals.steps),
+                            ("replica_restarts", ctl.totals.replica_restarts, ctl.totals.steps)])
+        return lr
+
+    def reopen(self, ctl: "Controller", seg: EpochSegment) -> list[int]:
+        """Lock-step members all resume together; else only the newcomers start (between epochs
+        nobody does: every member starts when the next epoch opens)."""
+        return ctl.group.ranks if ctl.lock_step else self.newcomers
+
+    def event(self, ctl: "Controller", seg: EpochSegment, lr: dict[str, Any],
+              reopened: list[int]) -> dict[str, Any]:
+        plan, replaced, dropped = self.plan, self.replaced, self.dropped
+        steps = plan.steps_at_interrupt
+        steps_lost = (1 + max(steps.values()) - self.donor_step) if (ctl.lock_step and steps) else 0
+        if self.from_checkpoint is not None:
+            steps_lost = max(ctl.progress.values(), default=self.from_checkpoint) - self.from_checkpoint
+        event = {"kind": "replica_replaced" if replaced else "replica_dropped", "epoch": seg.epoch,
+                 "ranks": replaced or dropped, "how": {str(r): self.how[r] for r in replaced}, "dropped": dropped,
+                 "causes": {str(f.rank): f.cause for f in plan.failures}, "generation": ctl.group.generation,
+                 "survivors_kept": self.survivors, **({"joined": self.joined} if self.joined else {}),
+                 "steps_lost": steps_lost, "resumed_from_step": self.donor_step,
+                 "partitions_served_again": sorted(p for ps in self.back.values() for p in ps), **lr,
+                 **({"state_from": "checkpoint"} if self.from_checkpoint is not None else {})}
+        if self.shrink:  # the cluster could not hold a replacement: the run shrank
+            event.update(kind="resize", direction="shrink", reason=self.shrink[0].reason.splitlines()[0],
+                         old_size=self.old_size, new_size=len(ctl.group.ranks))
+            self.duration_key = "resize_s"
+            if not reopened:  # asynchronous survivors never stopped: done once they know the new size
+                event["resize_s"] = round(time.time() - plan.t_detect_wall, 3)
+        ctl.report.say(f"{'replaced' if replaced else 'dropped'} replica(s) {replaced or dropped} "
+                       f"({', '.join(self.how.values()) or 'no replacement'}); generation {ctl.group.generation}")
+        return event
 
 
 def pick_donor(ctl: "Controller", plan: Plan, survivors: list[int]) -> tuple[Any, int]:

@@ -1,6 +1,8 @@
 """Running: one epoch read from the replicas' streams until it ends (the epoch's bookkeeping,
-orchestrator/controller.py: end_epoch), a phase switch is due, or a failure needs a decision
-(the next state: Reconfiguring with the failure policy's decisions, orchestrator/recovery.py).
+orchestrator/controller.py: end_epoch), or a reconfiguration is due (the next state:
+Reconfiguring, carried out by orchestrator/reconfigure.py): a failure needing a decision (the
+failure policy's decisions, orchestrator/recovery.py), a phase switch, or a grow whose replicas
+are ready.
 
 Failures are seen here, within seconds:
 - died: a stream's next item raises RayActorError (the process or its node is gone: ~0.05 s);
@@ -25,7 +27,7 @@ from orchestrator import switching
 from orchestrator.epoch import close_pass, watch_servers
 from orchestrator.errors import INTERRUPTED, MemberLost, TrainingError
 from orchestrator.recovery import decide
-from orchestrator.states import EpochSegment, Errored, Plan, Reconfiguring, Running, State
+from orchestrator.states import EpochSegment, Errored, GrowPlan, Plan, Reconfiguring, Running, State
 from policies.failure import DETECTED_BY, Fail, ReplicaFailure, error_detail
 from policies.modes import Diverged
 
@@ -43,7 +45,9 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
             return judge(ctl, seg)
         if ctl.pending_switch is not None:  # decided at the last epoch's end: switch before this one opens
             return Reconfiguring(ctl.pending_switch, seg)
-        ctl.elastic.join_ready(seg)  # replicas started for a grow join at the epoch boundary
+        ctl.elastic.stop_pausing()  # a grow's pause nobody reached
+        if ctl.elastic.ready_to_join():  # replicas started for a grow join at the epoch boundary
+            return Reconfiguring(GrowPlan(mid_epoch=False), seg)
         ctl.open_epoch(seg, frozenset(seg.awaiting_steps()))
     while True:
         if seg.failures and (not ctl.lock_step or not seg.streams):
@@ -52,9 +56,8 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
             paused = any(i["kind"] == "paused" for i in seg.ended.values())
             if ctl.pause.reason == "switch" and paused:
                 return Reconfiguring(ctl.pending_switch, seg)
-            if ctl.pause.reason == "grow" and paused:
-                ctl.elastic.join_paused(seg)  # ready newcomers join; the epoch goes on
-                continue
+            if ctl.pause.reason == "grow" and paused:  # ready newcomers join; the epoch goes on
+                return Reconfiguring(GrowPlan(mid_epoch=True), seg)
             nxt = close_pass(ctl, seg)
             if nxt is None:
                 continue  # a further pass of the epoch started

@@ -1,5 +1,5 @@
 """The controller's states and what they carry: the epoch in flight (`EpochSegment`), a repair
-plan (`Plan`), a switch plan (`SwitchPlan`), the reason a run errored. This module imports
+plan (`Plan`), a switch plan (`SwitchPlan`), a grow plan (`GrowPlan`), the reason a run errored. This module imports
 nothing of the orchestrator above it; orchestrator/controller.py maps each state to its handler.
 
     Starting -> Running(segment) -> Reconfiguring(plan, segment) -> Running ... -> Finishing -> Finished
@@ -98,6 +98,14 @@ class SwitchPlan:
 
 
 @dataclass
+class GrowPlan:
+    """What Reconfiguring carries out for a grow: the replicas started for it that are ready join
+    (orchestrator/elastic.py holds who they are)."""
+
+    mid_epoch: bool  # every replica paused for it mid-epoch; else at an epoch boundary
+
+
+@dataclass
 class Starting:
     pass
 
@@ -109,7 +117,7 @@ class Running:
 
 @dataclass
 class Reconfiguring:
-    plan: Union[Plan, SwitchPlan]  # failures to repair, or a phase switch to carry out
+    plan: Union[Plan, SwitchPlan, GrowPlan]  # failures to repair, a phase switch or a grow to carry out
     segment: EpochSegment
 
 

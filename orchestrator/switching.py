@@ -29,10 +29,11 @@ How (`carry_out`), with every replica stopped:
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from orchestrator.epoch import report_finished_passes
-from orchestrator.states import EpochSegment, Recovery, SwitchPlan
+from orchestrator import reconfigure
+from orchestrator.reconfigure import Change
+from orchestrator.states import EpochSegment, SwitchPlan
 from policies.registry import mode_spec
 from policies.switching import Observation
 
@@ -76,70 +77,78 @@ def evaluate(ctl: "Controller") -> float:
 
 
 def carry_out(ctl: "Controller", plan: SwitchPlan, seg: EpochSegment) -> EpochSegment:
-    """Consolidate state, change every replica's rule, and let the epoch go on (module doc)."""
-    t0 = time.perf_counter()
-    parts: dict[str, float] = {}
-    sw, group = plan.switch, ctl.group
-    old_spec, old_mode = ctl.spec, ctl.strategy["mode"]
-    new_strategy = ctl.switch_policy.plan[sw.phase]
-    new_spec = mode_spec(new_strategy["mode"])
-    paused = [r for r, item in seg.ended.items() if item["kind"] == "paused"] if seg.begun else []
-    if seg.begun:
-        report_finished_passes(ctl, seg, set())
-    ranks = group.ranks
-    before = evaluate(ctl)
-    parts["evaluate_before"] = time.perf_counter() - t0
+    return reconfigure.carry_out(ctl, Switching(plan), seg)
 
-    t1 = time.perf_counter()
-    shards_did = "none"
-    if new_spec.sharded:
-        clocks = {r: step for r, step in zip(ranks, group.call(ranks, "current_step", what="steps"))}
-        if old_spec.sharded:
-            ctl.shard_group.reseed(None, ctl.shard_optimizer(new_strategy), clocks, timeout_s=ctl.cfg.strategy.timeout_s)
-            shards_did = "contents carried over; server optimizer state reset"
-        else:
-            values = group.call([ranks[0]], "flat_parameters", what="parameters")[0]
-            ctl.shard_group.reseed(values, ctl.shard_optimizer(new_strategy), clocks,
-                                   timeout_s=ctl.cfg.strategy.timeout_s)
-            shards_did = "seeded from the replicas' parameters; server optimizer state reset"
-    parts["shards"] = time.perf_counter() - t1
 
-    t2 = time.perf_counter()
-    carried = group.call(ranks, "set_mode", new_strategy, old_spec.sharded, what="set mode")
-    group.set_strategy(new_strategy)
-    ctl.set_strategy(new_strategy)
-    parts["set_mode"] = time.perf_counter() - t2
-    t3 = time.perf_counter()
-    if new_spec.process_group or new_spec.lock_step(new_strategy):
-        group.form()
-    parts["group"] = time.perf_counter() - t3
-    after = evaluate(ctl)
+class Switching(Change):
+    """A phase switch as the carrier's steps (orchestrator/reconfigure.py; module doc): nobody
+    joins or leaves; the state step consolidates the reference and changes every replica's
+    rule; the verify step evaluates the new mode's reference."""
 
-    t4 = time.perf_counter()
-    ctl.pause.open(share=seg.begun and not new_spec.pinned)
-    parts["data"] = time.perf_counter() - t4
-    step = max(ctl.progress.values(), default=0)
-    ctl.record_phase(sw, step, before, after)
-    event = {"kind": "mode_switch", "epoch": seg.epoch, "from": old_mode, "to": new_spec.name, "phase": sw.phase,
-             "rule": sw.rule, "reason": sw.reason, "numbers": sw.numbers, "at_step": step,
-             "mid_epoch": bool(seg.begun), "metric": ctl.metric, f"{ctl.metric}_before": round(before, 4),
-             f"{ctl.metric}_after": round(after, 4), "shards": shards_did,
-             "local_optimizer": sorted({c["local_optimizer"] for c in carried}),
-             "consolidate_s": round(time.perf_counter() - t0, 3),
-             "consolidate_parts_s": {k: round(v, 3) for k, v in parts.items()}}
-    ctl.pending_switch = None
-    if seg.begun:  # go on with the epoch: lock-step modes need every member, else those that paused
-        reopen = ranks if ctl.lock_step else paused
-        for rank in reopen:
-            ctl.open_stream(seg, rank, resume=True, announce=True)
-        seg.disturbed = True
-    else:
-        reopen = ranks  # they step when the next epoch opens
-    if reopen:
-        seg.recoveries.append(Recovery(event, plan.t_decide_wall, set(reopen), duration_key="switch_s"))
-    else:
-        ctl.report.event(event.pop("kind"), **event)
-    ctl.report.metrics([("mode", MODE_CODES[old_mode], max(step - 1, 0)), ("mode", MODE_CODES[new_spec.name], step)])
-    ctl.report.say(f"switched {old_mode} -> {new_spec.name} at step {step}: {ctl.metric} {before:.4f} before, "
-                   f"{after:.4f} after")
-    return seg
+    kind = "switch"
+    pause_reason = "switch"
+    duration_key = "switch_s"
+
+    def __init__(self, plan: SwitchPlan) -> None:
+        super().__init__(plan.t_decide_wall)
+        self.plan = plan
+        self.paused: list[int] = []
+        self.shards_did = "none"
+
+    def membership(self, ctl: "Controller", seg: EpochSegment) -> None:
+        """Unchanged; who paused for it (they go on after it) is noted before the passes are reported."""
+        self.old_spec, self.old_mode = ctl.spec, ctl.strategy["mode"]
+        self.new_strategy = ctl.switch_policy.plan[self.plan.switch.phase]
+        self.new_spec = mode_spec(self.new_strategy["mode"])
+        self.paused = [r for r, item in seg.ended.items() if item["kind"] == "paused"] if seg.begun else []
+
+    def hand_off(self, ctl: "Controller", seg: EpochSegment) -> None:
+        """The metric before; the shards seeded from the replicas or carried over; every replica's
+        rule changed in place."""
+        group, ranks, timeout_s = ctl.group, ctl.group.ranks, ctl.cfg.strategy.timeout_s
+        self.before = evaluate(ctl)
+        if self.new_spec.sharded:
+            clocks = {r: step for r, step in zip(ranks, group.call(ranks, "current_step", what="steps"))}
+            if self.old_spec.sharded:
+                ctl.shard_group.reseed(None, ctl.shard_optimizer(self.new_strategy), clocks, timeout_s=timeout_s)
+                self.shards_did = "contents carried over; server optimizer state reset"
+            else:
+                values = group.call([ranks[0]], "flat_parameters", what="parameters")[0]
+                ctl.shard_group.reseed(values, ctl.shard_optimizer(self.new_strategy), clocks, timeout_s=timeout_s)
+                self.shards_did = "seeded from the replicas' parameters; server optimizer state reset"
+        self.carried = group.call(ranks, "set_mode", self.new_strategy, self.old_spec.sharded, what="set mode")
+        group.set_strategy(self.new_strategy)
+        ctl.set_strategy(self.new_strategy)
+
+    def regroup(self, ctl: "Controller") -> bool:
+        return self.new_spec.process_group or self.new_spec.lock_step(self.new_strategy)
+
+    def verify(self, ctl: "Controller", seg: EpochSegment) -> None:
+        self.after = evaluate(ctl)
+
+    def share(self, seg: EpochSegment) -> Optional[bool]:
+        """An asynchronous mode entered mid-epoch leases the rest of the epoch from one shared queue."""
+        return seg.begun and not self.new_spec.pinned
+
+    def reopen(self, ctl: "Controller", seg: EpochSegment) -> list[int]:
+        """Lock-step modes need every member; else those that paused go on."""
+        return ctl.group.ranks if ctl.lock_step else self.paused
+
+    def waiting(self, ctl: "Controller", seg: EpochSegment, reopened: list[int]) -> list[int]:
+        return reopened if seg.begun else ctl.group.ranks  # between epochs: they step when the next one opens
+
+    def event(self, ctl: "Controller", seg: EpochSegment, lr: dict[str, Any],
+              reopened: list[int]) -> dict[str, Any]:
+        sw, before, after = self.plan.switch, self.before, self.after
+        step = max(ctl.progress.values(), default=0)
+        ctl.record_phase(sw, step, before, after)
+        ctl.pending_switch = None
+        ctl.report.metrics([("mode", MODE_CODES[self.old_mode], max(step - 1, 0)),
+                            ("mode", MODE_CODES[self.new_spec.name], step)])
+        ctl.report.say(f"switched {self.old_mode} -> {self.new_spec.name} at step {step}: {ctl.metric} "
+                       f"{before:.4f} before, {after:.4f} after")
+        return {"kind": "mode_switch", "epoch": seg.epoch, "from": self.old_mode, "to": self.new_spec.name,
+                "phase": sw.phase, "rule": sw.rule, "reason": sw.reason, "numbers": sw.numbers, "at_step": step,
+                "mid_epoch": bool(seg.begun), "metric": ctl.metric, f"{ctl.metric}_before": round(before, 4),
+                f"{ctl.metric}_after": round(after, 4), "shards": self.shards_did,
+                "local_optimizer": sorted({c["local_optimizer"] for c in self.carried})}

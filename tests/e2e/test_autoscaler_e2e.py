@@ -124,7 +124,7 @@ def test_the_autoscaler_starts_the_run_from_zero_nodes_grows_it_and_releases_the
     request_to_launch = launches[1] - asks[0]["t_wall"]
     print(f"\nautoscaler e2e: waited {wait_s:.1f}s for room for the first replica (no node at the start); "
           f"request for 2 -> every replica stepping at 2: {request_to_grown:.1f}s "
-          f"(request -> second node launched {request_to_launch:.1f}s, room seen -> joined {grow['since_room_seen_s']:.1f}s, join {grow['join_s']:.2f}s, "
+          f"(request -> second node launched {request_to_launch:.1f}s, room seen -> joined {grow['since_room_seen_s']:.1f}s, join {grow['reconfigure_s']:.2f}s, "
           f"resize decided -> stepping {grow['resize_s']:.2f}s); run {run_s:.1f}s, "
           f"nodes released {release_s:.1f}s after it; final accuracy {result['final']['test_accuracy']:.3f}")
     for line in log:
