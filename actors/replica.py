@@ -30,20 +30,17 @@ import ray
 import torch
 import torch.distributed as dist
 
-from actors.partition_server import PartitionReader, is_pause
+from actors import epoch_loop
+from actors.partition_reader import PartitionReader
 from actors.reducer import ProcessGroupReducer, free_port
 from actors.reading import StreamPlan, count_kept, read_range, eval_pieces
 from actors.shard_client import RayShardClient
 from policies.factory import build_model
 from policies.lr_scaling import warmup_lr
-from policies.modes import Diverged, Interrupted
 from policies.batches import as_tensors, forward, rows as batch_rows, slice_rows, to_device, tree_map
 from policies.registry import Transport, build_worker, mode_spec
 from policies.tasks import add_stats, load_task
 
-
-_UNREAD = object()  # the cursor has not looked ahead yet
-_FETCH = object()  # the cursor's next batch is to be asked for (the epoch was paused for a phase switch)
 
 
 def replica_device(gpus_per_replica: float) -> torch.device:
@@ -78,8 +75,8 @@ class ModelReplica:
         self.rank, self.world_size = None, world_size
         self.step = 0
         self.generation = 0
-        self._cursor: Optional[dict[str, Any]] = None  # the epoch in progress: its batches and where we are
-        self._has_buffers = any(True for _ in self.model.buffers())
+        self.cursor: Optional[dict[str, Any]] = None  # the epoch in progress: its batches and where we are
+        self.has_buffers = any(True for _ in self.model.buffers())
         self.lr_ramp: Optional[dict[str, float]] = None  # a resize's learning-rate factor (set_lr_scale)
         if config.get("multi_phase"):  # torch.optim's first use imports ~1 s of modules: not in a switch
             torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
@@ -145,12 +142,12 @@ class ModelReplica:
                 for p in params:
                     p.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
-            if self._has_buffers:
+            if self.has_buffers:
                 buffers = dict(self.model.named_buffers())
                 for name, value in self.client.buffers().items():
                     buffers[name].copy_(torch.from_numpy(value))
 
-    def _slow_down(self, step_s: float) -> None:
+    def slow_down(self, step_s: float) -> None:
         """faults.slow_replicas: sleep as the windows active now say (a deliberate straggler)."""
         elapsed = time.time() - self.t_train_wall
         delay = 0.0
@@ -176,10 +173,10 @@ class ModelReplica:
         resize schedule gives (policies/lr_scaling.py: a ramp from `start` at step `from_step` to
         `target` over `steps` steps). Returns the rate the next step uses (None: no local optimizer)."""
         self.lr_ramp = dict(ramp)
-        self._apply_lr()
-        return self._current_lr()
+        self.apply_lr()
+        return self.current_lr()
 
-    def _apply_lr(self) -> None:
+    def apply_lr(self) -> None:
         """The resize schedule's rate for the next step into the local optimizer (global-batch modes)."""
         opt = getattr(self.worker, "optimizer", None)
         if opt is None or self.lr_ramp is None or not self.spec.global_batch:
@@ -189,7 +186,7 @@ class ModelReplica:
         for group in opt.param_groups:
             group["lr"] = lr
 
-    def _current_lr(self) -> Optional[float]:
+    def current_lr(self) -> Optional[float]:
         opt = getattr(self.worker, "optimizer", None)
         return float(opt.param_groups[0]["lr"]) if opt is not None else None
 
@@ -326,148 +323,10 @@ class ModelReplica:
     def run_epoch(self, epoch: int, log_every: int, trace_ids: bool = False,
                   first_grant: Optional[dict] = None, resume: bool = False,
                   announce: bool = False) -> Iterator[dict[str, Any]]:
-        """Lease partitions and take steps of the mode's rule over every row of them until the
-        server has no more for this replica this epoch (lock-step modes: until no replica has a
-        batch left, with empty steps meanwhile); then (allreduce) evaluate this replica's test
-        slice. A Ray streaming generator: makes a progress row every `log_every` steps (display,
-        step metrics, stall check) and sends the rows made so far at most every
-        `tracking.progress_interval_s`; yields last the totals with the rows not yet sent (one
-        call per epoch, no call per step), and the partitions finished since the last grant
-        request (`unreported`) for the controller to report. `first_grant`: the grant this replica
-        starts the epoch with. `resume`: go on with the epoch where the last segment was
-        interrupted (the interrupted batch first). `announce`: yield {"kind": "stepping"} with
-        the wall time once the first step of this segment is done. A step interrupted by a
-        membership change ends the segment with a {"kind": "interrupted"} item; a non-finite
-        loss ends the run (RuntimeError naming the step); any other error leaves the process
-        group first, so peers are not left waiting."""
-        self.model.train()
-        cur = self._cursor if resume and self._cursor is not None and self._cursor["epoch"] == epoch else None
-        if cur is None:
-            batches = self.reader.epoch_batches(first_grant)
-            cur = self._cursor = {"epoch": epoch, "batches": batches, "pending": next(batches, None),
-                                  "following": _UNREAD, "ended": False}
-        consumed, comm_s, steps, samples, loss = [], 0.0, 0, 0, float("nan")
-        t_epoch = t_window = t_sent = time.perf_counter()
-        window, rows = 0, []
-        win_compute, win_comm, win_real = 0.0, 0.0, 0  # this progress window: compute and wait seconds, real steps
-        send_every = float(self.cfg["tracking"]["progress_interval_s"])
-        lock_step = self.worker.lock_step
-        while True:
-            if cur["pending"] is _FETCH:  # after a pause: ask the server again
-                cur["pending"] = next(cur["batches"], None)
-            current = cur["pending"]  # kept in the cursor until its step is done: retried after an interruption
-            if current is None and not (lock_step and not cur["ended"]):
-                break
-            current_pause = is_pause(current)
-            if current_pause and not lock_step:  # a phase switch: stop at this partition boundary
-                cur["pending"] = _FETCH
-                yield from self._pause(epoch, steps, samples, time.perf_counter() - t_epoch, comm_s, consumed, loss, rows)
-                return
-            real = current is not None and not current_pause
-            if real and cur["following"] is _UNREAD:
-                cur["following"] = next(cur["batches"], None)  # look ahead one batch
-            following = cur["following"] if real else None
-            x, y = current[:2] if real else (None, None)
-            pause = current_pause or is_pause(following)  # lock-step: every member stops after this step
-            if self.lr_ramp is not None:
-                self._apply_lr()
-            t_step = time.perf_counter()
-            try:
-                result = self.worker.step(x, y, following is not None or current_pause, pause)
-            except Interrupted as exc:
-                self.leave_group()  # fail the peers' pending collectives now, not at their timeout
-                yield self._segment_end("interrupted", epoch, steps, samples, time.perf_counter() - t_epoch, comm_s,
-                                        consumed, loss, rows, reason=str(exc))
-                return
-            except FloatingPointError as exc:
-                self.leave_group()
-                lr = self.cfg["optimizer"]["lr"]
-                raise Diverged(f"training diverged: {exc} at step {self.step + 1} (epoch {epoch}) with "
-                                   f"optimizer.lr {lr:g}; the step was not applied and the last checkpoint is kept; "
-                                   "lower optimizer.lr") from None
-            except Exception:
-                self.leave_group()
-                raise
-            if self.slow and real:
-                self._slow_down(time.perf_counter() - t_step)
-            compute = time.perf_counter() - t_step - result.comm_s  # a deliberate straggler's sleep included
-            cur["pending"], cur["following"] = following, _UNREAD
-            if lock_step and pause:
-                cur["pending"] = _FETCH
-            if lock_step and not result.go_on:
-                cur["ended"] = True
-            comm_s += result.comm_s
-            win_comm += result.comm_s
-            steps += 1
-            self.step += 1
-            if announce:
-                announce = False
-                yield {"kind": "stepping", "rank": self.rank, "t_wall": time.time(), "step": self.step,
-                       "mode": self.spec.name}
-            if real:
-                samples += len(y)
-                window += len(y)
-                win_compute += compute
-                win_real += 1
-                loss = result.loss
-                if trace_ids:
-                    consumed.append(current[3]["ids"][current[2].numpy()].tolist())
-            if steps % log_every == 0:
-                now = time.perf_counter()
-                self._apply_lr()  # the row reports the rate the next step takes
-                rows.append({"rank": self.rank, "epoch": epoch, "step": self.step, "step_in_epoch": steps,
-                             "loss": loss, "samples_per_s": window / (now - t_window),
-                             "compute_s": win_compute / win_real if win_real else None,
-                             "comm_share": win_comm / (now - t_window), "lr": self._current_lr()})
-                t_window, window, win_compute, win_comm, win_real = now, 0, 0.0, 0.0, 0
-                if now - t_sent >= send_every:  # each message to the driver costs the step loop
-                    yield {"kind": "progress", "rank": self.rank, "rows": rows}
-                    rows, t_sent = [], now
-            if cur["ended"]:
-                break
-            if lock_step and result.paused:
-                yield from self._pause(epoch, steps, samples, time.perf_counter() - t_epoch, comm_s, consumed, loss, rows)
-                return
-        cur["ended"] = True
-        train_s = time.perf_counter() - t_epoch  # the step loop only: not the epoch's end or the evaluation
-        try:
-            mode_stats = self.worker.end_epoch()  # e.g. waits for this epoch's pushes
-        except Interrupted as exc:
-            self.leave_group()  # resuming redoes only the end of the epoch
-            yield self._segment_end("interrupted", epoch, steps, samples, train_s, comm_s, consumed, loss, rows,
-                                    reason=str(exc))
-            return
-        if self.flat is not None and self._has_buffers:  # the reference model's buffers: the replicas' averaged
-            self.client.set_buffers(self.rank, self.local_buffers())
-        evaluation = self.evaluate() if self.flat is None else None  # sharded modes: see evaluate_reference
-        self._cursor = None
-        yield self._segment_end("epoch", epoch, steps, samples, train_s, comm_s, consumed, loss, rows,
-                                eval=evaluation, mode=mode_stats, partitions=list(self.reader.read),
-                                unreported=self.reader.unreported)
-
-    def _pause(self, epoch: int, steps: int, samples: int, train_s: float, comm_s: float, consumed: list,
-               loss: float, rows: list) -> Iterator[dict[str, Any]]:
-        """End the segment for a phase switch, keeping the epoch's cursor: the mode's end of
-        epoch first (pushes acknowledged, buffers synchronized), then a "paused" item."""
-        try:
-            mode_stats = self.worker.end_epoch()
-        except Interrupted as exc:
-            self.leave_group()
-            yield self._segment_end("interrupted", epoch, steps, samples, train_s, comm_s, consumed, loss, rows,
-                                    reason=str(exc))
-            return
-        if self.flat is not None and self._has_buffers:
-            self.client.set_buffers(self.rank, self.local_buffers())
-        yield self._segment_end("paused", epoch, steps, samples, train_s, comm_s, consumed, loss, rows, mode=mode_stats)
-
-    def _segment_end(self, kind: str, epoch: int, steps: int, samples: int, train_s: float, comm_s: float,
-                     consumed: list, loss: float, rows: list, **more: Any) -> dict[str, Any]:
-        out = {"kind": kind, "rank": self.rank, "epoch": epoch, "steps": steps, "samples": samples,
-               "train_s": train_s, "comm_s": comm_s, "consumed": consumed, "loss": loss,
-               "progress": rows, "step": self.step, "partitions": [], "unreported": [], "eval": None, "mode": None,
-               "mode_name": self.spec.name}
-        out.update(more)
-        return out
+        """Lease partitions and take steps of the mode's rule until the server has no more for
+        this replica this epoch; a Ray streaming generator of progress rows and the segment's end
+        (the loop and its arguments: actors/epoch_loop.py)."""
+        yield from epoch_loop.run_epoch(self, epoch, log_every, trace_ids, first_grant, resume, announce)
 
     @torch.inference_mode()
     def evaluate(self) -> dict[str, Any]:

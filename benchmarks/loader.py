@@ -94,14 +94,14 @@ def consumer_class():
             self.readers: dict = {}
 
         def warm_up(self) -> None:
-            import actors.partition_server  # noqa: F401  (torch and ray imports, outside the timing)
+            import actors.partition_reader  # noqa: F401  (torch and ray imports, outside the timing)
 
         def set_data(self, side: str, server, refs: list, rank: int, read_ahead: int = 2) -> None:
             """As ModelReplica.set_data: one PartitionReader per run, given once the partitions'
             refs (in memory) or the file source's plan (streamed), wrapped in a list."""
             import torch
 
-            from actors.partition_server import PartitionReader
+            from actors.partition_reader import PartitionReader
 
             self.readers[side] = PartitionReader(server, refs[0], rank, BATCH, True, torch.device("cpu"), 120,
                                                  read_ahead)

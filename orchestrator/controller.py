@@ -74,7 +74,7 @@ class Controller:
         self.switch_policy = make_switch_policy(config.strategy, config.metric_goals())
         self.resume = resume
         if resume is not None:
-            # now, for the phase this start runs in; _restore loads every part again, this one included
+            # now, for the phase this start runs in; starting.restore loads every part again, this one included
             self.switch_policy.restore(resume["run"]["policy"])
         self.set_strategy(self.switch_policy.plan[self.switch_policy.current])
         self.pending_switch = None  # a SwitchPlan decided, not carried out yet (orchestrator/switching.py)

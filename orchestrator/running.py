@@ -1,5 +1,5 @@
 """Running: one epoch read from the replicas' streams until it ends (the epoch's bookkeeping,
-orchestrator/controller.py: end_epoch), or a reconfiguration is due (the next state:
+orchestrator/epoch.py: end_epoch), or a reconfiguration is due (the next state:
 Reconfiguring, carried out by orchestrator/reconfigure.py): a failure needing a decision (the
 failure policy's decisions, orchestrator/recovery.py), a phase switch, or a grow whose replicas
 are ready.

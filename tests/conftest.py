@@ -101,3 +101,14 @@ def job_config(**sections):
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     return JobConfig.from_dict(raw)
+
+
+def assert_carried(event: dict, *steps: str) -> None:
+    """The reconfiguration event came through the one carrier (orchestrator/reconfigure.py):
+    timed steps are the carrier's, in its order, and include `steps`."""
+    from orchestrator.reconfigure import STEPS
+
+    parts = list(event["reconfigure_parts_s"])
+    assert parts == [s for s in STEPS if s in parts], parts
+    assert set(steps) <= set(parts), (steps, parts)
+    assert event["reconfigure_s"] >= sum(event["reconfigure_parts_s"].values()) - 0.01

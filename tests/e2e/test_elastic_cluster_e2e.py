@@ -17,7 +17,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import REPO
+from tests.conftest import REPO, assert_carried
 
 pytestmark = pytest.mark.e2e
 
@@ -74,6 +74,8 @@ def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it_back(three_nodes, tm
     assert "no room for a replacement" in shrink["reason"] and shrink["dropped"] == shrink["ranks"]
     assert shrink["t_wall"] > t_removed and shrink["resize_s"] > 0
     assert grow["t_wall"] > t_added and grow["ranks"] == shrink["ranks"]
+    assert_carried(shrink, "membership", "ledger", "regroup", "data", "lr")  # both through the one carrier
+    assert_carried(grow, "membership", "state", "regroup", "data", "lr")
     assert not [e for e in events if e["kind"] == "replica_replaced"]  # the run shrank and grew, nothing replaced
     sizes = [e["replicas"] for e in events if e["kind"] == "epoch_end"]
     assert sizes[:2] == [2, 2] and 1 in sizes and sizes[-1] == 2, sizes

@@ -141,7 +141,8 @@ def test_readers_see_every_partition_once_and_an_unreported_epoch_cannot_be_foll
     is refused (naming what is left) when an epoch's last completions never arrive."""
     import torch
 
-    from actors.partition_server import PartitionReader, PartitionServer
+    from actors.partition_reader import PartitionReader
+    from actors.partition_server import PartitionServer
     from policies.leases import first_grant_messages
 
     parts, rows = 9, 10

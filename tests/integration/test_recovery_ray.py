@@ -10,7 +10,7 @@ import ray
 from orchestrator.chaos import Fault, FaultInjector
 from orchestrator.errors import TrainingError
 from orchestrator.trainer import ElasticTrainer
-from tests.conftest import job_config
+from tests.conftest import assert_carried, job_config
 
 pytestmark = pytest.mark.ray
 
@@ -80,6 +80,7 @@ def test_allreduce_replicas_stay_identical_after_a_replacement_and_keep_their_ac
     assert status["complete"]  # every partition served in the epoch of the kill
     replaced = [e for e in ctl.tracker.events if e["kind"] == "replica_replaced"]
     assert replaced and replaced[0]["how"] == {"1": "spare"}
+    assert_carried(replaced[0], "membership", "passes", "ledger", "state", "regroup", "data", "lr", "reopen")
 
 
 def test_a_hung_replica_is_killed_and_replaced(ray_cluster, tmp_path):
@@ -120,4 +121,5 @@ def test_past_the_restart_budget_a_dead_replica_is_dropped_down_to_min_replicas(
     result, inj, _, _ = fit_with(cfg, [Fault("kill_replica", 2, at_step=30)])
     [dropped] = events(result, "replica_dropped")
     assert dropped["dropped"] == [2] and result.epochs == 3
+    assert_carried(dropped, "membership", "ledger", "state", "regroup", "data", "lr", "reopen")
     assert events(result, "epoch_end")[-1]["replicas"] == 2

@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from orchestrator.trainer import ElasticTrainer
-from tests.conftest import job_config
+from tests.conftest import assert_carried, job_config
 
 pytestmark = pytest.mark.ray
 
@@ -34,6 +34,7 @@ def test_allreduce_grows_to_max_replicas_and_the_rate_follows_the_rule(ray_clust
     [grow] = [e for e in result.events if e["kind"] == "resize"]
     assert grow["direction"] == "grow" and grow["old_size"] == 1 and grow["new_size"] == 2, grow
     assert grow["ranks"] == [1] and grow["resize_s"] > 0 and grow["lr_rule"] == "linear"
+    assert_carried(grow, "membership", "state", "regroup", "data", "lr")
     ends = [e for e in result.events if e["kind"] == "epoch_end"]
     assert ends[-1]["replicas"] == 2 and ends[0]["replicas"] == 1
     assert not [e for e in result.events if e["kind"] == "autoscaler_request"]  # the room was there: nothing asked

@@ -13,7 +13,7 @@ from orchestrator.controller import Controller
 from orchestrator.data import load_source
 from orchestrator.states import Reconfiguring, Running, SwitchPlan
 from orchestrator.tracking import Tracker
-from tests.conftest import job_config
+from tests.conftest import assert_carried, job_config
 from tests.integration.test_recovery_ray import events, fit_with
 
 pytestmark = pytest.mark.ray
@@ -130,6 +130,7 @@ def test_a_mid_epoch_switch_pauses_at_partition_boundaries_and_serves_every_row_
     [switch] = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
     assert switch["mid_epoch"] and switch["epoch"] == 1 and (switch["from"], switch["to"]) == ("allreduce", "downpour")
     assert switch["test_accuracy_after"] == switch["test_accuracy_before"]
+    assert_carried(switch, "passes", "state", "verify", "gate", "reopen")
     n_train = len(ctl.dataset.train)
     for epoch in ctl.consumed:  # every train row exactly once per epoch, across the switch
         rows = [i for steps in epoch.values() for batch in steps for i in batch]
