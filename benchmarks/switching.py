@@ -80,7 +80,8 @@ def switch_cycle(tmp: str) -> dict[str, Any]:
         if p["mode"] == "downpour":
             p["optimizer"] = {"momentum": 0.5}  # as in examples/mnist_phases.yaml
     cfg = config("mnist_phases.yaml", tmp, ["stop.epochs=30", "stop.target_accuracy=null",
-                                            f"stop.max_wall_s={PHASE_S * len(CYCLE) + 2}"], phases)
+                                            f"stop.max_wall_s={PHASE_S * len(CYCLE) + 2}",
+                                            "strategy.rollback_margin=null"], phases)  # switch costs, not the guard
     t0 = time.perf_counter()
     result = fit(cfg)
     switches = [e for e in result.events if e["kind"] == "mode_switch"]

@@ -1,6 +1,7 @@
 """`python -m orchestrator run CONFIG.yaml [--name NAME] [--set k=v ...] [--result-json PATH]`;
 `python -m orchestrator resume RUN [--result-json PATH]`;
-`python -m orchestrator sweep SWEEP.yaml [--set k=v ...] [--json PATH]`."""
+`python -m orchestrator sweep SWEEP.yaml [--set k=v ...] [--json PATH]`;
+`python -m orchestrator simulate CONFIG.yaml [--replicas 1,2,4,...] [--from-run RUN] [--plot PATH] [--json PATH]`."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,27 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--json", metavar="PATH", help="write the sweep's result (best config, table) as JSON to PATH")
     sw.add_argument("--no-progress", action="store_true", help="no progress lines, only the best trial")
     sub.add_parser("config-reference", help="print the config reference (docs/config.md)")
+    sim = sub.add_parser("simulate", help="predict steps/s and samples/s per mode up to thousands of replicas "
+                         "(the cost model, docs/cost-model.md)")
+    sim.add_argument("config", help="path to the job's YAML config (its model, batch, optimizer, shards)")
+    sim.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override one config field (repeatable)")
+    sim.add_argument("--replicas", default="1,2,4,8,16,64,256,1024", help="replica counts (default %(default)s)")
+    sim.add_argument("--from-run", metavar="RUN_ID", help="take the step's compute (and, for allreduce, the "
+                     "bandwidth) from a finished run's MLflow figures instead of a calibration here")
+    sim.add_argument("--tracking-uri", help="the MLflow store the run is in (default: MLflow's default)")
+    sim.add_argument("--bandwidth-gbps", type=float, help="model a link of this many Gbit/s (default: measured)")
+    sim.add_argument("--latency-us", type=float, help="model a link with this latency per message (default: measured)")
+    sim.add_argument("--cores", type=float, help="replicas the hosts run at full speed; beyond it compute slows "
+                     "in proportion (default: every replica has its own cores)")
+    sim.add_argument("--straggler-p", type=float, default=0.0, help="chance a replica's step is slowed (default 0)")
+    sim.add_argument("--straggler-factor", type=float, default=1.0, help="how much slower a slowed step is")
+    sim.add_argument("--jitter", type=float, default=0.0, help="lognormal sigma of every step's compute")
+    sim.add_argument("--persistent", action="store_true", help="the slowed replicas stay slow (a heterogeneous "
+                     "cluster: a fraction straggler-p of the replicas is straggler-factor slower all the time)")
+    sim.add_argument("--period", type=int, help="local SGD's and EASGD's period H (default: strategy.tau)")
+    sim.add_argument("--plot", default=None, metavar="PATH", help="where the plot goes (default ./simulate.png)")
+    sim.add_argument("--json", metavar="PATH", help="write the calibration and the predictions as JSON")
     return p
 
 
@@ -74,6 +96,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if args.command == "sweep":
         return _sweep(args)
+    if args.command == "simulate":
+        return _simulate(args)
     try:
         resume = None
         if args.command == "resume":
@@ -138,4 +162,38 @@ def _sweep(args: argparse.Namespace) -> int:
     print(f"best: {result.metric} {result.best_value:.4f} with {json.dumps(result.best_params)} "
           f"(trial {result.best_trial}, MLflow run {result.best_run_id}; parent run {result.parent_run_id} "
           f"at {result.tracking_uri})", flush=True)
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """The simulate subcommand: bad input exits 2."""
+    from orchestrator.checks import one_line
+    from orchestrator.config import JobConfig
+    from orchestrator.errors import ConfigError
+    from orchestrator import simulate as sim
+    from policies.cost_model import Stragglers
+
+    try:
+        config = JobConfig.from_yaml(args.config, args.overrides)
+        replicas = sim.parse_replicas(args.replicas)
+        try:
+            stragglers = Stragglers(args.straggler_p, args.straggler_factor, args.jitter, args.persistent)
+        except ValueError as exc:
+            raise ConfigError(f"straggler options: {exc}") from None
+        for flag in ("bandwidth_gbps", "latency_us", "cores", "period"):
+            value = getattr(args, flag)
+            if value is not None and not value > 0:
+                raise ConfigError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
+        run = sim.from_run(args.from_run, args.tracking_uri) if args.from_run else None
+        cal, preds = sim.simulate(config, replicas, stragglers, run, args.bandwidth_gbps, args.latency_us,
+                                  args.cores, args.period)
+    except ConfigError as exc:
+        print(f"orchestrator: {one_line(exc)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(sim.render(preds, cal, stragglers))
+    path = args.plot or sim.PLOT_NAME
+    sim.plot(preds, path, f"{os.path.basename(args.config)}: predicted samples/s")
+    print(f"plot: {path}")
+    if args.json:
+        sim.write_json(args.json, cal, preds, stragglers)
     return 0

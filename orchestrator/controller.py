@@ -52,7 +52,7 @@ from policies.failure import FailurePolicy
 from policies.leases import MAX_GRANT, first_grant_messages
 from policies.registry import mode_spec
 from policies.stop import StopPolicy
-from policies.switching import make_switch_policy
+from policies.switching import entering_optimizer, make_switch_policy
 from policies.tasks import sum_stats
 
 SHARD_STATE_TIMEOUT_S = 10.0  # the shards' optimizer states for a checkpoint
@@ -78,6 +78,8 @@ class Controller:
             self.switch_policy.restore(resume["run"]["policy"])
         self.set_strategy(self.switch_policy.plan[self.switch_policy.current])
         self.pending_switch = None  # a SwitchPlan decided, not carried out yet (orchestrator/switching.py)
+        self.guard = None  # the last switch on probation (switching.check_guard)
+        self.switching_off = False  # a switch was rolled back: no further switch this run
         self.pause = PauseGate(lambda: self.server)  # why the replicas are held at partition boundaries
         modes = config.strategy.modes()
         sharded = [m for m in modes if mode_spec(m).sharded]
@@ -152,6 +154,7 @@ class Controller:
         pos.register("wall_elapsed_s", lambda: time.perf_counter() - self.t0, load_wall_clock)
         pos.register("lr_schedule", self.elastic.lr.position, self.elastic.restore_lr)
         pos.register("shards", save_shards, load_shards)
+        pos.register("switching_off", lambda: self.switching_off, lambda off: setattr(self, "switching_off", off))
         return pos
 
     @property
@@ -167,9 +170,16 @@ class Controller:
 
     def shard_optimizer(self, strategy: dict[str, Any]) -> tuple[str, float, float, float]:
         """What the shards apply in this phase: (name, lr, momentum, weight_decay), the phase's
-        optimizer overrides over optimizer.*."""
-        opt = {**self.cfg.optimizer.model_dump(), **(strategy.get("optimizer") or {})}
-        return self.server_optimizer, opt["lr"], opt["momentum"], opt["weight_decay"]
+        optimizer overrides over optimizer.*, translated for the mode it enters
+        (policies/switching.py: entering_optimizer)."""
+        return (self.server_optimizer, *self.phase_optimizer(strategy)[0])
+
+    def phase_optimizer(self, strategy: dict[str, Any]) -> tuple[tuple[float, float, float], Optional[str]]:
+        """(lr, momentum, weight_decay) of a phase's shards and what was translated (or None)."""
+        replicas = len(self.group.members) or self.cfg.scaling.replicas
+        opt, note = entering_optimizer(strategy["mode"], self.cfg.optimizer.model_dump(), strategy.get("optimizer"),
+                                       replicas, len(self.switch_policy.plan) > 1)
+        return (opt["lr"], opt["momentum"], opt["weight_decay"]), note
 
     def record_phase(self, sw: Any, step: int, before: float, after: float) -> None:
         """Close the running phase's record and open the next one's (`before`, `after`: the

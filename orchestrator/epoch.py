@@ -130,6 +130,7 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
         except TrainingError as exc:  # a replica stopped or died meanwhile: the next epoch sees to it
             ctl.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
             ctl.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
+    switching.check_guard(ctl, epoch, metrics)
     decision = ctl.stop_policy.decide(EpochSnapshot(epoch, judged, time.perf_counter() - ctl.train_started))
     if decision.stop:
         tot.stop_reason = decision.reason

@@ -95,6 +95,19 @@ class SwitchPlan:
     t_decide_wall: float
     t_decide: float
     mid_epoch: bool
+    rollback: Optional[dict[str, Any]] = None  # a rollback: the state from before the switch it undoes
+
+
+@dataclass
+class Guard:
+    """A switch on probation (orchestrator/switching.py: check_guard): the phase, mode and model
+    from before it, and the test loss at it."""
+
+    phase: int
+    mode: str
+    state: dict[str, Any]
+    loss: float
+    checks: int  # epoch ends left to look at
 
 
 @dataclass

@@ -28,14 +28,15 @@ How (`carry_out`), with every replica stopped:
 """
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from orchestrator import reconfigure
 from orchestrator.reconfigure import Change
-from orchestrator.states import EpochSegment, SwitchPlan
+from orchestrator.states import EpochSegment, Guard, SwitchPlan
 from policies.registry import mode_spec
-from policies.switching import Observation
+from policies.switching import Observation, Switch
 
 if TYPE_CHECKING:
     from orchestrator.controller import Controller
@@ -56,7 +57,7 @@ def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = F
              metrics: Optional[dict[str, float]] = None) -> None:
     """Ask the policy; a switch it decides is recorded as pending (and, mid-epoch, the partition
     server starts pausing the replicas)."""
-    if ctl.pending_switch is not None or len(ctl.switch_policy.plan) < 2 or ctl.pause.closed:
+    if ctl.pending_switch is not None or len(ctl.switch_policy.plan) < 2 or ctl.pause.closed or ctl.switching_off:
         return
     sw = ctl.switch_policy.decide(observe(ctl, epoch_end, metrics))
     if sw is None:
@@ -68,12 +69,38 @@ def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = F
         ctl.pause.close("switch")
 
 
-def evaluate(ctl: "Controller") -> float:
-    """The headline metric (e.g. test accuracy) of the current mode's reference model now
-    (every replica its slice)."""
+def evaluate(ctl: "Controller") -> dict[str, float]:
+    """The task's metrics (e.g. test accuracy and loss) of the current mode's reference model
+    now (every replica its slice)."""
     method = "evaluate_reference" if ctl.spec.sharded else "evaluate"
     evals = ctl.group.call(ctl.group.ranks, method, what="evaluation", timeout_s=ctl.cfg.strategy.timeout_s)
-    return ctl.headline_value(ctl.finish_evaluation(evals))
+    return ctl.finish_evaluation(evals)
+
+
+def check_guard(ctl: "Controller", epoch: int, metrics: dict[str, float]) -> None:
+    """At an epoch's end after a switch (the first full epoch after it, and the rest of a
+    mid-epoch switch's own epoch): a test loss above the loss at the switch by more than
+    strategy.rollback_margin (relative), or not finite, rolls the switch back: the phase and mode
+    from before it and the model from before it (a `switch_rolled_back` event, then the
+    rollback's own `mode_switch`), and no further switch this run."""
+    g, margin = ctl.guard, ctl.cfg.strategy.rollback_margin
+    if g is None:
+        return
+    g.checks -= 1
+    loss = metrics.get("test_loss")
+    if loss is not None and margin is not None and (not math.isfinite(loss) or loss > g.loss * (1 + margin)):
+        ctl.guard = None
+        ctl.switching_off = True
+        ctl.switch_policy.current = g.phase
+        numbers = {"test_loss_at_switch": round(g.loss, 4), "test_loss_now": round(loss, 4), "margin": margin}
+        reason = (f"test_loss {loss:.4f} in {ctl.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
+                  f"switch: back to {g.mode} with the model from before it; no further switch this run")
+        ctl.pending_switch = SwitchPlan(Switch(g.phase, g.mode, "rollback", reason, numbers), time.time(),
+                                        time.perf_counter(), False, rollback=g.state)
+        ctl.report.event("switch_rolled_back", epoch=epoch, mode=ctl.spec.name, back_to=g.mode, **numbers)
+        ctl.report.say(f"rolling the switch back: {reason}")
+    elif g.checks <= 0:
+        ctl.guard = None
 
 
 def carry_out(ctl: "Controller", plan: SwitchPlan, seg: EpochSegment) -> EpochSegment:
@@ -94,6 +121,7 @@ class Switching(Change):
         self.plan = plan
         self.paused: list[int] = []
         self.shards_did = "none"
+        self.guard: Optional[Guard] = None
 
     def membership(self, ctl: "Controller", seg: EpochSegment) -> None:
         """Unchanged; who paused for it (they go on after it) is noted before the passes are reported."""
@@ -106,7 +134,12 @@ class Switching(Change):
         """The metric before; the shards seeded from the replicas or carried over; every replica's
         rule changed in place."""
         group, ranks, timeout_s = ctl.group, ctl.group.ranks, ctl.cfg.strategy.timeout_s
-        self.before = evaluate(ctl)
+        before = evaluate(ctl)
+        self.before = ctl.headline_value(before)
+        rollback, margin = self.plan.rollback, ctl.cfg.strategy.rollback_margin
+        if rollback is None and margin is not None and "test_loss" in before:  # this switch goes on probation
+            self.guard = Guard(ctl.phases[-1]["phase"], self.old_mode, group.call([ranks[0]], "state", what="state")[0],
+                               before["test_loss"], checks=2 if seg.begun else 1)
         if self.new_spec.sharded:
             clocks = {r: step for r, step in zip(ranks, group.call(ranks, "current_step", what="steps"))}
             if self.old_spec.sharded:
@@ -116,15 +149,26 @@ class Switching(Change):
                 values = group.call([ranks[0]], "flat_parameters", what="parameters")[0]
                 ctl.shard_group.reseed(values, ctl.shard_optimizer(self.new_strategy), clocks, timeout_s=timeout_s)
                 self.shards_did = "seeded from the replicas' parameters; server optimizer state reset"
+        self.translated = ctl.phase_optimizer(self.new_strategy)[1] if self.new_spec.sharded else None
+        if self.translated:
+            ctl.report.say(f"entering {self.new_spec.name}: {self.translated}")
         self.carried = group.call(ranks, "set_mode", self.new_strategy, self.old_spec.sharded, what="set mode")
         group.set_strategy(self.new_strategy)
         ctl.set_strategy(self.new_strategy)
+        if rollback is not None:  # the model from before the switch it undoes, at each replica's own step
+            steps = dict(zip(ranks, group.call(ranks, "current_step", what="steps")))
+            group.call(ranks, "load_state", what="the state from before the switch",
+                       per_rank=lambda r: ({**rollback, "step": steps[r]},))
+            if self.new_spec.sharded:
+                values = group.call([ranks[0]], "flat_parameters", what="parameters")[0]
+                ctl.shard_group.reseed(values, ctl.shard_optimizer(self.new_strategy), steps, timeout_s=timeout_s)
+                self.shards_did = "seeded from the state before the switch; server optimizer state reset"
 
     def regroup(self, ctl: "Controller") -> bool:
         return self.new_spec.process_group or self.new_spec.lock_step(self.new_strategy)
 
     def verify(self, ctl: "Controller", seg: EpochSegment) -> None:
-        self.after = evaluate(ctl)
+        self.after = ctl.headline_value(evaluate(ctl))
 
     def share(self, seg: EpochSegment) -> Optional[bool]:
         """An asynchronous mode entered mid-epoch leases the rest of the epoch from one shared queue."""
@@ -143,6 +187,7 @@ class Switching(Change):
         step = max(ctl.progress.values(), default=0)
         ctl.record_phase(sw, step, before, after)
         ctl.pending_switch = None
+        ctl.guard = self.guard
         ctl.report.metrics([("mode", MODE_CODES[self.old_mode], max(step - 1, 0)),
                             ("mode", MODE_CODES[self.new_spec.name], step)])
         ctl.report.say(f"switched {self.old_mode} -> {self.new_spec.name} at step {step}: {ctl.metric} "
@@ -151,4 +196,6 @@ class Switching(Change):
                 "phase": sw.phase, "rule": sw.rule, "reason": sw.reason, "numbers": sw.numbers, "at_step": step,
                 "mid_epoch": bool(seg.begun), "metric": ctl.metric, f"{ctl.metric}_before": round(before, 4),
                 f"{ctl.metric}_after": round(after, 4), "shards": self.shards_did,
-                "local_optimizer": sorted({c["local_optimizer"] for c in self.carried})}
+                "local_optimizer": sorted({c["local_optimizer"] for c in self.carried}),
+                **({"optimizer_translated": self.translated} if self.translated else {}),
+                **({"rollback": True} if self.plan.rollback is not None else {})}

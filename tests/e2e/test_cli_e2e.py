@@ -61,6 +61,41 @@ def test_cli_run_joins_ray_address_and_tracks_to_server(ray_head, mlflow_server,
     assert open(png, "rb").read(8) == PNG_MAGIC
     assert (tmp_path / "training.png").read_bytes()[:8] == PNG_MAGIC  # next to result.json
 
+    # the cost model calibrated from this run's own figures
+    sim = [sys.executable, "-m", "orchestrator", "simulate", example, "--from-run", result["mlflow_run_id"],
+           "--tracking-uri", mlflow_server, "--replicas", "1,2,4,64,1024", "--plot", str(tmp_path / "sim.png"),
+           "--json", str(tmp_path / "sim.json")] + [a for o in overrides for a in ("--set", o)]
+    proc = subprocess.run(sim, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    predicted = json.loads((tmp_path / "sim.json").read_text())
+    assert f"run {result['mlflow_run_id']}" in predicted["calibration"]["source"]
+    at = {(p["mode"], p["replicas"]): p for p in predicted["predictions"]}
+    assert {("allreduce", 1024), ("downpour", 64), ("easgd", 2), ("local_sgd", 4), ("single", 1)} <= set(at)
+    # the run's own step: its lowest rank's samples_per_s at 2 replicas, within the model's 25%
+    history = [m.value for m in client.get_metric_history(result["mlflow_run_id"], "samples_per_s")]
+    measured = sorted(history)[len(history) // 2]
+    assert abs(at[("allreduce", 2)]["samples_per_s"] / 2 - measured) <= 0.25 * measured, (at[("allreduce", 2)], measured)
+    assert (tmp_path / "sim.png").read_bytes()[:8] == PNG_MAGIC and "allreduce" in proc.stdout
+
+
+def test_simulate_calibrates_here_and_refuses_bad_input(tmp_path):
+    """No Ray: the model and a loopback link are timed here; a table for every mode, a plot."""
+    example = os.path.join(REPO, "examples", "mnist_allreduce.yaml")
+    cmd = [sys.executable, "-m", "orchestrator", "simulate", example, "--replicas", "1,2,4,64,1024",
+           "--straggler-p", "0.01", "--straggler-factor", "3", "--json", str(tmp_path / "sim.json")]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "simulate.png").read_bytes()[:8] == PNG_MAGIC
+    rows = [ln.split() for ln in proc.stdout.splitlines() if ln.split()[:1] in (["allreduce"], ["easgd"])]
+    assert [r[1] for r in rows if r[0] == "allreduce"] == ["1", "2", "4", "64", "1024"]
+    cal = json.loads((tmp_path / "sim.json").read_text())["calibration"]
+    assert cal["params"] > 10_000 and 0 < cal["compute_s"] < 1 and cal["beta_s_per_byte"] > 0
+    assert "loopback" in cal["source"]
+    bad = subprocess.run(cmd[:4] + ["--replicas", "0,2"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert bad.returncode == 2 and "--replicas" in bad.stderr
+
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

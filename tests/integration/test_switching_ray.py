@@ -154,3 +154,47 @@ def test_a_replica_killed_after_a_switch_is_replaced_in_the_new_mode(ray_cluster
     assert replaced["steps_lost"] == 0  # downpour: the survivor never stopped
     assert [p["mode"] for p in result.phases] == ["allreduce", "downpour"]
     assert result.final.test_accuracy > 0.9
+
+
+def phases_run(tmp_path, phases, epochs):
+    """The main example's CNN, data and optimizer (sgd, lr 0.05, momentum 0.9) in phases."""
+    cfg = job_config(strategy={"phases": phases}, stop={"epochs": epochs, "target_accuracy": None},
+                     model={"factory": "examples.models:mnist_cnn"}, data={"source": "builtin:mnist5k", "batch_size": 64},
+                     scaling={"replicas": 2, "cpus_per_replica": 0.5},
+                     optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
+                     checkpoint={"storage": str(tmp_path / "ck")})
+    result, _, _, _ = fit_with(cfg, [])
+    return result
+
+
+ALLREDUCE_2 = {"mode": "allreduce", "until": {"epochs": 2}}
+
+
+def test_entering_downpour_with_the_jobs_momentum_is_translated_and_does_not_collapse(ray_cluster, tmp_path):
+    """allreduce -> downpour with no per-phase optimizer: the shards' momentum is lowered by what
+    the asynchrony adds, and accuracy holds after the switch (with the job's momentum 0.9 taken
+    as it is, the next test's phase, it falls to chance within an epoch)."""
+    result = phases_run(tmp_path, [ALLREDUCE_2, {"mode": "downpour"}], epochs=4)
+    [switch] = events(result, "mode_switch")
+    assert "momentum 0.9 -> 0.4" in switch["optimizer_translated"], switch
+    assert not events(result, "switch_rolled_back")
+    after = [e["test_accuracy"] for e in events(result, "epoch_end") if e["epoch"] >= switch["epoch"]]
+    assert min(after) > 0.9, after
+
+
+def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_cluster, tmp_path):
+    """A downpour phase that takes the job's momentum 0.9 on its shards (its own setting, so not
+    translated): test accuracy falls to chance in its first epoch; that epoch's end finds the test
+    loss far above the loss at the switch, and the run goes back to allreduce with the model from
+    before the switch, and stays there."""
+    result = phases_run(tmp_path, [ALLREDUCE_2, {"mode": "downpour", "optimizer": {"momentum": 0.9}}], epochs=4)
+    [rolled] = events(result, "switch_rolled_back")
+    assert rolled["back_to"] == "allreduce" and rolled["test_loss_now"] > rolled["test_loss_at_switch"] * 1.5
+    switches = events(result, "mode_switch")
+    assert [(s["from"], s["to"], s["rule"]) for s in switches] == [("allreduce", "downpour", "until epochs"),
+                                                                   ("downpour", "allreduce", "rollback")]
+    first, back = switches
+    assert back["rollback"] and back["test_accuracy_after"] == first["test_accuracy_before"]  # the same model
+    ends = events(result, "epoch_end")
+    assert ends[-1]["test_accuracy"] >= first["test_accuracy_before"]
+    assert [p["mode"] for p in result.phases] == ["allreduce", "downpour", "allreduce"]

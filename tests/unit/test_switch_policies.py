@@ -82,3 +82,20 @@ def test_adaptive_needs_two_replicas_reporting_and_uses_the_median_of_the_others
     assert pol.decide(obs(compute_s={0: 0.01})) is None
     assert AdaptivePolicy.spread({0: 0.01, 1: 0.012, 2: 0.03}) == (pytest.approx(2.727, abs=1e-3), 2)
     assert pol.decide(obs(compute_s={0: 0.01, 1: 0.012, 2: 0.03})).numbers["slowest_rank"] == 2
+
+
+def test_entering_downpour_lowers_the_momentum_by_what_the_asynchrony_adds():
+    from policies.switching import entering_optimizer
+
+    job = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}
+    opt, note = entering_optimizer("downpour", job, None, replicas=2, in_phases=True)
+    assert opt == {"lr": 0.05, "momentum": 0.4, "weight_decay": 0.0} and "0.9 -> 0.4" in note
+    opt, _ = entering_optimizer("downpour", job, None, replicas=8, in_phases=True)
+    assert opt["momentum"] == 0.025  # 0.9 - (1 - 1/8)
+    opt, _ = entering_optimizer("downpour", {**job, "momentum": 0.5}, None, replicas=2, in_phases=True)
+    assert opt["momentum"] == 0.0
+    # taken as given: the phase's own momentum, a single-mode run, another mode, one replica
+    assert entering_optimizer("downpour", job, {"momentum": 0.7}, 2, True) == ({**job, "momentum": 0.7}, None)
+    assert entering_optimizer("downpour", job, None, 2, False) == (job, None)
+    assert entering_optimizer("easgd", job, None, 2, True) == (job, None)
+    assert entering_optimizer("downpour", job, {"lr": 0.01}, 1, True) == ({**job, "lr": 0.01}, None)

@@ -1,0 +1,249 @@
+"""`python -m orchestrator simulate CONFIG`: the cost model (policies/cost_model.py) calibrated on
+this machine or from a finished run, predicting steps/s and samples/s per mode up to thousands
+of replicas; a table on stdout and a plot.
+
+Calibration (`calibrate`), about 10 s:
+- compute: the config's model and optimizer take `STEPS` steps on one real batch of the job's
+  data (data.batch_size rows) in this process, with the threads one replica gets
+  (scaling.cpus_per_replica); the median step is t;
+- link: two processes on this host time a gloo all-reduce of a small and of a model-sized
+  message (`LINK_REPEATS` each, medians); alpha and beta are fitted (cost_model.fit_link).
+  That is the loopback link; `--bandwidth-gbps` / `--latency-us` model another one.
+`--from-run RUN`: t from the run's own progress rows (the lowest rank's samples_per_s at the
+run's batch: a step is batch / samples_per_s, of which the run's comm_share is communication);
+for an allreduce run of n > 1 replicas beta comes from that communication too (alpha as
+calibrated, or given).
+"""
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+from orchestrator.errors import ConfigError
+from policies.cost_model import (Calibration, ModeShape, Prediction, Stragglers, fit_link, ring_allreduce_s,
+                                 table)
+
+STEPS = 30  # calibration steps (after 5 warm-up steps)
+LINK_REPEATS = 15
+LINK_TIMEOUT_S = 60.0
+PLOT_NAME = "simulate.png"
+
+
+def model_and_batch(cfg: Any) -> tuple[Any, Any, Any, Any]:
+    """The job's model, task, and one batch of its train data (inputs, targets)."""
+    import numpy as np
+
+    from orchestrator.factory import build_model
+    from orchestrator.loading import load_dataset
+    from policies.batches import as_tensors, rows, take
+
+    task = cfg.task.build()
+    data = load_dataset(cfg.data, task=task)
+    split = data.train if hasattr(data, "train") else data.sample
+    n = rows(split.y)
+    idx = np.arange(cfg.data.batch_size) % n
+    x, y = as_tensors(take(split.x, idx)), as_tensors(take(split.y, idx))
+    model = build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed)
+    return model, task, x, y
+
+
+def calibrate_compute(cfg: Any, steps: int = STEPS) -> tuple[int, float]:
+    """(trainable parameters, median seconds of one training step on one replica)."""
+    import torch
+
+    from policies.batches import forward
+
+    threads = max(1, int(cfg.scaling.cpus_per_replica))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model, task, x, y = model_and_batch(cfg)
+        params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        o = cfg.optimizer
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=o.lr, momentum=o.momentum,
+                              weight_decay=o.weight_decay)
+        times = []
+        for i in range(5 + steps):
+            t = time.perf_counter()
+            opt.zero_grad()
+            task.loss(forward(model, x), y).backward()
+            opt.step()
+            if i >= 5:
+                times.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    return params, statistics.median(times)
+
+
+def _link_worker(rank: int, port: int, sizes: list[int], repeats: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=LINK_TIMEOUT_S))
+    try:
+        result = []
+        for size in sizes:
+            t = torch.zeros(max(1, size // 4))
+            for _ in range(3):
+                dist.all_reduce(t)
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                times.append(time.perf_counter() - t0)
+            result.append(statistics.median(times))
+        if rank == 0:
+            out.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate_link(model_bytes: int, repeats: int = LINK_REPEATS) -> tuple[float, float]:
+    """(alpha, beta) of this host's loopback link, from a gloo all-reduce between two processes."""
+    from actors.reducer import free_port
+
+    sizes = [4, max(8, model_bytes // 4), max(8, model_bytes)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_link_worker, args=(r, port, sizes, repeats, out), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        seconds = out.get(timeout=LINK_TIMEOUT_S)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return fit_link(sizes, seconds, n=2)
+
+
+def from_run(run_id: str, tracking_uri: Optional[str]) -> dict[str, Any]:
+    """A finished run's step figures: replicas, batch, mode, compute and communication seconds."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    try:
+        run = client.get_run(run_id)
+        rates = [m.value for m in client.get_metric_history(run_id, "samples_per_s") if m.value > 0]
+        shares = [m.value for m in client.get_metric_history(run_id, "comm_share")]
+    except MlflowException as exc:
+        raise ConfigError(f"--from-run {run_id}: not found in {client.tracking_uri} ({exc})") from None
+    params = run.data.params
+    if not rates:
+        raise ConfigError(f"--from-run {run_id}: the run logged no samples_per_s (no step was logged)")
+    batch = int(params.get("data.batch_size", "0"))
+    replicas = int(params.get("scaling.replicas", "1"))
+    step = batch / statistics.median(rates)
+    share = statistics.median(shares) if shares else 0.0
+    return {"run": run_id, "mode": params.get("strategy.mode", "allreduce"), "replicas": replicas, "batch": batch,
+            "step_s": step, "comm_s": share * step, "compute_s": (1 - share) * step}
+
+
+def calibration(cfg: Any, run: Optional[dict[str, Any]] = None, bandwidth_gbps: Optional[float] = None,
+                latency_us: Optional[float] = None, cores: Optional[float] = None) -> Calibration:
+    """The model's inputs: this machine's (or the run's) figures, flags over both."""
+    params, compute = calibrate_compute(cfg)
+    source = [f"compute: {STEPS} steps of the model here"]
+    alpha = beta = None
+    if latency_us is not None:
+        alpha = latency_us * 1e-6
+    if bandwidth_gbps is not None:
+        beta = 8 / (bandwidth_gbps * 1e9)
+    if alpha is None or beta is None:
+        a, b = calibrate_link(params * 4)
+        alpha = a if alpha is None else alpha
+        beta = b if beta is None else beta
+        source.append("link: gloo all-reduce on this host's loopback")
+    batch = cfg.data.batch_size
+    if run is not None:
+        compute, batch = run["compute_s"], run["batch"] or batch
+        source = [f"compute: run {run['run']}'s progress rows"]
+        n = run["replicas"]
+        if run["mode"] == "allreduce" and n > 1 and bandwidth_gbps is None:
+            ring_bytes = 2 * (n - 1) / n * params * 4
+            beta = max(0.0, (run["comm_s"] - 2 * (n - 1) * alpha) / ring_bytes)
+            source.append(f"bandwidth: run {run['run']}'s communication at {n} replicas")
+    if bandwidth_gbps is not None or latency_us is not None:
+        source.append("link: given")
+    return Calibration(params, batch, compute, alpha, beta, cores, "; ".join(source))
+
+
+def render(preds: list[Prediction], cal: Calibration, s: Stragglers) -> str:
+    """The table as text (one row per mode and replica count)."""
+    lines = [f"model: {cal.params:,} trainable parameters ({cal.model_bytes / 1e6:.2f} MB), batch {cal.batch} per "
+             f"replica; step compute {cal.compute_s * 1e3:.2f} ms; link alpha {cal.alpha_s * 1e6:.1f} us, "
+             f"bandwidth {8 / cal.beta_s_per_byte / 1e9 if cal.beta_s_per_byte else math.inf:.2f} Gbit/s"
+             + (f"; {cal.cores:g} replicas at full speed" if cal.cores else ""),
+             f"from: {cal.source}",
+             f"stragglers: p {s.p:g}, factor {s.factor:g}, jitter {s.jitter:g}{', persistent' if s.persistent else ''}",
+             "",
+             f"{'mode':<10} {'replicas':>8} {'step ms':>9} {'compute ms':>10} {'comm ms':>9} {'steps/s':>9} "
+             f"{'samples/s':>11} {'bound':>8}"]
+    for p in preds:
+        lines.append(f"{p.mode:<10} {p.replicas:>8} {p.step_s * 1e3:>9.2f} {p.compute_s * 1e3:>10.2f} "
+                     f"{p.comm_s * 1e3:>9.3f} {1 / p.step_s:>9.1f} {p.samples_per_s:>11,.0f} {p.bound:>8}")
+    return "\n".join(lines)
+
+
+def plot(preds: list[Prediction], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode in dict.fromkeys(p.mode for p in preds):
+        rows = [p for p in preds if p.mode == mode]
+        if len(rows) == 1:
+            ax.axhline(rows[0].samples_per_s, linestyle=":", color="grey", label=f"{mode} (1 replica)")
+        else:
+            ax.plot([p.replicas for p in rows], [p.samples_per_s for p in rows], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("replicas")
+    ax.set_ylabel("predicted samples/s")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def simulate(cfg: Any, replicas: list[int], stragglers: Stragglers, run: Optional[dict[str, Any]] = None,
+             bandwidth_gbps: Optional[float] = None, latency_us: Optional[float] = None,
+             cores: Optional[float] = None, period: Optional[int] = None) -> tuple[Calibration, list[Prediction]]:
+    cal = calibration(cfg, run, bandwidth_gbps, latency_us, cores)
+    st = cfg.strategy
+    shape = ModeShape(period=period or st.tau, shards=cfg.scaling.shards, n_push=st.n_push, n_fetch=st.n_fetch)
+    return cal, table(replicas, cal, stragglers, shape)
+
+
+def parse_replicas(text: str) -> list[int]:
+    try:
+        out = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise ConfigError(f"--replicas must be a comma-separated list of integers, got {text!r}") from None
+    if not out or out[0] < 1:
+        raise ConfigError(f"--replicas must list counts >= 1, got {text!r}")
+    return out
+
+
+def write_json(path: str, cal: Calibration, preds: list[Prediction], s: Stragglers) -> None:
+    from dataclasses import asdict
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"calibration": asdict(cal), "stragglers": asdict(s), "ring_allreduce_s_at_2": ring_allreduce_s(cal, 2),
+                   "predictions": [p.row() for p in preds]}, f, indent=2)

@@ -1,0 +1,95 @@
+"""The cost model's maths (policies/cost_model.py), against straightforward references."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from policies.cost_model import (Calibration, ModeShape, Stragglers, fit_link, max_compute, predict,
+                                 ring_allreduce_s, table)
+
+CAL = Calibration(params=100_000, batch=64, compute_s=0.01, alpha_s=50e-6, beta_s_per_byte=1e-9)
+
+
+def test_one_replica_allreduce_is_the_single_process_step():
+    one = predict("allreduce", 1, CAL)
+    single = predict("single", 1, CAL)
+    assert one.comm_s == 0 and one.step_s == pytest.approx(single.step_s) == pytest.approx(0.01)
+    assert one.samples_per_s == pytest.approx(6400)
+
+
+def test_ring_allreduce_is_the_alpha_beta_formula():
+    m = 400_000  # bytes
+    for n in (2, 4, 1024):
+        assert ring_allreduce_s(CAL, n) == pytest.approx(2 * (n - 1) / n * m * 1e-9 + 2 * (n - 1) * 50e-6)
+    p = predict("allreduce", 4, CAL)
+    assert p.step_s == pytest.approx(0.01 + ring_allreduce_s(CAL, 4))
+    assert p.samples_per_s == pytest.approx(4 * 64 / p.step_s)
+
+
+def test_local_sgd_with_period_one_is_allreduce_and_a_longer_period_pays_less_communication():
+    s = Stragglers(p=0.1, factor=3.0, jitter=0.2)
+    h1 = predict("local_sgd", 8, CAL, s, ModeShape(period=1))
+    ar = predict("allreduce", 8, CAL, s)
+    assert h1.step_s == pytest.approx(ar.step_s)
+    h8 = predict("local_sgd", 8, CAL, s, ModeShape(period=8))
+    assert h8.comm_s == pytest.approx(ar.comm_s / 8)
+    assert h8.compute_s < ar.compute_s  # a block of 8 steps averages transient stragglers out
+
+
+def test_expected_max_matches_a_plain_monte_carlo_reference():
+    rng = np.random.default_rng(123)
+    for n, s in [(4, Stragglers(p=0.2, factor=3.0)), (16, Stragglers(p=0.05, factor=2.0, jitter=0.3))]:
+        draws = np.where(rng.random((200_000, n)) < s.p, s.factor, 1.0) * rng.lognormal(0, s.jitter, (200_000, n))
+        reference = 0.01 * draws.max(axis=1).mean()
+        assert max_compute(CAL, n, s) == pytest.approx(reference, rel=0.03)
+
+
+def test_a_persistent_straggler_sets_every_lock_step():
+    s = Stragglers(p=0.25, factor=3.0, persistent=True)
+    assert max_compute(CAL, 4, s, block=8) == pytest.approx(0.03)  # one of 4 is 3x slower, always
+    assert predict("downpour", 4, CAL, s).compute_s == pytest.approx(0.01 * (1 + 0.25 * 2))  # the mean replica
+
+
+def test_the_shards_cap_an_asynchronous_mode():
+    big = Calibration(params=25_000_000, batch=32, compute_s=0.01, alpha_s=0.0, beta_s_per_byte=8 / 10e9)
+    few = predict("downpour", 256, big, shape=ModeShape(shards=1))
+    many = predict("downpour", 256, big, shape=ModeShape(shards=64))
+    assert few.bound == "shards" and few.samples_per_s == pytest.approx(32 / (2 * 100e6 * 8 / 10e9))
+    assert many.samples_per_s > 10 * few.samples_per_s
+    easgd = predict("easgd", 256, big, shape=ModeShape(period=8, shards=1))
+    assert easgd.samples_per_s == pytest.approx(8 * few.samples_per_s)  # 2/tau per step against 2: 1/8 of the traffic
+
+
+def test_cores_slow_compute_beyond_what_the_hosts_hold():
+    cal = Calibration(params=1000, batch=64, compute_s=0.01, alpha_s=0, beta_s_per_byte=0, cores=2)
+    assert predict("allreduce", 2, cal).samples_per_s == pytest.approx(2 * 6400)
+    assert predict("allreduce", 4, cal).samples_per_s == pytest.approx(2 * 6400)  # 4 on 2 cores: no gain
+
+
+def test_fit_link_recovers_alpha_and_beta():
+    sizes = [4, 100_000, 400_000]
+    seconds = [2 * 30e-6 + 1 / 2 * 2 * s * 2e-9 for s in sizes]  # n = 2
+    alpha, beta = fit_link(sizes, seconds, n=2)
+    assert alpha == pytest.approx(30e-6, rel=1e-6) and beta == pytest.approx(2e-9, rel=1e-6)
+
+
+def test_table_lists_single_once_and_every_mode_at_every_count():
+    rows = table([1, 2, 1024], CAL)
+    assert [(r.mode, r.replicas) for r in rows if r.mode == "single"] == [("single", 1)]
+    assert {(r.mode, r.replicas) for r in rows if r.mode == "easgd"} == {("easgd", 1), ("easgd", 2), ("easgd", 1024)}
+
+
+@pytest.mark.parametrize("bad", [dict(params=0), dict(compute_s=-1.0), dict(alpha_s=float("nan")), dict(cores=0)])
+def test_bad_calibration_is_refused(bad):
+    fields = dict(params=10, batch=1, compute_s=0.1, alpha_s=0.0, beta_s_per_byte=0.0)
+    with pytest.raises(ValueError):
+        Calibration(**{**fields, **bad})
+
+
+def test_bad_stragglers_and_modes_are_refused():
+    with pytest.raises(ValueError):
+        Stragglers(p=1.5)
+    with pytest.raises(ValueError):
+        Stragglers(factor=0.5)
+    with pytest.raises(ValueError):
+        predict("hogwild", 2, CAL)
