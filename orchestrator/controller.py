@@ -238,8 +238,10 @@ class Controller:
                 return state
         except BaseException as exc:
             self.state = Errored(exc)
+            self.report.state(state, self.state)
             raise
         self.state = nxt
+        self.report.state(state, nxt)
         if isinstance(nxt, Errored):
             raise nxt.error
         return nxt

@@ -160,9 +160,6 @@ class Repair(Change):
         lr = ctl.elastic.follow(self.donor_step, len(members)) if self.dropped else {}  # the rate follows the batch
         if self.replaced and not self.dropped:
             ctl.elastic.send_lr(self.replaced)  # a newcomer steps at the rate the others do
-        ctl.totals.replica_restarts += len(self.replaced)
-        ctl.report.metrics([("replicas_alive", len(members), ctl.totals.steps),
-                            ("replica_restarts", ctl.totals.replica_restarts, ctl.totals.steps)])
         return lr
 
     def reopen(self, ctl: "Controller", seg: EpochSegment) -> list[int]:
@@ -173,6 +170,9 @@ class Repair(Change):
     def event(self, ctl: "Controller", seg: EpochSegment, lr: dict[str, Any],
               reopened: list[int]) -> dict[str, Any]:
         plan, replaced, dropped = self.plan, self.replaced, self.dropped
+        ctl.totals.replica_restarts += len(replaced)
+        ctl.report.metrics([("replicas_alive", len(ctl.group.ranks), ctl.totals.steps),
+                            ("replica_restarts", ctl.totals.replica_restarts, ctl.totals.steps)])
         steps = plan.steps_at_interrupt
         steps_lost = (1 + max(steps.values()) - self.donor_step) if (ctl.lock_step and steps) else 0
         if self.from_checkpoint is not None:

@@ -2,8 +2,10 @@
 
 Everything the controller tells the outside world goes through one `Reporter`, so a sweep's
 reporter (or a test) plugs in as a callback instead of reading the controller's insides. A
-callback is any object with optional `on_event(event: dict)` and `on_metrics(rows)` methods;
-a callback that raises is dropped with a warning, never the run.
+callback is any object with optional `on_event(event: dict)`, `on_metrics(rows)` and
+`on_state(change: dict)` methods (`on_state`: after every state change of the controller, with
+the state left and the state entered, e.g. {"from": "Running", "to": "Reconfiguring", "plan":
+"SwitchPlan", "epoch": 3}); a callback that raises is dropped with a warning, never the run.
 """
 from __future__ import annotations
 
@@ -31,6 +33,16 @@ class Reporter:
         if self.tracker is not None:
             self.tracker.log_metrics(rows)
         self._call("on_metrics", rows)
+
+    def state(self, previous: Any, entered: Any) -> None:
+        """The controller changed state: tell the callbacks that listen (on_state)."""
+        if entered is previous or not any(hasattr(cb, "on_state") for cb in self.callbacks):
+            return
+        seg = getattr(entered, "segment", None)
+        plan = getattr(entered, "plan", None)
+        self._call("on_state", {"from": type(previous).__name__, "to": type(entered).__name__,
+                                **({"plan": type(plan).__name__} if plan is not None else {}),
+                                **({"epoch": seg.epoch} if seg is not None else {})})
 
     def say(self, text: str) -> None:
         if self.display is not None:

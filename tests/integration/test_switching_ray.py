@@ -120,6 +120,14 @@ def test_a_mid_epoch_switch_pauses_at_partition_boundaries_and_serves_every_row_
     ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}}, {"mode": "downpour"}], trace_ids=True,
                      faults={"slow_replicas": {0: 0.02, 1: 0.02}}, data={"batch_size": 8, "partitions": 16},
                      optimizer={"momentum": 0.5})
+
+    class States:
+        seen: list = []
+
+        def on_state(self, change):
+            self.seen.append((change["from"], change["to"], change.get("plan")))
+
+    ctl.report.callbacks.append(States())
     try:
         ctl.step()
         ctl.run_epoch()
@@ -131,6 +139,10 @@ def test_a_mid_epoch_switch_pauses_at_partition_boundaries_and_serves_every_row_
     assert switch["mid_epoch"] and switch["epoch"] == 1 and (switch["from"], switch["to"]) == ("allreduce", "downpour")
     assert switch["test_accuracy_after"] == switch["test_accuracy_before"]
     assert_carried(switch, "passes", "state", "verify", "gate", "reopen")
+    # the after-state-change callback saw the switch as its own state, between two Running ones
+    assert States.seen[0] == ("Starting", "Running", None)
+    at = States.seen.index(("Running", "Reconfiguring", "SwitchPlan"))
+    assert States.seen[at + 1] == ("Reconfiguring", "Running", None)
     n_train = len(ctl.dataset.train)
     for epoch in ctl.consumed:  # every train row exactly once per epoch, across the switch
         rows = [i for steps in epoch.values() for batch in steps for i in batch]
