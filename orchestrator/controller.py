@@ -51,7 +51,7 @@ from orchestrator.tracking import Tracker
 from policies.failure import FailurePolicy
 from policies.leases import MAX_GRANT, first_grant_messages
 from policies.registry import mode_spec
-from policies.stop import StopPolicy
+from policies.stop import ChanceWatch, StopPolicy
 from policies.switching import entering_optimizer, make_switch_policy
 from policies.tasks import sum_stats
 
@@ -80,6 +80,9 @@ class Controller:
         self.pending_switch = None  # a SwitchPlan decided, not carried out yet (orchestrator/switching.py)
         self.guard = None  # the last switch on probation (switching.check_guard)
         self.switching_off = False  # a switch was rolled back: no further switch this run
+        self.stopping = False  # the stop policy said stop while a rollback was pending: finish once it is done
+        classes = getattr(dataset, "num_classes", 0) or 0
+        self.chance = ChanceWatch(classes) if getattr(self.task, "name", "") == "classification" and classes > 1 else None
         self.pause = PauseGate(lambda: self.server)  # why the replicas are held at partition boundaries
         modes = config.strategy.modes()
         sharded = [m for m in modes if mode_spec(m).sharded]

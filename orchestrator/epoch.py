@@ -122,22 +122,29 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
     if not seg.had_failure:
         ctl.failure_policy.epoch_without_failure()
 
-    ck = cfg.checkpoint
-    if checkpoint_due(epoch, time.perf_counter(), max(ctl.checkpoints.last_s, ctl.train_started),
-                      ck.every_epochs, ck.every_s):
-        try:
-            tot.checkpoint = ctl.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s)
-        except TrainingError as exc:  # a replica stopped or died meanwhile: the next epoch sees to it
-            ctl.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
-            ctl.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
-    switching.check_guard(ctl, epoch, metrics)
+    switching.check_guard(ctl, epoch, metrics)  # a switch that hurt: rolled back before anything keeps this model
+    rolling_back = ctl.pending_switch is not None and ctl.pending_switch.rollback is not None
+    if not rolling_back:
+        why = ctl.chance.observe(metrics["test_loss"]) if ctl.chance is not None and "test_loss" in metrics else None
+        if why is not None:
+            raise TrainingError(f"epoch {epoch}: training diverged: {why}; the last checkpoint is kept")
+        ck = cfg.checkpoint
+        if checkpoint_due(epoch, time.perf_counter(), max(ctl.checkpoints.last_s, ctl.train_started),
+                          ck.every_epochs, ck.every_s):
+            try:
+                tot.checkpoint = ctl.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s)
+            except TrainingError as exc:  # a replica stopped or died meanwhile: the next epoch sees to it
+                ctl.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
+                ctl.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
     decision = ctl.stop_policy.decide(EpochSnapshot(epoch, judged, time.perf_counter() - ctl.train_started))
     if decision.stop:
         tot.stop_reason = decision.reason
         ctl.report.event("stop", reason=decision.reason)
-        return Finishing()
-    switching.consider(ctl, None, epoch_end=True,
-                       metrics=judged)
+        if not rolling_back:
+            return Finishing()
+        ctl.stopping = True  # the model from before the switch first (Running carries the rollback out), then the end
+    else:
+        switching.consider(ctl, None, epoch_end=True, metrics=judged)
     # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
     # it carries on timing a recovery whose newcomer had nothing left to do in this one
     return Running(EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False))

@@ -27,7 +27,7 @@ from orchestrator import switching
 from orchestrator.epoch import close_pass, watch_servers
 from orchestrator.errors import INTERRUPTED, MemberLost, TrainingError
 from orchestrator.recovery import decide
-from orchestrator.states import EpochSegment, Errored, GrowPlan, Plan, Reconfiguring, Running, State
+from orchestrator.states import EpochSegment, Errored, Finishing, GrowPlan, Plan, Reconfiguring, Running, State
 from policies.failure import DETECTED_BY, Fail, ReplicaFailure, error_detail
 from policies.modes import Diverged
 
@@ -45,6 +45,8 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
             return judge(ctl, seg)
         if ctl.pending_switch is not None:  # decided at the last epoch's end: switch before this one opens
             return Reconfiguring(ctl.pending_switch, seg)
+        if ctl.stopping:  # the run stopped at the last epoch's end; a rollback was carried out first
+            return Finishing()
         ctl.elastic.stop_pausing()  # a grow's pause nobody reached
         if ctl.elastic.ready_to_join():  # replicas started for a grow join at the epoch boundary
             return Reconfiguring(GrowPlan(mid_epoch=False), seg)

@@ -168,7 +168,10 @@ class Switching(Change):
         return self.new_spec.process_group or self.new_spec.lock_step(self.new_strategy)
 
     def verify(self, ctl: "Controller", seg: EpochSegment) -> None:
-        self.after = ctl.headline_value(evaluate(ctl))
+        after = evaluate(ctl)
+        self.after = ctl.headline_value(after)
+        if self.plan.rollback is not None:  # the run's latest metrics are those of the model it holds again
+            ctl.totals.metrics = after
 
     def share(self, seg: EpochSegment) -> Optional[bool]:
         """An asynchronous mode entered mid-epoch leases the rest of the epoch from one shared queue."""
@@ -179,6 +182,8 @@ class Switching(Change):
         return ctl.group.ranks if ctl.lock_step else self.paused
 
     def waiting(self, ctl: "Controller", seg: EpochSegment, reopened: list[int]) -> list[int]:
+        if ctl.stopping:  # a rollback before the run ends: nobody steps again, the event is logged now
+            return []
         return reopened if seg.begun else ctl.group.ranks  # between epochs: they step when the next one opens
 
     def event(self, ctl: "Controller", seg: EpochSegment, lr: dict[str, Any],

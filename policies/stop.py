@@ -57,3 +57,30 @@ class StopPolicy:
         if self.max_wall_s is not None and snap.elapsed_s >= self.max_wall_s:
             return StopDecision(True, f"wall: {snap.elapsed_s:.1f}s >= stop.max_wall_s ({self.max_wall_s})")
         return CONTINUE
+
+
+@dataclass
+class ChanceWatch:
+    """A classification run whose test loss sits at chance level, ln K for K classes (the loss
+    of predicting every class alike), at `patience` epoch ends in a row after it had learned
+    (test loss below half of ln K once) has diverged as surely as one whose loss is not finite:
+    `observe` says why, else None."""
+
+    classes: int
+    patience: int = 2
+    at_chance: float = 0.98  # a loss at or above this fraction of ln K is at chance level
+    learned: bool = False
+    streak: int = 0
+
+    def observe(self, test_loss: float) -> Optional[str]:
+        import math
+
+        chance = math.log(self.classes)
+        if test_loss == test_loss and test_loss < 0.5 * chance:
+            self.learned, self.streak = True, 0
+            return None
+        self.streak = self.streak + 1 if self.learned and not test_loss < self.at_chance * chance else 0
+        if self.streak < self.patience:
+            return None
+        return (f"test loss {test_loss:.4f} at chance level (ln {self.classes} = {chance:.4f}: every class alike) "
+                f"at {self.streak} epoch ends in a row, after it had been below {0.5 * chance:.4f}")

@@ -210,3 +210,13 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
     ends = events(result, "epoch_end")
     assert ends[-1]["test_accuracy"] >= first["test_accuracy_before"]
     assert [p["mode"] for p in result.phases] == ["allreduce", "downpour", "allreduce"]
+
+
+def test_a_run_that_stops_at_the_rollback_ends_with_the_model_from_before_the_switch(ray_cluster, tmp_path):
+    """The stop comes at the same epoch end that finds the switch hurt: the rollback is carried
+    out first, so the final model and figures are those from before the switch."""
+    result = phases_run(tmp_path, [ALLREDUCE_2, {"mode": "downpour", "optimizer": {"momentum": 0.9}}], epochs=3)
+    [rolled] = events(result, "switch_rolled_back")
+    first, back = events(result, "mode_switch")
+    assert back["rule"] == "rollback" and result.epochs == 3 and "epochs" in result.stop_reason
+    assert result.final.test_accuracy == first["test_accuracy_before"] == back["test_accuracy_after"]

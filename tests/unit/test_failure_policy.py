@@ -76,3 +76,21 @@ def test_a_resumed_policy_has_the_budget_it_had_left():
     resumed.restore(used.position())
     assert (resumed.restarts, resumed.in_a_row, resumed.last_error) == (used.restarts, used.in_a_row, used.last_error)
     assert isinstance(resumed.decide(ReplicaFailure(1, "died", "gone"), survivors=1), Drop)
+
+
+def test_a_loss_stuck_at_chance_after_learning_is_divergence():
+    import math
+
+    from policies.stop import ChanceWatch
+
+    w = ChanceWatch(10)
+    chance = math.log(10)
+    assert w.observe(chance) is None and w.observe(chance) is None  # never learned yet: early training
+    assert w.observe(0.3) is None  # learned
+    assert w.observe(chance * 0.99) is None  # one epoch end at chance: not yet
+    why = w.observe(chance * 1.01)
+    assert why is not None and "chance level" in why and "2 epoch ends" in why
+    w = ChanceWatch(10)
+    w.observe(0.3)
+    assert w.observe(chance) is None and w.observe(0.5) is None and w.observe(chance) is None  # not in a row
+    assert ChanceWatch(10, patience=1, learned=True).observe(float("nan")) is not None
