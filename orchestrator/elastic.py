@@ -224,11 +224,15 @@ class Elasticity:
         if done:
             return True
         if time.perf_counter() - j.t_decide > JOIN_TIMEOUT_S:
-            self.ctl.group.abandon_joining(j.ranks)
-            self.joining = None
-            self.ctl.report.event("resize_abandoned", ranks=j.ranks, reason=j.decision.reason,
-                                  waited_s=round(time.perf_counter() - j.t_decide, 1))
+            self.abandon(j, j.decision.reason, waited_s=round(time.perf_counter() - j.t_decide, 1))
         return False
+
+    def abandon(self, j: Joining, reason: str, **fields: Any) -> None:
+        """Give a grow up: its started replicas are stopped (the policy polls again)."""
+        self.ctl.group.abandon_joining(j.ranks)
+        if self.joining is j:
+            self.joining = None
+        self.ctl.report.event("resize_abandoned", ranks=j.ranks, reason=reason, **fields)
 
     def promote_joining(self) -> list[int]:
         """Every member is gone (a repair with nobody left) while replicas started for a grow are
@@ -244,8 +248,7 @@ class Elasticity:
         try:
             joined = group.finish_joining(dict(j.ready))
         except Exception as exc:  # they died as well: nothing to go on with
-            group.abandon_joining(j.ranks)
-            self.ctl.report.event("resize_abandoned", ranks=j.ranks, reason=f"{type(exc).__name__}: {exc}")
+            self.abandon(j, f"{type(exc).__name__}: {exc}")
             return []
         self.ctl.report.say(f"replicas {joined}, started for a grow, go on in place of the lost ones")
         return sorted(joined)
@@ -328,7 +331,7 @@ class Grow(Change):
     def membership(self, ctl: "Controller", seg: EpochSegment) -> None:
         """The ready ones join (the rest later); a newcomer that died while starting gives this
         grow up (the policy polls again)."""
-        self.paused = [r for r, item in seg.ended.items() if item["kind"] == "paused"] if seg.begun else []
+        self.paused = seg.paused_ranks()
         j, group = self.j, ctl.group
         if j is None:
             return
@@ -338,10 +341,8 @@ class Grow(Change):
             return
         try:
             joined = group.finish_joining({r: j.ready[r] for r in ready})
-        except Exception as exc:
-            group.abandon_joining(j.ranks)
-            self.elastic.joining = None
-            ctl.report.event("resize_abandoned", ranks=j.ranks, reason=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a newcomer died while starting
+            self.elastic.abandon(j, f"{type(exc).__name__}: {exc}")
             return
         for r in ready:
             j.ready.pop(r)

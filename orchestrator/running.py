@@ -55,7 +55,7 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
         if seg.failures and (not ctl.lock_step or not seg.streams):
             return judge(ctl, seg)
         if not seg.streams:
-            paused = any(i["kind"] == "paused" for i in seg.ended.values())
+            paused = bool(seg.paused_ranks())
             if ctl.pause.reason == "switch" and paused:
                 return Reconfiguring(ctl.pending_switch, seg)
             if ctl.pause.reason == "grow" and paused:  # ready newcomers join; the epoch goes on

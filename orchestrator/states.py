@@ -83,6 +83,10 @@ class EpochSegment:
             out.setdefault(s["rank"], []).extend(s["consumed"])
         return out
 
+    def paused_ranks(self) -> list[int]:
+        """The replicas whose segment ended paused (for a switch or a grow) this pass."""
+        return [r for r, item in self.ended.items() if item["kind"] == "paused"] if self.begun else []
+
     def awaiting_steps(self) -> set[int]:
         return set().union(*(r.waiting for r in self.recoveries)) if self.recoveries else set()
 

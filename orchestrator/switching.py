@@ -128,7 +128,7 @@ class Switching(Change):
         self.old_spec, self.old_mode = ctl.spec, ctl.strategy["mode"]
         self.new_strategy = ctl.switch_policy.plan[self.plan.switch.phase]
         self.new_spec = mode_spec(self.new_strategy["mode"])
-        self.paused = [r for r, item in seg.ended.items() if item["kind"] == "paused"] if seg.begun else []
+        self.paused = seg.paused_ranks()
 
     def hand_off(self, ctl: "Controller", seg: EpochSegment) -> None:
         """The metric before; the shards seeded from the replicas or carried over; every replica's
@@ -140,7 +140,7 @@ class Switching(Change):
         if rollback is None and margin is not None and "test_loss" in before:  # this switch goes on probation
             self.guard = Guard(ctl.phases[-1]["phase"], self.old_mode, group.call([ranks[0]], "state", what="state")[0],
                                before["test_loss"], checks=2 if seg.begun else 1)
-        if self.new_spec.sharded:
+        if self.new_spec.sharded and rollback is None:  # a rollback seeds the shards from the state it loads
             clocks = {r: step for r, step in zip(ranks, group.call(ranks, "current_step", what="steps"))}
             if self.old_spec.sharded:
                 ctl.shard_group.reseed(None, ctl.shard_optimizer(self.new_strategy), clocks, timeout_s=timeout_s)
