@@ -45,6 +45,8 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
     t_epoch = t_window = t_sent = time.perf_counter()
     window, rows = 0, []
     win_compute, win_comm, win_real = 0.0, 0.0, 0  # this progress window: compute and wait seconds, real steps
+    win = StepWindow()  # this progress window's per-step figures (allreduce: waiting, spread, diversity)
+    base_batch = self.reader.batch_size = int(self.cfg["data"]["batch_size"])
     send_every = float(self.cfg["tracking"]["progress_interval_s"])
     lock_step = self.worker.lock_step
     while True:
@@ -83,9 +85,15 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
         except Exception:
             self.leave_group()
             raise
-        if self.slow and real:
-            self.slow_down(time.perf_counter() - t_step)
+        if self.slow and real:  # a slower device: its compute takes longer, not its waiting for others
+            self.slow_down(time.perf_counter() - t_step - result.comm_s)
         compute = time.perf_counter() - t_step - result.comm_s  # a deliberate straggler's sleep included
+        figures = getattr(self.worker, "last", None)
+        if figures:
+            win.add(figures)
+        share = getattr(self.worker, "batch_share", None)
+        self.reader.batch_size = share or base_batch  # load-balanced allreduce: this replica's share of the batch
+        self.reader.even_batches = share is not None
         cur["pending"], cur["following"] = following, _UNREAD
         if lock_step and pause:
             cur["pending"] = _FETCH
@@ -113,8 +121,11 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
             rows.append({"rank": self.rank, "epoch": epoch, "step": self.step, "step_in_epoch": steps,
                          "loss": loss, "samples_per_s": window / (now - t_window),
                          "compute_s": win_compute / win_real if win_real else None,
-                         "comm_share": win_comm / (now - t_window), "lr": self.current_lr()})
+                         "comm_share": win_comm / (now - t_window), "lr": self.current_lr(),
+                         "comm_s": win_comm / log_every, **win.row(win_comm / log_every),
+                         "batch_rows": self.reader.batch_size})
             t_window, window, win_compute, win_comm, win_real = now, 0, 0.0, 0.0, 0
+            win = StepWindow()
             if now - t_sent >= send_every:  # each message to the driver costs the step loop
                 yield {"kind": "progress", "rank": self.rank, "rows": rows}
                 rows, t_sent = [], now
@@ -163,3 +174,33 @@ def segment_end(self: "ModelReplica", kind: str, epoch: int, steps: int, samples
            "mode_name": self.spec.name}
     out.update(more)
     return out
+
+
+class StepWindow:
+    """One progress window's per-step figures from a worker that measures them (allreduce's
+    `StepFigures`): seconds waiting for the busiest replica, the busy spread across replicas
+    (busiest / least busy) and the gradient diversity, each averaged over the steps that had it."""
+
+    def __init__(self) -> None:
+        self.sums = {"wait_s": 0.0, "spread": 0.0, "diversity": 0.0}
+        self.counts = {"wait_s": 0, "spread": 0, "diversity": 0}
+
+    def add(self, figures: dict[str, Any]) -> None:
+        for k in self.sums:
+            v = figures.get(k)
+            if v is not None:
+                self.sums[k] += v
+                self.counts[k] += 1
+
+    def row(self, comm_s: float) -> dict[str, Any]:
+        """The progress row's figures: wait_s (per step), comm_s (`comm_s`, the collective's
+        seconds per step, less the waiting: the transfer itself), busy_spread,
+        gradient_diversity; {} when none."""
+        if not any(self.counts.values()):
+            return {}
+        mean = {k: self.sums[k] / self.counts[k] if self.counts[k] else None for k in self.sums}
+        out: dict[str, Any] = {"busy_spread": mean["spread"], "gradient_diversity": mean["diversity"]}
+        if mean["wait_s"] is not None:
+            out["wait_s"] = mean["wait_s"]
+            out["comm_s"] = max(0.0, comm_s - mean["wait_s"])
+        return out

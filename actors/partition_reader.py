@@ -135,6 +135,7 @@ class PartitionReader:
                  shuffle: bool, device: torch.device, timeout_s: float, read_ahead: int = 2):
         self.where = server if isinstance(server, ServerAddress) else ServerAddress(server)
         self.rank, self.batch_size, self.shuffle = rank, batch_size, shuffle
+        self.even_batches = False
         self.caller, self.calls = uuid.uuid4().hex[:12], 0  # every grant call carries a unique id
         self.device, self.timeout_s = device, timeout_s
         self.source = (StreamedPartitions(refs, read_ahead, timeout_s) if isinstance(refs, StreamPlan)
@@ -247,17 +248,26 @@ class PartitionReader:
 
     def batches(self, lease: dict, part: dict) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """One partition in this epoch's in-partition order, cut into batches of batch_size
-        with a short last batch: every row exactly once. Yields (x, y, row positions in the
-        partition)."""
-        bs = self.batch_size
+        with a short last batch: every row exactly once. batch_size is read again for every
+        batch (a load-balanced allreduce changes it as the replicas' speeds move). Yields (x, y,
+        row positions in the partition). `even_batches` (a load-balanced allreduce): the rest
+        of the partition is cut into near-equal batches, the number nearest to what batch_size
+        gives, rather than full ones and a short last one: a step then trains about the rows
+        the balance asked for, not a partition's remainder."""
         x, y = as_tensors(part["x"]), as_tensors(part["y"])
         rows = batch_rows(y)
         order = (torch.from_numpy(np.random.default_rng(lease["seed"]).permutation(rows)) if self.shuffle
                  else torch.arange(rows))
-        # index_select gathers rows ~2.5x faster than x[idx] advanced indexing on CPU
-        if self.device.type == "cpu":
-            for idx in order.split(bs):
+        cpu = self.device.type == "cpu"
+        at = 0
+        while at < rows:
+            size = self.batch_size
+            if self.even_batches:  # the rest in near-equal batches as close to batch_size as can be
+                left = rows - at
+                size = -(-left // max(1, round(left / size)))
+            idx = order[at : at + size]
+            at += len(idx)
+            if cpu:  # index_select gathers rows ~2.5x faster than x[idx] advanced indexing on CPU
                 yield take(x, idx), take(y, idx), idx
-            return
-        for idx in order.split(bs):  # GPU: pinned host batches, copied asynchronously
-            yield to_device(take(x, idx), self.device, pin=True), to_device(take(y, idx), self.device, pin=True), idx
+            else:  # GPU: pinned host batches, copied asynchronously
+                yield to_device(take(x, idx), self.device, pin=True), to_device(take(y, idx), self.device, pin=True), idx

@@ -51,6 +51,10 @@ class ProcessGroupReducer:
             self.abandoned.append((self.pg, self.store, getattr(self, "_keep", None)))
         self.store, self.pg, self.timeout_s, self._keep = store, pg, timeout_s, keep
 
+    def group(self) -> tuple[int, int]:
+        """(This replica's rank in the group, the group's size); (0, 1) before it joined one."""
+        return (self.pg.rank(), self.pg.size()) if self.pg is not None else (0, 1)
+
     def start(self, tensor: torch.Tensor):
         try:
             return self.pg.allreduce([tensor])

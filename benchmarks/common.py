@@ -17,10 +17,13 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(description: str, extra: tuple = ()) -> argparse.Namespace:
+    """--quick, --json PATH, and `extra` (flag, add_argument keywords) pairs."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="finish in about 3 minutes on 2 cores")
     p.add_argument("--json", metavar="PATH", help="write results (BENCHMARKS.md contract) to PATH")
+    for flag, kwargs in extra:
+        p.add_argument(flag, **kwargs)
     return p.parse_args()
 
 

@@ -30,7 +30,8 @@ WORKERS, BATCH, LR, MOMENTUM, SEED, TARGET = 2, 64, 0.05, 0.9, 0, 0.97
 PARTITIONS = 4 * WORKERS  # the default data.partitions: 4 per replica
 
 
-def epoch_batches(sizes: list[int], rank: int, epoch: int, world: int = WORKERS) -> list[tuple[int, "torch.Tensor"]]:
+def epoch_batches(sizes: list[int], rank: int, epoch: int, world: int = WORKERS,
+                  seed: int = SEED) -> list[tuple[int, "torch.Tensor"]]:
     """(partition, row positions) of every step `rank` of `world` takes in `epoch`, as our
     replicas take them: the partitions pinned to `rank` (PartitionLedger, pinned), each in its
     lease's shuffled order, cut into batches of BATCH, the last one of each partition short."""
@@ -39,7 +40,7 @@ def epoch_batches(sizes: list[int], rank: int, epoch: int, world: int = WORKERS)
 
     from policies.leases import PartitionLedger
 
-    ledger = PartitionLedger(len(sizes), world, SEED, pinned=True)
+    ledger = PartitionLedger(len(sizes), world, seed, pinned=True)
     ledger.start_epoch(epoch)
     steps = []
     while (lease := ledger.lease(rank)) is not None:
@@ -93,11 +94,13 @@ def single_process_steady(steps: int) -> float:
     return rate
 
 
-def single_process_to_target(threads: int, epochs: int) -> dict:
+def single_process_to_target(threads: int, epochs: int, world: int = WORKERS, partitions: int = PARTITIONS,
+                             seed: int = SEED) -> dict:
     """One PyTorch process with `threads` threads on the distributed sides' global batches (at
-    each step the concatenation of rank 0's and rank 1's batch: with equal halves, the mean loss
-    over it is DDP's mean of the two workers' means), the same lr and momentum; evaluates the
-    whole test split after each epoch and stops at TARGET (or after `epochs`)."""
+    each step the concatenation of every rank's batch, rank 0's first: with equal parts, the
+    mean loss over it is DDP's mean of the workers' means), the same lr and momentum; evaluates
+    the whole test split after each epoch and stops at TARGET (or after `epochs`). `world`,
+    `partitions`, `seed`: the distributed sides' workers, data.partitions and data.seed."""
     import torch
     import torch.nn.functional as F
 
@@ -107,15 +110,15 @@ def single_process_to_target(threads: int, epochs: int) -> dict:
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     d = load_source("builtin:mnist5k")
-    parts = partition(d.train, PARTITIONS, SEED)
+    parts = partition(d.train, partitions, seed)
     sizes = [len(p) for p in parts]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     x = torch.cat([torch.from_numpy(p.x) for p in parts])
     y = torch.cat([torch.from_numpy(p.y) for p in parts])
     tx, ty = torch.from_numpy(d.test.x), torch.from_numpy(d.test.y)
-    plans = [[[(p, idx + offsets[p]) for p, idx in epoch_batches(sizes, r, e)] for r in range(WORKERS)]
+    plans = [[[(p, idx + offsets[p]) for p, idx in epoch_batches(sizes, r, e, world, seed)] for r in range(world)]
              for e in range(1, epochs + 1)]  # the data order, computed before the clock starts
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = mnist_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     t0 = time.perf_counter()
@@ -161,7 +164,10 @@ def ours(epochs: int, storage: str) -> dict:
 
 def ray_train_loop(config: dict) -> None:
     """What a Ray Train user writes: prepare_model (DDP), per-epoch evaluation, ray.train.report;
-    the batches are ours (epoch_batches) and the figures are gathered as our controller does."""
+    the batches are ours (epoch_batches) and the figures are gathered as our controller does.
+    Optional config: `partitions`, `seed` (as data.partitions, data.seed), `slow` (a straggler
+    as faults.slow_replicas makes one: {rank, factor, from_s, to_s}, seconds of training),
+    `stop_at` (stop once the test accuracy reaches it, as stop.at_target)."""
     import ray.train
     import torch
     import torch.distributed as dist
@@ -175,13 +181,23 @@ def ray_train_loop(config: dict) -> None:
     torch.set_num_threads(1)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    seed = config.get("seed", SEED)
+    slow = {"from_s": 0.0, "to_s": float("inf"), **(config.get("slow") or {})}
     d = load_source("builtin:mnist5k")
-    parts = partition(d.train, PARTITIONS, SEED)  # the same partitions as ours
+    parts = partition(d.train, config.get("partitions", PARTITIONS), seed)  # the same partitions as ours
     tensors = [(torch.from_numpy(p.x), torch.from_numpy(p.y)) for p in parts]
     sizes = [len(p) for p in parts]
     lo, hi = eval_slices(len(d.test), world)[rank]
     tx, ty = torch.from_numpy(d.test.x[lo:hi]), torch.from_numpy(d.test.y[lo:hi])
-    torch.manual_seed(SEED)
+    slow_row_s = 0.0  # the straggler's sleep per row: factor - 1 times its compute per row, measured here
+    if slow.get("rank") == rank:  # on a plain copy: DDP's backward would include waiting for the others
+        probe, times = mnist_cnn(), []
+        for _ in range(6):
+            t = time.perf_counter()
+            F.cross_entropy(probe(tensors[0][0][:BATCH]), tensors[0][1][:BATCH]).backward()
+            times.append(time.perf_counter() - t)
+        slow_row_s = (slow["factor"] - 1) * sorted(times[1:])[2] / BATCH
+    torch.manual_seed(seed)
     model = prepare_model(mnist_cnn())
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     history, t_first = [], time.time()
@@ -191,12 +207,14 @@ def ray_train_loop(config: dict) -> None:
         t0 = time.perf_counter()
         # the same partitions in the same order as ours; each partition's batches in its
         # lease's order, every row used (the last batch of a partition short)
-        for p, idx in epoch_batches(sizes, rank, epoch):
+        for p, idx in epoch_batches(sizes, rank, epoch, world, seed):
             x, y = tensors[p]
             opt.zero_grad()
             F.cross_entropy(model(torch.index_select(x, 0, idx)), torch.index_select(y, 0, idx)).backward()
             opt.step()
             samples += len(idx)
+            if slow_row_s and slow["from_s"] <= time.time() - t_first < slow["to_s"]:
+                time.sleep(slow_row_s * len(idx))  # as ours: after the step, factor - 1 times its compute
         train_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         correct, loss_sum, rows = evaluate(model, tx, ty)
         sums = torch.tensor([correct, loss_sum, rows, samples], dtype=torch.float64)
@@ -206,6 +224,8 @@ def ray_train_loop(config: dict) -> None:
         ray.train.report({"epoch": epoch, "test_accuracy": acc, "test_loss": float(sums[1] / sums[2])})
         history.append({"epoch": epoch, "train_s": float(train_s[0]), "samples": int(sums[3]),
                         "acc": acc, "t_end": time.time()})
+        if config.get("stop_at") is not None and acc >= config["stop_at"]:  # every worker sees the same sum
+            break
     if rank == 0:
         with open(config["out"], "w") as f:
             json.dump({"t_start": t_start, "t_first": t_first, "history": history}, f)

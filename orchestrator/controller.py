@@ -91,6 +91,7 @@ class Controller:
             config.optimizer.name) if sharded else None)
         self.phases: list[dict[str, Any]] = []  # the result JSON's record of which mode ran when
         self.signals: dict[int, dict[str, Any]] = {}  # rank -> its latest progress row (the switch policy's input)
+        self.batch_shares: Optional[list[int]] = None  # strategy.balance: the split of the batch last reported
         self.report = Reporter(tracker, display, t0)
         self.elastic = Elasticity(self)  # growing and shrinking with the cluster (orchestrator/elastic.py)
         self.state: State = Starting()
@@ -170,6 +171,7 @@ class Controller:
         self.strategy = strategy
         self.spec = mode_spec(strategy["mode"])
         self.lock_step = self.spec.lock_step(strategy)
+        self.pinned = self.spec.leases_pinned(strategy)
 
     def shard_optimizer(self, strategy: dict[str, Any]) -> tuple[str, float, float, float]:
         """What the shards apply in this phase: (name, lr, momentum, weight_decay), the phase's
@@ -315,12 +317,12 @@ class Controller:
         seg.begun, seg.t_start = True, time.perf_counter()
         ranks = self.group.ranks
         rows, n, seed, _, shuffle = self.lease_plan
-        self.lease_plan = (rows, n, seed, self.spec.pinned, shuffle)  # leasing follows the mode of the phase
+        self.lease_plan = (rows, n, seed, self.pinned, shuffle)  # leasing follows the mode of the phase
         first = first_grant_messages(*self.lease_plan, epoch, ranks, self.max_grant)
         with issued_whole():
             for rank in ranks:
                 self.open_stream(seg, rank, first_grant=first.get(rank), announce=rank in announce)
-            seg.started = self.server.send("start_epoch", epoch, ranks, self.unreported, self.spec.pinned)
+            seg.started = self.server.send("start_epoch", epoch, ranks, self.unreported, self.pinned)
         self.unreported = {}
         return seg
 

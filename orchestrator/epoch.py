@@ -99,6 +99,8 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
     rows_out = [(key, p[name], p["step"]) for p in seg.progress
                 for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"), ("lr", "lr"))
                 if p.get(name) is not None]
+    rows_out += step_metric_rows(seg.all_progress)
+    figures = step_figures(seg.all_progress)
     rows_out += [(k, v, tot.steps) for k, v in metrics.items()]
     rows_out += [("epoch", epoch, tot.steps),
                  ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
@@ -116,7 +118,7 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
                       train_loss=round(tot.train_loss, 4),
                       train_s_by_rank=[round(s["train_s"], 3) for s in stats],
                       steps_by_rank=[s["steps"] for s in stats], rows=tot.rows_per_epoch[-1],
-                      replicas=len(ctl.group.members), **{k: round(v, 4) for k, v in extra.items()})
+                      replicas=len(ctl.group.members), **{k: round(v, 4) for k, v in extra.items()}, **figures)
     shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != ctl.metric))
     ctl.report.say(f"epoch {epoch}: {shown}  train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
     if not seg.had_failure:
@@ -148,3 +150,42 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
     # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
     # it carries on timing a recovery whose newcomer had nothing left to do in this one
     return Running(EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False))
+
+
+STEP_FIGURES = ("compute_s", "comm_s", "wait_s", "batch_rows")  # per replica, from its progress rows
+
+
+def step_metric_rows(progress: list[dict]) -> list[tuple[str, float, int]]:
+    """MLflow rows of the per-step measurements in the replicas' progress rows: each replica's
+    `replica<r>/<figure>` (compute, communication and waiting seconds per step, its batch
+    rows), and `gradient_diversity` and `busy_spread` (the same on every replica: rank 0's)."""
+    out = [(f"replica{p['rank']}/{k}", p[k], p["step"]) for p in progress for k in STEP_FIGURES
+           if p.get(k) is not None]
+    ranks = sorted({p["rank"] for p in progress})
+    out += [(k, p[k], p["step"]) for p in progress if ranks and p["rank"] == ranks[0]
+            for k in ("gradient_diversity", "busy_spread") if p.get(k) is not None]
+    return out
+
+
+def step_figures(progress: list[dict]) -> dict:
+    """The epoch's per-step measurements for its `epoch_end` event: `step_figures` {rank: mean
+    compute_s, comm_s, wait_s, batch_rows per step}, and the mean `gradient_diversity` and
+    `busy_spread`; {} when the rows have none."""
+    by_rank: dict[int, dict[str, list[float]]] = {}
+    shared: dict[str, list[float]] = {"gradient_diversity": [], "busy_spread": []}
+    ranks = sorted({p["rank"] for p in progress})
+    for p in progress:
+        mine = by_rank.setdefault(p["rank"], {k: [] for k in STEP_FIGURES})
+        for k in STEP_FIGURES:
+            if p.get(k) is not None:
+                mine[k].append(float(p[k]))
+        if p["rank"] == ranks[0]:
+            for k in shared:
+                if p.get(k) is not None:
+                    shared[k].append(float(p[k]))
+    mean = lambda v: round(sum(v) / len(v), 6) if v else None  # noqa: E731
+    figures = {str(r): {k: mean(v) for k, v in f.items() if v} for r, f in sorted(by_rank.items())}
+    figures = {r: f for r, f in figures.items() if f}
+    out: dict = {"step_figures": figures} if figures else {}
+    out.update({k: mean(v) for k, v in shared.items() if v})
+    return out

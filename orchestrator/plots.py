@@ -3,7 +3,9 @@
 The run's headline metric (the `started` event's `metric`: stop.target's metric, else the
 task's primary one, e.g. test accuracy) and train loss (each `epoch_end` event) against seconds since the run started
 (every event's `t`), with a vertical mark where a replica failed, was replaced or dropped, the
-run changed its mode, or the replica group was resized. A pure function of the events, so it is
+run changed its mode, or the replica group was resized. When the epochs carry per-step
+measurements (`step_figures`: allreduce), a second panel shows each replica's milliseconds per
+step split into compute, communication and waiting, and the gradient diversity. A pure function of the events, so it is
 tested without Ray and redrawn from any run's events.jsonl.
 """
 from __future__ import annotations
@@ -52,8 +54,9 @@ def training_plot(events: list[dict[str, Any]], path: str, metric: Optional[str]
 
     epochs = [e for e in events if e.get("kind") == "epoch_end" and e.get("t") is not None]
     t = [float(e["t"]) for e in epochs]
-    fig = Figure(figsize=(8, 4.5), dpi=100)  # not pyplot: no global figure state, safe in any thread
-    acc_ax = fig.add_subplot()
+    timed = [e for e in epochs if e.get("step_figures")]
+    fig = Figure(figsize=(8, 8 if timed else 4.5), dpi=100)  # not pyplot: no global figure state, safe in any thread
+    acc_ax = fig.add_subplot(2, 1, 1) if timed else fig.add_subplot()
     loss_ax = acc_ax.twinx()
     metric = metric or headline(events)
     label = metric.replace("_", " ")
@@ -79,9 +82,42 @@ def training_plot(events: list[dict[str, Any]], path: str, metric: Optional[str]
     more = loss_ax.get_legend_handles_labels()
     acc_ax.legend(handles[0] + more[0], handles[1] + more[1], loc="lower left", bbox_to_anchor=(0, 1.02, 1, 0.2),
                   mode="expand", ncol=4, fontsize="small", frameon=False)  # above the axes: never over a curve
+    if timed:
+        step_panel(fig.add_subplot(2, 1, 2), timed)
     fig.tight_layout()
     fig.savefig(path, format="png")
     return marks
+
+
+def step_panel(ax: Any, epochs: list[dict[str, Any]]) -> None:
+    """Each epoch's milliseconds per step, per replica: compute, communication and waiting
+    stacked (one bar per replica, side by side), and the gradient diversity on the right axis."""
+    ranks = sorted({int(r) for e in epochs for r in e["step_figures"]})
+    width = 0.8 / max(len(ranks), 1)
+    parts = (("compute_s", "tab:blue", "compute"), ("comm_s", "tab:green", "communication"),
+             ("wait_s", "tab:red", "waiting"))
+    for j, rank in enumerate(ranks):
+        xs = [i + (j - (len(ranks) - 1) / 2) * width for i in range(len(epochs))]
+        bottom = [0.0] * len(epochs)
+        for key, colour, label in parts:
+            ms = [1e3 * (e["step_figures"].get(str(rank), {}).get(key) or 0.0) for e in epochs]
+            ax.bar(xs, ms, width * 0.9, bottom=bottom, color=colour, label=label if j == 0 else None,
+                   edgecolor="white", linewidth=0.3)
+            bottom = [b + m for b, m in zip(bottom, ms)]
+    ax.set_xticks(range(len(epochs)), [str(e.get("epoch", i + 1)) for i, e in enumerate(epochs)])
+    ax.set_xlabel(f"epoch (one bar per replica: {', '.join(str(r) for r in ranks)})")
+    ax.set_ylabel("ms per step")
+    handles, labels = ax.get_legend_handles_labels()
+    diversity = [e.get("gradient_diversity") for e in epochs]
+    if any(d is not None for d in diversity):
+        div_ax = ax.twinx()
+        div_ax.plot(range(len(epochs)), [float("nan") if d is None else d for d in diversity], "k.-",
+                    label="gradient diversity")
+        div_ax.set_ylabel("gradient diversity")
+        div_ax.set_ylim(bottom=0)
+        more = div_ax.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, loc="upper right", fontsize="small", ncol=2)
 
 
 def log_training_plot(tracker: Any, events: Optional[list[dict[str, Any]]] = None,

@@ -124,7 +124,7 @@ class Repair(Change):
     def ledger(self, ctl: "Controller", seg: EpochSegment) -> None:
         """The failed replicas' unfinished partitions are served again."""
         for rank in self.replaced + self.dropped:
-            to = [rank] if rank in self.replaced and ctl.spec.pinned else (self.survivors or self.newcomers)
+            to = [rank] if rank in self.replaced and ctl.pinned else (self.survivors or self.newcomers)
             self.back[rank] = ctl.server.call("release", rank, to)
         seg.disturbed = True
 

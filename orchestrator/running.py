@@ -29,6 +29,7 @@ from orchestrator.errors import INTERRUPTED, MemberLost, TrainingError
 from orchestrator.recovery import decide
 from orchestrator.states import EpochSegment, Errored, Finishing, GrowPlan, Plan, Reconfiguring, Running, State
 from policies.failure import DETECTED_BY, Fail, ReplicaFailure, error_detail
+from policies.balance import step_time
 from policies.modes import Diverged
 
 if TYPE_CHECKING:
@@ -116,9 +117,11 @@ def read_item(ctl: "Controller", seg: EpochSegment, rank: int, stream: Any) -> N
         ctl.progress[rank] = item["step"]
     rows = item["progress"] if kind != "progress" else item["rows"]
     if rows:
+        seg.all_progress += rows
         ctl.progress[rank] = max(ctl.progress.get(rank, 0), rows[-1]["step"])
         ctl.signals[rank] = rows[-1]
         seg.fresh_signals = True
+        note_balance(ctl, seg)
     if rank == min(ctl.group.members, default=rank) and rows:
         seg.progress += rows
         last = rows[-1]
@@ -200,3 +203,32 @@ def lost_meanwhile(ctl: "Controller", seg: EpochSegment, lost: MemberLost) -> "S
                                       replacement=rank in ctl.group.replacements))
     seg.t_first_failure = seg.t_first_failure or now
     return Running(seg)
+
+
+def note_balance(ctl: "Controller", seg: EpochSegment) -> None:
+    """strategy.balance: when the replicas' latest rows show a new split of the batch (every
+    member's share known, summing to the global batch: rows of the same window), a
+    `batch_rebalanced` event with the shares and the compute seconds per step behind them."""
+    if not ctl.strategy.get("balance"):
+        return
+    members = sorted(ctl.group.members)
+    rows = [ctl.signals.get(r) or {} for r in members]
+    shares = [row.get("batch_rows") for row in rows]
+    if len(members) < 2 or None in shares or sum(shares) != len(members) * ctl.cfg.data.batch_size:
+        return
+    if shares == ctl.batch_shares:
+        return
+    before = ctl.batch_shares if ctl.batch_shares and len(ctl.batch_shares) == len(shares) else \
+        [ctl.cfg.data.batch_size] * len(members)
+    ctl.batch_shares = shares
+    if shares == before:
+        return
+    compute = [row.get("compute_s") or 0.0 for row in rows]
+    speeds = [b / c if c > 0 else 0.0 for b, c in zip(before, compute)]  # measured at (mostly) the old shares
+    gain = {"predicted_step_s_before": round(step_time(before, speeds), 5),
+            "predicted_step_s_after": round(step_time(shares, speeds), 5)} if all(speeds) else {}
+    ctl.report.event("batch_rebalanced", epoch=seg.epoch, step=max(row.get("step", 0) for row in rows), **gain,
+                     shares={str(r): s for r, s in zip(members, shares)},
+                     shares_before={str(r): s for r, s in zip(members, before)},
+                     compute_s_by_rank={str(r): row.get("compute_s") for r, row in zip(members, rows)},
+                     wait_s_by_rank={str(r): row.get("wait_s") for r, row in zip(members, rows)})

@@ -53,7 +53,7 @@ def start(ctl: "Controller") -> EpochSegment:
     rows = ctl.data.rows
     bs = cfg.data.batch_size
     ctl.steps_per_epoch = -(-sum(-(-r // bs) for r in rows) // n)  # the display's estimate
-    ctl.lease_plan = (rows, n, cfg.data.seed, ctl.spec.pinned, cfg.data.shuffle)
+    ctl.lease_plan = (rows, n, cfg.data.seed, ctl.pinned, cfg.data.shuffle)
     # a run that can switch modes is granted one partition at a time: every partition boundary
     # is a point where a replica can hear a pause (two at a time saves calls otherwise)
     ctl.max_grant = 1 if len(ctl.switch_policy.plan) > 1 else MAX_GRANT

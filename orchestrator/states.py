@@ -50,6 +50,7 @@ class EpochSegment:
     items: list[dict[str, Any]] = field(default_factory=list)  # segment ends: "epoch" / "interrupted" / "paused"
     ended: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its last segment end this pass
     progress: list[dict[str, Any]] = field(default_factory=list)  # the lowest rank's progress rows
+    all_progress: list[dict[str, Any]] = field(default_factory=list)  # every rank's (per-replica step figures)
     failures: list[ReplicaFailure] = field(default_factory=list)  # seen, not yet judged
     t_first_failure: Optional[float] = None
     recoveries: list[Recovery] = field(default_factory=list)

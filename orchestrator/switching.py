@@ -48,9 +48,10 @@ def observe(ctl: "Controller", epoch_end: bool, metrics: Optional[dict[str, floa
     rows = {r: row for r, row in ctl.signals.items() if r in ctl.group.members}
     compute = {r: row["compute_s"] for r, row in rows.items() if row.get("compute_s")}
     shares = [row["comm_share"] for row in rows.values() if row.get("comm_share") is not None]
+    batch = {r: row["batch_rows"] for r, row in rows.items() if row.get("batch_rows")}
     return Observation(epoch_end, ctl.totals.epochs, max(ctl.progress.values(), default=0),
                        time.perf_counter() - ctl.train_started, metrics or {}, compute,
-                       sum(shares) / len(shares) if shares else None)
+                       sum(shares) / len(shares) if shares else None, batch)
 
 
 def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = False,
@@ -175,7 +176,7 @@ class Switching(Change):
 
     def share(self, seg: EpochSegment) -> Optional[bool]:
         """An asynchronous mode entered mid-epoch leases the rest of the epoch from one shared queue."""
-        return seg.begun and not self.new_spec.pinned
+        return seg.begun and not self.new_spec.leases_pinned(self.new_strategy)
 
     def reopen(self, ctl: "Controller", seg: EpochSegment) -> list[int]:
         """Lock-step modes need every member; else those that paused go on."""

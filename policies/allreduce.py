@@ -40,11 +40,20 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
+from policies.balance import BatchBalancer
 from policies.batches import forward, rows as batch_rows
 from policies.modes import StepResult, check_finite
 from policies.tasks import Classification, Task
 
 SLOTS = 4  # extra floats at the end of the first bucket: summed loss, rows, "has another batch", "pause"
+
+
+def figure_slots(world: int) -> int:
+    """Floats after the SLOTS that carry each step's measurements (`StepFigures`): the summed
+    squared norms of the replicas' own gradients of the step before, then each rank's rows and
+    busy seconds of the step before (a rank writes only its own pair; the sum hands every
+    replica every pair)."""
+    return 1 + 2 * world
 
 
 class Reducer(Protocol):
@@ -66,7 +75,12 @@ class GradientBuckets:
     buffers: list[torch.Tensor]
     slots: torch.Tensor  # a SLOTS-element view at the end of the first bucket
     members: list[int]  # parameters per bucket
+    figures: Optional[torch.Tensor] = None  # the figure slots after `slots` (empty when none were asked for)
     reducer: Any = None
+    measure: bool = False  # sum each bucket's squared norm before its reduction starts (`local_norm2`)
+    local_norm2: float = 0.0
+    tail: int = SLOTS  # floats at the end of the first bucket that are not gradients
+    summed_norm2_last: float = 0.0  # measure: the last step's summed gradient's squared norm (0: none)
     _pending: list[int] = field(default_factory=list)
     _handles: list[Any] = field(default_factory=list)
     _started: list[bool] = field(default_factory=list)
@@ -74,9 +88,10 @@ class GradientBuckets:
     FIRST_BUCKET_BYTES = 2**20
 
     @classmethod
-    def attach(cls, params: Sequence[torch.nn.Parameter], bucket_bytes: int) -> "GradientBuckets":
+    def attach(cls, params: Sequence[torch.nn.Parameter], bucket_bytes: int, figures: int = 0) -> "GradientBuckets":
         """Group parameters in backward order; a bucket closes once it holds >= its cap: 1 MiB
-        for the first (so the last layers' all-reduce starts early), `bucket_bytes` after."""
+        for the first (so the last layers' all-reduce starts early), `bucket_bytes` after.
+        `figures`: floats of measurements riding after the SLOTS (`figure_slots`)."""
         groups: list[list[torch.nn.Parameter]] = [[]]
         size, cap = 0, min(cls.FIRST_BUCKET_BYTES, bucket_bytes)
         for p in reversed(list(params)):  # backward computes the last layers first
@@ -89,14 +104,16 @@ class GradientBuckets:
             groups.pop()
         buffers = []
         for i, group in enumerate(groups):
-            extra = SLOTS if i == 0 else 0
+            extra = SLOTS + figures if i == 0 else 0
             flat = torch.zeros(sum(p.numel() for p in group) + extra, dtype=group[0].dtype, device=group[0].device)
             offset = 0
             for p in group:
                 p.grad = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
             buffers.append(flat)
-        self = cls(buffers, buffers[0][-SLOTS:], [len(g) for g in groups])
+        tail = SLOTS + figures
+        self = cls(buffers, buffers[0][-tail:][:SLOTS], [len(g) for g in groups], buffers[0][-tail:][SLOTS:],
+                   tail=tail)
         self.params = [p for group in groups for p in group]
         self.hooks = [p.register_post_accumulate_grad_hook(lambda _p, b=b: self._grad_ready(b))
                       for b, group in enumerate(groups) for p in group]
@@ -115,6 +132,7 @@ class GradientBuckets:
         for b in self.buffers:
             b.zero_()
         self.reducer = reducer
+        self.local_norm2 = self.summed_norm2_last = 0.0
         self._pending = list(self.members)
         self._handles = [None] * len(self.buffers)
         self._started = [False] * len(self.buffers)
@@ -128,6 +146,9 @@ class GradientBuckets:
 
     def _start(self, b: int) -> None:
         self._started[b] = True
+        if self.measure:  # this replica's own gradient, before the sum overwrites it
+            grads = self.buffers[b][: -self.tail] if b == 0 else self.buffers[b]
+            self.local_norm2 += float(grads.dot(grads))
         self._handles[b] = self.reducer.start(self.buffers[b])
 
     def finish_step(self) -> None:
@@ -142,7 +163,11 @@ class GradientBuckets:
 
     @property
     def numel(self) -> int:
-        return sum(b.numel() for b in self.buffers) - SLOTS
+        return sum(b.numel() for b in self.buffers) - self.tail
+
+    def summed_norm2(self) -> float:
+        """Squared norm of the summed gradient (after the reduction, before the division)."""
+        return sum(float(g.dot(g)) for g in [self.buffers[0][: -self.tail], *self.buffers[1:]])
 
 
 class BufferSync:
@@ -178,13 +203,19 @@ def allreduce_step(
     more: bool = False,
     pause: bool = False,
     task: Optional[Task] = None,
+    figures: Optional[Sequence[float]] = None,
 ) -> StepResult:
     """One synchronous step on this replica's batch (`x` None: an empty step, this replica's
     data ran out but another's has not). `more`: this replica has another batch after this one.
     The update is the mean gradient over every row of the step across replicas; it is not
     applied when the step's loss is not finite (FloatingPointError). `task`: the loss
-    (policies/tasks.py; default classification); its batch mean times the batch's rows is summed."""
+    (policies/tasks.py; default classification); its batch mean times the batch's rows is summed.
+    `figures`: this replica's measurements to sum with the others' in the figure slots; the
+    sums come back in `StepResult.figures`, and `ready_at` is when this replica's backward
+    pass was done (time.perf_counter)."""
     buckets.begin_step(reducer)
+    if figures is not None:
+        buckets.figures.copy_(torch.tensor(figures, dtype=buckets.figures.dtype))
     if x is not None:
         n = batch_rows(y)
         loss = (task or Classification()).loss(forward(model, x), y) * n
@@ -200,35 +231,140 @@ def allreduce_step(
     loss_sum, rows, more_total, pause_total = buckets.slots.tolist()
     mean_loss = loss_sum / rows if rows else 0.0
     check_finite(mean_loss)
+    summed = buckets.figures.tolist() if figures is not None else None
     if rows:
+        if buckets.measure:
+            buckets.summed_norm2_last = buckets.summed_norm2()
         for b in buckets.buffers:
             b.div_(rows)
         optimizer.step()
-    return StepResult(mean_loss, comm_s, int(rows), more_total > 0, pause_total > 0)
+    return StepResult(mean_loss, comm_s, int(rows), more_total > 0, pause_total > 0, figures=summed, ready_at=t0)
+
+
+class StepFigures:
+    """A replica's side of the per-step measurements (and of load balancing, when on), carried
+    in the figure slots of every step at no extra message:
+    - busy seconds: everything this replica did between the end of one step's collective and
+      the moment its next backward pass was done (its batch, forward, backward, the optimizer
+      step, a deliberate straggler's sleep); its rows that step;
+    - wait seconds: how much longer the busiest replica was busy that step (this replica spent
+      it waiting in the collective); the rest of the collective's time is communication;
+    - gradient diversity (Yin et al. 2018): sum_i ||g_i||^2 / ||sum_i g_i||^2 over the replicas'
+      own gradients of the step (g_i: the gradient of replica i's summed loss); 1/p when every
+      replica's gradient is the same, 1 when they are orthogonal, above 1 when they pull apart
+      (a larger batch helps the more, the higher it is).
+    Every figure arrives one step late (a step's own numbers are known only after its first
+    bucket left), so `observe` returns the step before's."""
+
+    def __init__(self, rank: int, world: int, balancer: Optional[BatchBalancer] = None) -> None:
+        self.rank, self.world, self.balancer = rank, world, balancer
+        self.t_free: Optional[float] = None  # when the last step's collective ended (None: a new segment)
+        self.mine: tuple[float, float] = (0.0, 0.0)  # this replica's rows and busy seconds of the last step
+        self.local_norm2 = 0.0
+        self.summed_norm2 = 0.0
+
+    def outgoing(self) -> list[float]:
+        out = [0.0] * figure_slots(self.world)
+        out[0] = self.local_norm2
+        out[1 + 2 * self.rank], out[2 + 2 * self.rank] = self.mine
+        return out
+
+    def observe(self, summed: list[float], started: float, rows: int, ready_at: float, synced_s: float,
+                buckets: GradientBuckets) -> dict[str, Any]:
+        """Take this step's own figures (for the next step to send) and read the step before's
+        from every replica's `summed` figures; returns that step's wait_s, busy spread and
+        diversity (None where unknown), and `shares` when the balancer moved them."""
+        busy = ready_at - self.t_free - synced_s if self.t_free is not None else 0.0
+        my_rows, my_busy = self.mine
+        self.mine = (float(rows), busy if rows else 0.0)
+        diversity = summed[0] / self.summed_norm2 if self.summed_norm2 > 0 and summed[0] > 0 else None
+        self.local_norm2 = buckets.local_norm2
+        self.summed_norm2 = buckets.summed_norm2_last
+        all_rows, all_busy = summed[1::2], summed[2::2]
+        active = [b for r, b in zip(all_rows, all_busy) if r > 0 and b > 0]
+        out: dict[str, Any] = {"wait_s": None, "spread": None, "diversity": diversity, "shares": None}
+        if my_rows > 0 and my_busy > 0 and active:
+            out["wait_s"] = max(active) - my_busy
+        if len(active) >= 2:
+            out["spread"] = max(active) / min(active)
+        if self.balancer is not None:
+            out["shares"] = self.balancer.observe(all_rows, all_busy)
+        return out
+
+    def end_segment(self) -> None:
+        """Time between segments (evaluation, a pause) is nobody's step."""
+        self.t_free = None
+        self.mine = (0.0, 0.0)
 
 
 class AllReduceWorker:
-    """The replica-side loop body for allreduce, in the shape every mode's worker has."""
+    """The replica-side loop body for allreduce, in the shape every mode's worker has.
+    `balance`: load-balanced batch shares (policies/balance.py: window, min_share, max_share);
+    `batch_share` is then the rows this replica's next batches should have."""
 
     lock_step = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: int,
-                 reducer: Reducer, task: Optional[Task] = None) -> None:
+                 reducer: Reducer, task: Optional[Task] = None, batch: int = 0,
+                 balance: Optional[dict[str, Any]] = None) -> None:
         self.model, self.optimizer, self.task = model, optimizer, task or Classification()
-        self.buckets = GradientBuckets.attach([p for p in model.parameters() if p.requires_grad], bucket_bytes)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.bucket_bytes, self.batch, self.balance = bucket_bytes, batch, balance
         self.reducer = reducer
         self.buffer_sync = BufferSync(model)
+        self.group: Optional[tuple[int, int]] = None
+        self.buckets = GradientBuckets.attach(self.params, bucket_bytes)
+        self.figures: Optional[StepFigures] = None
+        self.batch_share: Optional[int] = None
+        self.last: dict[str, Any] = {}
+
+    def _fit_group(self) -> None:
+        """(Re)attach the buckets with figure slots for the group's size: at the first step,
+        and after a regroup changed it (even shares again)."""
+        group = reducer_group(self.reducer)
+        if group == self.group:
+            return
+        rank, world = group
+        self.buckets.detach()
+        self.buckets = GradientBuckets.attach(self.params, self.bucket_bytes, figure_slots(world))
+        self.buckets.measure = True
+        balancer = None
+        if self.balance is not None and self.batch and world > 1:
+            balancer = BatchBalancer(world, self.batch, int(self.balance["window"]), float(self.balance["min_share"]),
+                                     float(self.balance["max_share"]))
+        self.figures = StepFigures(rank, world, balancer)
+        self.batch_share = self.batch if balancer is not None else None
+        self.group = group
 
     def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False,
              pause: bool = False) -> StepResult:
+        self._fit_group()
+        started = time.perf_counter()
         if self.buffer_sync:
             self.buffer_sync.sync(self.reducer)
-        return allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.reducer, more, pause, self.task)
+        synced_s = time.perf_counter() - started  # a sync point: waiting for rank 0, not this replica's work
+        figs = self.figures
+        result = allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.reducer, more, pause, self.task,
+                                figures=figs.outgoing())
+        self.last = figs.observe(result.figures, started, batch_rows(y) if x is not None else 0, result.ready_at,
+                                 synced_s, self.buckets)
+        figs.t_free = time.perf_counter()
+        if self.last["shares"] is not None:
+            self.batch_share = self.last["shares"][figs.rank]
+        return result
 
     def release(self) -> None:
         self.buckets.detach()
 
     def end_epoch(self) -> dict:
+        if self.figures is not None:
+            self.figures.end_segment()
         if self.buffer_sync:  # every replica evaluates (and rank 0 checkpoints) rank 0's statistics
             self.buffer_sync.sync(self.reducer)
         return {}
+
+
+def reducer_group(reducer: Any) -> tuple[int, int]:
+    """(rank, size) of the reducer's group; (0, 1) for a reducer that does not say."""
+    group = getattr(reducer, "group", None)
+    return group() if group is not None else (0, 1)

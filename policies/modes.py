@@ -12,7 +12,7 @@ to the parameter shards only through `ShardClient`: Ray actors in production
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 
@@ -33,6 +33,8 @@ class StepResult(NamedTuple):
     rows: int  # rows the step trained on (allreduce: across replicas)
     go_on: bool  # lock-step workers: some replica has another batch; others: this one has
     paused: bool = False  # lock-step workers: some replica was told to pause (a phase switch) after this step
+    figures: Optional[list] = None  # allreduce: the step's summed figure slots (policies/allreduce.py StepFigures)
+    ready_at: float = 0.0  # allreduce: when this replica's backward pass was done (time.perf_counter)
 
 
 def check_finite(loss: float) -> None:

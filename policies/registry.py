@@ -7,7 +7,8 @@ and the replicas never branch on a mode's name:
 - `lock_step(strategy)`: every replica takes the same steps (allreduce, synchronous EASGD); a
   failure interrupts every member and the group is re-formed before anyone steps again; in the
   other modes the survivors keep stepping while a replacement joins;
-- `pinned`: partitions are each replica's own (one grant call per epoch) rather than shared;
+- `pinned`: partitions are each replica's own (one grant call per epoch) rather than shared
+  (`leases_pinned(strategy)`: not when strategy.balance splits the batch by speed);
 - `process_group`: the replicas form a torch.distributed process group;
 - `server_optimizer(optimizer_name)`: what the shards apply;
 - `build_worker(...)`: the update rule (policies/<mode>.py) wired to a replica's transport;
@@ -54,11 +55,20 @@ class ModeSpec:
     shard_metrics: Callable[[Any], dict[str, float]] = lambda shards: {}
     global_batch: bool = False  # one update from every replica's batch: the rate follows replicas x batch
 
+    def leases_pinned(self, strategy: dict[str, Any]) -> bool:
+        """Pinned leasing, unless the strategy balances the batch (strategy.balance: a faster
+        replica reads more partitions, from one shared queue)."""
+        return self.pinned and not strategy.get("balance")
+
 
 def _allreduce_worker(model, flat, cfg, rank, world, transport):
     opt = cfg["optimizer"]
     optimizer = make_optimizer(opt["name"], model.parameters(), opt["lr"], opt["momentum"], opt["weight_decay"])
-    return AllReduceWorker(model, optimizer, int(cfg["strategy"]["bucket_mb"] * 2**20), transport.reducer, transport.task)
+    s = cfg["strategy"]
+    balance = ({"window": s["balance_window"], "min_share": s["balance_min_share"], "max_share": s["balance_max_share"]}
+               if s.get("balance") else None)
+    return AllReduceWorker(model, optimizer, int(s["bucket_mb"] * 2**20), transport.reducer, transport.task,
+                           batch=int(cfg["data"]["batch_size"]), balance=balance)
 
 
 def _downpour_worker(model, flat, cfg, rank, world, transport):

@@ -18,6 +18,12 @@ runs.
   asynchronous -> synchronous when ratio <= recover_ratio. Hysteresis: the two thresholds
   differ, a condition must hold for `patience` consecutive observations, and no switch comes
   sooner than `min_phase_s` after the last one.
+  With `balance` (strategy.adaptive.balance, the default) the synchronous mode balances the
+  batch by speed (policies/balance.py), which absorbs a straggler without leaving synchronous
+  SGD; the ratio is then what balancing cannot absorb: the balanced step's predicted time over
+  the ideal one (every row at the replicas' summed speed; see `residual`). It exceeds 1 only
+  once a share hits its bound (a replica more than ~4x slower than the others with the
+  default bounds), and only then is an asynchronous mode worth its switch.
 Every decision names its rule and the numbers behind it (the controller logs them as the
 `mode_switch` event).
 """
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Optional, Union
 
+from policies.balance import split, step_time
 from policies.tasks import Classification
 
 DEFAULT_GOALS = {**Classification.goals, "train_loss": "min"}  # the default task's metrics and their goals
@@ -43,6 +50,7 @@ class Observation:
     metrics: dict[str, float] = field(default_factory=dict)  # the latest epoch's task metrics and train_loss
     compute_s: dict[int, float] = field(default_factory=dict)  # rank -> compute seconds per step, latest window
     comm_share: Optional[float] = None  # share of the step spent waiting for communication, latest window
+    rows: dict[int, float] = field(default_factory=dict)  # rank -> rows per step of its batches, latest window
 
 
 @dataclass(frozen=True)
@@ -114,10 +122,13 @@ class AdaptivePolicy:
     SYNC, ASYNC = 0, 1
 
     def __init__(self, plan: list[dict[str, Any]], slow_ratio: float, recover_ratio: float, patience: int,
-                 min_phase_s: float) -> None:
+                 min_phase_s: float, balance: Optional[tuple[float, float]] = None) -> None:
+        """`balance`: the synchronous mode balances the batch within these share bounds
+        (policies/balance.py), and the signal is what balancing cannot absorb (`residual`)."""
         if recover_ratio >= slow_ratio:
             raise ValueError(f"recover_ratio ({recover_ratio}) must be below slow_ratio ({slow_ratio})")
         self.plan = plan
+        self.balance = balance
         self.slow_ratio, self.recover_ratio = slow_ratio, recover_ratio
         self.patience, self.min_phase_s = patience, min_phase_s
         self.current = self.SYNC
@@ -142,8 +153,33 @@ class AdaptivePolicy:
         others = median(t for r, t in times.items() if r != slow)
         return times[slow] / others, slow
 
+    def residual(self, compute_s: dict[int, float], rows: dict[int, float]) -> tuple[float, Optional[int], dict]:
+        """With balancing: (the balanced synchronous step's predicted seconds / the ideal step's,
+        the slowest replica, the numbers). Each replica's speed is its rows per step over its
+        compute seconds per step; the balanced step gives each a share of the batch in
+        proportion, within the bounds (policies/balance.py split), and takes as long as its
+        slowest member; the ideal step, every row at the summed speed, is what an
+        asynchronous mode's throughput comes to at best. 1.0: balancing absorbs the straggler
+        whole; (1.0, None) with fewer than two replicas reporting."""
+        ranks = sorted(r for r, t in compute_s.items() if t and t > 0 and rows.get(r))
+        if len(ranks) < 2:
+            return 1.0, None, {}
+        speeds = [rows[r] / compute_s[r] for r in ranks]
+        batch = sum(rows[r] for r in ranks) / len(ranks)
+        shares = split(max(1, round(batch)), speeds, *self.balance)
+        balanced, ideal = step_time(shares, speeds), len(ranks) * batch / sum(speeds)
+        slow = ranks[min(range(len(ranks)), key=lambda i: (speeds[i], ranks[i]))]
+        numbers = {"speeds_rows_per_s": {str(r): round(v, 1) for r, v in zip(ranks, speeds)},
+                   "balanced_shares": {str(r): s for r, s in zip(ranks, shares)},
+                   "predicted_balanced_step_s": round(balanced, 5), "predicted_ideal_step_s": round(ideal, 5)}
+        return balanced / ideal, slow, numbers
+
     def decide(self, obs: Observation) -> Optional[Switch]:
-        ratio, slow = self.spread(obs.compute_s)
+        extra: dict[str, Any] = {}
+        if self.balance is not None:
+            ratio, slow, extra = self.residual(obs.compute_s, obs.rows)
+        else:
+            ratio, slow = self.spread(obs.compute_s)
         if slow is None:
             return None
         if self.current == self.SYNC:
@@ -158,9 +194,18 @@ class AdaptivePolicy:
         self.current = self.ASYNC if self.current == self.SYNC else self.SYNC
         numbers = {"ratio": round(ratio, 3), "threshold": threshold, "slowest_rank": slow,
                    "compute_s_by_rank": {str(r): round(t, 5) for r, t in sorted(obs.compute_s.items())},
-                   "observations": self.patience,
+                   "observations": self.patience, **extra,
                    **({"comm_share": round(obs.comm_share, 3)} if obs.comm_share is not None else {})}
-        if rule == "straggler":
+        if self.balance is not None:
+            gain = 1 - 1 / ratio  # of the balanced step's time, when the asynchronous mode reaches the ideal
+            numbers["predicted_gain"] = round(gain if rule == "straggler" else -gain, 4)
+            if rule == "straggler":
+                reason = (f"balancing the batch cannot absorb replica {slow}: the balanced step is predicted "
+                          f"{ratio:.2f}x the ideal (>= {threshold:g}): go asynchronous")
+            else:
+                reason = (f"balancing the batch absorbs the slowest replica again: the balanced step is predicted "
+                          f"{ratio:.2f}x the ideal (<= {threshold:g}): go synchronous")
+        elif rule == "straggler":
             reason = (f"replica {slow} computes {ratio:.2f}x as long per step as the others (>= {threshold:g}): "
                       "go asynchronous")
         else:
@@ -176,7 +221,8 @@ def make_switch_policy(strategy: Any, goals: Optional[dict[str, str]] = None) ->
     plan = strategy.plan()
     if strategy.switch == "adaptive":
         a = strategy.adaptive
-        return AdaptivePolicy(plan, a.slow_ratio, a.recover_ratio, a.patience, a.min_phase_s)
+        balance = (strategy.balance_min_share, strategy.balance_max_share) if a.balance else None
+        return AdaptivePolicy(plan, a.slow_ratio, a.recover_ratio, a.patience, a.min_phase_s, balance)
     return SchedulePolicy(plan, goals)
 
 

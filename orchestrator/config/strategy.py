@@ -10,7 +10,7 @@ from orchestrator.config.sections import Section
 
 
 MODE_OPTIONS = {
-    "allreduce": ("bucket_mb",),
+    "allreduce": ("bucket_mb", "balance"),
     "downpour": ("n_fetch", "n_push", "max_in_flight", "max_staleness", "staleness_lr", "warmstart_steps"),
     "easgd": ("tau", "alpha", "variant", "momentum"),
 }
@@ -38,6 +38,7 @@ class PhaseConfig(Section):
     )
     optimizer: Optional[PhaseOptimizer] = Field(None, description="This phase's optimizer.* overrides.")
     bucket_mb: Optional[float] = Field(None, gt=0, description="allreduce: as strategy.bucket_mb.")
+    balance: Optional[bool] = Field(None, description="allreduce: as strategy.balance.")
     n_fetch: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_fetch.")
     n_push: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_push.")
     max_in_flight: Optional[int] = Field(None, ge=1, description="downpour: as strategy.max_in_flight.")
@@ -82,17 +83,25 @@ class AdaptiveConfig(Section):
         "as variant async with the strategy.* easgd options."
     )
     slow_ratio: float = Field(
-        2.0, gt=1, description="A replica straggles when its compute time per step is at least this many times "
-        "the median replica's."
+        2.0, gt=1, description="Go asynchronous when the ratio is at least this: with balance, the balanced "
+        "step's predicted time over the ideal step's; without, the slowest replica's compute time per step over "
+        "the median of the others'."
     )
     recover_ratio: float = Field(
-        1.4, gt=1, description="It has recovered when the slowest replica's ratio is at most this (below "
+        1.4, gt=1, description="Come back to the synchronous mode when the ratio is at most this (below "
         "slow_ratio: the gap is the hysteresis)."
     )
     patience: int = Field(
         2, ge=1, description="Consecutive observations (one per replica progress report) a condition must hold."
     )
     min_phase_s: float = Field(3.0, ge=0, description="No switch sooner than this many seconds after the last one.")
+    balance: bool = Field(
+        True, description="The synchronous mode balances the batch by the replicas' speeds (strategy.balance, "
+        "within balance_min_share..balance_max_share), and the ratios above compare the balanced step's predicted "
+        "time with the ideal one (every row at the replicas' summed speed): the run goes asynchronous only for a "
+        "straggler balancing cannot absorb. false: the ratios compare the slowest replica's compute time per step "
+        "with the median of the others', without balancing."
+    )
     sync_optimizer: Optional[PhaseOptimizer] = Field(None, description="optimizer.* overrides in the synchronous mode.")
     async_optimizer: Optional[PhaseOptimizer] = Field(
         None, description="optimizer.* overrides in the asynchronous mode (e.g. a lower momentum for downpour)."
@@ -117,6 +126,18 @@ class StrategyConfig(Section):
         25.0, gt=0, description="Bucket size (MiB) for gradient all-reduce; the first bucket closes at "
         "1 MiB so the last layers' all-reduce overlaps the rest of the backward pass."
     )
+    balance: bool = Field(
+        False, description="allreduce: load-balanced batch shares. Each replica's share of the global batch "
+        "(replicas x data.batch_size rows a step) follows its measured speed, so a slow replica takes fewer rows and "
+        "nobody waits; the update is still the mean gradient over the step's rows. Partitions are then leased from "
+        "one shared queue (a fast replica reads more of them). See docs/modes.md."
+    )
+    balance_window: int = Field(8, ge=1, description="allreduce with balance: steps of measurements behind each new "
+                                "split of the batch.")
+    balance_min_share: float = Field(0.25, gt=0, le=1, description="allreduce with balance: the smallest share a "
+                                     "replica is given, as a fraction of data.batch_size.")
+    balance_max_share: float = Field(4.0, ge=1, description="allreduce with balance: the largest share a replica is "
+                                     "given, as a multiple of data.batch_size.")
     n_fetch: int = Field(1, ge=1, description="downpour: pull parameters from the shards every n_fetch steps.")
     n_push: int = Field(1, ge=1, description="downpour: push the accumulated gradient every n_push steps.")
     max_in_flight: int = Field(2, ge=1, description="downpour: pushes outstanding before a replica waits.")
@@ -202,7 +223,8 @@ class StrategyConfig(Section):
 
         if self.switch == "adaptive":
             a = self.adaptive
-            return [{**base, "mode": m, "variant": "async", "until": None, "optimizer": opt(o)}
+            return [{**base, "mode": m, "variant": "async", "until": None, "optimizer": opt(o),
+                     "balance": a.balance if m == a.sync_mode else base["balance"]}
                     for m, o in ((a.sync_mode, a.sync_optimizer), (a.async_mode, a.async_optimizer))]
         phases = self.phases or [PhaseConfig(mode=self.mode)]
         return [{**base, **phase.model_dump(exclude_none=True, exclude={"until", "optimizer"}), "until": phase.until,
@@ -299,8 +321,9 @@ class SlowWindow(Section):
     rank: int = Field(ge=0, description="The replica to slow.")
     delay_s: Optional[float] = Field(None, ge=0, description="Seconds added to each of its steps.")
     factor: Optional[float] = Field(
-        None, ge=1, description="Or: its steps take this many times as long (after each step it sleeps factor - 1 "
-        "times that step's duration)."
+        None, ge=1, description="Or: its compute takes this many times as long, as on a slower device (after each "
+        "step it sleeps factor - 1 times that step's own work: the step's duration less its time in communication, "
+        "waiting for others included there)."
     )
     from_step: Optional[int] = Field(None, ge=0, description="From this step of the replica on (default: the start).")
     to_step: Optional[int] = Field(None, ge=0, description="Until this step (default: the end).")

@@ -5,8 +5,8 @@ from orchestrator.config import JobConfig
 from policies.switching import AdaptivePolicy, Observation, SchedulePolicy, make_switch_policy
 
 
-def obs(epoch_end=False, epochs=0, step=0, elapsed_s=0.0, metrics=None, compute_s=None):
-    return Observation(epoch_end, epochs, step, elapsed_s, metrics or {}, compute_s or {})
+def obs(epoch_end=False, epochs=0, step=0, elapsed_s=0.0, metrics=None, compute_s=None, rows=None):
+    return Observation(epoch_end, epochs, step, elapsed_s, metrics or {}, compute_s or {}, rows=rows or {})
 
 
 def schedule(*phases):
@@ -46,8 +46,33 @@ def test_one_mode_is_one_phase_that_never_switches():
 
 
 def adaptive(**kw):
-    cfg = {"switch": "adaptive", "adaptive": {"patience": 2, "min_phase_s": 3.0, **kw}}
+    """The adaptive policy without balancing (the compute-time spread decides) unless asked."""
+    cfg = {"switch": "adaptive", "adaptive": {"patience": 2, "min_phase_s": 3.0, "balance": False, **kw}}
     return make_switch_policy(JobConfig.from_dict({"strategy": cfg}).strategy)
+
+
+def test_with_balancing_a_straggler_the_balance_absorbs_is_no_reason_to_switch():
+    pol = adaptive(balance=True, patience=1, min_phase_s=0)
+    assert pol.plan[0]["balance"] is True and pol.plan[1]["balance"] is False
+    rows = {0: 64, 1: 64}
+    for _ in range(5):  # 3x slower: the balanced split (96, 32) makes every replica busy as long
+        assert pol.decide(obs(compute_s={0: 0.010, 1: 0.030}, rows=rows)) is None
+    ratio, slow, numbers = pol.residual({0: 0.010, 1: 0.030}, rows)
+    assert ratio == pytest.approx(1.0) and slow == 1 and numbers["balanced_shares"] == {"0": 96, "1": 32}
+
+
+def test_with_balancing_a_straggler_past_the_share_bounds_goes_asynchronous_with_its_predicted_gain():
+    pol = adaptive(balance=True, patience=1, min_phase_s=0)
+    # 30x slower: its share stops at 0.25 x 64 = 16 rows, 16 / (64/0.3 rows/s) = 0.075 s a step
+    sw = pol.decide(obs(compute_s={0: 0.010, 1: 0.300}, rows={0: 64, 1: 64}))
+    assert (sw.mode, sw.rule, sw.numbers["slowest_rank"]) == ("easgd", "straggler", 1)
+    ideal = 128 / (6400 + 64 / 0.3)
+    assert sw.numbers["predicted_balanced_step_s"] == pytest.approx(0.075, abs=1e-5)
+    assert sw.numbers["predicted_ideal_step_s"] == pytest.approx(ideal, abs=1e-5)
+    assert sw.numbers["ratio"] == pytest.approx(0.075 / ideal, abs=1e-3)
+    assert sw.numbers["predicted_gain"] == pytest.approx(1 - ideal / 0.075, abs=1e-3)
+    back = pol.decide(obs(compute_s={0: 0.010, 1: 0.020}, rows={0: 64, 1: 64}))
+    assert (back.mode, back.rule) == ("allreduce", "recovered") and back.numbers["predicted_gain"] < 0
 
 
 def test_adaptive_goes_asynchronous_while_a_replica_straggles_and_back_when_it_recovers():

@@ -1,0 +1,189 @@
+"""Time to 97% test accuracy on mnist5k for every mode, in four situations, against Ray Train
+(DDP) and single-process PyTorch.
+
+Workload: the CNN of examples/, mnist5k in 32 partitions, batch 64 per replica, sgd lr 0.05
+momentum 0.9 (each example's own optimizer settings for ours), through ElasticTrainer(cfg).fit()
+(real Ray actors, shards, gloo groups; MLflow in a temp sqlite store), a progress row every 2
+steps sent every 0.25 s, stop at 97% (at most 30 epochs). Each repetition r uses data.seed r on
+every side.
+
+Sides:
+  allreduce   examples/mnist_allreduce.yaml
+  balanced    examples/mnist_allreduce.yaml with strategy.balance true (batch shares by speed)
+  downpour    examples/mnist_downpour.yaml
+  easgd       examples/mnist_easgd.yaml
+  adaptive    examples/mnist_adaptive.yaml (balanced allreduce; easgd only for a straggler the
+              balance cannot absorb); its own straggler window replaced by the situation's
+  ray_train   Ray Train TorchTrainer, DDP, the same partitions, order, batches and evaluation
+              as our allreduce (benchmarks/throughput.py ray_train_loop), the same straggler
+  single      one PyTorch process (2 threads) on the global batches, no straggler: the
+              reference of what the data and model allow (once per replica count)
+Situations (the straggler: faults.slow_replicas factor F: after each step the replica sleeps
+F - 1 times that step's compute, as a device F times slower would take):
+  none        2 replicas, no straggler
+  window      2 replicas, replica 1 3x slower from T0/3 to 2*T0/3 seconds of training (T0:
+              allreduce's time in `none` in the same repetition)
+  hetero      2 replicas, replica 1 2x slower for the whole run (a heterogeneous cluster)
+  four        4 replicas, replica 3 3x slower for the whole run
+Figure: train_to_target_s (training seconds until the first epoch-end evaluation at or above
+97%: time_to_target_s - startup_s for ours; from the first step for Ray Train and single).
+Ratios (medians over repetitions; above 1: the first side is faster):
+  <situation>:allreduce_vs_adaptive, <situation>:best_fixed_vs_adaptive,
+  <situation>:ray_train_vs_<side>.
+
+    python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...]
+
+--quick: one repetition (seed 0) of `none` and `window`; without it three (seeds 0, 1, 2) of all four.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Optional
+
+from common import median, parse_args, report
+
+TARGET, PARTITIONS, EPOCHS = 0.97, 32, 30
+OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce.yaml", ["strategy.balance=true"]),
+        "downpour": ("mnist_downpour.yaml", []), "easgd": ("mnist_easgd.yaml", []),
+        "adaptive": ("mnist_adaptive.yaml", [])}
+FIXED = ("allreduce", "balanced", "downpour", "easgd")
+SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)), "four": (4, (3, 3.0))}
+
+
+def ours(side: str, tmp: str, replicas: int, seed: int, slow: Optional[dict]) -> dict[str, Any]:
+    import yaml
+
+    from orchestrator.config import JobConfig
+    from orchestrator.trainer import ElasticTrainer
+    from common import REPO
+
+    example, extra = OURS[side]
+    with open(os.path.join(REPO, "examples", example), encoding="utf-8") as f:
+        raw = yaml.safe_load(f)
+    overrides = [f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"checkpoint.storage={tmp}/ck",
+                 "tracking.experiment=bench-time-to-accuracy", "tracking.progress_interval_s=0.25",
+                 "tracking.log_every_steps=2", f"data.partitions={PARTITIONS}", f"data.seed={seed}",
+                 f"scaling.replicas={replicas}", f"stop.epochs={EPOCHS}", f"stop.target_accuracy={TARGET}",
+                 "stop.at_target=true", f"faults.slow_replicas={json.dumps([slow] if slow else [])}", *extra]
+    try:
+        r = ElasticTrainer(JobConfig.from_dict(raw, overrides), show_progress=False).fit()
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=6)}
+    t = r.time_to_target_s
+    return {"train_to_target_s": None if t is None else t - r.startup_s, "epochs": r.epochs,
+            "final_accuracy": r.final.test_accuracy, "phases": r.phases,
+            "switches": [{k: e.get(k) for k in ("from", "to", "rule", "at_step")}
+                         for e in r.events if e["kind"] == "mode_switch"],
+            "rebalances": sum(1 for e in r.events if e["kind"] == "batch_rebalanced")}
+
+
+def ray_train(tmp: str, replicas: int, seed: int, slow: Optional[dict]) -> dict[str, Any]:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from throughput import ray_train_loop
+
+    out = os.path.join(tmp, f"raytrain-{time.time_ns()}.json")
+    trainer = TorchTrainer(
+        ray_train_loop, train_loop_config={"epochs": EPOCHS, "out": out, "partitions": PARTITIONS, "seed": seed,
+                                           "slow": slow, "stop_at": TARGET},
+        scaling_config=ScalingConfig(num_workers=replicas, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(storage_path=tmp, name=f"tta-{time.time_ns()}"),
+    )
+    try:
+        trainer.fit()
+        h = json.load(open(out))
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=6)}
+    hist = h["history"]
+    t = next((e["t_end"] - h["t_first"] for e in hist if e["acc"] >= TARGET), None)
+    return {"train_to_target_s": t, "epochs": len(hist), "final_accuracy": hist[-1]["acc"]}
+
+
+def single(replicas: int, seed: int) -> dict[str, Any]:
+    from throughput import single_process_to_target
+
+    r = single_process_to_target(2, EPOCHS, world=replicas, partitions=PARTITIONS, seed=seed)
+    return {"train_to_target_s": r["t97"], "epochs": r["epochs"], "final_accuracy": r["history"][-1]["acc"]}
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], extra=[("--only", {"default": None,
+                                                                   "help": "situations to run, comma-separated"})])
+    import ray
+
+    reps = 1 if args.quick else 3
+    wanted = args.only.split(",") if args.only else (["none", "window"] if args.quick else list(SITUATIONS))
+    sides = (*OURS, "ray_train", "single")
+    results: dict[str, Any] = {s: {side: [] for side in sides} for s in wanted}
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for rep in range(reps):
+                t0 = None
+                for situation in wanted:
+                    replicas, straggler = SITUATIONS[situation]
+                    slow = None
+                    if straggler is not None:
+                        rank, factor = straggler
+                        slow = {"rank": rank, "factor": factor}
+                        if situation == "window":
+                            base = t0 or 9.0  # `none` not run: a typical T0 on this machine
+                            slow.update({"from_s": round(base / 3, 3), "to_s": round(2 * base / 3, 3)})
+                    for side in sides:
+                        if side == "single" and situation not in ("none", "four"):
+                            continue  # no straggler in one process: once per replica count
+                        if side == "single":
+                            r = single(replicas, rep)
+                        elif side == "ray_train":
+                            r = ray_train(tmp, replicas, rep, slow)
+                        else:
+                            r = ours(side, tmp, replicas, rep, slow)
+                        r["slow"] = slow
+                        results[situation][side].append(r)
+                        if situation == "none" and side == "allreduce":
+                            t0 = r.get("train_to_target_s")
+                        print(f"rep {rep + 1}/{reps} {situation:<7} {side:<10} " + json.dumps(
+                            {k: r.get(k) for k in ("train_to_target_s", "epochs", "final_accuracy", "error")}),
+                              flush=True)
+    finally:
+        ray.shutdown()
+
+    summary: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    for situation, by_side in results.items():
+        t = {side: [r["train_to_target_s"] for r in rs if r.get("train_to_target_s")] for side, rs in by_side.items()}
+        summary[situation] = {side: {"median": median(v), "min": min(v), "max": max(v), "n": len(v),
+                                     "of": len(by_side[side])} if v else None for side, v in t.items()}
+        med = {side: median(v) for side, v in t.items() if v}
+        if "adaptive" in med:
+            if "allreduce" in med:
+                ratios[f"{situation}:allreduce_vs_adaptive"] = med["allreduce"] / med["adaptive"]
+            fixed = [med[s] for s in FIXED if s in med]
+            if fixed:
+                ratios[f"{situation}:best_fixed_vs_adaptive"] = min(fixed) / med["adaptive"]
+        if "ray_train" in med:
+            for side in (*OURS,):
+                if side in med:
+                    ratios[f"{situation}:ray_train_vs_{side}"] = med["ray_train"] / med[side]
+    results["summary"] = summary
+    results["config"] = {"data": "builtin:mnist5k", "partitions": PARTITIONS, "model": "examples.models:mnist_cnn",
+                         "target": TARGET, "situations": {k: {"replicas": v[0], "straggler": v[1]}
+                                                          for k, v in SITUATIONS.items() if k in wanted},
+                         "window": "T0/3 .. 2*T0/3 training seconds, T0 = allreduce's time in `none`",
+                         "repetitions": reps, "seeds": list(range(reps))}
+    print("\ntrain seconds to 97% (median, min-max, reached/runs):")
+    for situation, by_side in summary.items():
+        for side, v in by_side.items():
+            print(f"  {situation:<7} {side:<10} " + (f"{v['median']:.2f}  ({v['min']:.2f}-{v['max']:.2f}, "
+                                                     f"{v['n']}/{v['of']})" if v else "not reached"))
+    report("time_to_accuracy", args.quick, results, ratios, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Load-balanced allreduce: each replica's share of the global batch follows its measured speed.
+Pure decisions, tested without Ray.
+
+Synchronous SGD steps at the pace of its slowest replica. With p replicas of batch B each, the
+step trains on p*B rows whatever way they are split, and the update is the mean gradient over
+those rows (policies/allreduce.py weights every replica's gradient by its rows). So the split
+can follow the replicas' speeds without changing the maths of the step: replica i trains on
+
+    b_i = p*B * v_i / sum_j v_j        (v_i: rows per second of replica i's own work)
+
+bounded to [min_share*B, max_share*B] and rounded so the b_i still sum to p*B. Every replica
+then reaches the collective at the same time; with two replicas, one 3x slower, the step takes
+1.5T instead of 3T (T: one replica's time for B rows).
+
+v_i is measured, never configured: a replica's busy seconds per step (everything it does
+between two collectives: loading its batch, forward and backward, a deliberate straggler's
+sleep) and its rows, summed over a window of `window` steps. Every replica sees every replica's
+figures (they ride in the all-reduce, policies/allreduce.py), so every replica computes the same
+shares and takes its own without any other message. A new split is taken only when some share
+moves by more than `tolerance` of B, so noise does not churn it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Optional, Sequence
+
+
+def split(batch: int, speeds: Sequence[float], min_share: float = 0.25, max_share: float = 4.0) -> list[int]:
+    """Rows per replica for a global batch of len(speeds) * batch rows, proportional to
+    `speeds` (rows/s), each within [min_share, max_share] * batch, summing to the global batch
+    (largest remainders take the leftover rows). A replica with no figure yet (speed <= 0)
+    counts as the median of the others (the even share when none has one)."""
+    p = len(speeds)
+    total = p * batch
+    known = [s for s in speeds if s > 0]
+    if not known:
+        return [batch] * p
+    fill = median(known)
+    v = [s if s > 0 else fill for s in speeds]
+    lo, hi = max(1.0, min_share * batch), max_share * batch
+    lo, hi = min(lo, total / p), max(hi, total / p)  # bounds that cannot hold the batch are widened
+    fixed: dict[int, float] = {}
+    out: dict[int, float] = {}
+    while len(fixed) < p:  # water-filling: clamp who falls outside (the high side first), share the rest
+        free = [i for i in range(p) if i not in fixed]
+        scale = (total - sum(fixed.values())) / sum(v[i] for i in free)
+        out = {i: v[i] * scale for i in free}
+        high = {i: hi for i, x in out.items() if x > hi}
+        low = {i: lo for i, x in out.items() if x < lo}
+        if not high and not low:
+            break
+        fixed.update(high or low)
+        out = {}
+    shares = [fixed.get(i, out.get(i, 0.0)) for i in range(p)]
+    if not out:  # every share at a bound (only where rounding leaves no room): the fastest takes the rest
+        shares[max(range(p), key=lambda i: v[i])] += total - sum(shares)
+    rows = [int(s) for s in shares]
+    order = sorted(range(p), key=lambda i: (-(shares[i] - rows[i]), i))
+    for i in order[: total - sum(rows)]:
+        rows[i] += 1
+    return rows
+
+
+def step_time(rows: Sequence[int], speeds: Sequence[float]) -> float:
+    """Seconds a lock-step step takes when replica i trains rows[i] at speeds[i] rows/s: the
+    slowest one's."""
+    return max(r / s for r, s in zip(rows, speeds) if s > 0) if any(s > 0 for s in speeds) else 0.0
+
+
+@dataclass
+class BatchBalancer:
+    """Decides this run's shares from the replicas' figures, the same way on every replica."""
+
+    world: int
+    batch: int
+    window: int = 8
+    min_share: float = 0.25
+    max_share: float = 4.0
+    tolerance: float = 0.05
+    shares: list[int] = field(default_factory=list)
+    _rows: list[float] = field(default_factory=list)
+    _busy: list[float] = field(default_factory=list)
+    _seen: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.shares:
+            self.shares = [self.batch] * self.world
+        self._reset()
+
+    def _reset(self) -> None:
+        self._rows, self._busy, self._seen = [0.0] * self.world, [0.0] * self.world, 0
+
+    def observe(self, rows: Sequence[float], busy: Sequence[float]) -> Optional[list[int]]:
+        """One step's figures of every replica (rows trained, busy seconds; 0 rows: an empty
+        step, left out; a step nobody has figures for is not counted). Every `window` steps
+        with figures, the new shares if some moved by more than
+        `tolerance` x batch, else None."""
+        told = [i for i in range(self.world) if rows[i] > 0 and busy[i] > 0]
+        for i in told:
+            self._rows[i] += rows[i]
+            self._busy[i] += busy[i]
+        self._seen += 1 if told else 0
+        if self._seen < self.window:
+            return None
+        speeds = self.speeds()
+        self._reset()
+        new = split(self.batch, speeds, self.min_share, self.max_share)
+        if max(abs(a - b) for a, b in zip(new, self.shares)) <= self.tolerance * self.batch:
+            return None
+        self.shares = new
+        return new
+
+    def speeds(self) -> list[float]:
+        """Rows per busy second of each replica over the window so far (0: no figure)."""
+        return [r / b if b > 0 else 0.0 for r, b in zip(self._rows, self._busy)]

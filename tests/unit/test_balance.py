@@ -1,0 +1,156 @@
+"""Load-balanced allreduce (policies/balance.py) and the per-step figures that ride in the
+all-reduce (policies/allreduce.py StepFigures), without Ray: threads stand in for replicas."""
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from policies.allreduce import AllReduceWorker
+from policies.balance import BatchBalancer, split, step_time
+from tests.unit.test_allreduce_rule import ThreadSum, flat, make, reference_training, run_replicas
+
+
+class LateThreadSum(ThreadSum):
+    """As ThreadSum, but a reduction only meets the others at wait(), as gloo's asynchronous
+    all-reduce does: a replica's backward pass never waits for a slower one."""
+
+    def for_rank(self, rank):
+        eager = super().for_rank(rank)
+
+        class Reducer:
+            def group(self):
+                return eager.group()
+
+            def start(self, tensor):
+                return tensor
+
+            def wait(self, tensor):
+                eager.start(tensor)
+
+            def broadcast(self, tensor):
+                eager.broadcast(tensor)
+
+        return Reducer()
+
+
+def test_split_follows_speed_and_keeps_the_global_batch():
+    assert split(64, [3.0, 1.0]) == [96, 32]
+    assert split(64, [1.0, 1.0, 1.0, 1.0]) == [64] * 4
+    rows = split(64, [3.0, 3.0, 3.0, 1.0])
+    assert sum(rows) == 256 and rows[3] in (25, 26) and max(rows) - min(rows[:3]) <= 1
+
+
+def test_split_bounds_a_share_and_gives_the_rest_to_the_others():
+    rows = split(64, [100.0, 1.0], min_share=0.25, max_share=4.0)
+    assert rows == [112, 16]  # the slow one's share stops at 0.25 x 64
+    rows = split(10, [1.0, 1.0, 1.0, 50.0], min_share=0.5, max_share=1.5)
+    assert rows[3] == 15 and sum(rows) == 40 and all(r >= 5 for r in rows)
+
+
+def test_split_without_figures_is_even_and_unknown_speeds_take_the_median():
+    assert split(64, [0.0, 0.0]) == [64, 64]
+    assert split(60, [2.0, 0.0, 1.0]) == split(60, [2.0, 1.5, 1.0])
+
+
+def test_balanced_step_time_with_one_replica_three_times_slower():
+    """Two replicas, one 3x slower: the even split takes 3T (T: B rows on the fast one), the
+    balanced one 1.5T."""
+    speeds, b = [3.0, 1.0], 64
+    even = step_time([b, b], speeds)
+    balanced = step_time(split(b, speeds), speeds)
+    assert balanced == pytest.approx(even / 2)
+
+
+def test_the_balancer_decides_once_per_window_and_ignores_noise():
+    bal = BatchBalancer(world=2, batch=64, window=4, tolerance=0.05)
+    for _ in range(3):
+        assert bal.observe([64, 64], [0.01, 0.03]) is None
+    assert bal.observe([64, 64], [0.01, 0.03]) == [96, 32]
+    for _ in range(4):  # busy now equal at the new shares: no change
+        out = bal.observe([96, 32], [0.0150, 0.0151])
+    assert out is None and bal.shares == [96, 32]
+    for _ in range(4):  # empty steps (no rows) say nothing
+        assert bal.observe([0, 0], [0.0, 0.0]) is None
+
+
+def test_unequal_shares_take_the_same_step_as_one_process_on_the_union():
+    """Replica 0 trains 24 rows a step and replica 1 8: the update is the mean gradient over
+    the 32 rows, as one process would take it."""
+    torch.manual_seed(3)
+    steps = [[(torch.randn(24, 8), torch.randint(0, 3, (24,))), (torch.randn(8, 8), torch.randint(0, 3, (8,)))]
+             for _ in range(5)]
+    models = [make() for _ in range(2)]
+    reducer = ThreadSum(2)
+
+    def replica(rank):
+        m, opt = models[rank]
+        worker = AllReduceWorker(m, opt, 256, reducer.for_rank(rank), batch=16,
+                                 balance={"window": 2, "min_share": 0.25, "max_share": 4.0})
+        for i, step in enumerate(steps):
+            worker.step(*step[rank], more=i < len(steps) - 1)
+        worker.end_epoch()
+
+    run_replicas(2, replica)
+    ref, _ = reference_training(steps)
+    for m, _ in models:
+        assert torch.allclose(flat(m), flat(ref), atol=1e-6)
+
+
+def test_a_slow_replica_is_given_a_smaller_share_and_both_compute_the_same_split():
+    reducer = LateThreadSum(2)
+    models = [make() for _ in range(2)]
+    shares = {0: [], 1: []}
+
+    def replica(rank):
+        m, opt = models[rank]
+        worker = AllReduceWorker(m, opt, 256, reducer.for_rank(rank), batch=16,
+                                 balance={"window": 3, "min_share": 0.25, "max_share": 4.0})
+        for _ in range(12):
+            rows = worker.batch_share or 16
+            if rank == 1:
+                time.sleep(0.004 * rows / 16)  # this replica's work takes longer per row
+            worker.step(torch.randn(rows, 8), torch.randint(0, 3, (rows,)), more=True)
+            shares[rank].append(worker.batch_share)
+        worker.end_epoch()
+
+    run_replicas(2, replica)
+    final = shares[0][-1], shares[1][-1]
+    assert sum(final) == 32 and final[0] > final[1]  # the fast replica took more of the batch
+    assert all(a + b == 32 for a, b in zip(shares[0], shares[1]))  # every replica computed the same split
+
+
+def test_the_figures_report_waiting_and_gradient_diversity():
+    """Replica 1 is slow: replica 0 waits for it. Diversity is sum_i |g_i|^2 / |sum_i g_i|^2
+    of the step before, checked against gradients computed directly."""
+    torch.manual_seed(5)
+    batches = [[(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(2)] for _ in range(4)]
+    models = [make() for _ in range(2)]
+    reducer = LateThreadSum(2)
+    seen = {0: [], 1: []}
+    before = [make()[0] for _ in range(1)][0]  # the model before step 1 (identical start on both)
+
+    def replica(rank):
+        m, opt = models[rank]
+        worker = AllReduceWorker(m, opt, 256, reducer.for_rank(rank))
+        for i, step in enumerate(batches):
+            if rank == 1:
+                time.sleep(0.02)
+            worker.step(*step[rank], more=i < len(batches) - 1)
+            seen[rank].append(dict(worker.last))
+
+    run_replicas(2, replica)
+    # step 1's own gradients, computed directly from the model both replicas started from
+    grads = []
+    for x, y in batches[0]:
+        before.zero_grad()
+        (F.cross_entropy(before(x), y) * len(y)).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in before.parameters()]))
+    expected = sum(float(g.dot(g)) for g in grads) / float((grads[0] + grads[1]).dot(grads[0] + grads[1]))
+    # the figures of step 1 arrive with step 2
+    assert seen[0][1]["diversity"] == pytest.approx(expected, rel=1e-4)
+    assert seen[1][1]["diversity"] == pytest.approx(expected, rel=1e-4)
+    waits = [s["wait_s"] for s in seen[0][2:]]
+    assert all(w is not None and w > 0.01 for w in waits)  # replica 0 waited for replica 1 each step
+    assert all(s["wait_s"] is not None and s["wait_s"] < 0.01 for s in seen[1][2:])
+    assert all(s["spread"] > 1.5 for s in seen[0][2:])
