@@ -115,6 +115,8 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
             loss = result.loss
             if trace_ids:
                 consumed.append(current[3]["ids"][current[2].numpy()].tolist())
+        elif trace_ids and lock_step:  # an empty step: kept, so rank r's i-th entry is the group's i-th step
+            consumed.append([])
         if steps % log_every == 0:
             now = time.perf_counter()
             self.apply_lr()  # the row reports the rate the next step takes

@@ -82,10 +82,12 @@ class BatchBalancer:
     _rows: list[float] = field(default_factory=list)
     _busy: list[float] = field(default_factory=list)
     _seen: int = 0
+    known: list[float] = field(default_factory=list)  # each replica's last measured speed (0: none yet)
 
     def __post_init__(self) -> None:
         if not self.shares:
             self.shares = [self.batch] * self.world
+        self.known = [0.0] * self.world
         self._reset()
 
     def _reset(self) -> None:
@@ -94,7 +96,8 @@ class BatchBalancer:
     def observe(self, rows: Sequence[float], busy: Sequence[float]) -> Optional[list[int]]:
         """One step's figures of every replica (rows trained, busy seconds; 0 rows: an empty
         step, left out; a step nobody has figures for is not counted). Every `window` steps
-        with figures, the new shares if some moved by more than
+        with figures, the new shares (a replica with no figure in the window, e.g. out of rows
+        at an epoch's end, counts at its last measured speed) if some moved by more than
         `tolerance` x batch, else None."""
         told = [i for i in range(self.world) if rows[i] > 0 and busy[i] > 0]
         for i in told:
@@ -103,9 +106,9 @@ class BatchBalancer:
         self._seen += 1 if told else 0
         if self._seen < self.window:
             return None
-        speeds = self.speeds()
+        self.known = [v if v > 0 else old for v, old in zip(self.speeds(), self.known)]
         self._reset()
-        new = split(self.batch, speeds, self.min_share, self.max_share)
+        new = split(self.batch, self.known, self.min_share, self.max_share)
         if max(abs(a - b) for a, b in zip(new, self.shares)) <= self.tolerance * self.batch:
             return None
         self.shares = new

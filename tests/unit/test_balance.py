@@ -72,6 +72,8 @@ def test_the_balancer_decides_once_per_window_and_ignores_noise():
     assert out is None and bal.shares == [96, 32]
     for _ in range(4):  # empty steps (no rows) say nothing
         assert bal.observe([0, 0], [0.0, 0.0]) is None
+    for _ in range(4):  # an epoch's tail: replica 0 is out of rows; replica 1 keeps its pace
+        assert bal.observe([0, 32], [0.0, 0.0151]) is None
 
 
 def test_unequal_shares_take_the_same_step_as_one_process_on_the_union():

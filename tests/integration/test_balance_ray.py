@@ -1,0 +1,93 @@
+"""Load-balanced allreduce (strategy.balance) on real Ray actors and a real gloo group: a slowed
+replica is given a smaller share of the batch, every step is still the single-process SGD step
+on the union of the step's rows, every row is trained once per epoch, and the per-step figures
+(compute, communication, waiting, gradient diversity) reach the events and MLflow."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+import torch.nn.functional as F
+
+from orchestrator.controller import Controller
+from orchestrator.data import load_source
+from orchestrator.factory import build_model
+from orchestrator.states import Running
+from orchestrator.tracking import Tracker
+from tests.conftest import job_config
+
+pytestmark = pytest.mark.ray
+
+
+def test_a_slowed_replica_gets_a_smaller_share_and_each_step_equals_the_single_process_step(ray_cluster):
+    cfg = job_config(scaling={"replicas": 2, "cpus_per_replica": 0.5}, data={"batch_size": 16, "partitions": 16},
+                     optimizer={"lr": 0.05, "momentum": 0.9},
+                     strategy={"timeout_s": 30, "balance": True, "balance_window": 2},
+                     tracking={"log_every_steps": 2, "progress_interval_s": 0},
+                     faults={"slow_replicas": [{"rank": 1, "factor": 6}]}, stop={"epochs": 2})
+    dataset = load_source(cfg.data.source, cfg.data.seed)
+    ctl = Controller(cfg, dataset, Tracker(None, "tests", None), time.perf_counter(), trace_ids=True)
+    try:
+        assert isinstance(ctl.step(), Running)
+        ctl.run_epoch()
+        ctl.run_epoch()
+        flats = ray.get([r.flat_parameters.remote() for r in ctl.replicas], timeout=30)
+        events = list(ctl.tracker.events)
+    finally:
+        ctl.shutdown()
+    assert np.array_equal(flats[0], flats[1]), "replicas diverged"
+
+    row = {int(i): k for k, i in enumerate(dataset.train.ids)}
+    model = build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    unequal = 0
+    for epoch in ctl.consumed:
+        assert len(epoch[0]) == len(epoch[1])  # lock-step, empty steps included
+        seen = sorted(i for steps in epoch.values() for step in steps for i in step)
+        assert seen == sorted(int(i) for i in dataset.train.ids)  # every row once, shares or not
+        for step in range(len(epoch[0])):
+            unequal += len(epoch[0][step]) != len(epoch[1][step]) and bool(epoch[1][step])
+            idx = [row[i] for rank in (0, 1) for i in epoch[rank][step]]
+            model.zero_grad()
+            F.cross_entropy(model(torch.from_numpy(dataset.train.x[idx])),
+                            torch.from_numpy(dataset.train.y[idx])).backward()
+            opt.step()
+    ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    np.testing.assert_allclose(flats[0], ref, rtol=1e-4, atol=1e-5)
+    assert unequal > 5  # the steps really were split unevenly
+
+    last = ctl.consumed[-1]
+    rows = {r: sum(len(s) for s in steps) for r, steps in last.items()}
+    assert rows[0] > 1.5 * rows[1], rows  # the fast replica trained most of the epoch
+    rebalanced = [e for e in events if e["kind"] == "batch_rebalanced"]
+    assert rebalanced and rebalanced[-1]["shares"]["0"] > rebalanced[-1]["shares"]["1"]
+    assert sum(rebalanced[-1]["shares"].values()) == 2 * 16  # the global batch is kept
+    ends = [e for e in events if e["kind"] == "epoch_end"]
+    figures = ends[-1]["step_figures"]
+    assert set(figures) == {"0", "1"} and all(figures[r]["compute_s"] > 0 for r in figures)
+    assert figures["0"]["batch_rows"] > figures["1"]["batch_rows"]
+    assert ends[-1]["gradient_diversity"] > 0 and ends[-1]["busy_spread"] >= 1.0
+
+
+def test_without_balance_the_slowed_replica_makes_the_other_wait_and_the_figures_say_so(ray_cluster, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from orchestrator.trainer import ElasticTrainer
+
+    cfg = job_config(scaling={"replicas": 2, "cpus_per_replica": 0.5}, data={"batch_size": 16},
+                     tracking={"log_every_steps": 2, "progress_interval_s": 0,
+                               "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+                     checkpoint={"storage": str(tmp_path / "ck")},
+                     faults={"slow_replicas": [{"rank": 1, "factor": 6}]}, stop={"epochs": 1})
+    result = ElasticTrainer(cfg, show_progress=False).fit()
+    end = next(e for e in result.events if e["kind"] == "epoch_end")
+    fast, slow = end["step_figures"]["0"], end["step_figures"]["1"]
+    assert fast["wait_s"] > 2 * slow["wait_s"] and fast["wait_s"] > 0.5 * slow["compute_s"]
+    assert fast["batch_rows"] == slow["batch_rows"] == 16 and end["busy_spread"] > 2
+    assert not [e for e in result.events if e["kind"] == "batch_rebalanced"]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    for key in ("replica0/wait_s", "replica1/compute_s", "replica0/comm_s", "gradient_diversity", "busy_spread"):
+        assert client.get_metric_history(result.mlflow_run_id, key), key
