@@ -35,7 +35,7 @@ from actors.partition_reader import PartitionReader
 from actors.reducer import ProcessGroupReducer, free_port
 from actors.reading import StreamPlan, count_kept, read_range, eval_pieces
 from actors.shard_client import RayShardClient
-from policies.factory import build_model
+from policies.factory import build_model, carry_optimizer_state, momentum_buffers, set_momentum_buffers
 from policies.lr_scaling import warmup_lr
 from policies.batches import as_tensors, forward, rows as batch_rows, slice_rows, to_device, tree_map
 from policies.registry import Transport, build_worker, mode_spec
@@ -113,8 +113,10 @@ class ModelReplica:
         (allreduce's gradient hooks removed), the new mode's worker is built over the same model,
         data cursor and step count. `load_reference`: first copy the shards' reference
         parameters and buffers into the model (downpour's server copy, EASGD's center), so every
-        replica starts the new phase from the same point. The new worker's optimizer starts
-        fresh. Returns what was carried and what reset, for the switch event."""
+        replica starts the new phase from the same point. The old worker's local optimizer
+        state (momentum buffers) is carried into the new one's when both keep one of the same
+        kind (`carry_optimizer_state`); into allreduce the controller then averages it across
+        the replicas (`momentum` / `set_momentum`). Returns what was carried, for the event."""
         old = self.worker
         release = getattr(old, "release", None)
         if release is not None:
@@ -125,8 +127,16 @@ class ModelReplica:
         self._build_worker()
         if hasattr(self.worker, "step_count"):
             self.worker.step_count = self.step
-        had_state = bool(getattr(getattr(old, "optimizer", None), "state", None))
-        return {"rank": self.rank, "step": self.step, "local_optimizer": "reset" if had_state else "none"}
+        carried = carry_optimizer_state(getattr(old, "optimizer", None), getattr(self.worker, "optimizer", None))
+        return {"rank": self.rank, "step": self.step, "local_optimizer": carried}
+
+    def momentum(self) -> Optional[np.ndarray]:
+        """The local optimizer's momentum buffers, flat (None: it keeps none)."""
+        flat = momentum_buffers(getattr(self.worker, "optimizer", None))
+        return None if flat is None else flat.numpy()
+
+    def set_momentum(self, flat: np.ndarray) -> None:
+        set_momentum_buffers(self.worker.optimizer, torch.from_numpy(flat))
 
     def _load_reference(self) -> None:
         """The shards' reference parameters and averaged buffers into the model: straight into

@@ -317,7 +317,8 @@ class Controller:
         seg.begun, seg.t_start = True, time.perf_counter()
         ranks = self.group.ranks
         rows, n, seed, _, shuffle = self.lease_plan
-        self.lease_plan = (rows, n, seed, self.pinned, shuffle)  # leasing follows the mode of the phase
+        self.pinned = self.spec.leases_pinned(self.strategy, self.batch_shares)
+        self.lease_plan = (rows, n, seed, self.pinned, shuffle)  # leasing follows the mode of the phase (and the split)
         first = first_grant_messages(*self.lease_plan, epoch, ranks, self.max_grant)
         with issued_whole():
             for rank in ranks:

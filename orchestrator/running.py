@@ -29,7 +29,6 @@ from orchestrator.errors import INTERRUPTED, MemberLost, TrainingError
 from orchestrator.recovery import decide
 from orchestrator.states import EpochSegment, Errored, Finishing, GrowPlan, Plan, Reconfiguring, Running, State
 from policies.failure import DETECTED_BY, Fail, ReplicaFailure, error_detail
-from policies.balance import step_time
 from policies.modes import Diverged
 
 if TYPE_CHECKING:
@@ -208,7 +207,9 @@ def lost_meanwhile(ctl: "Controller", seg: EpochSegment, lost: MemberLost) -> "S
 def note_balance(ctl: "Controller", seg: EpochSegment) -> None:
     """strategy.balance: when the replicas' latest rows show a new split of the batch (every
     member's share known, summing to the global batch: rows of the same window), a
-    `batch_rebalanced` event with the shares and the compute seconds per step behind them."""
+    `batch_rebalanced` event with the shares and the compute seconds per step behind them; an
+    uneven split during an epoch leased pinned leases the rest of it from one shared queue (the
+    next epochs too, while it stays uneven)."""
     if not ctl.strategy.get("balance"):
         return
     members = sorted(ctl.group.members)
@@ -223,11 +224,10 @@ def note_balance(ctl: "Controller", seg: EpochSegment) -> None:
     ctl.batch_shares = shares
     if shares == before:
         return
-    compute = [row.get("compute_s") or 0.0 for row in rows]
-    speeds = [b / c if c > 0 else 0.0 for b, c in zip(before, compute)]  # measured at (mostly) the old shares
-    gain = {"predicted_step_s_before": round(step_time(before, speeds), 5),
-            "predicted_step_s_after": round(step_time(shares, speeds), 5)} if all(speeds) else {}
-    ctl.report.event("batch_rebalanced", epoch=seg.epoch, step=max(row.get("step", 0) for row in rows), **gain,
+    if ctl.pinned and len(set(shares)) > 1 and seg.begun and not ctl.pause.closed:
+        ctl.server.call("pause", False, share=True)  # uneven shares: the rest of the epoch from one queue
+        ctl.pinned = False
+    ctl.report.event("batch_rebalanced", epoch=seg.epoch, step=max(row.get("step", 0) for row in rows),
                      shares={str(r): s for r, s in zip(members, shares)},
                      shares_before={str(r): s for r, s in zip(members, before)},
                      compute_s_by_rank={str(r): row.get("compute_s") for r, row in zip(members, rows)},

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import statistics
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -226,6 +227,8 @@ def simulate(cfg: Any, replicas: list[int], stragglers: Stragglers, run: Optiona
              cores: Optional[float] = None, period: Optional[int] = None) -> tuple[Calibration, list[Prediction]]:
     cal = calibration(cfg, run, bandwidth_gbps, latency_us, cores)
     st = cfg.strategy
+    if st.compression != "none":  # allreduce's gradients travel in half precision
+        cal = replace(cal, allreduce_bytes_per_param=2, source=f"{cal.source}; all-reduce in {st.compression}")
     shape = ModeShape(period=period or st.tau, shards=cfg.scaling.shards, n_push=st.n_push, n_fetch=st.n_fetch)
     return cal, table(replicas, cal, stragglers, shape)
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import math
 import time
+
+import numpy as np
 from typing import TYPE_CHECKING, Any, Optional
 
 from orchestrator import reconfigure
@@ -154,6 +156,15 @@ class Switching(Change):
         if self.translated:
             ctl.report.say(f"entering {self.new_spec.name}: {self.translated}")
         self.carried = group.call(ranks, "set_mode", self.new_strategy, self.old_spec.sharded, what="set mode")
+        if self.new_spec.process_group and any(c["local_optimizer"] == "carried" for c in self.carried):
+            # into allreduce: every replica must take the same step, so the momentum each kept
+            # in the other mode is averaged once, as the parameters were (at the center)
+            buffers = group.call(ranks, "momentum", what="momentum")
+            kept = [b for b in buffers if b is not None]
+            if len(kept) == len(ranks):
+                mean = np.mean(np.stack(kept), axis=0).astype(kept[0].dtype)
+                group.call(ranks, "set_momentum", mean, what="momentum")
+                self.carried = [{**c, "local_optimizer": "carried, averaged"} for c in self.carried]
         group.set_strategy(self.new_strategy)
         ctl.set_strategy(self.new_strategy)
         if rollback is not None:  # the model from before the switch it undoes, at each replica's own step

@@ -81,6 +81,9 @@ class GradientBuckets:
     local_norm2: float = 0.0
     tail: int = SLOTS  # floats at the end of the first bucket that are not gradients
     summed_norm2_last: float = 0.0  # measure: the last step's summed gradient's squared norm (0: none)
+    compress: Optional[torch.dtype] = None  # strategy.compression: gradients travel in this dtype
+    scale: float = 1.0  # compress: gradients are sent divided by this (the global batch: fp16's range)
+    _low: list[Any] = field(default_factory=list)  # compress: per bucket, (the low-precision copy, its tail)
     _pending: list[int] = field(default_factory=list)
     _handles: list[Any] = field(default_factory=list)
     _started: list[bool] = field(default_factory=list)
@@ -135,6 +138,7 @@ class GradientBuckets:
         self.local_norm2 = self.summed_norm2_last = 0.0
         self._pending = list(self.members)
         self._handles = [None] * len(self.buffers)
+        self._low = [None] * len(self.buffers)
         self._started = [False] * len(self.buffers)
 
     def _grad_ready(self, b: int) -> None:
@@ -149,7 +153,16 @@ class GradientBuckets:
         if self.measure:  # this replica's own gradient, before the sum overwrites it
             grads = self.buffers[b][: -self.tail] if b == 0 else self.buffers[b]
             self.local_norm2 += float(grads.dot(grads))
-        self._handles[b] = self.reducer.start(self.buffers[b])
+        if self.compress is None:
+            self._handles[b] = self.reducer.start(self.buffers[b])
+            return
+        # compressed: the gradients in the low dtype, scaled into its range; the first bucket's
+        # tail (loss sums, rows, flags, figures) stays float32 and travels on its own
+        grads = self.buffers[b][: -self.tail] if b == 0 else self.buffers[b]
+        low = (grads / self.scale).to(self.compress)
+        tail = self.buffers[b][-self.tail:] if b == 0 else None
+        self._low[b] = (low, tail)
+        self._handles[b] = (self.reducer.start(low), self.reducer.start(tail) if tail is not None else None)
 
     def finish_step(self) -> None:
         """Start buckets whose hooks never fired (unused parameters, an empty step), wait for
@@ -157,8 +170,16 @@ class GradientBuckets:
         for b, started in enumerate(self._started):
             if not started:
                 self._start(b)
-        for h in self._handles:
-            self.reducer.wait(h)
+        for b, h in enumerate(self._handles):
+            if self.compress is None:
+                self.reducer.wait(h)
+                continue
+            self.reducer.wait(h[0])
+            if h[1] is not None:
+                self.reducer.wait(h[1])
+            low, _ = self._low[b]
+            grads = self.buffers[b][: -self.tail] if b == 0 else self.buffers[b]
+            grads.copy_(low.to(grads.dtype)).mul_(self.scale)
         self.reducer = None
 
     @property
@@ -297,19 +318,27 @@ class StepFigures:
         self.mine = (0.0, 0.0)
 
 
+COMPRESSION = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 class AllReduceWorker:
     """The replica-side loop body for allreduce, in the shape every mode's worker has.
     `balance`: load-balanced batch shares (policies/balance.py: window, min_share, max_share);
-    `batch_share` is then the rows this replica's next batches should have."""
+    `batch_share` is then the rows this replica's next batches should have. `compression`:
+    "fp16" or "bf16": each bucket's gradients are summed in that dtype (half the bytes),
+    divided by the global batch (replicas x `batch` rows) on the way in and multiplied back on
+    the way out, so fp16's range holds a summed gradient; the first bucket's tail of loss
+    sums, rows and figures is summed in float32 on its own."""
 
     lock_step = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: int,
                  reducer: Reducer, task: Optional[Task] = None, batch: int = 0,
-                 balance: Optional[dict[str, Any]] = None) -> None:
+                 balance: Optional[dict[str, Any]] = None, compression: str = "none") -> None:
         self.model, self.optimizer, self.task = model, optimizer, task or Classification()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.bucket_bytes, self.batch, self.balance = bucket_bytes, batch, balance
+        self.compress = COMPRESSION[compression]
         self.reducer = reducer
         self.buffer_sync = BufferSync(model)
         self.group: Optional[tuple[int, int]] = None
@@ -328,6 +357,7 @@ class AllReduceWorker:
         self.buckets.detach()
         self.buckets = GradientBuckets.attach(self.params, self.bucket_bytes, figure_slots(world))
         self.buckets.measure = True
+        self.buckets.compress, self.buckets.scale = self.compress, float(max(1, self.batch * world))
         balancer = None
         if self.balance is not None and self.batch and world > 1:
             balancer = BatchBalancer(world, self.batch, int(self.balance["window"]), float(self.balance["min_share"]),

@@ -17,7 +17,9 @@ between two collectives: loading its batch, forward and backward, a deliberate s
 sleep) and its rows, summed over a window of `window` steps. Every replica sees every replica's
 figures (they ride in the all-reduce, policies/allreduce.py), so every replica computes the same
 shares and takes its own without any other message. A new split is taken only when some share
-moves by more than `tolerance` of B, so noise does not churn it.
+moves by more than `tolerance` of B, and a split within `tolerance` of B everywhere is taken as
+the even one, so noise neither churns the split nor leaves it uneven (an even split leases its
+partitions as plain allreduce does: pinned).
 """
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ class BatchBalancer:
     window: int = 8
     min_share: float = 0.25
     max_share: float = 4.0
-    tolerance: float = 0.05
+    tolerance: float = 0.1
     shares: list[int] = field(default_factory=list)
     _rows: list[float] = field(default_factory=list)
     _busy: list[float] = field(default_factory=list)
@@ -109,7 +111,11 @@ class BatchBalancer:
         self.known = [v if v > 0 else old for v, old in zip(self.speeds(), self.known)]
         self._reset()
         new = split(self.batch, self.known, self.min_share, self.max_share)
-        if max(abs(a - b) for a, b in zip(new, self.shares)) <= self.tolerance * self.batch:
+        band = self.tolerance * self.batch
+        if max(abs(a - self.batch) for a in new) <= band:
+            new = [self.batch] * self.world  # near even is even: the split the run started with
+        if new == self.shares or (max(abs(a - b) for a, b in zip(new, self.shares)) <= band
+                                  and new != [self.batch] * self.world):
             return None
         self.shares = new
         return new

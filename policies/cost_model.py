@@ -51,6 +51,7 @@ class Calibration:
     beta_s_per_byte: float  # seconds per byte on a replica's link
     cores: Optional[float] = None  # replicas the hosts run at full speed (None: as many as asked)
     source: str = ""  # where the figures came from (a calibration here, a run, flags)
+    allreduce_bytes_per_param: int = BYTES_PER_PARAM  # 2 with strategy.compression fp16 / bf16
 
     @property
     def model_bytes(self) -> int:
@@ -150,7 +151,7 @@ def max_compute(cal: Calibration, n: int, s: Stragglers, block: int = 1) -> floa
 def ring_allreduce_s(cal: Calibration, n: int) -> float:
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) / n * cal.model_bytes * cal.beta_s_per_byte + 2 * (n - 1) * cal.alpha_s
+    return 2 * (n - 1) / n * cal.params * cal.allreduce_bytes_per_param * cal.beta_s_per_byte + 2 * (n - 1) * cal.alpha_s
 
 
 def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),

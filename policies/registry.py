@@ -8,7 +8,7 @@ and the replicas never branch on a mode's name:
   failure interrupts every member and the group is re-formed before anyone steps again; in the
   other modes the survivors keep stepping while a replacement joins;
 - `pinned`: partitions are each replica's own (one grant call per epoch) rather than shared
-  (`leases_pinned(strategy)`: not when strategy.balance splits the batch by speed);
+  (`leases_pinned(strategy, shares)`: not while strategy.balance splits the batch unevenly);
 - `process_group`: the replicas form a torch.distributed process group;
 - `server_optimizer(optimizer_name)`: what the shards apply;
 - `build_worker(...)`: the update rule (policies/<mode>.py) wired to a replica's transport;
@@ -55,10 +55,11 @@ class ModeSpec:
     shard_metrics: Callable[[Any], dict[str, float]] = lambda shards: {}
     global_batch: bool = False  # one update from every replica's batch: the rate follows replicas x batch
 
-    def leases_pinned(self, strategy: dict[str, Any]) -> bool:
-        """Pinned leasing, unless the strategy balances the batch (strategy.balance: a faster
-        replica reads more partitions, from one shared queue)."""
-        return self.pinned and not strategy.get("balance")
+    def leases_pinned(self, strategy: dict[str, Any], shares: Optional[list[int]] = None) -> bool:
+        """Pinned leasing, unless the strategy balances the batch (strategy.balance) and the
+        replicas' `shares` of it are uneven: then a faster replica reads more partitions, from
+        one shared queue."""
+        return self.pinned and (not strategy.get("balance") or not shares or len(set(shares)) == 1)
 
 
 def _allreduce_worker(model, flat, cfg, rank, world, transport):
@@ -68,7 +69,8 @@ def _allreduce_worker(model, flat, cfg, rank, world, transport):
     balance = ({"window": s["balance_window"], "min_share": s["balance_min_share"], "max_share": s["balance_max_share"]}
                if s.get("balance") else None)
     return AllReduceWorker(model, optimizer, int(s["bucket_mb"] * 2**20), transport.reducer, transport.task,
-                           batch=int(cfg["data"]["batch_size"]), balance=balance)
+                           batch=int(cfg["data"]["batch_size"]), balance=balance,
+                           compression=s.get("compression", "none"))
 
 
 def _downpour_worker(model, flat, cfg, rank, world, transport):

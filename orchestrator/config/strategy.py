@@ -10,7 +10,7 @@ from orchestrator.config.sections import Section
 
 
 MODE_OPTIONS = {
-    "allreduce": ("bucket_mb", "balance"),
+    "allreduce": ("bucket_mb", "balance", "compression"),
     "downpour": ("n_fetch", "n_push", "max_in_flight", "max_staleness", "staleness_lr", "warmstart_steps"),
     "easgd": ("tau", "alpha", "variant", "momentum"),
 }
@@ -39,6 +39,8 @@ class PhaseConfig(Section):
     optimizer: Optional[PhaseOptimizer] = Field(None, description="This phase's optimizer.* overrides.")
     bucket_mb: Optional[float] = Field(None, gt=0, description="allreduce: as strategy.bucket_mb.")
     balance: Optional[bool] = Field(None, description="allreduce: as strategy.balance.")
+    compression: Optional[Literal["none", "fp16", "bf16"]] = Field(None, description="allreduce: as "
+                                                                   "strategy.compression.")
     n_fetch: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_fetch.")
     n_push: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_push.")
     max_in_flight: Optional[int] = Field(None, ge=1, description="downpour: as strategy.max_in_flight.")
@@ -129,8 +131,15 @@ class StrategyConfig(Section):
     balance: bool = Field(
         False, description="allreduce: load-balanced batch shares. Each replica's share of the global batch "
         "(replicas x data.batch_size rows a step) follows its measured speed, so a slow replica takes fewer rows and "
-        "nobody waits; the update is still the mean gradient over the step's rows. Partitions are then leased from "
-        "one shared queue (a fast replica reads more of them). See docs/modes.md."
+        "nobody waits; the update is still the mean gradient over the step's rows. While the split is uneven, partitions are leased "
+        "from one shared queue (a fast replica reads more of them); an even split runs as plain allreduce. See "
+        "docs/modes.md."
+    )
+    compression: Literal["none", "fp16", "bf16"] = Field(
+        "none", description="allreduce: the dtype gradients are summed in. fp16 or bf16 halve the bytes each "
+        "all-reduce sends (gradients scaled by the global batch on the way, so fp16's range holds them; the "
+        "loss sums and rows stay float32); worth it where the link, not compute, bounds the step "
+        "(`orchestrator simulate` says where). See docs/modes.md."
     )
     balance_window: int = Field(8, ge=1, description="allreduce with balance: steps of measurements behind each new "
                                 "split of the batch.")

@@ -220,3 +220,34 @@ def test_a_run_that_stops_at_the_rollback_ends_with_the_model_from_before_the_sw
     first, back = events(result, "mode_switch")
     assert back["rule"] == "rollback" and result.epochs == 3 and "epochs" in result.stop_reason
     assert result.final.test_accuracy == first["test_accuracy_before"] == back["test_accuracy_after"]
+
+
+def test_local_momentum_is_carried_into_easgd_and_averaged_on_the_way_back_to_allreduce(ray_cluster):
+    ctl = controller([{"mode": "allreduce", "until": {"epochs": 1}},
+                      {"mode": "easgd", "tau": 2, "momentum": 0.9, "until": {"epochs": 1}}, {"mode": "allreduce"}],
+                     optimizer={"lr": 0.05, "momentum": 0.9})
+    try:
+        ctl.step()
+        ctl.run_epoch()
+        before = ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)
+        np.testing.assert_array_equal(before[0], before[1])  # allreduce: the same momentum everywhere
+        assert np.abs(before[0]).sum() > 0
+        assert isinstance(ctl.step(), Reconfiguring) and isinstance(ctl.step(), Running)
+        carried = ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)
+        for m in carried:
+            np.testing.assert_array_equal(m, before[0])  # into easgd's local optimizer as it was
+
+        ctl.run_epoch()  # one epoch of elastic averaging: each replica's momentum its own
+        apart = ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)
+        assert not np.array_equal(apart[0], apart[1])
+        assert isinstance(ctl.step(), Reconfiguring) and isinstance(ctl.step(), Running)
+        back = ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)
+        for m in back:
+            np.testing.assert_allclose(m, (apart[0] + apart[1]) / 2, rtol=1e-6, atol=1e-7)
+        ctl.run_epoch()  # allreduce steps on from the same parameters and the same momentum
+        flats = replica_flats(ctl)
+        np.testing.assert_array_equal(flats[0], flats[1])
+        switches = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
+        assert [e["local_optimizer"] for e in switches] == [["carried"], ["carried, averaged"]]
+    finally:
+        ctl.shutdown()

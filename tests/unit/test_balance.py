@@ -62,6 +62,14 @@ def test_balanced_step_time_with_one_replica_three_times_slower():
     assert balanced == pytest.approx(even / 2)
 
 
+def test_near_even_is_even_and_small_moves_are_not_taken():
+    bal = BatchBalancer(world=2, batch=64, window=1, tolerance=0.1)
+    assert bal.observe([64, 64], [0.0100, 0.0108]) is None  # 8% apart: even stays even
+    assert bal.observe([64, 64], [0.010, 0.030]) == [96, 32]
+    assert bal.observe([96, 32], [0.0150, 0.0140]) is None  # a move of 3 rows: kept as it is
+    assert bal.observe([96, 32], [0.010, 0.0032]) == [64, 64]  # back within the band of even: even again
+
+
 def test_the_balancer_decides_once_per_window_and_ignores_noise():
     bal = BatchBalancer(world=2, batch=64, window=4, tolerance=0.05)
     for _ in range(3):
@@ -156,3 +164,27 @@ def test_the_figures_report_waiting_and_gradient_diversity():
     assert all(w is not None and w > 0.01 for w in waits)  # replica 0 waited for replica 1 each step
     assert all(s["wait_s"] is not None and s["wait_s"] < 0.01 for s in seen[1][2:])
     assert all(s["spread"] > 1.5 for s in seen[0][2:])
+
+
+@pytest.mark.parametrize("compression,tol", [("fp16", 2e-3), ("bf16", 2e-2)])
+def test_compressed_gradients_stay_close_to_the_float32_step_and_identical_across_replicas(compression, tol):
+    """strategy.compression: the same steps as the one-process reference up to the dtype's
+    precision; every replica still holds exactly the same parameters."""
+    torch.manual_seed(4)
+    steps = [[(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(2)] for _ in range(6)]
+    models = [make() for _ in range(2)]
+    reducer = ThreadSum(2)
+
+    def replica(rank):
+        m, opt = models[rank]
+        worker = AllReduceWorker(m, opt, 256, reducer.for_rank(rank), batch=16, compression=compression)
+        for i, step in enumerate(steps):
+            result = worker.step(*step[rank], more=i < len(steps) - 1)
+            assert result.rows == 32  # the tail (rows, loss sums) travels in float32
+        worker.end_epoch()
+
+    run_replicas(2, replica)
+    ref, _ = reference_training(steps)
+    assert torch.equal(flat(models[0][0]), flat(models[1][0]))
+    diff = (flat(models[0][0]) - flat(ref)).abs().max()
+    assert 0 < diff < tol * flat(ref).abs().max()  # rounded (not exact), but close

@@ -93,3 +93,12 @@ def test_bad_stragglers_and_modes_are_refused():
         Stragglers(factor=0.5)
     with pytest.raises(ValueError):
         predict("hogwild", 2, CAL)
+
+
+def test_half_precision_halves_the_ring_all_reduce_bandwidth_term():
+    from dataclasses import replace
+
+    from policies.cost_model import Calibration, ring_allreduce_s
+
+    cal = Calibration(params=1_000_000, batch=64, compute_s=0.01, alpha_s=0.0, beta_s_per_byte=1e-9)
+    assert ring_allreduce_s(replace(cal, allreduce_bytes_per_param=2), 4) == pytest.approx(ring_allreduce_s(cal, 4) / 2)
