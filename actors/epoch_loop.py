@@ -93,7 +93,7 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
             win.add(figures)
         share = getattr(self.worker, "batch_share", None)
         self.reader.batch_size = share or base_batch  # load-balanced allreduce: this replica's share of the batch
-        self.reader.even_batches = share is not None and share != base_batch
+        self.reader.span = share is not None and share != base_batch
         cur["pending"], cur["following"] = following, _UNREAD
         if lock_step and pause:
             cur["pending"] = _FETCH

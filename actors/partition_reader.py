@@ -135,7 +135,7 @@ class PartitionReader:
                  shuffle: bool, device: torch.device, timeout_s: float, read_ahead: int = 2):
         self.where = server if isinstance(server, ServerAddress) else ServerAddress(server)
         self.rank, self.batch_size, self.shuffle = rank, batch_size, shuffle
-        self.even_batches = False
+        self.span = False  # a partition's short last batch is completed from the next partition
         self.caller, self.calls = uuid.uuid4().hex[:12], 0  # every grant call carries a unique id
         self.device, self.timeout_s = device, timeout_s
         self.source = (StreamedPartitions(refs, read_ahead, timeout_s) if isinstance(refs, StreamPlan)
@@ -237,23 +237,35 @@ class PartitionReader:
         positions in the partition, the partition's columns; `part["ids"][positions]` are the
         row ids). The partitions read whole are listed in `self.read` when the pass ends."""
         self.read = []
+        carry = None  # span: a partition's last rows, waiting to be joined by the next one's first
         for item in self.partitions(first):
             if is_pause(item):
+                if carry is not None:  # the switch comes at this boundary: the rows go first
+                    yield carry
+                    carry = None
                 yield PAUSE
                 continue
             lease, part = item
-            for x, y, idx in self.batches(lease, part):
-                yield x, y, idx, part
+            short = self.batch_size - batch_rows(carry[1]) if carry is not None else None
+            for x, y, idx in self.batches(lease, part, short):
+                if carry is not None:  # the first batch of this partition completes the carried rows
+                    x, y, idx, part_ids = joined(carry, (x, y, idx, part))
+                    carry = None
+                    yield x, y, idx, part_ids
+                elif self.span and batch_rows(y) < self.batch_size:  # the rest: carried into the next
+                    carry = (x, y, idx, part)
+                else:
+                    yield x, y, idx, part
             self.read.append(lease["partition"])
+        if carry is not None:
+            yield carry
 
-    def batches(self, lease: dict, part: dict) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def batches(self, lease: dict, part: dict, first: Optional[int] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """One partition in this epoch's in-partition order, cut into batches of batch_size
         with a short last batch: every row exactly once. batch_size is read again for every
-        batch (a load-balanced allreduce changes it as the replicas' speeds move). Yields (x, y,
-        row positions in the partition). `even_batches` (a load-balanced allreduce): the rest
-        of the partition is cut into near-equal batches, the number nearest to what batch_size
-        gives, rather than full ones and a short last one: a step then trains about the rows
-        the balance asked for, not a partition's remainder."""
+        batch (a load-balanced allreduce changes it as the replicas' speeds move); `first`: the
+        size of the first batch (the rows a carried remainder still needs, `span`). Yields (x,
+        y, row positions in the partition)."""
         x, y = as_tensors(part["x"]), as_tensors(part["y"])
         rows = batch_rows(y)
         order = (torch.from_numpy(np.random.default_rng(lease["seed"]).permutation(rows)) if self.shuffle
@@ -261,13 +273,24 @@ class PartitionReader:
         cpu = self.device.type == "cpu"
         at = 0
         while at < rows:
-            size = self.batch_size
-            if self.even_batches:  # the rest in near-equal batches as close to batch_size as can be
-                left = rows - at
-                size = -(-left // max(1, round(left / size)))
+            size = first if at == 0 and first else self.batch_size
             idx = order[at : at + size]
             at += len(idx)
             if cpu:  # index_select gathers rows ~2.5x faster than x[idx] advanced indexing on CPU
                 yield take(x, idx), take(y, idx), idx
             else:  # GPU: pinned host batches, copied asynchronously
                 yield to_device(take(x, idx), self.device, pin=True), to_device(take(y, idx), self.device, pin=True), idx
+
+
+def joined(carry: tuple, batch: tuple) -> tuple:
+    """A carried remainder and the next partition's first batch as one batch: (x, y, positions
+    0..n-1, {"ids": the rows' ids}) (the ids of a joined batch are listed whole, as a trace
+    reads them: part["ids"][positions])."""
+    (cx, cy, cidx, cpart), (x, y, idx, part) = carry, batch
+    cat = lambda a, b: ({k: torch.cat([a[k], b[k]]) for k in a} if isinstance(a, dict)  # noqa: E731
+                         else torch.cat([a, b]))
+    x, y = cat(cx, x), cat(cy, y)
+    if cpart.get("ids") is None or part.get("ids") is None:
+        return x, y, torch.arange(batch_rows(y)), {}
+    ids = np.concatenate([np.asarray(cpart["ids"])[cidx.numpy()], np.asarray(part["ids"])[idx.numpy()]])
+    return x, y, torch.arange(len(ids)), {"ids": ids}

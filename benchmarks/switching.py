@@ -15,7 +15,7 @@ ElasticTrainer(cfg).fit() (real Ray actors, shards, gloo groups; MLflow in a tem
     under the aim.
 (b) First T0: allreduce's training seconds to 97% with no straggler (examples/mnist_allreduce.yaml).
     Then replica 1 is slowed 3x (faults.slow_replicas factor 3: after each step it sleeps twice
-    that step's duration) from T0/3 to 2*T0/3 seconds after training starts, the middle third of a
+    that step's compute; before commit 44c106b, twice its whole duration, waiting included) from T0/3 to 2*T0/3 seconds after training starts, the middle third of a
     straggler-free run, in each of:
       allreduce  examples/mnist_allreduce.yaml
       downpour   examples/mnist_downpour.yaml
