@@ -58,22 +58,15 @@ SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)
 
 
 def ours(side: str, tmp: str, replicas: int, seed: int, slow: Optional[dict]) -> dict[str, Any]:
-    import yaml
-
-    from orchestrator.config import JobConfig
     from orchestrator.trainer import ElasticTrainer
-    from common import REPO
+    from switching import config  # the same base overrides (temp MLflow store, progress rows, 32 partitions)
 
     example, extra = OURS[side]
-    with open(os.path.join(REPO, "examples", example), encoding="utf-8") as f:
-        raw = yaml.safe_load(f)
-    overrides = [f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"checkpoint.storage={tmp}/ck",
-                 "tracking.experiment=bench-time-to-accuracy", "tracking.progress_interval_s=0.25",
-                 "tracking.log_every_steps=2", f"data.partitions={PARTITIONS}", f"data.seed={seed}",
+    overrides = ["tracking.experiment=bench-time-to-accuracy", f"data.partitions={PARTITIONS}", f"data.seed={seed}",
                  f"scaling.replicas={replicas}", f"stop.epochs={EPOCHS}", f"stop.target_accuracy={TARGET}",
                  "stop.at_target=true", f"faults.slow_replicas={json.dumps([slow] if slow else [])}", *extra]
     try:
-        r = ElasticTrainer(JobConfig.from_dict(raw, overrides), show_progress=False).fit()
+        r = ElasticTrainer(config(example, tmp, overrides), show_progress=False).fit()
     except Exception as exc:  # noqa: BLE001
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=6)}
     t = r.time_to_target_s

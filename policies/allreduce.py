@@ -151,15 +151,14 @@ class GradientBuckets:
     def _start(self, b: int) -> None:
         self._started[b] = True
         if self.measure:  # this replica's own gradient, before the sum overwrites it
-            grads = self.buffers[b][: -self.tail] if b == 0 else self.buffers[b]
+            grads = self.gradients(b)
             self.local_norm2 += float(grads.dot(grads))
         if self.compress is None:
             self._handles[b] = self.reducer.start(self.buffers[b])
             return
         # compressed: the gradients in the low dtype, scaled into its range; the first bucket's
         # tail (loss sums, rows, flags, figures) stays float32 and travels on its own
-        grads = self.buffers[b][: -self.tail] if b == 0 else self.buffers[b]
-        low = (grads / self.scale).to(self.compress)
+        low = (self.gradients(b) / self.scale).to(self.compress)
         tail = self.buffers[b][-self.tail:] if b == 0 else None
         self._low[b] = (low, tail)
         self._handles[b] = (self.reducer.start(low), self.reducer.start(tail) if tail is not None else None)
@@ -178,7 +177,7 @@ class GradientBuckets:
             if h[1] is not None:
                 self.reducer.wait(h[1])
             low, _ = self._low[b]
-            grads = self.buffers[b][: -self.tail] if b == 0 else self.buffers[b]
+            grads = self.gradients(b)
             grads.copy_(low.to(grads.dtype)).mul_(self.scale)
         self.reducer = None
 
@@ -188,7 +187,11 @@ class GradientBuckets:
 
     def summed_norm2(self) -> float:
         """Squared norm of the summed gradient (after the reduction, before the division)."""
-        return sum(float(g.dot(g)) for g in [self.buffers[0][: -self.tail], *self.buffers[1:]])
+        return sum(float(g.dot(g)) for g in map(self.gradients, range(len(self.buffers))))
+
+    def gradients(self, b: int) -> torch.Tensor:
+        """Bucket `b`'s gradients: the buffer, less the first bucket's tail of slots and figures."""
+        return self.buffers[b][: -self.tail] if b == 0 else self.buffers[b]
 
 
 class BufferSync:

@@ -91,3 +91,28 @@ def test_without_balance_the_slowed_replica_makes_the_other_wait_and_the_figures
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     for key in ("replica0/wait_s", "replica1/compute_s", "replica0/comm_s", "gradient_diversity", "busy_spread"):
         assert client.get_metric_history(result.mlflow_run_id, key), key
+
+
+def test_a_killed_replica_in_a_balanced_run_is_replaced_and_the_epochs_complete(ray_cluster, tmp_path):
+    """SIGKILL of the fast replica (the one holding most of the rows) while the split is uneven:
+    it is replaced, the run completes its epochs, the next epoch trains every row once, and the
+    run goes on balancing."""
+    from orchestrator.chaos import Fault
+    from orchestrator.trainer import ElasticTrainer
+    from tests.integration.test_recovery_ray import events, fit_with
+
+    cfg = job_config(scaling={"replicas": 2, "cpus_per_replica": 0.5}, data={"batch_size": 16, "partitions": 16},
+                     strategy={"timeout_s": 30, "balance": True, "balance_window": 2},
+                     tracking={"log_every_steps": 2, "progress_interval_s": 0},
+                     faults={"slow_replicas": [{"rank": 1, "factor": 6}]}, stop={"epochs": 2},
+                     checkpoint={"storage": str(tmp_path / "ck")})
+    result, inj, _, _ = fit_with(cfg, [Fault("kill_replica", 0, at_step=30)])
+    assert inj.fired and result.epochs == 2
+    [replaced] = events(result, "replica_replaced")
+    assert replaced["ranks"] == [0]
+    n_train = len(ElasticTrainer(cfg).check().train)
+    # the epoch of the kill counts only the rows whose replica reported them (the dead one's are
+    # not counted); the epoch after it trains every row once
+    assert result.rows_per_epoch[1] == n_train
+    assert events(result, "batch_rebalanced")
+    assert result.final.test_accuracy > 0.9
