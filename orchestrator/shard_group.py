@@ -107,6 +107,14 @@ class ShardGroup:
             self._keep_snapshot(slot, version, snap_ref, now)
         return versions
 
+    def snapshot_soon(self) -> None:
+        """Start a snapshot of every live shard now, without waiting (poll() keeps it when it
+        completes); one already pending is superseded."""
+        now = time.monotonic()
+        for slot in self._slots:
+            if slot.state == "up":
+                slot.pending_snapshot, slot.last_snapshot_at = tuple(slot.handle.snapshot.remote()), now
+
     def _keep_snapshot(self, slot: _Slot, version: int, snap_ref, now: float) -> None:
         slot.snapshot_ref, slot.snapshot_version = snap_ref, version
         slot.pending_snapshot, slot.last_snapshot_at = None, now
@@ -261,8 +269,12 @@ class ShardGroup:
         return out
 
     def forget_replica(self, rank: int, timeout_s: float = 10.0, wait: bool = True) -> None:
-        """A replica died: no shard's staleness clock waits for `rank` again (kept across rebuilds)."""
+        """A replica died: no shard's staleness clock waits for `rank` again (kept across rebuilds),
+        and every shard is snapshotted now. The replica's replay log died with it, so the updates
+        it had acknowledged since the last snapshot live only in the shards until the next one:
+        a shard dying in that window would lose them."""
         self._membership[rank] = None
+        self.snapshot_soon()
         if wait:
             self._all("forget_replica", rank, timeout_s=timeout_s)
         else:

@@ -35,7 +35,7 @@ def test_replica_and_shard_kills_do_not_stop_the_run(ray_cluster, tmp_path, mode
     if mode != "allreduce":
         [rebuilt] = [e for e in result.events if e["kind"] == "shard_rebuilt"]
         assert rebuilt["shard"] == 0 and rebuilt["replayed_updates"] + rebuilt["resent_updates"] > 0
-        assert rebuilt["lost_updates"] == 0  # every acknowledged update replayed or re-sent
+        assert rebuilt["lost_updates"] == 0, (rebuilt, [(e["kind"], e.get("rank", e.get("ranks"))) for e in result.events])  # every acknowledged update replayed or re-sent
 
 
 def compound_config(tmp_path, mode, *overrides):

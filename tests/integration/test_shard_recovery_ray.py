@@ -205,3 +205,36 @@ def test_a_shard_dying_during_a_sync_round_interrupts_it(ray_cluster):
         assert events[0]["lost_updates"] == 0
     finally:
         group.shutdown()
+
+
+def test_updates_of_a_replica_that_died_survive_a_shard_dying_next(ray_cluster):
+    """Replica 0 pushes, its updates are acknowledged, and it dies (its replay log with it);
+    then a shard dies before its periodic snapshot. The driver snapshots every shard when it
+    learns of the replica's death, so the rebuilt shard still holds replica 0's updates."""
+    group = make_group(snapshot_every_s=3600.0, settle_s=2.0)  # only the snapshot a death triggers
+    initial = group.values()
+    events: list[dict] = []
+    try:
+        client = RayShardClient(group.directory(), 2, 30.0)
+        rng = np.random.default_rng(7)
+        versions = client.pull(torch.zeros(NUMEL))
+        applied = np.zeros(NUMEL, dtype=np.float32)
+        for step in range(5):
+            g = torch.from_numpy(rng.standard_normal(NUMEL).astype(np.float32))
+            client.push(g, versions, 0, step + 1, False)
+            applied -= LR * g.numpy()
+        client.drain()
+        del client  # replica 0's process is gone, and its log with it
+        group.forget_replica(0)
+        poll_until(group, lambda: all(s.snapshot_version == 5 for s in group._slots), 30, events)
+        kill_process(group.handles[0])
+        survivor = RayShardClient(group.directory(), 2, 30.0)
+        poll_until(group, lambda: group.rebuilds == 1 and group._slots[0].state == "up", 30, events)
+        survivor.pull(torch.zeros(NUMEL))  # reconnects to the rebuilt shard
+        poll_until(group, lambda: any(e["kind"] == "shard_rebuilt" for e in events), 15, events)
+        final = group.values()
+    finally:
+        group.shutdown()
+    (event,) = events
+    assert event["shard"] == 0 and event["lost_updates"] == 0 and event["snapshot_version"] == 5, event
+    np.testing.assert_allclose(final, initial + applied, rtol=1e-5, atol=1e-6)
