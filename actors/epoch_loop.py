@@ -37,6 +37,10 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
     group first, so peers are not left waiting."""
     self.model.train()
     cur = self.cursor if resume and self.cursor is not None and self.cursor["epoch"] == epoch else None
+    base_batch = int(self.cfg["data"]["batch_size"])
+    share = getattr(self.worker, "batch_share", None)
+    self.reader.batch_size = share or base_batch  # load-balanced allreduce: this replica's share of the batch
+    self.reader.span = share is not None and share != base_batch
     if cur is None:
         batches = self.reader.epoch_batches(first_grant)
         cur = self.cursor = {"epoch": epoch, "batches": batches, "pending": next(batches, None),
@@ -46,7 +50,6 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
     window, rows = 0, []
     win_compute, win_comm, win_real = 0.0, 0.0, 0  # this progress window: compute and wait seconds, real steps
     win = StepWindow()  # this progress window's per-step figures (allreduce: waiting, spread, diversity)
-    base_batch = self.reader.batch_size = int(self.cfg["data"]["batch_size"])
     send_every = float(self.cfg["tracking"]["progress_interval_s"])
     lock_step = self.worker.lock_step
     while True:

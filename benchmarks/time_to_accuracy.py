@@ -33,7 +33,7 @@ Ratios (medians over repetitions; above 1: the first side is faster):
   <situation>:allreduce_vs_adaptive, <situation>:best_fixed_vs_adaptive,
   <situation>:ray_train_vs_<side>.
 
-    python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...]
+    python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...] [--sides SIDE,...]
 
 --quick: one repetition (seed 0) of `none` and `window`; without it three (seeds 0, 1, 2) of all four.
 """
@@ -108,13 +108,17 @@ def single(replicas: int, seed: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], extra=[("--only", {"default": None,
-                                                                   "help": "situations to run, comma-separated"})])
+    args = parse_args(__doc__.splitlines()[0], extra=[
+        ("--only", {"default": None, "help": "situations to run, comma-separated"}),
+        ("--sides", {"default": None, "help": "sides to run, comma-separated (default: all)"})])
     import ray
 
     reps = 1 if args.quick else 3
     wanted = args.only.split(",") if args.only else (["none", "window"] if args.quick else list(SITUATIONS))
-    sides = (*OURS, "ray_train", "single")
+    sides = tuple(args.sides.split(",")) if args.sides else (*OURS, "ray_train", "single")
+    unknown = set(sides) - {*OURS, "ray_train", "single"}
+    if unknown:
+        raise SystemExit(f"--sides: unknown {sorted(unknown)}; sides are {', '.join((*OURS, 'ray_train', 'single'))}")
     results: dict[str, Any] = {s: {side: [] for side in sides} for s in wanted}
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     try:

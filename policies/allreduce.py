@@ -262,7 +262,8 @@ def allreduce_step(
         for b in buckets.buffers:
             b.div_(rows)
         optimizer.step()
-    return StepResult(mean_loss, comm_s, int(rows), more_total > 0, pause_total > 0, figures=summed, ready_at=t0)
+    return StepResult(mean_loss, comm_s, int(rows), more_total > 0, pause_total > 0, figures=summed, ready_at=t0,
+                      with_more=int(round(more_total)))
 
 
 class StepFigures:
@@ -382,9 +383,21 @@ class AllReduceWorker:
         self.last = figs.observe(result.figures, started, batch_rows(y) if x is not None else 0, result.ready_at,
                                  synced_s, self.buckets)
         figs.t_free = time.perf_counter()
-        if self.last["shares"] is not None:
-            self.batch_share = self.last["shares"][figs.rank]
+        if figs.balancer is not None:
+            self.batch_share = self._share_after(figs, more, result.with_more)
         return result
+
+    def _share_after(self, figs: "StepFigures", more: bool, with_more: int) -> int:
+        """This replica's rows for its next batches: its share of the split, or at an uneven
+        split's tail (`with_more` < world replicas still have a batch, and this is one of them)
+        the global batch divided among those left, at most max_share x batch. The tail rule:
+        the rows left at an epoch's end (a partition or two of the slower replicas, since
+        partitions are leased whole) form global-batch steps rather than many small steps at
+        the full rate, which measurably slowed learning (docs/modes.md)."""
+        shares, world = figs.balancer.shares, figs.world
+        if more and 0 < with_more < world and len(set(shares)) > 1:
+            return min(world * self.batch // with_more, int(float(self.balance["max_share"]) * self.batch))
+        return shares[figs.rank]
 
     def release(self) -> None:
         self.buckets.detach()
@@ -392,6 +405,8 @@ class AllReduceWorker:
     def end_epoch(self) -> dict:
         if self.figures is not None:
             self.figures.end_segment()
+            if self.figures.balancer is not None:  # the next epoch starts at the split, not a tail's share
+                self.batch_share = self.figures.balancer.shares[self.figures.rank]
         if self.buffer_sync:  # every replica evaluates (and rank 0 checkpoints) rank 0's statistics
             self.buffer_sync.sync(self.reducer)
         return {}

@@ -35,6 +35,7 @@ class StepResult(NamedTuple):
     paused: bool = False  # lock-step workers: some replica was told to pause (a phase switch) after this step
     figures: Optional[list] = None  # allreduce: the step's summed figure slots (policies/allreduce.py StepFigures)
     ready_at: float = 0.0  # allreduce: when this replica's backward pass was done (time.perf_counter)
+    with_more: int = 0  # allreduce: how many replicas have another batch after this step
 
 
 def check_finite(loss: float) -> None:

@@ -130,6 +130,43 @@ def test_a_slow_replica_is_given_a_smaller_share_and_both_compute_the_same_split
     assert all(a + b == 32 for a, b in zip(shares[0], shares[1]))  # every replica computed the same split
 
 
+def test_at_an_uneven_splits_tail_the_replica_left_takes_the_global_batch():
+    """Shares 24 / 8 of a global batch of 32: replica 0 runs out first; from the step where it
+    says so, replica 1's share is the whole global batch (at most max_share x batch); the next
+    epoch starts at the split again. The steps stay the one-process steps on the union."""
+    torch.manual_seed(5)
+    data = {0: [(torch.randn(24, 8), torch.randint(0, 3, (24,))) for _ in range(2)],
+            1: [(torch.randn(n, 8), torch.randint(0, 3, (n,))) for n in (8, 8, 8, 32)]}
+    models = [make() for _ in range(2)]
+    reducer = ThreadSum(2)
+    shares = {0: [], 1: []}
+
+    def replica(rank):
+        m, opt = models[rank]
+        worker = AllReduceWorker(m, opt, 256, reducer.for_rank(rank), batch=16,
+                                 balance={"window": 100, "min_share": 0.25, "max_share": 4.0})
+        worker._fit_group()
+        worker.figures.balancer.shares = [24, 8]
+        batches = data[rank]
+        for i in range(4):
+            if i < len(batches):
+                worker.step(*batches[i], more=i < len(batches) - 1)
+            else:
+                worker.step(None, None, more=False)
+            shares[rank].append(worker.batch_share)
+        worker.end_epoch()
+        shares[rank].append(worker.batch_share)
+
+    run_replicas(2, replica)
+    # replica 0 said "no more" at its last step (the second): replica 1 takes 32 rows while it has more
+    assert shares[1] == [8, 32, 32, 8, 8] and shares[0] == [24] * 5
+    steps = [[data[0][i] if i < 2 else (torch.empty(0, 8), torch.empty(0, dtype=torch.long)), data[1][i]]
+             for i in range(4)]
+    ref, _ = reference_training(steps)
+    for m, _ in models:
+        assert torch.allclose(flat(m), flat(ref), atol=1e-6)
+
+
 def test_the_figures_report_waiting_and_gradient_diversity():
     """Replica 1 is slow: replica 0 waits for it. Diversity is sum_i |g_i|^2 / |sum_i g_i|^2
     of the step before, checked against gradients computed directly."""
