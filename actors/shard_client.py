@@ -242,15 +242,6 @@ class RayShardClient:
     def buffers(self) -> dict:
         return self._call(0, "buffers")
 
-    def reconnect(self) -> int:
-        """Ask every shard for its status, reconnecting to (and replaying into) any that was
-        rebuilt; returns how many were. A replica with nothing else to send calls this so its log
-        still reaches a rebuilt shard."""
-        before = self.reconnects
-        for i in range(len(self.handles)):
-            self._call(i, "status")
-        return self.reconnects - before
-
     # ---- recovery ------------------------------------------------------------------------
     def _get(self, i: int, handle, ref, method: str, *args):
         try:
