@@ -15,9 +15,7 @@ pytestmark = pytest.mark.ray
 
 @pytest.mark.parametrize("mode", ["allreduce", "downpour", "easgd"])
 def test_replica_and_shard_kills_do_not_stop_the_run(ray_cluster, tmp_path, mode):
-    cfg = JobConfig.from_yaml(f"examples/mnist_{mode}.yaml", [
-        "scaling.cpus_per_replica=0.5", "tracking.progress_interval_s=0", "tracking.log_every_steps=2",
-        f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint.storage={tmp_path}/ck"])
+    cfg = compound_config(tmp_path, mode)
     faults = [Fault("kill_replica", 1, at_step=30), Fault("kill_server", 0, at_step=45),
               Fault("kill_replica", 1, at_step=80)]
     if mode != "allreduce":
@@ -39,8 +37,11 @@ def test_replica_and_shard_kills_do_not_stop_the_run(ray_cluster, tmp_path, mode
 
 
 def compound_config(tmp_path, mode, *overrides):
+    """The example, with up to 30 epochs (the examples stop at 97%): downpour's test accuracy
+    plateaus at 0.96-0.975, so the epoch that first crosses 0.97 varies (6-7 is usual after the
+    faults here, and one run stayed below it to the example's 15)."""
     return JobConfig.from_yaml(f"examples/mnist_{mode}.yaml", [
-        "scaling.cpus_per_replica=0.5", "tracking.progress_interval_s=0", "tracking.log_every_steps=2",
+        "scaling.cpus_per_replica=0.5", "tracking.progress_interval_s=0", "tracking.log_every_steps=2", "stop.epochs=30",
         f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint.storage={tmp_path}/ck", *overrides])
 
 
