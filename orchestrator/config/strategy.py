@@ -146,7 +146,9 @@ class StrategyConfig(Section):
     balance_min_share: float = Field(0.25, gt=0, le=1, description="allreduce with balance: the smallest share a "
                                      "replica is given, as a fraction of data.batch_size.")
     balance_max_share: float = Field(4.0, ge=1, description="allreduce with balance: the largest share a replica is "
-                                     "given, as a multiple of data.batch_size.")
+                                     "given, as a multiple of data.batch_size; also the cap on the rows a replica "
+                                     "takes at an uneven split's tail, where the replicas still holding rows share "
+                                     "the global batch.")
     n_fetch: int = Field(1, ge=1, description="downpour: pull parameters from the shards every n_fetch steps.")
     n_push: int = Field(1, ge=1, description="downpour: push the accumulated gradient every n_push steps.")
     max_in_flight: int = Field(2, ge=1, description="downpour: pushes outstanding before a replica waits.")
