@@ -38,9 +38,7 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
     self.model.train()
     cur = self.cursor if resume and self.cursor is not None and self.cursor["epoch"] == epoch else None
     base_batch = int(self.cfg["data"]["batch_size"])
-    share = getattr(self.worker, "batch_share", None)
-    self.reader.batch_size = share or base_batch  # load-balanced allreduce: this replica's share of the batch
-    self.reader.span = share is not None and share != base_batch
+    follow_share(self, base_batch)
     if cur is None:
         batches = self.reader.epoch_batches(first_grant)
         cur = self.cursor = {"epoch": epoch, "batches": batches, "pending": next(batches, None),
@@ -94,9 +92,7 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
         figures = getattr(self.worker, "last", None)
         if figures:
             win.add(figures)
-        share = getattr(self.worker, "batch_share", None)
-        self.reader.batch_size = share or base_batch  # load-balanced allreduce: this replica's share of the batch
-        self.reader.span = share is not None and share != base_batch
+        follow_share(self, base_batch)
         cur["pending"], cur["following"] = following, _UNREAD
         if lock_step and pause:
             cur["pending"] = _FETCH
@@ -155,6 +151,15 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
     yield segment_end(self, "epoch", epoch, steps, samples, train_s, comm_s, consumed, loss, rows,
                             eval=evaluation, mode=mode_stats, partitions=list(self.reader.read),
                             unreported=self.reader.unreported)
+
+def follow_share(self: "ModelReplica", base_batch: int) -> None:
+    """Cut the next batches at the worker's share of the global batch (load-balanced
+    allreduce's `batch_share`; `base_batch` when it has none), completing a short last batch
+    from the next partition while the share differs from `base_batch`."""
+    share = getattr(self.worker, "batch_share", None)
+    self.reader.batch_size = share or base_batch
+    self.reader.span = share is not None and share != base_batch
+
 
 def pause_segment(self: "ModelReplica", epoch: int, steps: int, samples: int, train_s: float, comm_s: float,
                   consumed: list, loss: float, rows: list) -> Iterator[dict[str, Any]]:
