@@ -268,7 +268,14 @@ class ModelReplica:
         """This replica's own parameters, buffers and optimizer state, and its step count."""
         opt = getattr(self.worker, "optimizer", None)
         return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-                "optimizer": opt.state_dict() if opt is not None else None, "step": self.step}
+                "optimizer": opt.state_dict() if opt is not None else None, "step": self.step,
+                "worker": self._worker_state()}
+
+    def _worker_state(self) -> Optional[dict[str, Any]]:
+        """What the mode's worker keeps beside the model (local SGD's global model and outer
+        momentum), for a copy of this replica; None when it keeps nothing."""
+        export = getattr(self.worker, "export", None)
+        return export() if export is not None else None
 
     def load_state(self, state: dict[str, Any]) -> int:
         """Become a copy of the replica `state` was exported from (allreduce's state transfer)."""
@@ -276,6 +283,9 @@ class ModelReplica:
         opt = getattr(self.worker, "optimizer", None)
         if opt is not None and state["optimizer"] is not None:
             opt.load_state_dict(state["optimizer"])
+        load = getattr(self.worker, "load", None)
+        if load is not None:
+            load(state.get("worker"))
         self.step = state["step"]
         return self.step
 
@@ -371,7 +381,8 @@ class ModelReplica:
         with self._reference_loaded():
             model = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         opt = getattr(self.worker, "optimizer", None)
-        return {"model": model, "optimizer": opt.state_dict() if opt is not None else None, "step": self.step}
+        return {"model": model, "optimizer": opt.state_dict() if opt is not None else None, "step": self.step,
+                "worker": self._worker_state()}
 
     @contextlib.contextmanager
     def _reference_loaded(self):

@@ -43,7 +43,7 @@ from policies.switching import Observation, Switch
 if TYPE_CHECKING:
     from orchestrator.controller import Controller
 
-MODE_CODES = {"allreduce": 0, "downpour": 1, "easgd": 2}  # the MLflow `mode` metric
+MODE_CODES = {"allreduce": 0, "downpour": 1, "easgd": 2, "local_sgd": 3}  # the MLflow `mode` metric
 
 
 def observe(ctl: "Controller", epoch_end: bool, metrics: Optional[dict[str, float]] = None) -> Observation:

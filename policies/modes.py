@@ -1,9 +1,9 @@
 """What each synchronization mode needs, and the transport protocol its replica-side rule uses.
 
-A mode's update rule lives in its own file (allreduce.py, downpour.py, easgd.py) as a
+A mode's update rule lives in its own file (allreduce.py, downpour.py, easgd.py, local_sgd.py) as a
 `*Worker` class with `step(x, y, more, pause) -> StepResult`, `end_epoch() -> stats` and
 `release()` (let go of the model before another mode's worker takes it: a phase switch). A worker whose
-`lock_step` is true (allreduce, synchronous EASGD) takes the same steps as every other replica:
+`lock_step` is true (allreduce, local SGD, synchronous EASGD) takes the same steps as every other replica:
 the replica keeps calling `step(None, None, False)` (an empty step) after its own data ran out
 until a step's result says no replica has a batch left (`go_on` false). Workers talk
 to the parameter shards only through `ShardClient`: Ray actors in production

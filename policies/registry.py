@@ -4,7 +4,7 @@ Everything that differs between modes outside its update rule is a field here, s
 and the replicas never branch on a mode's name:
 - `sharded`: its reference parameters live in ParameterShards (downpour's server copy, EASGD's
   center); evaluation and checkpoints use them;
-- `lock_step(strategy)`: every replica takes the same steps (allreduce, synchronous EASGD); a
+- `lock_step(strategy)`: every replica takes the same steps (allreduce, local SGD, synchronous EASGD); a
   failure interrupts every member and the group is re-formed before anyone steps again; in the
   other modes the survivors keep stepping while a replacement joins;
 - `pinned`: partitions are each replica's own (one grant call per epoch) rather than shared
@@ -29,6 +29,7 @@ from policies.allreduce import AllReduceWorker
 from policies.downpour import DownpourWorker
 from policies.easgd import EasgdWorker, default_alpha
 from policies.factory import make_optimizer
+from policies.local_sgd import LocalSgdWorker, local_sgd_metrics
 from policies.sharding import FlatParams
 
 
@@ -71,6 +72,13 @@ def _allreduce_worker(model, flat, cfg, rank, world, transport):
     return AllReduceWorker(model, optimizer, int(s["bucket_mb"] * 2**20), transport.reducer, transport.task,
                            batch=int(cfg["data"]["batch_size"]), balance=balance,
                            compression=s.get("compression", "none"))
+
+
+def _local_sgd_worker(model, flat, cfg, rank, world, transport):
+    opt, s = cfg["optimizer"], cfg["strategy"]
+    optimizer = make_optimizer(opt["name"], model.parameters(), opt["lr"], opt["momentum"], opt["weight_decay"])
+    return LocalSgdWorker(model, optimizer, transport.reducer, s["period"], s["outer_lr"], s["outer_momentum"],
+                          transport.task)
 
 
 def _downpour_worker(model, flat, cfg, rank, world, transport):
@@ -120,6 +128,9 @@ MODES: dict[str, ModeSpec] = {
                       lock_step=lambda s: s["variant"] == "sync",
                       server_optimizer=lambda name: "sgd",  # the shards only hold the center
                       build_worker=_easgd_worker, metrics=_easgd_metrics),
+    "local_sgd": ModeSpec("local_sgd", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
+                          server_optimizer=lambda name: name, build_worker=_local_sgd_worker,
+                          metrics=local_sgd_metrics),
 }
 
 

@@ -88,8 +88,9 @@ class JobConfig(Section):
     @model_validator(mode="after")
     def _scaling_fits(self) -> "JobConfig":
         gpus = self.scaling.gpus_per_replica
-        if "allreduce" in self.strategy.modes() and 0 < gpus < 1:
-            raise ValueError(f"scaling.gpus_per_replica: allreduce needs a whole GPU per replica (NCCL cannot put "
+        grouped = [m for m in self.strategy.modes() if m in ("allreduce", "local_sgd")]
+        if grouped and 0 < gpus < 1:
+            raise ValueError(f"scaling.gpus_per_replica: {grouped[0]} needs a whole GPU per replica (NCCL cannot put "
                              f"two ranks on one GPU), got {gpus}")
         missing = sorted(w.rank for w in self.faults.slow_replicas if w.rank >= self.scaling.replicas)
         if missing:

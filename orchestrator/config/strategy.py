@@ -13,7 +13,9 @@ MODE_OPTIONS = {
     "allreduce": ("bucket_mb", "balance", "compression"),
     "downpour": ("n_fetch", "n_push", "max_in_flight", "max_staleness", "staleness_lr", "warmstart_steps"),
     "easgd": ("tau", "alpha", "variant", "momentum"),
+    "local_sgd": ("period", "outer_lr", "outer_momentum"),
 }
+ModeName = Literal["allreduce", "downpour", "easgd", "local_sgd"]
 UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
 
 
@@ -30,7 +32,7 @@ class PhaseConfig(Section):
     """One phase of strategy.phases: a mode, that mode's options (each overrides the strategy.*
     value of the same name) and when the phase ends."""
 
-    mode: Literal["allreduce", "downpour", "easgd"] = Field(description="The phase's synchronization mode.")
+    mode: ModeName = Field(description="The phase's synchronization mode.")
     until: Optional[dict[str, float]] = Field(
         None, description="One of {epochs: N}, {steps: N}, {seconds: S} spent in this phase, or {metric: threshold} "
         "for any metric the task produces or train_loss: reached (a metric whose goal is max, e.g. test_accuracy) or "
@@ -51,6 +53,9 @@ class PhaseConfig(Section):
     alpha: Optional[float] = Field(None, gt=0, le=1, description="easgd: as strategy.alpha.")
     variant: Optional[Literal["async", "sync"]] = Field(None, description="easgd: as strategy.variant.")
     momentum: Optional[float] = Field(None, ge=0, lt=1, description="easgd: as strategy.momentum.")
+    period: Optional[int] = Field(None, ge=1, description="local_sgd: as strategy.period.")
+    outer_lr: Optional[float] = Field(None, gt=0, description="local_sgd: as strategy.outer_lr.")
+    outer_momentum: Optional[float] = Field(None, ge=0, lt=1, description="local_sgd: as strategy.outer_momentum.")
 
     @field_validator("until")
     @classmethod
@@ -117,9 +122,10 @@ class AdaptiveConfig(Section):
 
 
 class StrategyConfig(Section):
-    mode: Literal["allreduce", "downpour", "easgd"] = Field(
+    mode: ModeName = Field(
         "allreduce", description="Synchronization mode: allreduce (synchronous data parallel), downpour "
-        "(asynchronous SGD via parameter shards) or easgd (elastic averaging); see docs/modes.md."
+        "(asynchronous SGD via parameter shards), easgd (elastic averaging) or local_sgd (local steps, the models "
+        "averaged every strategy.period steps); see docs/modes.md."
     )
     timeout_s: float = Field(
         60.0, gt=0, description="Timeout of each call to the parameter shards and the partition server, and of the replicas' control calls (collectives and progress: fault_tolerance.hang_timeout_s)."
@@ -165,6 +171,18 @@ class StrategyConfig(Section):
     variant: Literal["async", "sync"] = Field("async", description="easgd: asynchronous, or synchronous at a barrier.")
     momentum: float = Field(
         0.0, ge=0, lt=1, description="easgd: local Nesterov momentum (EAMSGD) when > 0; optimizer.name sgd only."
+    )
+    period: int = Field(
+        8, ge=1, description="local_sgd: each replica takes this many steps on its own (H) between two rounds that "
+        "average the replicas' models in one all-reduce of the model."
+    )
+    outer_lr: float = Field(
+        1.0, gt=0, description="local_sgd: the outer learning rate a round applies to the replicas' mean move "
+        "(1 with outer_momentum 0: plain model averaging)."
+    )
+    outer_momentum: float = Field(
+        0.0, ge=0, lt=1, description="local_sgd: Nesterov momentum of the outer step on the global model (DiLoCo; "
+        "its paper uses 0.9 with outer_lr 0.7); 0: none."
     )
     phases: Optional[list[PhaseConfig]] = Field(
         None, description="A run in phases, each {mode, that mode's options, until}: e.g. [{mode: downpour, n_push: "

@@ -1,0 +1,180 @@
+"""local_sgd: local SGD with period H and an outer optimizer on the average (DiLoCo), in one file.
+
+Every replica steps its own optimizer on its own batches (momentum kept per replica); every
+`period` (H) steps the replicas meet in one all-reduce and move a shared global model c:
+
+    each replica i sends r_i (x_i - c) and r_i, its rows since the last round
+    delta = sum_i r_i (x_i - c) / sum_i r_i       (the rows-weighted mean of the replicas' moves)
+    outer_momentum mu = 0, outer_lr 1:  c <- c + delta              (plain model averaging)
+    else (DiLoCo, Nesterov on the outer gradient g = -delta):
+        m <- mu m + g;  c <- c - outer_lr (g + mu m)
+    every replica: x_i <- c
+
+With H = 1, mu = 0 and outer_lr 1 a round is one allreduce step of SGD without momentum on the
+global batch: allreduce is local SGD with period 1. Larger H sends the model once per H steps
+(the exchange's bytes are the model's, as allreduce's gradients). The outer state (c, m) is the
+same on every replica (every replica computes it from the same sums); it travels with a
+replica's exported state, so a replacement holds it too.
+
+A round closes the step that completes a period, after that step's batch is trained. A round
+that fails (a member died: `Interrupted`) moves nothing; the replica's loop takes the same step
+again after the regroup, and the worker, owing only the round, does not train the batch twice.
+The first step in a new process group (the run's start, a replacement, a resize) ends with a
+round: the survivors' moves since c are averaged, and a newcomer (0 rows since it copied a
+survivor's state) adds nothing and takes c.
+
+Lock-step: every replica calls `step` the same number of times; one whose data ran out takes
+empty steps (nothing trained). Each round also sums the replicas' "another batch follows" and
+"pause" flags: the epoch ends at the first round where no replica has another batch (the round
+has moved every replica to c, so the replicas are identical at every epoch's end), and a phase
+switch's pause takes effect at the next round (identical there too). Module buffers (BatchNorm
+statistics) are rank 0's after every round (as allreduce's `broadcast_buffers`).
+
+Reported per epoch: `rounds`, and `local_drift`: the mean over the epoch's rounds of
+||x_i - c_new|| (how far replica i had wandered from the new global model).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional
+
+import torch
+from torch.nn.utils import parameters_to_vector
+
+from policies.allreduce import BufferSync, Reducer
+from policies.batches import forward, rows as batch_rows
+from policies.modes import StepResult, check_finite
+from policies.tasks import Classification, Task
+
+ROUND_SLOTS = 3  # after the model's moves: rows since the last round, "has a batch this step", "pause"
+
+
+def outer_step(center: torch.Tensor, momentum: Optional[torch.Tensor], delta: torch.Tensor,
+               outer_lr: float, outer_momentum: float) -> None:
+    """Move `center` in place by the averaged `delta` (the replicas' mean move): c += delta
+    for plain averaging (outer_lr 1, no momentum); else Nesterov momentum on g = -delta:
+    m <- mu m + g, c <- c - outer_lr (g + mu m). `momentum` (m) is updated in place."""
+    if outer_momentum == 0.0:
+        center.add_(delta, alpha=outer_lr)
+        return
+    momentum.mul_(outer_momentum).sub_(delta)  # m <- mu m + g, g = -delta
+    center.add_(delta, alpha=outer_lr).sub_(momentum, alpha=outer_lr * outer_momentum)
+
+
+def copy_into(params: list[torch.nn.Parameter], vector: torch.Tensor) -> None:
+    """Copy a flat vector into the parameters (torch's vector_to_parameters would make them
+    views of it instead)."""
+    offset = 0
+    for p in params:
+        p.copy_(vector[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+class LocalSgdWorker:
+    """The replica-side loop body for local SGD with period H (policies/modes.py's shape)."""
+
+    lock_step = True
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer: Reducer,
+                 period: int = 8, outer_lr: float = 1.0, outer_momentum: float = 0.0,
+                 task: Optional[Task] = None) -> None:
+        if period < 1:
+            raise ValueError(f"period must be >= 1, got {period}")
+        self.model, self.optimizer, self.reducer = model, optimizer, reducer
+        self.task = task or Classification()
+        self.period, self.outer_lr, self.outer_momentum = int(period), float(outer_lr), float(outer_momentum)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buffer_sync = BufferSync(model)
+        with torch.no_grad():
+            self.center = parameters_to_vector(self.params).detach().clone()
+        self.momentum = torch.zeros_like(self.center) if self.outer_momentum else None
+        self.since = 0  # steps (real or empty) since the last round
+        self.rows_since = 0  # rows this replica trained since the last round
+        self.pg: Any = None  # the process group of the last round: a new one means a round now
+        self.pausing = False  # told to pause since the last round
+        self.owed = False  # this step's batch was trained and its round failed: the retried step only meets
+        self.rounds = 0
+        self.drifts: list[float] = []
+
+    # ---- state a replacement copies ------------------------------------------------------
+    def export(self) -> dict[str, Any]:
+        return {"center": self.center.clone(), "momentum": None if self.momentum is None else self.momentum.clone()}
+
+    def load(self, state: Optional[dict[str, Any]]) -> None:
+        """A copy of another replica's outer state (None: the model as loaded is the global
+        model, with no outer momentum yet). Rows since the last round start at 0: what this
+        replica holds is someone else's work, counted there."""
+        with torch.no_grad():
+            if state is None:
+                self.center = parameters_to_vector(self.params).detach().clone()
+            else:
+                self.center = state["center"].clone()
+            if self.outer_momentum:
+                m = state.get("momentum") if state is not None else None
+                self.momentum = m.clone() if m is not None else torch.zeros_like(self.center)
+        self.rows_since, self.owed = 0, False
+
+    # ---- the step ------------------------------------------------------------------------
+    def _round(self, more: bool, pause: bool) -> tuple[int, int]:
+        """The exchange: returns (replicas with another batch, replicas told to pause)."""
+        with torch.no_grad():
+            x = parameters_to_vector(self.params)
+            n = x.numel()
+            buf = torch.empty(n + ROUND_SLOTS, dtype=x.dtype, device=x.device)
+            torch.sub(x, self.center, out=buf[:n]).mul_(float(self.rows_since))
+            buf[n:] = torch.tensor([float(self.rows_since), float(more), float(pause)], dtype=x.dtype)
+            self.reducer.wait(self.reducer.start(buf))  # Interrupted: nothing moved
+            rows, with_more, pausing = buf[n:].tolist()
+            if rows > 0:
+                outer_step(self.center, self.momentum, buf[:n].div_(rows), self.outer_lr, self.outer_momentum)
+                self.drifts.append(float(torch.dist(x, self.center)))
+            copy_into(self.params, self.center)
+        if self.buffer_sync:
+            self.buffer_sync.sync(self.reducer)
+        self.pg = getattr(self.reducer, "pg", None)
+        self.since, self.rows_since = 0, 0
+        self.rounds += 1
+        return int(round(with_more)), int(round(pausing))
+
+    def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False,
+             pause: bool = False) -> StepResult:
+        loss_value, n = float("nan"), 0
+        if x is not None and not self.owed:  # owed: trained before a round that failed; now only the round
+            n = batch_rows(y)
+            self.optimizer.zero_grad(set_to_none=False)
+            loss = self.task.loss(forward(self.model, x), y)
+            loss_value = float(loss.detach())
+            check_finite(loss_value)
+            loss.backward()
+            self.optimizer.step()
+            self.rows_since += n
+        self.since += 1
+        self.pausing = self.pausing or pause  # told to pause: said at the next round
+        comm_s, go_on, paused, with_more = 0.0, True, False, 0
+        if self.owed or self.since >= self.period or getattr(self.reducer, "pg", None) is not self.pg:
+            self.owed = True
+            t0 = time.perf_counter()
+            with_more, pausing = self._round(more, self.pausing)
+            self.owed = self.pausing = False
+            comm_s = time.perf_counter() - t0
+            go_on, paused = with_more > 0, pausing > 0
+        return StepResult(loss_value, comm_s, n, go_on, paused, with_more=with_more)
+
+    def release(self) -> None:
+        """Nothing to let go of: no hooks on the model."""
+
+    def end_epoch(self) -> dict[str, Any]:
+        drifts, self.drifts = self.drifts, []
+        rounds, self.rounds = self.rounds, 0
+        return {"rounds": rounds, "local_drift": sum(drifts) / len(drifts) if drifts else 0.0}
+
+
+def local_sgd_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """Per epoch, across replicas: the mean local drift and rounds per second of training."""
+    modes = [s["mode"] for s in stats]
+    slowest = max(s["train_s"] for s in stats)
+    drift = [m["local_drift"] for m in modes if math.isfinite(m["local_drift"])]
+    return {"local_drift": sum(drift) / len(drift) if drift else 0.0,
+            "rounds_per_s": max(m["rounds"] for m in modes) / max(slowest, 1e-9)}
+

@@ -1,0 +1,69 @@
+"""Local SGD on real Ray actors and gloo groups: switched into and out of mid-epoch with every row
+trained once, and a SIGKILLed replica replaced with the replicas identical at the epoch's end."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+
+from orchestrator.chaos import Fault, FaultInjector
+from tests.conftest import assert_carried
+from tests.integration.test_switching_ray import controller, replica_flats
+
+pytestmark = pytest.mark.ray
+
+
+def test_switched_into_and_out_of_mid_epoch_every_row_once_and_the_replicas_identical(ray_cluster):
+    ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}},
+                      {"mode": "local_sgd", "period": 3, "until": {"steps": 60}}, {"mode": "allreduce"}],
+                     trace_ids=True, faults={"slow_replicas": {0: 0.02, 1: 0.02}},
+                     data={"batch_size": 8, "partitions": 16}, optimizer={"momentum": 0.9})
+    try:
+        ctl.step()
+        for _ in range(3):
+            ctl.run_epoch()
+        status = ctl.finish_epochs()
+        flats = replica_flats(ctl)
+    finally:
+        ctl.shutdown()
+    switches = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
+    assert [(e["from"], e["to"]) for e in switches] == [("allreduce", "local_sgd"), ("local_sgd", "allreduce")]
+    assert all(e["mid_epoch"] for e in switches)
+    for e in switches:  # the replicas were identical at the pause: evaluated alike before and after
+        assert e["test_accuracy_after"] == e["test_accuracy_before"]
+        assert "carried" in e["local_optimizer"][0]
+        assert_carried(e, "passes", "state", "gate", "reopen")
+    n_train = len(ctl.dataset.train)
+    for epoch in ctl.consumed:  # every train row exactly once per epoch, across both switches
+        rows = [i for steps in epoch.values() for batch in steps for i in batch]
+        assert sorted(rows) == sorted(set(rows)) and len(rows) == n_train
+    assert status["complete"]
+    np.testing.assert_array_equal(flats[0], flats[1])
+
+
+def test_a_killed_replica_is_replaced_and_the_replicas_end_the_epoch_identical(ray_cluster):
+    ctl = controller([{"mode": "local_sgd", "period": 4}], scaling={"replicas": 3, "cpus_per_replica": 0.5})
+    try:
+        ctl.step()
+        before = {r: a._actor_id.hex() for r, a in ctl.group.members.items()}
+        with FaultInjector(ctl, [Fault("kill_replica", 1, at_step=22)]) as inj:
+            ctl.run_epoch()
+        after = {r: a._actor_id.hex() for r, a in ctl.group.members.items()}
+        flats = replica_flats(ctl)
+        status = ray.get(ctl.server.handle.status.remote(), timeout=30)
+        ctl.run_epoch()  # and the next epoch runs in the new group
+        again = replica_flats(ctl)
+    finally:
+        ctl.shutdown()
+    assert inj.fired
+    assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
+    for f in flats[1:]:
+        np.testing.assert_array_equal(f, flats[0])  # the epoch ended at a round: every replica at the global model
+    for f in again[1:]:
+        np.testing.assert_array_equal(f, again[0])
+    assert not np.array_equal(again[0], flats[0])
+    assert status["complete"]  # every partition served in the epoch of the kill
+    [replaced] = [e for e in ctl.tracker.events if e["kind"] == "replica_replaced"]
+    assert replaced["ranks"] == [1] and replaced["survivors_kept"] == [0, 2]
+    ends = [e for e in ctl.tracker.events if e["kind"] == "epoch_end"]
+    assert all(e["local_drift"] > 0 and e["rounds_per_s"] > 0 for e in ends)  # the mode's own figures
