@@ -12,6 +12,7 @@ Sides:
   balanced    examples/mnist_allreduce.yaml with strategy.balance true (batch shares by speed)
   downpour    examples/mnist_downpour.yaml
   easgd       examples/mnist_easgd.yaml
+  local_sgd   examples/mnist_local_sgd.yaml (local steps, models averaged every 8 steps)
   adaptive    examples/mnist_adaptive.yaml (balanced allreduce; easgd only for a straggler the
               balance cannot absorb); its own straggler window replaced by the situation's
   ray_train   Ray Train TorchTrainer, DDP, the same partitions, order, batches and evaluation
@@ -31,7 +32,7 @@ s_per_epoch = train_to_target_s / the epochs it took (speed without the luck of 
 first crosses 97%: the accuracy plateaus near it, so the epoch count moves with the data order).
 Ratios (medians over repetitions; above 1: the first side is faster):
   <situation>:allreduce_vs_adaptive, <situation>:best_fixed_vs_adaptive,
-  <situation>:ray_train_vs_<side>.
+  <situation>:allreduce_vs_local_sgd, <situation>:ray_train_vs_<side>.
 
     python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...] [--sides SIDE,...]
 
@@ -52,8 +53,8 @@ from common import median, parse_args, report
 TARGET, PARTITIONS, EPOCHS = 0.97, 32, 30
 OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce.yaml", ["strategy.balance=true"]),
         "downpour": ("mnist_downpour.yaml", []), "easgd": ("mnist_easgd.yaml", []),
-        "adaptive": ("mnist_adaptive.yaml", [])}
-FIXED = ("allreduce", "balanced", "downpour", "easgd")
+        "local_sgd": ("mnist_local_sgd.yaml", []), "adaptive": ("mnist_adaptive.yaml", [])}
+FIXED = ("allreduce", "balanced", "downpour", "easgd", "local_sgd")
 SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)), "four": (4, (3, 3.0))}
 
 
@@ -170,6 +171,8 @@ def main() -> None:
             fixed = [med[s] for s in FIXED if s in med]
             if fixed:
                 ratios[f"{situation}:best_fixed_vs_adaptive"] = min(fixed) / med["adaptive"]
+        if "local_sgd" in med and "allreduce" in med:
+            ratios[f"{situation}:allreduce_vs_local_sgd"] = med["allreduce"] / med["local_sgd"]
         if "ray_train" in med:
             for side in (*OURS,):
                 if side in med:

@@ -97,3 +97,22 @@ def test_config_file_that_is_not_utf8(tmp_path):
     with pytest.raises(ConfigError, match="is not UTF-8 text") as exc:
         JobConfig.from_yaml(path)
     assert "\n" not in str(exc.value)
+
+
+def test_every_example_job_config_validates():
+    import glob
+    import os
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+    paths = [p for p in glob.glob(os.path.join(root, "*.yaml")) if "sweep" not in os.path.basename(p)]
+    assert len(paths) >= 8
+    for path in paths:
+        JobConfig.from_yaml(path)  # raises ConfigError naming the field
+
+
+def test_a_phase_takes_only_its_own_modes_options():
+    cfg = JobConfig.from_dict({"strategy": {"phases": [{"mode": "local_sgd", "period": 3, "outer_momentum": 0.9,
+                                                        "until": {"epochs": 1}}, {"mode": "allreduce"}]}})
+    assert cfg.strategy.plan()[0]["period"] == 3 and cfg.strategy.plan()[0]["outer_momentum"] == 0.9
+    with pytest.raises(ConfigError, match="period is a local_sgd option"):
+        JobConfig.from_dict({"strategy": {"phases": [{"mode": "allreduce", "period": 3}]}})
