@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -40,7 +40,8 @@ class ProcessGroupReducer:
 
     WAIT_SLICE_S = 0.2
 
-    def __init__(self) -> None:
+    def __init__(self, link: Optional[EmulatedLink] = None) -> None:
+        self.link = link  # faults.link_gbps: every collective held to the emulated link's time
         self.pg = None
         self.store = None
         self.timeout_s = 60.0
@@ -57,11 +58,20 @@ class ProcessGroupReducer:
 
     def start(self, tensor: torch.Tensor):
         try:
-            return self.pg.allreduce([tensor])
+            work = self.pg.allreduce([tensor])
         except Exception as exc:  # the group is already broken: report it at wait()
             return exc
+        if self.link is not None:
+            return Paced(work, self.link.reserve(tensor.numel() * tensor.element_size(), self.pg.size()))
+        return work
 
     def wait(self, handle) -> None:
+        if isinstance(handle, Paced):
+            self.wait(handle.work)
+            delay = handle.done_at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            return
         if isinstance(handle, Exception):
             self.abort()
             raise Interrupted(f"all-reduce failed: {first_line(handle)}")
@@ -84,6 +94,8 @@ class ProcessGroupReducer:
     def broadcast(self, tensor: torch.Tensor) -> None:
         try:
             work = self.pg.broadcast(tensor, 0)
+            if self.link is not None:
+                work = Paced(work, self.link.reserve(tensor.numel() * tensor.element_size(), self.pg.size()))
         except Exception as exc:
             work = exc
         self.wait(work)
@@ -99,3 +111,30 @@ class ProcessGroupReducer:
             return bool(self.store.check(["abort"]))
         except Exception:  # the store's host is gone: so is the generation
             return True
+
+
+class Paced(NamedTuple):
+    """A collective on an emulated link: done no sooner than `done_at` (time.perf_counter)."""
+
+    work: Any
+    done_at: float
+
+
+class EmulatedLink:
+    """faults.link_gbps: a slower network than the real one, for benchmarks. A collective of
+    `nbytes` among p replicas occupies the link for latency + 2 (p - 1) / p x nbytes x 8 / bps
+    seconds (a ring all-reduce's traffic per link); collectives queue on the link one after
+    another, as buckets started during the backward pass share one NIC."""
+
+    def __init__(self, gbps: float, latency_us: float = 0.0) -> None:
+        self.bps, self.latency_s = gbps * 1e9, latency_us * 1e-6
+        self.free_at = 0.0
+
+    def seconds(self, nbytes: int, p: int) -> float:
+        return self.latency_s + (2 * (p - 1) / p * nbytes * 8 / self.bps if p > 1 else 0.0)
+
+    def reserve(self, nbytes: int, p: int) -> float:
+        """Queue a transfer now; returns when it is through (time.perf_counter)."""
+        start = max(time.perf_counter(), self.free_at)
+        self.free_at = start + self.seconds(nbytes, p)
+        return self.free_at

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from actors import epoch_loop
 from actors.partition_reader import PartitionReader
-from actors.reducer import ProcessGroupReducer, free_port
+from actors.reducer import EmulatedLink, ProcessGroupReducer, free_port
 from actors.reading import StreamPlan, count_kept, read_range, eval_pieces
 from actors.shard_client import RayShardClient
 from policies.factory import build_model, carry_optimizer_state, momentum_buffers, set_momentum_buffers
@@ -90,7 +90,9 @@ class ModelReplica:
         if strategy is not None:
             self._take_strategy(strategy)
         self.rank, self.world_size = rank, world_size
-        self.reducer = ProcessGroupReducer()
+        faults = self.cfg["faults"]
+        link = EmulatedLink(faults["link_gbps"], faults["link_latency_us"]) if faults.get("link_gbps") else None
+        self.reducer = ProcessGroupReducer(link)
         self._build_worker()
         self.slow = [w for w in self.cfg["faults"]["slow_replicas"] if w["rank"] == rank]
         return os.getpid()

@@ -383,3 +383,16 @@ class FaultsConfig(Section):
                     raise ValueError(f"ranks and delays must be >= 0, got {rank}: {delay}")
             return [{"rank": rank, "delay_s": delay} for rank, delay in v.items()]
         return v
+
+    link_gbps: Optional[float] = Field(
+        None, gt=0, description="An emulated slower network for the replicas' collectives (allreduce, local_sgd): "
+        "each all-reduce or broadcast of N bytes among p replicas takes at least 2 (p - 1) / p x N x 8 / "
+        "(link_gbps x 1e9) seconds on each replica (a ring's traffic on one link; collectives queue on it one "
+        "after another), plus link_latency_us. A replica that finishes sooner waits out the rest. none: the "
+        "real network as it is. For benchmarks of compression and local SGD where bandwidth, not compute, bounds "
+        "the step."
+    )
+    link_latency_us: float = Field(
+        0.0, ge=0, description="With link_gbps: microseconds added to each collective (the alpha of the alpha-beta "
+        "model)."
+    )
