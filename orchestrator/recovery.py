@@ -148,7 +148,8 @@ class Repair(Change):
                 for r in newcomers:
                     ctl.shard_group.welcome_replica(r, self.donor_step)
         elif donor is not None:
-            behind = [r for r in self.survivors if self.plan.steps_at_interrupt.get(r, self.donor_step) != self.donor_step]
+            behind = [] if ctl.spec.survivors_keep_state else \
+                [r for r in self.survivors if self.plan.steps_at_interrupt.get(r, self.donor_step) != self.donor_step]
             group.transfer_state(donor, self.replaced + behind)
 
     def regroup(self, ctl: "Controller") -> bool:

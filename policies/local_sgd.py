@@ -42,7 +42,8 @@ from typing import Any, Optional
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from policies.allreduce import BufferSync, Reducer
+from policies.allreduce import BufferSync, Reducer, reducer_group
+from policies.balance import split
 from policies.batches import forward, rows as batch_rows
 from policies.modes import StepResult, check_finite
 from policies.tasks import Classification, Task
@@ -78,7 +79,7 @@ class LocalSgdWorker:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer: Reducer,
                  period: int = 8, outer_lr: float = 1.0, outer_momentum: float = 0.0,
-                 task: Optional[Task] = None) -> None:
+                 task: Optional[Task] = None, balance: Optional[dict[str, float]] = None) -> None:
         if period < 1:
             raise ValueError(f"period must be >= 1, got {period}")
         self.model, self.optimizer, self.reducer = model, optimizer, reducer
@@ -96,6 +97,11 @@ class LocalSgdWorker:
         self.owed = False  # this step's batch was trained and its round failed: the retried step only meets
         self.rounds = 0
         self.drifts: list[float] = []
+        self.balance = balance  # {min_share, max_share}: each replica's period by its speed
+        self.periods: Optional[list[int]] = None  # balance: every rank's period (None: `period` for all)
+        self.speeds: list[float] = []  # balance: every rank's steps per busy second, smoothed over rounds
+        self.real_since = 0  # balance: steps with a batch since the last round
+        self.t_free: Optional[float] = None  # balance: when the last round ended (None: a new group)
 
     # ---- state a replacement copies ------------------------------------------------------
     def export(self) -> dict[str, Any]:
@@ -118,14 +124,23 @@ class LocalSgdWorker:
     # ---- the step ------------------------------------------------------------------------
     def _round(self, more: bool, pause: bool) -> tuple[int, int]:
         """The exchange: returns (replicas with another batch, replicas told to pause)."""
+        rank, world = reducer_group(self.reducer)
+        fresh = getattr(self.reducer, "pg", None) is not self.pg  # a new group: no speeds from the old one
+        figures = 2 * world if self.balance is not None else 0
         with torch.no_grad():
             x = parameters_to_vector(self.params)
             n = x.numel()
-            buf = torch.empty(n + ROUND_SLOTS, dtype=x.dtype, device=x.device)
+            buf = torch.zeros(n + ROUND_SLOTS + figures, dtype=x.dtype, device=x.device)
             torch.sub(x, self.center, out=buf[:n]).mul_(float(self.rows_since))
-            buf[n:] = torch.tensor([float(self.rows_since), float(more), float(pause)], dtype=x.dtype)
+            buf[n : n + ROUND_SLOTS] = torch.tensor([float(self.rows_since), float(more), float(pause)], dtype=x.dtype)
+            if figures and not fresh and self.t_free is not None:  # this replica's steps and busy seconds
+                busy = time.perf_counter() - self.t_free
+                buf[n + ROUND_SLOTS + 2 * rank : n + ROUND_SLOTS + 2 * rank + 2] = torch.tensor(
+                    [float(self.real_since), busy], dtype=x.dtype)
             self.reducer.wait(self.reducer.start(buf))  # Interrupted: nothing moved
-            rows, with_more, pausing = buf[n:].tolist()
+            rows, with_more, pausing = buf[n : n + ROUND_SLOTS].tolist()
+            if figures:
+                self._rebalance(buf[n + ROUND_SLOTS :].tolist(), world, fresh)
             if rows > 0:
                 outer_step(self.center, self.momentum, buf[:n].div_(rows), self.outer_lr, self.outer_momentum)
                 self.drifts.append(float(torch.dist(x, self.center)))
@@ -133,9 +148,34 @@ class LocalSgdWorker:
         if self.buffer_sync:
             self.buffer_sync.sync(self.reducer)
         self.pg = getattr(self.reducer, "pg", None)
-        self.since, self.rows_since = 0, 0
+        self.since, self.rows_since, self.real_since = 0, 0, 0
         self.rounds += 1
+        self.t_free = time.perf_counter()
         return int(round(with_more)), int(round(pausing))
+
+    def _rebalance(self, figures: list[float], world: int, fresh: bool) -> None:
+        """Every rank's period for the next round, the same on every replica: the group's
+        world x period steps a round split in proportion to the ranks' speeds (steps per busy
+        second, half the last round's and half the smoothed figure before), each within
+        [min_share, max_share] x period (policies/balance.py `split`); a rank with no figure
+        this round keeps its last speed."""
+        if fresh or len(self.speeds) != world:
+            self.speeds, self.periods = [0.0] * world, None
+        for r in range(world):
+            steps, busy = figures[2 * r], figures[2 * r + 1]
+            if steps > 0 and busy > 0:
+                v = steps / busy
+                self.speeds[r] = v if self.speeds[r] <= 0 else 0.5 * (self.speeds[r] + v)
+        if all(v > 0 for v in self.speeds):
+            self.periods = split(self.period, self.speeds, self.balance["min_share"], self.balance["max_share"])
+
+    @property
+    def my_period(self) -> int:
+        """This replica's steps between two rounds: `period`, or its balanced share of them."""
+        if self.periods is None:
+            return self.period
+        rank, world = reducer_group(self.reducer)
+        return self.periods[rank] if len(self.periods) == world else self.period
 
     def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False,
              pause: bool = False) -> StepResult:
@@ -149,10 +189,11 @@ class LocalSgdWorker:
             loss.backward()
             self.optimizer.step()
             self.rows_since += n
+            self.real_since += 1
         self.since += 1
         self.pausing = self.pausing or pause  # told to pause: said at the next round
         comm_s, go_on, paused, with_more = 0.0, True, False, 0
-        if self.owed or self.since >= self.period or getattr(self.reducer, "pg", None) is not self.pg:
+        if self.owed or self.since >= self.my_period or getattr(self.reducer, "pg", None) is not self.pg:
             self.owed = True
             t0 = time.perf_counter()
             with_more, pausing = self._round(more, self.pausing)
@@ -167,14 +208,21 @@ class LocalSgdWorker:
     def end_epoch(self) -> dict[str, Any]:
         drifts, self.drifts = self.drifts, []
         rounds, self.rounds = self.rounds, 0
-        return {"rounds": rounds, "local_drift": sum(drifts) / len(drifts) if drifts else 0.0}
+        self.t_free = None  # the evaluation between epochs is nobody's step
+        return {"rounds": rounds, "local_drift": sum(drifts) / len(drifts) if drifts else 0.0,
+                "periods": list(self.periods) if self.periods is not None else None}
 
 
 def local_sgd_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
-    """Per epoch, across replicas: the mean local drift and rounds per second of training."""
+    """Per epoch, across replicas: the mean local drift, rounds per second of training and,
+    balanced, each rank's period at the epoch's end (`replica<r>/period`)."""
     modes = [s["mode"] for s in stats]
     slowest = max(s["train_s"] for s in stats)
     drift = [m["local_drift"] for m in modes if math.isfinite(m["local_drift"])]
-    return {"local_drift": sum(drift) / len(drift) if drift else 0.0,
-            "rounds_per_s": max(m["rounds"] for m in modes) / max(slowest, 1e-9)}
+    out = {"local_drift": sum(drift) / len(drift) if drift else 0.0,
+           "rounds_per_s": max(m["rounds"] for m in modes) / max(slowest, 1e-9)}
+    periods = next((m["periods"] for m in modes if m.get("periods")), None)  # the same list on every replica
+    for r, h in enumerate(periods or []):
+        out[f"replica{r}/period"] = float(h)
+    return out
 

@@ -8,7 +8,8 @@ and the replicas never branch on a mode's name:
   failure interrupts every member and the group is re-formed before anyone steps again; in the
   other modes the survivors keep stepping while a replacement joins;
 - `pinned`: partitions are each replica's own (one grant call per epoch) rather than shared
-  (`leases_pinned(strategy, shares)`: not while strategy.balance splits the batch unevenly);
+  (`leases_pinned(strategy, shares)`: not while strategy.balance splits the batch unevenly, and
+  never with balance when `pinned_while_even` is false: local_sgd's balanced periods);
 - `process_group`: the replicas form a torch.distributed process group;
 - `server_optimizer(optimizer_name)`: what the shards apply;
 - `build_worker(...)`: the update rule (policies/<mode>.py) wired to a replica's transport;
@@ -16,7 +17,11 @@ and the replicas never branch on a mode's name:
 - `shard_metrics(shards)`: figures the shards observed (downpour: the largest lead over the
   slowest replica at a push, `max_lead`);
 - `global_batch`: each update is the mean gradient over every replica's batch (allreduce), so
-  the learning rate follows the replica count on a resize (scaling.lr_scaling).
+  the learning rate follows the replica count on a resize (scaling.lr_scaling);
+- `survivors_keep_state`: after a failure in a lock-step mode only newcomers copy a survivor
+  (local_sgd: replicas differ between rounds by design, and step counts with balanced periods;
+  the first round in the new group reconciles them); else a survivor that applied a step the
+  donor did not copies it too (allreduce).
 """
 from __future__ import annotations
 
@@ -55,12 +60,17 @@ class ModeSpec:
     metrics: Callable[[list[dict[str, Any]]], dict[str, float]]
     shard_metrics: Callable[[Any], dict[str, float]] = lambda shards: {}
     global_batch: bool = False  # one update from every replica's batch: the rate follows replicas x batch
+    pinned_while_even: bool = True  # strategy.balance: pinned while the shares are even (else shared throughout)
+    survivors_keep_state: bool = False  # after a failure survivors keep their own state (the next round reconciles)
 
     def leases_pinned(self, strategy: dict[str, Any], shares: Optional[list[int]] = None) -> bool:
-        """Pinned leasing, unless the strategy balances the batch (strategy.balance) and the
-        replicas' `shares` of it are uneven: then a faster replica reads more partitions, from
-        one shared queue."""
-        return self.pinned and (not strategy.get("balance") or not shares or len(set(shares)) == 1)
+        """Pinned leasing, unless the strategy balances the work (strategy.balance) and either
+        the replicas' `shares` of the batch are uneven (allreduce) or the mode's balanced
+        replicas take different numbers of steps anyway (local_sgd: `pinned_while_even`
+        false): then a faster replica reads more partitions, from one shared queue."""
+        if not self.pinned or not strategy.get("balance"):
+            return self.pinned
+        return self.pinned_while_even and (not shares or len(set(shares)) == 1)
 
 
 def _allreduce_worker(model, flat, cfg, rank, world, transport):
@@ -77,8 +87,9 @@ def _allreduce_worker(model, flat, cfg, rank, world, transport):
 def _local_sgd_worker(model, flat, cfg, rank, world, transport):
     opt, s = cfg["optimizer"], cfg["strategy"]
     optimizer = make_optimizer(opt["name"], model.parameters(), opt["lr"], opt["momentum"], opt["weight_decay"])
+    balance = {"min_share": s["balance_min_share"], "max_share": s["balance_max_share"]} if s.get("balance") else None
     return LocalSgdWorker(model, optimizer, transport.reducer, s["period"], s["outer_lr"], s["outer_momentum"],
-                          transport.task)
+                          transport.task, balance=balance)
 
 
 def _downpour_worker(model, flat, cfg, rank, world, transport):
@@ -130,7 +141,7 @@ MODES: dict[str, ModeSpec] = {
                       build_worker=_easgd_worker, metrics=_easgd_metrics),
     "local_sgd": ModeSpec("local_sgd", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
                           server_optimizer=lambda name: name, build_worker=_local_sgd_worker,
-                          metrics=local_sgd_metrics),
+                          metrics=local_sgd_metrics, pinned_while_even=False, survivors_keep_state=True),
 }
 
 

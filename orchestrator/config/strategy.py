@@ -13,7 +13,7 @@ MODE_OPTIONS = {
     "allreduce": ("bucket_mb", "balance", "compression"),
     "downpour": ("n_fetch", "n_push", "max_in_flight", "max_staleness", "staleness_lr", "warmstart_steps"),
     "easgd": ("tau", "alpha", "variant", "momentum"),
-    "local_sgd": ("period", "outer_lr", "outer_momentum"),
+    "local_sgd": ("period", "outer_lr", "outer_momentum", "balance"),
 }
 ModeName = Literal["allreduce", "downpour", "easgd", "local_sgd"]
 UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
@@ -40,7 +40,7 @@ class PhaseConfig(Section):
     )
     optimizer: Optional[PhaseOptimizer] = Field(None, description="This phase's optimizer.* overrides.")
     bucket_mb: Optional[float] = Field(None, gt=0, description="allreduce: as strategy.bucket_mb.")
-    balance: Optional[bool] = Field(None, description="allreduce: as strategy.balance.")
+    balance: Optional[bool] = Field(None, description="allreduce, local_sgd: as strategy.balance.")
     compression: Optional[Literal["none", "fp16", "bf16"]] = Field(None, description="allreduce: as "
                                                                    "strategy.compression.")
     n_fetch: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_fetch.")
@@ -73,9 +73,10 @@ class PhaseConfig(Section):
 
     @model_validator(mode="after")
     def _options_of_its_mode(self) -> "PhaseConfig":
+        allowed = MODE_OPTIONS.get(self.mode, ())
         for mode, options in MODE_OPTIONS.items():
-            given = [o for o in options if getattr(self, o) is not None]
-            if mode != self.mode and given:
+            given = [o for o in options if getattr(self, o) is not None and o not in allowed]
+            if given:
                 raise ValueError(f"{given[0]} is {'an' if mode[0] in 'ae' else 'a'} {mode} option; this phase's mode is {self.mode}")
         return self
 
@@ -138,8 +139,10 @@ class StrategyConfig(Section):
         False, description="allreduce: load-balanced batch shares. Each replica's share of the global batch "
         "(replicas x data.batch_size rows a step) follows its measured speed, so a slow replica takes fewer rows and "
         "nobody waits; the update is still the mean gradient over the step's rows. While the split is uneven, partitions are leased "
-        "from one shared queue (a fast replica reads more of them); an even split runs as plain allreduce. See "
-        "docs/modes.md."
+        "from one shared queue (a fast replica reads more of them); an even split runs as plain allreduce. local_sgd: "
+        "each replica's period (steps between two rounds) follows its measured speed instead, replicas x "
+        "strategy.period steps a round in all, each within balance_min_share..balance_max_share x period, and "
+        "partitions are leased from one shared queue. See docs/modes.md."
     )
     compression: Literal["none", "fp16", "bf16"] = Field(
         "none", description="allreduce: the dtype gradients are summed in. fp16 or bf16 halve the bytes each "
@@ -150,11 +153,13 @@ class StrategyConfig(Section):
     balance_window: int = Field(8, ge=1, description="allreduce with balance: steps of measurements behind each new "
                                 "split of the batch.")
     balance_min_share: float = Field(0.25, gt=0, le=1, description="allreduce with balance: the smallest share a "
-                                     "replica is given, as a fraction of data.batch_size.")
+                                     "replica is given, as a fraction of data.batch_size (local_sgd: of "
+                                     "strategy.period, at least 1 step).")
     balance_max_share: float = Field(4.0, ge=1, description="allreduce with balance: the largest share a replica is "
                                      "given, as a multiple of data.batch_size; also the cap on the rows a replica "
                                      "takes at an uneven split's tail, where the replicas still holding rows share "
-                                     "the global batch.")
+                                     "the global batch (local_sgd: the largest period, as a multiple of "
+                                     "strategy.period).")
     n_fetch: int = Field(1, ge=1, description="downpour: pull parameters from the shards every n_fetch steps.")
     n_push: int = Field(1, ge=1, description="downpour: push the accumulated gradient every n_push steps.")
     max_in_flight: int = Field(2, ge=1, description="downpour: pushes outstanding before a replica waits.")

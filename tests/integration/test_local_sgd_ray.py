@@ -41,8 +41,13 @@ def test_switched_into_and_out_of_mid_epoch_every_row_once_and_the_replicas_iden
     np.testing.assert_array_equal(flats[0], flats[1])
 
 
-def test_a_killed_replica_is_replaced_and_the_replicas_end_the_epoch_identical(ray_cluster):
-    ctl = controller([{"mode": "local_sgd", "period": 4}], scaling={"replicas": 3, "cpus_per_replica": 0.5})
+def test_balanced_a_slow_replica_takes_fewer_steps_and_a_killed_one_is_replaced(ray_cluster):
+    """Balanced periods (replica 2 at 3x), replica 1 SIGKILLed mid-epoch: replaced, the
+    survivors keep their own steps (their step counts differ by design), every replica ends the
+    epoch at the global model, and the next epoch trains every row once."""
+    ctl = controller([{"mode": "local_sgd", "period": 4, "balance": True}], trace_ids=True,
+                     scaling={"replicas": 3, "cpus_per_replica": 0.5},
+                     faults={"slow_replicas": [{"rank": 2, "factor": 3}]})
     try:
         ctl.step()
         before = {r: a._actor_id.hex() for r, a in ctl.group.members.items()}
@@ -65,5 +70,9 @@ def test_a_killed_replica_is_replaced_and_the_replicas_end_the_epoch_identical(r
     assert status["complete"]  # every partition served in the epoch of the kill
     [replaced] = [e for e in ctl.tracker.events if e["kind"] == "replica_replaced"]
     assert replaced["ranks"] == [1] and replaced["survivors_kept"] == [0, 2]
-    ends = [e for e in ctl.tracker.events if e["kind"] == "epoch_end"]
-    assert all(e["local_drift"] > 0 and e["rounds_per_s"] > 0 for e in ends)  # the mode's own figures
+    last = [e for e in ctl.tracker.events if e["kind"] == "epoch_end"][-1]
+    assert last["local_drift"] > 0 and last["rounds_per_s"] > 0  # the mode's own figures
+    assert last["replica2/period"] < last["replica0/period"]  # the slow replica: fewer steps a round
+    assert sum(last[f"replica{r}/period"] for r in range(3)) == 12
+    rows = [i for steps in ctl.consumed[-1].values() for batch in steps for i in batch]
+    assert sorted(rows) == sorted(set(rows)) and len(rows) == len(ctl.dataset.train)

@@ -216,3 +216,47 @@ def test_a_copy_of_a_replica_takes_its_global_model_and_outer_momentum_and_adds_
     other.load(state)
     assert torch.equal(other.center, w.center) and torch.equal(other.momentum, w.momentum)
     assert other.rows_since == 0
+
+
+def test_balanced_periods_split_the_rounds_steps_by_speed_within_the_bounds():
+    w = workers_for(model(), 2, period=8, lr=0.1, momentum=0.0)[0]
+    w.balance = {"min_share": 0.25, "max_share": 4.0}
+    w._rebalance([8, 0.8, 8, 2.4], 2, fresh=False)  # rank 1 takes 3x as long per step
+    assert w.periods == [12, 4]  # 16 steps a round, in proportion to 10 and 3.33 steps/s
+    w._rebalance([12, 1.2, 4, 0.4], 2, fresh=False)  # both at 10 steps/s now: half of each speed moves
+    assert sum(w.periods) == 16 and 8 < w.periods[0] < 12
+    w._rebalance([8, 0.8, 8, 80.0], 2, fresh=False)
+    w._rebalance([8, 0.8, 8, 80.0], 2, fresh=False)
+    assert w.periods[1] == 2  # at most 0.25 x 8 steps fewer: the bound holds the slow one
+    w._rebalance([0, 0, 0, 0], 2, fresh=True)  # a new group: speeds from the old one are not used
+    assert w.periods is None and w.my_period == 8
+
+
+def test_a_slower_replica_takes_fewer_steps_a_round_and_all_end_identical():
+    import time
+
+    base = model()
+    batches = data([30, 30])
+    workers = workers_for(base, 2, period=4, lr=0.05, momentum=0.9)
+    for w in workers:
+        w.balance = {"min_share": 0.25, "max_share": 4.0}
+    steps = {0: 0, 1: 0}
+
+    def body(rank):
+        w, mine, i = workers[rank], batches[rank], 0
+        while True:
+            x, y = mine[i] if i < len(mine) else (None, None)
+            if rank == 1 and x is not None:
+                time.sleep(0.02)  # a device 3x-or-more slower than the other
+            res = w.step(x, y, more=i + 1 < len(mine))
+            steps[rank] += x is not None
+            i += 1
+            if not res.go_on:
+                return
+
+    run_replicas(2, body)
+    assert workers[0].periods == workers[1].periods  # both computed the same split from the same sums
+    fast, slow = workers[0].periods
+    assert fast + slow == 8 and fast > slow
+    assert torch.equal(flat(workers[0]), flat(workers[1]))
+    assert steps == {0: 30, 1: 30}  # every batch trained once (the fast one waited with empty steps at the end)
