@@ -13,8 +13,11 @@ Sides:
   downpour    examples/mnist_downpour.yaml
   easgd       examples/mnist_easgd.yaml
   local_sgd   examples/mnist_local_sgd.yaml (local steps, models averaged every 8 steps)
+  local_bal   examples/mnist_local_sgd.yaml with strategy.balance true (periods by speed)
   adaptive    examples/mnist_adaptive.yaml (balanced allreduce; easgd only for a straggler the
               balance cannot absorb); its own straggler window replaced by the situation's
+  adaptive_local  the same with strategy.adaptive.sync_mode local_sgd, strategy.period 8
+              (balanced local SGD; easgd only for a straggler the balance cannot absorb)
   ray_train   Ray Train TorchTrainer, DDP, the same partitions, order, batches and evaluation
               as our allreduce (benchmarks/throughput.py ray_train_loop), the same straggler
   single      one PyTorch process (2 threads) on the global batches, no straggler: the
@@ -31,8 +34,9 @@ Figure: train_to_target_s (training seconds until the first epoch-end evaluation
 s_per_epoch = train_to_target_s / the epochs it took (speed without the luck of which epoch
 first crosses 97%: the accuracy plateaus near it, so the epoch count moves with the data order).
 Ratios (medians over repetitions; above 1: the first side is faster):
-  <situation>:allreduce_vs_adaptive, <situation>:best_fixed_vs_adaptive,
-  <situation>:allreduce_vs_local_sgd, <situation>:ray_train_vs_<side>.
+  <situation>:allreduce_vs_<adaptive side>, <situation>:best_fixed_vs_<adaptive side> (best of
+  the fixed sides run), <situation>:allreduce_vs_local_sgd, <situation>:allreduce_vs_local_bal,
+  <situation>:ray_train_vs_<side>.
 
     python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...] [--sides SIDE,...]
 
@@ -53,8 +57,10 @@ from common import median, parse_args, report
 TARGET, PARTITIONS, EPOCHS = 0.97, 32, 30
 OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce.yaml", ["strategy.balance=true"]),
         "downpour": ("mnist_downpour.yaml", []), "easgd": ("mnist_easgd.yaml", []),
-        "local_sgd": ("mnist_local_sgd.yaml", []), "adaptive": ("mnist_adaptive.yaml", [])}
-FIXED = ("allreduce", "balanced", "downpour", "easgd", "local_sgd")
+        "local_sgd": ("mnist_local_sgd.yaml", []), "local_bal": ("mnist_local_sgd.yaml", ["strategy.balance=true"]),
+        "adaptive": ("mnist_adaptive.yaml", []),
+        "adaptive_local": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=local_sgd", "strategy.period=8"])}
+FIXED = ("allreduce", "balanced", "downpour", "easgd", "local_sgd", "local_bal")
 SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)), "four": (4, (3, 3.0))}
 
 
@@ -165,14 +171,17 @@ def main() -> None:
         summary[f"{situation}:s_per_epoch"] = {side: {"median": median(v), "min": min(v), "max": max(v)} if v else None
                                                for side, v in per_epoch.items()}
         med = {side: median(v) for side, v in t.items() if v}
-        if "adaptive" in med:
+        for adaptive in ("adaptive", "adaptive_local"):
+            if adaptive not in med:
+                continue
             if "allreduce" in med:
-                ratios[f"{situation}:allreduce_vs_adaptive"] = med["allreduce"] / med["adaptive"]
+                ratios[f"{situation}:allreduce_vs_{adaptive}"] = med["allreduce"] / med[adaptive]
             fixed = [med[s] for s in FIXED if s in med]
             if fixed:
-                ratios[f"{situation}:best_fixed_vs_adaptive"] = min(fixed) / med["adaptive"]
-        if "local_sgd" in med and "allreduce" in med:
-            ratios[f"{situation}:allreduce_vs_local_sgd"] = med["allreduce"] / med["local_sgd"]
+                ratios[f"{situation}:best_fixed_vs_{adaptive}"] = min(fixed) / med[adaptive]
+        for side in ("local_sgd", "local_bal"):
+            if side in med and "allreduce" in med:
+                ratios[f"{situation}:allreduce_vs_{side}"] = med["allreduce"] / med[side]
         if "ray_train" in med:
             for side in (*OURS,):
                 if side in med:

@@ -85,7 +85,10 @@ class AdaptiveConfig(Section):
     """strategy.switch adaptive: from the step times the replicas report, go asynchronous while a
     replica straggles and come back when it recovers (policies/switching.py)."""
 
-    sync_mode: Literal["allreduce"] = Field("allreduce", description="The mode while no replica straggles.")
+    sync_mode: Literal["allreduce", "local_sgd"] = Field(
+        "allreduce", description="The mode while no replica straggles: allreduce, or local_sgd (the models averaged "
+        "every strategy.period steps; with balance, each replica's period follows its speed)."
+    )
     async_mode: Literal["downpour", "easgd"] = Field(
         "easgd", description="The mode while one does (asynchronous: the others do not wait for it); easgd runs "
         "as variant async with the strategy.* easgd options."
