@@ -56,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--jitter", type=float, default=0.0, help="lognormal sigma of every step's compute")
     sim.add_argument("--persistent", action="store_true", help="the slowed replicas stay slow (a heterogeneous "
                      "cluster: a fraction straggler-p of the replicas is straggler-factor slower all the time)")
-    sim.add_argument("--period", type=int, help="local SGD's and EASGD's period H (default: strategy.tau)")
+    sim.add_argument("--period", type=int, help="local SGD's and EASGD's period H (default: strategy.period for local SGD, strategy.tau "
+                     "for EASGD)")
     sim.add_argument("--plot", default=None, metavar="PATH", help="where the plot goes (default ./simulate.png)")
     sim.add_argument("--json", metavar="PATH", help="write the calibration and the predictions as JSON")
     return p

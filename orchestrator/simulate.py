@@ -229,7 +229,8 @@ def simulate(cfg: Any, replicas: list[int], stragglers: Stragglers, run: Optiona
     st = cfg.strategy
     if st.compression != "none":  # allreduce's gradients travel in half precision
         cal = replace(cal, allreduce_bytes_per_param=2, source=f"{cal.source}; all-reduce in {st.compression}")
-    shape = ModeShape(period=period or st.tau, shards=cfg.scaling.shards, n_push=st.n_push, n_fetch=st.n_fetch)
+    shape = ModeShape(period=period or st.period, tau=period or st.tau, shards=cfg.scaling.shards, n_push=st.n_push,
+                      n_fetch=st.n_fetch)
     return cal, table(replicas, cal, stragglers, shape)
 
 

@@ -89,7 +89,8 @@ class Stragglers:
 class ModeShape:
     """What a mode's step exchanges: the local-SGD period, the shards, Downpour's periods."""
 
-    period: int = 4  # local SGD's H, EASGD's tau
+    period: int = 4  # local SGD's H (and EASGD's tau when `tau` is not given)
+    tau: Optional[int] = None  # EASGD's period
     shards: int = 1
     n_push: int = 1
     n_fetch: int = 1
@@ -174,7 +175,7 @@ def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),
     if mode == "downpour":
         per_step_exchanges = 1 / max(1, shape.n_push) + 1 / max(1, shape.n_fetch)
     else:  # easgd: M up and M down every tau steps
-        per_step_exchanges = 2 / max(1, shape.period)
+        per_step_exchanges = 2 / max(1, shape.tau or shape.period)
     c = mean_compute(cal, n, s)
     comm = per_step_exchanges * (cal.model_bytes * cal.beta_s_per_byte + cal.alpha_s)
     step = c + comm
