@@ -11,6 +11,8 @@ gloo transfer itself included. Links: the machine's own loopback (none), 1 and 0
 Sides (each the main example with):
   allreduce   nothing else
   fp16        strategy.compression=fp16 (half the bytes)
+  powersgd    strategy.compression=powersgd, rank 2 (1.9% of the bytes, two all-reduces a step,
+              after the backward pass)
   local_sgd   strategy.mode=local_sgd, strategy.period=8 (the model once per 8 steps)
 Figures per run: steady samples/s (the result's steady_samples_per_s: samples over the slowest
 replica's step-loop seconds), train seconds to 97% (time_to_target_s - startup_s) and the
@@ -36,6 +38,7 @@ from common import median, parse_args, report
 
 TARGET, EPOCHS = 0.97, 15
 SIDES = {"allreduce": [], "fp16": ["strategy.compression=fp16"],
+         "powersgd": ["strategy.compression=powersgd", "strategy.powersgd_rank=2"],
          "local_sgd": ["strategy.mode=local_sgd", "strategy.period=8"]}
 LINKS = {"loopback": None, "1gbps": 1.0, "0.1gbps": 0.1}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,17 +67,20 @@ def predicted(links: dict[str, Optional[float]]) -> dict[str, dict[str, float]]:
     from dataclasses import replace
 
     from orchestrator import JobConfig
-    from orchestrator.simulate import calibration
+    from orchestrator.simulate import allreduce_bytes_per_param, calibration
     from policies.cost_model import ModeShape, predict
 
     cfg = JobConfig.from_yaml(os.path.join(REPO, "examples", "mnist_allreduce.yaml"))
     here = calibration(cfg, cores=float(os.cpu_count() or 1))
+    low_rank = allreduce_bytes_per_param(JobConfig.from_yaml(
+        os.path.join(REPO, "examples", "mnist_allreduce.yaml"), SIDES["powersgd"]))
     out = {}
     for link, gbps in links.items():
         cal = here if gbps is None else replace(here, alpha_s=0.0, beta_s_per_byte=8 / (gbps * 1e9),
                                                 source=f"{here.source}; link {gbps} Gbit/s")
         out[link] = {"allreduce": predict("allreduce", 2, cal).samples_per_s,
                      "fp16": predict("allreduce", 2, replace(cal, allreduce_bytes_per_param=2)).samples_per_s,
+                     "powersgd": predict("allreduce", 2, replace(cal, allreduce_bytes_per_param=low_rank)).samples_per_s,
                      "local_sgd": predict("local_sgd", 2, cal, shape=ModeShape(period=8)).samples_per_s}
     return out
 
@@ -116,7 +122,7 @@ def main() -> None:
             if rate:
                 med[side] = median(rate)
                 ratios[f"{link}:{side}_predicted_vs_measured"] = results["predicted"][link][side] / med[side]
-        for side in ("fp16", "local_sgd"):
+        for side in ("fp16", "powersgd", "local_sgd"):
             if side in med and "allreduce" in med:
                 ratios[f"{link}:{side}_vs_allreduce"] = med[side] / med["allreduce"]
     results["summary"] = summary

@@ -222,13 +222,29 @@ def plot(preds: list[Prediction], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def allreduce_bytes_per_param(cfg: Any) -> float:
+    """Bytes allreduce sends per trainable parameter: 4 (float32), 2 (fp16, bf16), or PowerSGD's
+    rank-r factors' floats x 4 / parameters (from the model's shapes)."""
+    st = cfg.strategy
+    if st.compression in ("fp16", "bf16"):
+        return 2.0
+    if st.compression != "powersgd":
+        return 4.0
+    from orchestrator.factory import build_model
+    from policies.powersgd import floats_sent
+
+    params = [p for p in build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed).parameters() if p.requires_grad]
+    return 4.0 * floats_sent([tuple(p.shape) for p in params], st.powersgd_rank) / sum(p.numel() for p in params)
+
+
 def simulate(cfg: Any, replicas: list[int], stragglers: Stragglers, run: Optional[dict[str, Any]] = None,
              bandwidth_gbps: Optional[float] = None, latency_us: Optional[float] = None,
              cores: Optional[float] = None, period: Optional[int] = None) -> tuple[Calibration, list[Prediction]]:
     cal = calibration(cfg, run, bandwidth_gbps, latency_us, cores)
     st = cfg.strategy
-    if st.compression != "none":  # allreduce's gradients travel in half precision
-        cal = replace(cal, allreduce_bytes_per_param=2, source=f"{cal.source}; all-reduce in {st.compression}")
+    if st.compression != "none":  # allreduce's gradients travel in half precision, or as low-rank factors
+        cal = replace(cal, allreduce_bytes_per_param=allreduce_bytes_per_param(cfg),
+                      source=f"{cal.source}; all-reduce in {st.compression}")
     shape = ModeShape(period=period or st.period, tau=period or st.tau, shards=cfg.scaling.shards, n_push=st.n_push,
                       n_fetch=st.n_fetch)
     return cal, table(replicas, cal, stragglers, shape)

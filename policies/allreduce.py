@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
 from policies.balance import BatchBalancer
 from policies.batches import forward, rows as batch_rows
 from policies.modes import StepResult, check_finite
+from policies.powersgd import PowerSgd
 from policies.tasks import Classification, Task
 
 SLOTS = 4  # extra floats at the end of the first bucket: summed loss, rows, "has another batch", "pause"
@@ -228,6 +229,7 @@ def allreduce_step(
     pause: bool = False,
     task: Optional[Task] = None,
     figures: Optional[Sequence[float]] = None,
+    exchange: Optional[Callable[[], None]] = None,
 ) -> StepResult:
     """One synchronous step on this replica's batch (`x` None: an empty step, this replica's
     data ran out but another's has not). `more`: this replica has another batch after this one.
@@ -236,8 +238,10 @@ def allreduce_step(
     (policies/tasks.py; default classification); its batch mean times the batch's rows is summed.
     `figures`: this replica's measurements to sum with the others' in the figure slots; the
     sums come back in `StepResult.figures`, and `ready_at` is when this replica's backward
-    pass was done (time.perf_counter)."""
-    buckets.begin_step(reducer)
+    pass was done (time.perf_counter). `exchange`: how the summed gradients and the first
+    bucket's tail are formed after the backward pass instead of the buckets' own all-reduces
+    started during it (PowerSGD)."""
+    buckets.begin_step(reducer if exchange is None else None)
     if figures is not None:
         buckets.figures.copy_(torch.tensor(figures, dtype=buckets.figures.dtype))
     if x is not None:
@@ -250,7 +254,10 @@ def allreduce_step(
     else:
         buckets.slots.copy_(buckets.slots.new_tensor([0.0, 0.0, float(more), float(pause)]))
     t0 = time.perf_counter()
-    buckets.finish_step()
+    if exchange is None:
+        buckets.finish_step()
+    else:
+        exchange()
     comm_s = time.perf_counter() - t0
     loss_sum, rows, more_total, pause_total = buckets.slots.tolist()
     mean_loss = loss_sum / rows if rows else 0.0
@@ -322,7 +329,7 @@ class StepFigures:
         self.mine = (0.0, 0.0)
 
 
-COMPRESSION = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+COMPRESSION = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16, "powersgd": None}
 
 
 class AllReduceWorker:
@@ -332,17 +339,22 @@ class AllReduceWorker:
     "fp16" or "bf16": each bucket's gradients are summed in that dtype (half the bytes),
     divided by the global batch (replicas x `batch` rows) on the way in and multiplied back on
     the way out, so fp16's range holds a summed gradient; the first bucket's tail of loss
-    sums, rows and figures is summed in float32 on its own."""
+    sums, rows and figures is summed in float32 on its own. "powersgd": the summed gradient
+    as rank-`powersgd_rank` factors with error feedback (policies/powersgd.py), formed after
+    the backward pass."""
 
     lock_step = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: int,
                  reducer: Reducer, task: Optional[Task] = None, batch: int = 0,
-                 balance: Optional[dict[str, Any]] = None, compression: str = "none") -> None:
+                 balance: Optional[dict[str, Any]] = None, compression: str = "none",
+                 powersgd_rank: int = 2) -> None:
         self.model, self.optimizer, self.task = model, optimizer, task or Classification()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.bucket_bytes, self.batch, self.balance = bucket_bytes, batch, balance
         self.compress = COMPRESSION[compression]
+        self.powersgd_rank = powersgd_rank if compression == "powersgd" else None
+        self.powersgd: Optional[PowerSgd] = None
         self.reducer = reducer
         self.buffer_sync = BufferSync(model)
         self.group: Optional[tuple[int, int]] = None
@@ -368,6 +380,8 @@ class AllReduceWorker:
                                      float(self.balance["max_share"]))
         self.figures = StepFigures(rank, world, balancer)
         self.batch_share = self.batch if balancer is not None else None
+        if self.powersgd_rank is not None:  # grads are views into the new buckets: a compressor over them
+            self.powersgd = PowerSgd(self.params, self.powersgd_rank)
         self.group = group
 
     def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False,
@@ -378,8 +392,12 @@ class AllReduceWorker:
             self.buffer_sync.sync(self.reducer)
         synced_s = time.perf_counter() - started  # a sync point: waiting for rank 0, not this replica's work
         figs = self.figures
+        exchange = None
+        if self.powersgd is not None:
+            buckets, world = self.buckets, figs.world
+            exchange = lambda: self.powersgd.reduce(self.reducer, buckets.buffers[0][-buckets.tail:], world)  # noqa: E731
         result = allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.reducer, more, pause, self.task,
-                                figures=figs.outgoing())
+                                figures=figs.outgoing(), exchange=exchange)
         self.last = figs.observe(result.figures, started, batch_rows(y) if x is not None else 0, result.ready_at,
                                  synced_s, self.buckets)
         figs.t_free = time.perf_counter()

@@ -32,7 +32,7 @@ replica slow for a whole phase is `p = 1/n, persistent`).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import replace, asdict, dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -51,7 +51,7 @@ class Calibration:
     beta_s_per_byte: float  # seconds per byte on a replica's link
     cores: Optional[float] = None  # replicas the hosts run at full speed (None: as many as asked)
     source: str = ""  # where the figures came from (a calibration here, a run, flags)
-    allreduce_bytes_per_param: int = BYTES_PER_PARAM  # 2 with strategy.compression fp16 / bf16
+    allreduce_bytes_per_param: float = BYTES_PER_PARAM  # 2 with fp16 / bf16; PowerSGD: its factors' share
 
     @property
     def model_bytes(self) -> int:
@@ -169,7 +169,8 @@ def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),
     if mode in ("allreduce", "local_sgd"):
         h = 1 if mode == "allreduce" else max(1, shape.period)
         c = max_compute(cal, n, s, block=h)
-        comm = ring_allreduce_s(cal, n) / h
+        ring = cal if mode == "allreduce" else replace(cal, allreduce_bytes_per_param=BYTES_PER_PARAM)  # float32 rounds
+        comm = ring_allreduce_s(ring, n) / h
         step = c + comm
         return Prediction(mode, n, step, c, comm, n * b / step, extra={"period": h})
     if mode == "downpour":

@@ -81,7 +81,7 @@ def _allreduce_worker(model, flat, cfg, rank, world, transport):
                if s.get("balance") else None)
     return AllReduceWorker(model, optimizer, int(s["bucket_mb"] * 2**20), transport.reducer, transport.task,
                            batch=int(cfg["data"]["batch_size"]), balance=balance,
-                           compression=s.get("compression", "none"))
+                           compression=s.get("compression", "none"), powersgd_rank=s.get("powersgd_rank", 2))
 
 
 def _local_sgd_worker(model, flat, cfg, rank, world, transport):

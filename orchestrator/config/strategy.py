@@ -10,7 +10,7 @@ from orchestrator.config.sections import Section
 
 
 MODE_OPTIONS = {
-    "allreduce": ("bucket_mb", "balance", "compression"),
+    "allreduce": ("bucket_mb", "balance", "compression", "powersgd_rank"),
     "downpour": ("n_fetch", "n_push", "max_in_flight", "max_staleness", "staleness_lr", "warmstart_steps"),
     "easgd": ("tau", "alpha", "variant", "momentum"),
     "local_sgd": ("period", "outer_lr", "outer_momentum", "balance"),
@@ -41,8 +41,9 @@ class PhaseConfig(Section):
     optimizer: Optional[PhaseOptimizer] = Field(None, description="This phase's optimizer.* overrides.")
     bucket_mb: Optional[float] = Field(None, gt=0, description="allreduce: as strategy.bucket_mb.")
     balance: Optional[bool] = Field(None, description="allreduce, local_sgd: as strategy.balance.")
-    compression: Optional[Literal["none", "fp16", "bf16"]] = Field(None, description="allreduce: as "
-                                                                   "strategy.compression.")
+    compression: Optional[Literal["none", "fp16", "bf16", "powersgd"]] = Field(
+        None, description="allreduce: as strategy.compression.")
+    powersgd_rank: Optional[int] = Field(None, ge=1, description="allreduce: as strategy.powersgd_rank.")
     n_fetch: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_fetch.")
     n_push: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_push.")
     max_in_flight: Optional[int] = Field(None, ge=1, description="downpour: as strategy.max_in_flight.")
@@ -147,12 +148,16 @@ class StrategyConfig(Section):
         "strategy.period steps a round in all, each within balance_min_share..balance_max_share x period, and "
         "partitions are leased from one shared queue. See docs/modes.md."
     )
-    compression: Literal["none", "fp16", "bf16"] = Field(
-        "none", description="allreduce: the dtype gradients are summed in. fp16 or bf16 halve the bytes each "
-        "all-reduce sends (gradients scaled by the global batch on the way, so fp16's range holds them; the "
-        "loss sums and rows stay float32); worth it where the link, not compute, bounds the step "
-        "(`orchestrator simulate` says where). See docs/modes.md."
+    compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none", description="allreduce: how gradients travel. fp16 or bf16: summed in that dtype, half the bytes "
+        "each all-reduce sends (gradients scaled by the global batch on the way, so fp16's range holds them; the "
+        "loss sums and rows stay float32). powersgd: each matrix-shaped gradient sent as rank-powersgd_rank "
+        "factors with error feedback, (n + m) r floats for an n x m matrix, in two all-reduces after the backward "
+        "pass. Worth it where the link, not compute, bounds the step (`orchestrator simulate` says where). See "
+        "docs/modes.md."
     )
+    powersgd_rank: int = Field(2, ge=1, description="allreduce with compression powersgd: the rank r of the "
+                               "factors (higher: closer to the exact sum, more bytes).")
     balance_window: int = Field(8, ge=1, description="allreduce with balance: steps of measurements behind each new "
                                 "split of the batch.")
     balance_min_share: float = Field(0.25, gt=0, le=1, description="allreduce with balance: the smallest share a "

@@ -114,3 +114,22 @@ def test_a_non_finite_loss_ends_the_run_naming_the_step_and_the_learning_rate(ra
     with pytest.raises(TrainingError, match=r"diverged: the loss is (nan|inf) at step \d+ .*optimizer.lr 1e\+?12"):
         ElasticTrainer(cfg, show_progress=False).fit()
     assert not list((tmp_path / "ck").rglob("model.pt"))  # no final model written from a diverged run
+
+
+@pytest.mark.parametrize("compression", ["fp16", "powersgd"])
+def test_compressed_allreduce_keeps_the_replicas_identical_and_learns(ray_cluster, compression):
+    """strategy.compression over a real gloo group: every replica applies the same step (the
+    maths against a one-process reference: tests/unit/test_balance.py, test_powersgd.py)."""
+    cfg = job_config(scaling={"replicas": 2, "cpus_per_replica": 0.5}, data={"batch_size": 16},
+                     strategy={"compression": compression, "powersgd_rank": 1}, stop={"epochs": 2})
+    ctl, _ = _controller(cfg, trace_ids=False)
+    try:
+        ctl.step()
+        ctl.run_epoch()
+        ctl.run_epoch()
+        flats = ray.get([r.flat_parameters.remote() for r in ctl.replicas], timeout=30)
+    finally:
+        ctl.shutdown()
+    np.testing.assert_array_equal(flats[0], flats[1])
+    ends = [e for e in ctl.tracker.events if e["kind"] == "epoch_end"]
+    assert ends[-1]["test_accuracy"] > 0.8
