@@ -20,8 +20,9 @@ ElasticTrainer(cfg).fit() (real Ray actors, shards, gloo groups; MLflow in a tem
       allreduce  examples/mnist_allreduce.yaml
       downpour   examples/mnist_downpour.yaml
       easgd      examples/mnist_easgd.yaml
-      adaptive   examples/mnist_adaptive.yaml (balanced allreduce since 44c106b, easgd only for a
-                 straggler balancing cannot absorb; before, allreduce <-> easgd on the compute
+      adaptive   examples/mnist_adaptive.yaml (local SGD with balanced periods since the commit
+                 that made it so, balanced allreduce from 44c106b; easgd only for a straggler
+                 balancing cannot absorb; before 44c106b, allreduce <-> easgd on the compute
                  spread; its own straggler window replaced by this one)
     each with its own example's optimizer settings, the same data, model, batch, replicas, 32
     partitions, a progress row every 2 steps sent every 0.25 s (tracking.log_every_steps,

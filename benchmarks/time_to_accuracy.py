@@ -14,10 +14,11 @@ Sides:
   easgd       examples/mnist_easgd.yaml
   local_sgd   examples/mnist_local_sgd.yaml (local steps, models averaged every 8 steps)
   local_bal   examples/mnist_local_sgd.yaml with strategy.balance true (periods by speed)
-  adaptive    examples/mnist_adaptive.yaml (balanced allreduce; easgd only for a straggler the
-              balance cannot absorb); its own straggler window replaced by the situation's
-  adaptive_local  the same with strategy.adaptive.sync_mode local_sgd, strategy.period 8
-              (balanced local SGD; easgd only for a straggler the balance cannot absorb)
+  adaptive    examples/mnist_adaptive.yaml (local SGD with balanced periods; easgd only for a
+              straggler the balance cannot absorb); its own straggler window replaced by the
+              situation's
+  adaptive_allreduce  the same with strategy.adaptive.sync_mode allreduce (balanced batch shares
+              instead; the example's synchronous mode before 2026-11-25)
   ray_train   Ray Train TorchTrainer, DDP, the same partitions, order, batches and evaluation
               as our allreduce (benchmarks/throughput.py ray_train_loop), the same straggler
   single      one PyTorch process (2 threads) on the global batches, no straggler: the
@@ -59,7 +60,7 @@ OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce
         "downpour": ("mnist_downpour.yaml", []), "easgd": ("mnist_easgd.yaml", []),
         "local_sgd": ("mnist_local_sgd.yaml", []), "local_bal": ("mnist_local_sgd.yaml", ["strategy.balance=true"]),
         "adaptive": ("mnist_adaptive.yaml", []),
-        "adaptive_local": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=local_sgd", "strategy.period=8"])}
+        "adaptive_allreduce": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce"])}
 FIXED = ("allreduce", "balanced", "downpour", "easgd", "local_sgd", "local_bal")
 SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)), "four": (4, (3, 3.0))}
 
@@ -171,7 +172,7 @@ def main() -> None:
         summary[f"{situation}:s_per_epoch"] = {side: {"median": median(v), "min": min(v), "max": max(v)} if v else None
                                                for side, v in per_epoch.items()}
         med = {side: median(v) for side, v in t.items() if v}
-        for adaptive in ("adaptive", "adaptive_local"):
+        for adaptive in ("adaptive", "adaptive_allreduce"):
             if adaptive not in med:
                 continue
             if "allreduce" in med:
