@@ -22,7 +22,7 @@ runs.
   batch by speed (policies/balance.py), which absorbs a straggler without leaving synchronous
   SGD; the ratio is then what balancing cannot absorb: the balanced step's predicted time over
   the ideal one (every row at the replicas' summed speed; see `residual`). It exceeds 1 only
-  once a share hits its bound (a replica more than ~4x slower than the others with the
+  once a share hits its bound (of two replicas, one more than 7x slower than the other with the
   default bounds), and only then is an asynchronous mode worth its switch.
 Every decision names its rule and the numbers behind it (the controller logs them as the
 `mode_switch` event).
@@ -200,10 +200,10 @@ class AdaptivePolicy:
             gain = 1 - 1 / ratio  # of the balanced step's time, when the asynchronous mode reaches the ideal
             numbers["predicted_gain"] = round(gain if rule == "straggler" else -gain, 4)
             if rule == "straggler":
-                reason = (f"balancing the batch cannot absorb replica {slow}: the balanced step is predicted "
+                reason = (f"balancing cannot absorb replica {slow}: the balanced step is predicted "
                           f"{ratio:.2f}x the ideal (>= {threshold:g}): go asynchronous")
             else:
-                reason = (f"balancing the batch absorbs the slowest replica again: the balanced step is predicted "
+                reason = (f"balancing absorbs the slowest replica again: the balanced step is predicted "
                           f"{ratio:.2f}x the ideal (<= {threshold:g}): go synchronous")
         elif rule == "straggler":
             reason = (f"replica {slow} computes {ratio:.2f}x as long per step as the others (>= {threshold:g}): "
