@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
@@ -354,7 +355,7 @@ class AllReduceWorker:
         self.bucket_bytes, self.batch, self.balance = bucket_bytes, batch, balance
         self.compress = COMPRESSION[compression]
         self.powersgd_rank = powersgd_rank if compression == "powersgd" else None
-        self.powersgd: Optional[PowerSgd] = None
+        self.exchange: Optional[Callable[[], None]] = None  # powersgd: forms the summed gradients after backward
         self.reducer = reducer
         self.buffer_sync = BufferSync(model)
         self.group: Optional[tuple[int, int]] = None
@@ -381,7 +382,8 @@ class AllReduceWorker:
         self.figures = StepFigures(rank, world, balancer)
         self.batch_share = self.batch if balancer is not None else None
         if self.powersgd_rank is not None:  # grads are views into the new buckets: a compressor over them
-            self.powersgd = PowerSgd(self.params, self.powersgd_rank)
+            self.exchange = partial(PowerSgd(self.params, self.powersgd_rank).reduce, self.reducer,
+                                    self.buckets.buffers[0][-self.buckets.tail:], world)
         self.group = group
 
     def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False,
@@ -392,12 +394,8 @@ class AllReduceWorker:
             self.buffer_sync.sync(self.reducer)
         synced_s = time.perf_counter() - started  # a sync point: waiting for rank 0, not this replica's work
         figs = self.figures
-        exchange = None
-        if self.powersgd is not None:
-            buckets, world = self.buckets, figs.world
-            exchange = lambda: self.powersgd.reduce(self.reducer, buckets.buffers[0][-buckets.tail:], world)  # noqa: E731
         result = allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.reducer, more, pause, self.task,
-                                figures=figs.outgoing(), exchange=exchange)
+                                figures=figs.outgoing(), exchange=self.exchange)
         self.last = figs.observe(result.figures, started, batch_rows(y) if x is not None else 0, result.ready_at,
                                  synced_s, self.buckets)
         figs.t_free = time.perf_counter()

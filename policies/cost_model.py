@@ -32,7 +32,7 @@ replica slow for a whole phase is `p = 1/n, persistent`).
 from __future__ import annotations
 
 import math
-from dataclasses import replace, asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 import numpy as np

@@ -99,6 +99,7 @@ class LocalSgdWorker:
         self.drifts: list[float] = []
         self.balance = balance  # {min_share, max_share}: each replica's period by its speed
         self.periods: Optional[list[int]] = None  # balance: every rank's period (None: `period` for all)
+        self.rank = 0  # this replica's rank in the group of the last round
         self.speeds: list[float] = []  # balance: every rank's steps per busy second, smoothed over rounds
         self.real_since = 0  # balance: steps with a batch since the last round
         self.t_free: Optional[float] = None  # balance: when the last round ended (None: a new group)
@@ -122,10 +123,11 @@ class LocalSgdWorker:
         self.rows_since, self.owed = 0, False
 
     # ---- the step ------------------------------------------------------------------------
-    def _round(self, more: bool, pause: bool) -> tuple[int, int]:
-        """The exchange: returns (replicas with another batch, replicas told to pause)."""
+    def _round(self, more: bool, pause: bool, fresh: bool) -> tuple[int, int]:
+        """The exchange: returns (replicas with another batch, replicas told to pause).
+        `fresh`: the first round in a new process group (no speeds from the old one)."""
         rank, world = reducer_group(self.reducer)
-        fresh = getattr(self.reducer, "pg", None) is not self.pg  # a new group: no speeds from the old one
+        self.rank = rank
         figures = 2 * world if self.balance is not None else 0
         with torch.no_grad():
             x = parameters_to_vector(self.params)
@@ -174,8 +176,7 @@ class LocalSgdWorker:
         """This replica's steps between two rounds: `period`, or its balanced share of them."""
         if self.periods is None:
             return self.period
-        rank, world = reducer_group(self.reducer)
-        return self.periods[rank] if len(self.periods) == world else self.period
+        return self.periods[self.rank]  # of this group: a new group's first step is a round, which resets them
 
     def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False,
              pause: bool = False) -> StepResult:
@@ -193,10 +194,11 @@ class LocalSgdWorker:
         self.since += 1
         self.pausing = self.pausing or pause  # told to pause: said at the next round
         comm_s, go_on, paused, with_more = 0.0, True, False, 0
-        if self.owed or self.since >= self.my_period or getattr(self.reducer, "pg", None) is not self.pg:
+        fresh = getattr(self.reducer, "pg", None) is not self.pg  # a new process group: a round now
+        if fresh or self.owed or self.since >= self.my_period:
             self.owed = True
             t0 = time.perf_counter()
-            with_more, pausing = self._round(more, self.pausing)
+            with_more, pausing = self._round(more, self.pausing, fresh)
             self.owed = self.pausing = False
             comm_s = time.perf_counter() - t0
             go_on, paused = with_more > 0, pausing > 0

@@ -8,6 +8,7 @@ import ray
 
 from orchestrator.chaos import Fault, FaultInjector
 from tests.conftest import assert_carried
+from tests.integration.test_recovery_ray import actor_ids
 from tests.integration.test_switching_ray import controller, replica_flats
 
 pytestmark = pytest.mark.ray
@@ -50,10 +51,10 @@ def test_balanced_a_slow_replica_takes_fewer_steps_and_a_killed_one_is_replaced(
                      faults={"slow_replicas": [{"rank": 2, "factor": 3}]})
     try:
         ctl.step()
-        before = {r: a._actor_id.hex() for r, a in ctl.group.members.items()}
+        before = actor_ids(ctl)
         with FaultInjector(ctl, [Fault("kill_replica", 1, at_step=22)]) as inj:
             ctl.run_epoch()
-        after = {r: a._actor_id.hex() for r, a in ctl.group.members.items()}
+        after = actor_ids(ctl)
         flats = replica_flats(ctl)
         status = ray.get(ctl.server.handle.status.remote(), timeout=30)
         ctl.run_epoch()  # and the next epoch runs in the new group

@@ -19,6 +19,11 @@ def events(result, kind):
     return [e for e in result.events if e["kind"] == kind]
 
 
+def actor_ids(ctl):
+    """rank -> Ray actor id of each member: which actors a recovery kept and which it replaced."""
+    return {r: a._actor_id.hex() for r, a in ctl.group.members.items()}
+
+
 def fit_with(cfg, faults):
     trainer = ElasticTrainer(cfg, show_progress=False)
     ids = {}
@@ -26,7 +31,7 @@ def fit_with(cfg, faults):
     def controller():
         ctl = trainer.controller
         if ctl is not None and ctl.group.pids and not ids:
-            ids.update({r: a._actor_id.hex() for r, a in ctl.group.members.items()})
+            ids.update(actor_ids(ctl))
         return ctl
 
     with FaultInjector(controller, faults) as inj:
@@ -65,10 +70,10 @@ def test_allreduce_replicas_stay_identical_after_a_replacement_and_keep_their_ac
     ctl = Controller(cfg, load_source(cfg.data.source, cfg.data.seed), Tracker(None, "tests", None), time.perf_counter())
     try:
         ctl.step()
-        before = {r: a._actor_id.hex() for r, a in ctl.group.members.items()}
+        before = actor_ids(ctl)
         with FaultInjector(ctl, [Fault("kill_replica", 1, at_step=20)]) as inj:
             ctl.run_epoch()
-        after = {r: a._actor_id.hex() for r, a in ctl.group.members.items()}
+        after = actor_ids(ctl)
         flats = ray.get([r.flat_parameters.remote() for r in ctl.replicas], timeout=30)
         status = ray.get(ctl.server.handle.status.remote(), timeout=30)
     finally:
