@@ -99,7 +99,9 @@ def _count(items) -> dict[str, int]:
 
 
 def check(report: dict) -> None:
-    assert report["time_to_target_s"] is not None and report["final_test_accuracy"] >= 0.97, report
+    # reached 97%; at the end within a point of it: after the target the test accuracy wanders on its
+    # plateau (downpour 0.96-0.975 on this 1,000-row test split, docs/reliability.md)
+    assert report["time_to_target_s"] is not None and report["final_test_accuracy"] >= 0.96, report
     injected_hangs = report["fired_by_kind"].get("hang_replica", 0)
     assert report["replica_failed_by_cause"].get("hung", 0) <= injected_hangs, report  # no other wait ran out
     assert report["lost_updates"] == 0 or all(report["lost_causes"]), report
