@@ -366,13 +366,20 @@ class Controller:
             self.report.event("model_logged", name="model", seconds=round(seconds, 3))
 
     def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None) -> str:
-        """The lowest rank's model and optimizer state (all replicas hold the same parameters,
-        or the mode's reference) plus the run's position, written by the Checkpointer
+        """The lowest answering rank's model and optimizer state (all replicas hold the same
+        parameters at an epoch's end, or the mode's reference) plus the run's position, written by the Checkpointer
         (orchestrator/run_state.py). The final one says the run finished (a named run is not
         started again from it). Returns the named copy's path if there is one, else the store's."""
         t = time.perf_counter()
-        first = self.group.ranks[0]
-        state = self.group.call([first], "state", what=f"checkpoint {tag}", timeout_s=timeout_s)[0]
+        ranks = self.group.ranks
+        for i, rank in enumerate(ranks):  # a member that does not answer (hung, dying): the next one's copy
+            try:
+                state = self.group.call([rank], "state", what=f"checkpoint {tag}", timeout_s=timeout_s)[0]
+                break
+            except MemberLost as lost:
+                if i == len(ranks) - 1:
+                    raise
+                self.report.say(f"checkpoint {tag}: {lost}; taking replica {ranks[i + 1]}'s copy")
         state.update(epoch=self.totals.epochs, mlflow_run_id=self.tracker.run_id,
                      config=self.cfg.model_dump(mode="json"), run=self.position.save(), finished=tag == "final")
         path, stored = self.checkpoints.write(state, tag, self.totals.steps, self.totals.epochs, self.tracker.run_id,
