@@ -50,6 +50,7 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
     win = StepWindow()  # this progress window's per-step figures (allreduce: waiting, spread, diversity)
     send_every = float(self.cfg["tracking"]["progress_interval_s"])
     lock_step = self.worker.lock_step
+    straggles_inside = getattr(self.worker, "straggles_inside", False)  # backups: the delay is the step's own
     while True:
         if cur["pending"] is _FETCH:  # after a pause: ask the server again
             cur["pending"] = next(cur["batches"], None)
@@ -86,7 +87,7 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
         except Exception:
             self.leave_group()
             raise
-        if self.slow and real:  # a slower device: its compute takes longer, not its waiting for others
+        if self.slow and real and not straggles_inside:  # a slower device: its compute takes longer, not its waiting
             self.slow_down(time.perf_counter() - t_step - result.comm_s)
         compute = time.perf_counter() - t_step - result.comm_s  # a deliberate straggler's sleep included
         figures = getattr(self.worker, "last", None)
@@ -107,8 +108,9 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
             yield {"kind": "stepping", "rank": self.rank, "t_wall": time.time(), "step": self.step,
                    "mode": self.spec.name}
         if real:
-            samples += len(y)
-            window += len(y)
+            trained = len(y) if result.dropped is None else 0  # backups: a late replica's rows were not trained on
+            samples += trained
+            window += trained
             win_compute += compute
             win_real += 1
             loss = result.loss

@@ -100,6 +100,10 @@ class ProcessGroupReducer:
             work = exc
         self.wait(work)
 
+    def arrivals(self) -> "StoreArrivals":
+        """Counters in this generation's store (backup replicas' places: policies/backup.py)."""
+        return StoreArrivals(self.store)
+
     def abort(self) -> None:
         """Tell the other members this generation is over (best effort: the store's host may be
         the one that died, which the others notice by themselves)."""
@@ -111,6 +115,24 @@ class ProcessGroupReducer:
             return bool(self.store.check(["abort"]))
         except Exception:  # the store's host is gone: so is the generation
             return True
+
+
+class StoreArrivals:
+    """policies/backup.py's `Arrivals` on a generation's TCP store: one round trip per call. A
+    store that no longer answers (its host died) is the generation's end: `Interrupted`."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def add(self, key: str, amount: int) -> int:
+        try:
+            return int(self.store.add(key, amount))
+        except Exception as exc:
+            raise Interrupted(f"group store unreachable: {first_line(exc)}") from None
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(Exception):
+            self.store.delete_key(key)
 
 
 class Paced(NamedTuple):

@@ -23,7 +23,7 @@ import contextlib
 import os
 import time
 from datetime import timedelta
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import ray
@@ -41,6 +41,7 @@ from policies.batches import as_tensors, forward, rows as batch_rows, slice_rows
 from policies.registry import Transport, build_worker, mode_spec
 from policies.tasks import add_stats, load_task
 
+LATE_POLL_S = 0.005  # backups: how often a deliberate straggler's delay asks whether it is late
 
 
 def replica_device(gpus_per_replica: float) -> torch.device:
@@ -93,8 +94,8 @@ class ModelReplica:
         faults = self.cfg["faults"]
         link = EmulatedLink(faults["link_gbps"], faults["link_latency_us"]) if faults.get("link_gbps") else None
         self.reducer = ProcessGroupReducer(link)
-        self._build_worker()
         self.slow = [w for w in self.cfg["faults"]["slow_replicas"] if w["rank"] == rank]
+        self._build_worker()
         return os.getpid()
 
     def _take_strategy(self, strategy: dict[str, Any]) -> None:
@@ -109,6 +110,8 @@ class ModelReplica:
             self.client = RayShardClient(self.shards, s["max_in_flight"], s["timeout_s"])
         self.worker, self.flat = build_worker(self.model, self.cfg, self.rank, self.world_size,
                                               Transport(self.reducer, self.client if self.spec.sharded else None, self.task))
+        if self.slow and getattr(self.worker, "straggles_inside", False):
+            self.worker.straggle = self.slow_down  # backups: the delay before the gradient is ready, cut short when late
 
     def set_mode(self, strategy: dict[str, Any], load_reference: bool) -> dict[str, Any]:
         """Change the update rule in place (a phase switch): the old worker lets go of the model
@@ -159,8 +162,10 @@ class ModelReplica:
                 for name, value in self.client.buffers().items():
                     buffers[name].copy_(torch.from_numpy(value))
 
-    def slow_down(self, step_s: float) -> None:
-        """faults.slow_replicas: sleep as the windows active now say (a deliberate straggler)."""
+    def slow_down(self, step_s: float, late: Optional[Callable[[], bool]] = None) -> None:
+        """faults.slow_replicas: sleep as the windows active now say (a deliberate straggler).
+        `late`: asked every LATE_POLL_S while asleep; True ends the sleep (a backup replica whose
+        gradient the step no longer needs stops working)."""
         elapsed = time.time() - self.t_train_wall
         delay = 0.0
         for w in self.slow:
@@ -173,8 +178,17 @@ class ModelReplica:
             if w["to_s"] is not None and elapsed >= w["to_s"]:
                 continue
             delay += w["delay_s"] if w["delay_s"] is not None else (w["factor"] - 1.0) * step_s
-        if delay > 0:
+        if delay <= 0:
+            return
+        if late is None:
             time.sleep(delay)
+            return
+        end = time.perf_counter() + delay
+        while not late():
+            left = end - time.perf_counter()
+            if left <= 0:
+                return
+            time.sleep(min(left, LATE_POLL_S))
 
     def node_id(self) -> str:
         """The Ray node this replica runs on (the controller checks it when the replica dies)."""

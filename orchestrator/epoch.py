@@ -109,6 +109,8 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
     if ctl.shard_group is not None:
         extra.update(ctl.spec.shard_metrics(ctl.shard_group))
     rows_out += [(k, v, tot.steps) for k, v in extra.items()]
+    for event in ctl.spec.epoch_events(mine) if mine else []:
+        ctl.report.event(event.pop("kind"), epoch=epoch, **event)
     rows_out += [("epoch_rows", tot.rows_per_epoch[-1], tot.steps),
                  ("replicas_alive", len(ctl.group.members), tot.steps),
                  ("replica_restarts", tot.replica_restarts, tot.steps)]

@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from policies.backup import BackupGate
 from policies.balance import BatchBalancer
 from policies.batches import forward, rows as batch_rows
 from policies.modes import StepResult, check_finite
@@ -231,6 +232,8 @@ def allreduce_step(
     task: Optional[Task] = None,
     figures: Optional[Sequence[float]] = None,
     exchange: Optional[Callable[[], None]] = None,
+    gate: Optional[BackupGate] = None,
+    straggle: Optional[Callable[[float, Callable[[], bool]], None]] = None,
 ) -> StepResult:
     """One synchronous step on this replica's batch (`x` None: an empty step, this replica's
     data ran out but another's has not). `more`: this replica has another batch after this one.
@@ -241,24 +244,45 @@ def allreduce_step(
     sums come back in `StepResult.figures`, and `ready_at` is when this replica's backward
     pass was done (time.perf_counter). `exchange`: how the summed gradients and the first
     bucket's tail are formed after the backward pass instead of the buckets' own all-reduces
-    started during it (PowerSGD)."""
-    buckets.begin_step(reducer if exchange is None else None)
+    started during it (PowerSGD). `gate`: backup replicas (policies/backup.py): this replica's
+    gradient is sent only if it is among the step's first; else it sends zeros and no rows,
+    stopping its work as soon as it knows (`StepResult.dropped`: its rows). `straggle(busy_s,
+    late)`: a deliberate straggler's delay after the backward pass, cut short once `late()`."""
+    early = exchange is None and gate is None  # buckets leave during backward only when nothing can drop them
+    buckets.begin_step(reducer if early else None)
     if figures is not None:
         buckets.figures.copy_(torch.tensor(figures, dtype=buckets.figures.dtype))
+    dropped = None
     if x is not None:
         n = batch_rows(y)
-        loss = (task or Classification()).loss(forward(model, x), y) * n
-        # before backward: the first bucket may leave early
-        buckets.slots.copy_(torch.stack([loss.detach(), loss.new_tensor(float(n)), loss.new_tensor(float(more)),
-                                         loss.new_tensor(float(pause))]))
-        loss.backward()
-    else:
+        t_busy = time.perf_counter()
+        if gate is not None and gate.late():
+            dropped = n
+        else:
+            loss = (task or Classification()).loss(forward(model, x), y) * n
+            # before backward: the first bucket may leave early
+            buckets.slots.copy_(torch.stack([loss.detach(), loss.new_tensor(float(n)), loss.new_tensor(float(more)),
+                                             loss.new_tensor(float(pause))]))
+            if gate is not None and gate.late():
+                dropped = n
+            else:
+                loss.backward()
+                if straggle is not None:
+                    straggle(time.perf_counter() - t_busy, gate.late if gate is not None else lambda: False)
+                if gate is not None and not gate.arrive():
+                    dropped = n
+    if dropped is not None:  # a late gradient: none of it goes out
+        for b in range(len(buckets.buffers)):
+            buckets.gradients(b).zero_()
+    if x is None or dropped is not None:
         buckets.slots.copy_(buckets.slots.new_tensor([0.0, 0.0, float(more), float(pause)]))
     t0 = time.perf_counter()
-    if exchange is None:
-        buckets.finish_step()
-    else:
+    if exchange is not None:
         exchange()
+    else:
+        if not early:
+            buckets.reducer = reducer
+        buckets.finish_step()
     comm_s = time.perf_counter() - t0
     loss_sum, rows, more_total, pause_total = buckets.slots.tolist()
     mean_loss = loss_sum / rows if rows else 0.0
@@ -271,7 +295,7 @@ def allreduce_step(
             b.div_(rows)
         optimizer.step()
     return StepResult(mean_loss, comm_s, int(rows), more_total > 0, pause_total > 0, figures=summed, ready_at=t0,
-                      with_more=int(round(more_total)))
+                      with_more=int(round(more_total)), dropped=dropped)
 
 
 class StepFigures:
@@ -342,14 +366,18 @@ class AllReduceWorker:
     the way out, so fp16's range holds a summed gradient; the first bucket's tail of loss
     sums, rows and figures is summed in float32 on its own. "powersgd": the summed gradient
     as rank-`powersgd_rank` factors with error feedback (policies/powersgd.py), formed after
-    the backward pass."""
+    the backward pass. `backups`: backup replicas (policies/backup.py): each step applies the
+    first `holding - backups` gradients to be ready; the reducer's group store decides who is
+    in time. `straggle`: set by the replica to its deliberate straggler's delay
+    (faults.slow_replicas) when backups are on, so the delay falls before this replica's
+    gradient is ready and a late replica cuts it short."""
 
     lock_step = True
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: int,
                  reducer: Reducer, task: Optional[Task] = None, batch: int = 0,
                  balance: Optional[dict[str, Any]] = None, compression: str = "none",
-                 powersgd_rank: int = 2) -> None:
+                 powersgd_rank: int = 2, backups: int = 0) -> None:
         self.model, self.optimizer, self.task = model, optimizer, task or Classification()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.bucket_bytes, self.batch, self.balance = bucket_bytes, batch, balance
@@ -363,6 +391,10 @@ class AllReduceWorker:
         self.figures: Optional[StepFigures] = None
         self.batch_share: Optional[int] = None
         self.last: dict[str, Any] = {}
+        self.backups = backups
+        self.gate: Optional[BackupGate] = None
+        self.straggle: Optional[Callable[[float, Callable[[], bool]], None]] = None
+        self.drops = {"dropped_steps": 0, "dropped_rows": 0}  # gates of past groups, this epoch
 
     def _fit_group(self) -> None:
         """(Re)attach the buckets with figure slots for the group's size: at the first step,
@@ -384,7 +416,19 @@ class AllReduceWorker:
         if self.powersgd_rank is not None:  # grads are views into the new buckets: a compressor over them
             self.exchange = partial(PowerSgd(self.params, self.powersgd_rank).reduce, self.reducer,
                                     self.buckets.buffers[0][-self.buckets.tail:], world)
+        self._take_drops()
+        self.gate = BackupGate(self.backups, self.reducer.arrivals(), world, rank) if self.backups and world > 1 else None
         self.group = group
+
+    def _take_drops(self) -> None:
+        if self.gate is not None:
+            for k, v in self.gate.take_counts().items():
+                self.drops[k] += v
+
+    @property
+    def straggles_inside(self) -> bool:
+        """The replica's straggler delay belongs inside the step (`straggle`), not after it."""
+        return bool(self.backups)
 
     def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False,
              pause: bool = False) -> StepResult:
@@ -393,9 +437,13 @@ class AllReduceWorker:
         if self.buffer_sync:
             self.buffer_sync.sync(self.reducer)
         synced_s = time.perf_counter() - started  # a sync point: waiting for rank 0, not this replica's work
-        figs = self.figures
+        figs, gate = self.figures, self.gate
+        if gate is not None:
+            gate.begin()
         result = allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.reducer, more, pause, self.task,
-                                figures=figs.outgoing(), exchange=self.exchange)
+                                figures=figs.outgoing(), exchange=self.exchange, gate=gate, straggle=self.straggle)
+        if gate is not None:
+            gate.end(result.with_more, result.dropped)
         self.last = figs.observe(result.figures, started, batch_rows(y) if x is not None else 0, result.ready_at,
                                  synced_s, self.buckets)
         figs.t_free = time.perf_counter()
@@ -425,7 +473,11 @@ class AllReduceWorker:
                 self.batch_share = self.figures.balancer.shares[self.figures.rank]
         if self.buffer_sync:  # every replica evaluates (and rank 0 checkpoints) rank 0's statistics
             self.buffer_sync.sync(self.reducer)
-        return {}
+        if not self.backups:
+            return {}
+        self._take_drops()
+        out, self.drops = self.drops, {"dropped_steps": 0, "dropped_rows": 0}
+        return out
 
 
 def reducer_group(reducer: Any) -> tuple[int, int]:

@@ -8,12 +8,13 @@ and the replicas never branch on a mode's name:
   failure interrupts every member and the group is re-formed before anyone steps again; in the
   other modes the survivors keep stepping while a replacement joins;
 - `pinned`: partitions are each replica's own (one grant call per epoch) rather than shared
-  (`leases_pinned(strategy, shares)`: not while strategy.balance splits the batch unevenly, and
+  (`leases_pinned(strategy, shares)`: not with backup replicas, not while strategy.balance splits the batch unevenly, and
   never with balance when `pinned_while_even` is false: local_sgd's balanced periods);
 - `process_group`: the replicas form a torch.distributed process group;
 - `server_optimizer(optimizer_name)`: what the shards apply;
 - `build_worker(...)`: the update rule (policies/<mode>.py) wired to a replica's transport;
 - `metrics(stats)`: the mode's own per-epoch figures, combined across replicas;
+- `epoch_events(stats)`: the mode's own events of the epoch (allreduce: `backup_drops`);
 - `shard_metrics(shards)`: figures the shards observed (downpour: the largest lead over the
   slowest replica at a push, `max_lead`);
 - `global_batch`: each update is the mean gradient over every replica's batch (allreduce), so
@@ -62,12 +63,17 @@ class ModeSpec:
     global_batch: bool = False  # one update from every replica's batch: the rate follows replicas x batch
     pinned_while_even: bool = True  # strategy.balance: pinned while the shares are even (else shared throughout)
     survivors_keep_state: bool = False  # after a failure survivors keep their own state (the next round reconciles)
+    epoch_events: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = lambda stats: []  # the mode's own events
 
     def leases_pinned(self, strategy: dict[str, Any], shares: Optional[list[int]] = None) -> bool:
         """Pinned leasing, unless the strategy balances the work (strategy.balance) and either
         the replicas' `shares` of the batch are uneven (allreduce) or the mode's balanced
         replicas take different numbers of steps anyway (local_sgd: `pinned_while_even`
-        false): then a faster replica reads more partitions, from one shared queue."""
+        false): then a faster replica reads more partitions, from one shared queue. Backup
+        replicas (allreduce's strategy.backup_replicas) always share one queue, so the rows a
+        late replica drops are not the same partitions every epoch."""
+        if self.pinned and strategy.get("backup_replicas"):
+            return False
         if not self.pinned or not strategy.get("balance"):
             return self.pinned
         return self.pinned_while_even and (not shares or len(set(shares)) == 1)
@@ -81,7 +87,8 @@ def _allreduce_worker(model, flat, cfg, rank, world, transport):
                if s.get("balance") else None)
     return AllReduceWorker(model, optimizer, int(s["bucket_mb"] * 2**20), transport.reducer, transport.task,
                            batch=int(cfg["data"]["batch_size"]), balance=balance,
-                           compression=s.get("compression", "none"), powersgd_rank=s.get("powersgd_rank", 2))
+                           compression=s.get("compression", "none"), powersgd_rank=s.get("powersgd_rank", 2),
+                           backups=int(s.get("backup_replicas", 0)))
 
 
 def _local_sgd_worker(model, flat, cfg, rank, world, transport):
@@ -110,6 +117,25 @@ def _easgd_worker(model, flat, cfg, rank, world, transport):
     return EasgdWorker(model, flat, local, transport.client, world, alpha, s["tau"], s["variant"], task=transport.task)
 
 
+def _allreduce_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """Backup replicas: the epoch's dropped gradients and their rows, across replicas."""
+    modes = [s["mode"] for s in stats if "dropped_steps" in s["mode"]]
+    if not modes:
+        return {}
+    return {"backup_dropped_steps": sum(m["dropped_steps"] for m in modes),
+            "backup_dropped_rows": sum(m["dropped_rows"] for m in modes)}
+
+
+def _allreduce_events(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A `backup_drops` event for an epoch in which a late replica's gradient was dropped."""
+    by_rank = {s["rank"]: s["mode"]["dropped_steps"] for s in stats if s["mode"].get("dropped_steps")}
+    if not by_rank:
+        return []
+    rows = {s["rank"]: s["mode"]["dropped_rows"] for s in stats if s["mode"].get("dropped_steps")}
+    return [{"kind": "backup_drops", "dropped_steps_by_rank": by_rank, "dropped_rows_by_rank": rows,
+             "dropped_steps": sum(by_rank.values()), "dropped_rows": sum(rows.values())}]
+
+
 def _downpour_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
     modes = [s["mode"] for s in stats]
     slowest = max(s["train_s"] for s in stats)
@@ -130,7 +156,7 @@ def _easgd_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
 MODES: dict[str, ModeSpec] = {
     "allreduce": ModeSpec("allreduce", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
                           server_optimizer=lambda name: name, build_worker=_allreduce_worker,
-                          metrics=lambda stats: {}, global_batch=True),
+                          metrics=_allreduce_metrics, epoch_events=_allreduce_events, global_batch=True),
     "downpour": ModeSpec("downpour", sharded=True, pinned=False, process_group=False, lock_step=lambda s: False,
                          server_optimizer=lambda name: name, build_worker=_downpour_worker,
                          metrics=_downpour_metrics,

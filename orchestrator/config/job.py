@@ -92,6 +92,11 @@ class JobConfig(Section):
         if grouped and 0 < gpus < 1:
             raise ValueError(f"scaling.gpus_per_replica: {grouped[0]} needs a whole GPU per replica (NCCL cannot put "
                              f"two ranks on one GPU), got {gpus}")
+        backups = max((p["backup_replicas"] for p in self.strategy.plan() if p["mode"] == "allreduce"), default=0)
+        if backups and backups >= self.scaling.replicas:
+            raise ValueError(f"strategy.backup_replicas ({backups}) must be below scaling.replicas "
+                             f"({self.scaling.replicas}): a step applies the first replicas - backup_replicas "
+                             "gradients")
         missing = sorted(w.rank for w in self.faults.slow_replicas if w.rank >= self.scaling.replicas)
         if missing:
             raise ValueError(f"faults.slow_replicas: no replica of rank {missing[0]}; ranks are 0.."

@@ -10,7 +10,7 @@ from orchestrator.config.sections import Section
 
 
 MODE_OPTIONS = {
-    "allreduce": ("bucket_mb", "balance", "compression", "powersgd_rank"),
+    "allreduce": ("bucket_mb", "balance", "compression", "powersgd_rank", "backup_replicas"),
     "downpour": ("n_fetch", "n_push", "max_in_flight", "max_staleness", "staleness_lr", "warmstart_steps"),
     "easgd": ("tau", "alpha", "variant", "momentum"),
     "local_sgd": ("period", "outer_lr", "outer_momentum", "balance"),
@@ -44,6 +44,7 @@ class PhaseConfig(Section):
     compression: Optional[Literal["none", "fp16", "bf16", "powersgd"]] = Field(
         None, description="allreduce: as strategy.compression.")
     powersgd_rank: Optional[int] = Field(None, ge=1, description="allreduce: as strategy.powersgd_rank.")
+    backup_replicas: Optional[int] = Field(None, ge=0, description="allreduce: as strategy.backup_replicas.")
     n_fetch: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_fetch.")
     n_push: Optional[int] = Field(None, ge=1, description="downpour: as strategy.n_push.")
     max_in_flight: Optional[int] = Field(None, ge=1, description="downpour: as strategy.max_in_flight.")
@@ -158,6 +159,14 @@ class StrategyConfig(Section):
     )
     powersgd_rank: int = Field(2, ge=1, description="allreduce with compression powersgd: the rank r of the "
                                "factors (higher: closer to the exact sum, more bytes).")
+    backup_replicas: int = Field(
+        0, ge=0, description="allreduce: backup replicas b. Each step applies the gradients of the first h - b "
+        "replicas to finish their backward pass (h: the replicas holding a batch that step; at least one), "
+        "weighted by rows; a late replica stops its work, joins the all-reduce with no rows, and its batch's rows "
+        "are dropped (counted in the backup_dropped_rows metric and a backup_drops event). Every replica still "
+        "takes the same step. Not with balance or compression powersgd. 0: wait for every replica. See "
+        "docs/modes.md."
+    )
     balance_window: int = Field(8, ge=1, description="allreduce with balance: steps of measurements behind each new "
                                 "split of the batch.")
     balance_min_share: float = Field(0.25, gt=0, le=1, description="allreduce with balance: the smallest share a "
@@ -252,6 +261,21 @@ class StrategyConfig(Section):
             if len(self.phases) > 1 and phase.mode == "easgd" and variant == "sync":
                 raise ValueError(f"phases[{i}]: synchronous EASGD cannot switch mid-run (its rounds are "
                                  "not paused yet); use variant async in a run with several phases")
+        return self
+
+    @model_validator(mode="after")
+    def _backups_fit(self) -> "StrategyConfig":
+        for i, phase in enumerate(self.plan()):
+            if phase["mode"] != "allreduce" or not phase["backup_replicas"]:
+                continue
+            where = f"phases[{i}]: " if self.phases else ""
+            if phase["balance"]:
+                hint = "strategy.adaptive.balance" if self.switch == "adaptive" else "balance"
+                raise ValueError(f"{where}backup_replicas and balance do not go together (balance sizes the batches "
+                                 f"so nobody waits); set {hint} false or backup_replicas 0")
+            if phase["compression"] == "powersgd":
+                raise ValueError(f"{where}backup_replicas and compression powersgd do not go together (PowerSGD's "
+                                 "error feedback would send a late replica's residual); use none, fp16 or bf16")
         return self
 
     def plan(self) -> list[dict[str, Any]]:

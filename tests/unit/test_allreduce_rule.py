@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from examples.models import tiny_mlp
 from policies.allreduce import AllReduceWorker, GradientBuckets
+from policies.backup import LocalArrivals
 
 
 class ThreadSum:
@@ -16,6 +17,7 @@ class ThreadSum:
 
     def __init__(self, p: int):
         self.p, self.barrier, self.slots = p, threading.Barrier(p), {}
+        self.counters = LocalArrivals()  # the group store's counters (backup replicas)
 
     def for_rank(self, rank):
         outer = self
@@ -33,6 +35,9 @@ class ThreadSum:
 
             def wait(self, handle):
                 pass
+
+            def arrivals(self):
+                return outer.counters
 
             def broadcast(self, tensor):
                 outer.slots[rank] = tensor.clone()
@@ -118,10 +123,12 @@ def reference_training(batches_by_step, momentum=0.9):
     return ref, losses
 
 
-def lock_step_replicas(data, momentum=0.9):
+def lock_step_replicas(data, momentum=0.9, backups=0, straggle=None, ends=None):
     """data[rank] = that replica's batches for the epoch (any number, any sizes). Each replica
     runs the worker's lock-step loop (empty steps once its data ran out). Returns the models,
-    the steps each took and the losses each saw."""
+    the steps each took and the losses each saw. `backups`: the workers' backup replicas;
+    `straggle`: {rank: the worker's straggle}; `ends`: a dict that receives each rank's
+    end_epoch stats."""
     p = len(data)
     models = [make(momentum=momentum) for _ in range(p)]
     reducer = ThreadSum(p)
@@ -129,7 +136,8 @@ def lock_step_replicas(data, momentum=0.9):
 
     def replica(rank):
         m, opt = models[rank]
-        worker = AllReduceWorker(m, opt, 256, reducer.for_rank(rank))
+        worker = AllReduceWorker(m, opt, 256, reducer.for_rank(rank), backups=backups)
+        worker.straggle = (straggle or {}).get(rank)
         batches, n, seen = list(data[rank]), 0, []
         while True:
             x, y = batches.pop(0) if batches else (None, None)
@@ -138,7 +146,9 @@ def lock_step_replicas(data, momentum=0.9):
             seen.append(result.loss)
             if not result.go_on:
                 break
-        worker.end_epoch()
+        stats = worker.end_epoch()
+        if ends is not None:
+            ends[rank] = stats
         steps[rank], losses[rank] = n, seen
 
     run_replicas(p, replica)

@@ -52,6 +52,10 @@ def test_yaml_round_trip(tmp_path):
     ({}, ["strategy.mode=easgd", "optimizer.name=adam", "strategy.momentum=0.9"],
      "strategy.momentum is EAMSGD's Nesterov momentum for optimizer.name sgd"),
     ({}, ["strategy.mode=easgd", "optimizer.name=adagrad", "strategy.momentum=0.1"], "strategy.momentum"),
+    ({}, ["strategy.backup_replicas=-1"], "strategy.backup_replicas"),
+    ({}, ["scaling.replicas=2", "strategy.backup_replicas=2"], "strategy.backup_replicas (2) must be below"),
+    ({}, ["strategy.backup_replicas=1", "strategy.balance=true"], "backup_replicas and balance"),
+    ({}, ["strategy.backup_replicas=1", "strategy.compression=powersgd"], "backup_replicas and compression powersgd"),
 ])
 def test_bad_input_names_the_field(raw, overrides, field):
     with pytest.raises(ConfigError) as exc:
