@@ -12,6 +12,8 @@ Sides:
   balanced    examples/mnist_allreduce.yaml with strategy.balance true (batch shares by speed)
   downpour    examples/mnist_downpour.yaml
   easgd       examples/mnist_easgd.yaml
+  backup      examples/mnist_allreduce.yaml with strategy.backup_replicas 1 (each step the first
+              replicas - 1 gradients; the last one's dropped)
   local_sgd   examples/mnist_local_sgd.yaml (local steps, models averaged every 8 steps)
   local_bal   examples/mnist_local_sgd.yaml with strategy.balance true (periods by speed)
   adaptive    examples/mnist_adaptive.yaml (local SGD with balanced periods; easgd only for a
@@ -36,7 +38,7 @@ s_per_epoch = train_to_target_s / the epochs it took (speed without the luck of 
 first crosses 97%: the accuracy plateaus near it, so the epoch count moves with the data order).
 Ratios (medians over repetitions; above 1: the first side is faster):
   <situation>:allreduce_vs_<adaptive side>, <situation>:best_fixed_vs_<adaptive side> (best of
-  the fixed sides run), <situation>:allreduce_vs_local_sgd, <situation>:allreduce_vs_local_bal,
+  the fixed sides run), <situation>:allreduce_vs_<local_sgd | local_bal | backup>,
   <situation>:ray_train_vs_<side>.
 
     python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...] [--sides SIDE,...]
@@ -57,11 +59,12 @@ from common import median, parse_args, report
 
 TARGET, PARTITIONS, EPOCHS = 0.97, 32, 30
 OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce.yaml", ["strategy.balance=true"]),
+        "backup": ("mnist_allreduce.yaml", ["strategy.backup_replicas=1"]),
         "downpour": ("mnist_downpour.yaml", []), "easgd": ("mnist_easgd.yaml", []),
         "local_sgd": ("mnist_local_sgd.yaml", []), "local_bal": ("mnist_local_sgd.yaml", ["strategy.balance=true"]),
         "adaptive": ("mnist_adaptive.yaml", []),
         "adaptive_allreduce": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce"])}
-FIXED = ("allreduce", "balanced", "downpour", "easgd", "local_sgd", "local_bal")
+FIXED = ("allreduce", "balanced", "backup", "downpour", "easgd", "local_sgd", "local_bal")
 SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)), "four": (4, (3, 3.0))}
 
 
@@ -82,7 +85,8 @@ def ours(side: str, tmp: str, replicas: int, seed: int, slow: Optional[dict]) ->
             "final_accuracy": r.final.test_accuracy, "phases": r.phases,
             "switches": [{k: e.get(k) for k in ("from", "to", "rule", "at_step")}
                          for e in r.events if e["kind"] == "mode_switch"],
-            "rebalances": sum(1 for e in r.events if e["kind"] == "batch_rebalanced")}
+            "rebalances": sum(1 for e in r.events if e["kind"] == "batch_rebalanced"),
+            "dropped_rows": sum(e["dropped_rows"] for e in r.events if e["kind"] == "backup_drops")}
 
 
 def ray_train(tmp: str, replicas: int, seed: int, slow: Optional[dict]) -> dict[str, Any]:
@@ -180,7 +184,7 @@ def main() -> None:
             fixed = [med[s] for s in FIXED if s in med]
             if fixed:
                 ratios[f"{situation}:best_fixed_vs_{adaptive}"] = min(fixed) / med[adaptive]
-        for side in ("local_sgd", "local_bal"):
+        for side in ("local_sgd", "local_bal", "backup"):
             if side in med and "allreduce" in med:
                 ratios[f"{situation}:allreduce_vs_{side}"] = med["allreduce"] / med[side]
         if "ray_train" in med:
