@@ -49,8 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--tracking-uri", help="the MLflow store the run is in (default: MLflow's default)")
     sim.add_argument("--bandwidth-gbps", type=float, help="model a link of this many Gbit/s (default: measured)")
     sim.add_argument("--latency-us", type=float, help="model a link with this latency per message (default: measured)")
-    sim.add_argument("--cores", type=float, help="replicas the hosts run at full speed; beyond it compute slows "
-                     "in proportion (default: every replica has its own cores)")
+    sim.add_argument("--cores", help="replicas the hosts run at full speed; beyond it compute slows in proportion; "
+                     "'here': this host's effective cores, measured by running one replica's calibration steps in "
+                     "as many processes at once as it has CPUs (default: every replica has its own cores)")
     sim.add_argument("--straggler-p", type=float, default=0.0, help="chance a replica's step is slowed (default 0)")
     sim.add_argument("--straggler-factor", type=float, default=1.0, help="how much slower a slowed step is")
     sim.add_argument("--jitter", type=float, default=0.0, help="lognormal sigma of every step's compute")
@@ -181,8 +182,15 @@ def _simulate(args: argparse.Namespace) -> int:
             stragglers = Stragglers(args.straggler_p, args.straggler_factor, args.jitter, args.persistent)
         except ValueError as exc:
             raise ConfigError(f"straggler options: {exc}") from None
+        if args.cores is not None and args.cores != "here":
+            try:
+                args.cores = float(args.cores)
+            except ValueError:
+                raise ConfigError(f"--cores must be a number > 0 or 'here', got {args.cores!r}") from None
         for flag in ("bandwidth_gbps", "latency_us", "cores", "period"):
             value = getattr(args, flag)
+            if flag == "cores" and value == "here":
+                continue
             if value is not None and not value > 0:
                 raise ConfigError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
         run = sim.from_run(args.from_run, args.tracking_uri) if args.from_run else None

@@ -9,10 +9,15 @@ Calibration (`calibrate`), about 10 s:
 - link: two processes on this host time a gloo all-reduce of a small and of a model-sized
   message (`LINK_REPEATS` each, medians); alpha and beta are fitted (cost_model.fit_link).
   That is the loopback link; `--bandwidth-gbps` / `--latency-us` model another one.
-`--from-run RUN`: t from the run's own progress rows (the lowest rank's samples_per_s at the
-run's batch: a step is batch / samples_per_s, of which the run's comm_share is communication);
-for an allreduce run of n > 1 replicas beta comes from that communication too (alpha as
+`--from-run RUN`: the run's own progress rows (its samples_per_s at the run's batch: a step is
+batch / samples_per_s, of which the run's comm_share is communication). A 1-replica run gives t;
+a run of n > 1 replicas gives the cores its hosts ran at full speed instead (n x t here / its
+step compute: what sharing the hosts did to the step, `--cores` unless given), t staying the
+step measured here alone; for allreduce at n > 1 beta comes from its communication, for downpour
+and easgd the shards' path (Ray calls and the object store, not gloo) from theirs (alpha as
 calibrated, or given).
+`--cores here`: this host's effective cores from the calibration steps run in as many processes
+at once as it has CPUs (`calibrate_cores`).
 """
 from __future__ import annotations
 
@@ -82,6 +87,40 @@ def calibrate_compute(cfg: Any, steps: int = STEPS) -> tuple[int, float]:
     return params, statistics.median(times)
 
 
+def _compute_worker(cfg_dict: dict, steps: int, start: Any, out: Any) -> None:
+    from orchestrator.config import JobConfig
+
+    cfg = JobConfig.from_dict(cfg_dict)
+    model_and_batch(cfg)  # the data set loaded (and cached) before the barrier: only the steps overlap
+    start.wait(timeout=LINK_TIMEOUT_S)
+    out.put(calibrate_compute(cfg, steps)[1])
+
+
+def calibrate_cores(cfg: Any, alone_s: float, k: Optional[int] = None, steps: int = STEPS) -> tuple[float, float]:
+    """(effective cores, slowdown): `k` processes (default: this host's CPU count) take the
+    calibration steps at once, each with one replica's threads; slowdown = their median step /
+    `alone_s` (one process alone), effective cores = k / slowdown (at most k). Logical CPUs that
+    are hyper-threads of one core, memory bandwidth and the host's other work all show up here."""
+    k = k or os.cpu_count() or 1
+    if k < 2:
+        return 1.0, 1.0
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(k), ctx.Queue()
+    procs = [ctx.Process(target=_compute_worker, args=(cfg.model_dump(), steps, start, out), daemon=True)
+             for _ in range(k)]
+    for p in procs:
+        p.start()
+    try:
+        times = [out.get(timeout=LINK_TIMEOUT_S * 2) for _ in range(k)]
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    slow = max(1.0, statistics.median(times) / alone_s)
+    return min(float(k), k / slow), slow
+
+
 def _link_worker(rank: int, port: int, sizes: list[int], repeats: int, out: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -141,6 +180,8 @@ def from_run(run_id: str, tracking_uri: Optional[str]) -> dict[str, Any]:
     except MlflowException as exc:
         raise ConfigError(f"--from-run {run_id}: not found in {client.tracking_uri} ({exc})") from None
     params = run.data.params
+    shape = {"n_push": int(params.get("strategy.n_push", "1")), "n_fetch": int(params.get("strategy.n_fetch", "1")),
+             "tau": int(params.get("strategy.tau", "4")), "shards": int(params.get("scaling.shards", "1"))}
     if not rates:
         raise ConfigError(f"--from-run {run_id}: the run logged no samples_per_s (no step was logged)")
     batch = int(params.get("data.batch_size", "0"))
@@ -148,15 +189,19 @@ def from_run(run_id: str, tracking_uri: Optional[str]) -> dict[str, Any]:
     step = batch / statistics.median(rates)
     share = statistics.median(shares) if shares else 0.0
     return {"run": run_id, "mode": params.get("strategy.mode", "allreduce"), "replicas": replicas, "batch": batch,
-            "step_s": step, "comm_s": share * step, "compute_s": (1 - share) * step}
+            "step_s": step, "comm_s": share * step, "compute_s": (1 - share) * step, "shape": shape}
 
 
 def calibration(cfg: Any, run: Optional[dict[str, Any]] = None, bandwidth_gbps: Optional[float] = None,
-                latency_us: Optional[float] = None, cores: Optional[float] = None) -> Calibration:
-    """The model's inputs: this machine's (or the run's) figures, flags over both."""
+                latency_us: Optional[float] = None, cores: "float | str | None" = None) -> Calibration:
+    """The model's inputs: this machine's (or the run's) figures, flags over both. `cores`
+    "here": this host's effective cores, measured (`calibrate_cores`)."""
     params, compute = calibrate_compute(cfg)
     source = [f"compute: {STEPS} steps of the model here"]
-    alpha = beta = None
+    if cores == "here":
+        cores, slow = calibrate_cores(cfg, compute)
+        source.append(f"cores: {os.cpu_count()} processes at once step {slow:.2f}x slower than one alone")
+    alpha = beta = shard_beta = None
     if latency_us is not None:
         alpha = latency_us * 1e-6
     if bandwidth_gbps is not None:
@@ -168,16 +213,30 @@ def calibration(cfg: Any, run: Optional[dict[str, Any]] = None, bandwidth_gbps: 
         source.append("link: gloo all-reduce on this host's loopback")
     batch = cfg.data.batch_size
     if run is not None:
-        compute, batch = run["compute_s"], run["batch"] or batch
-        source = [f"compute: run {run['run']}'s progress rows"]
         n = run["replicas"]
+        batch = run["batch"] or batch
+        if n == 1:
+            compute = run["compute_s"]
+            source = [f"compute: run {run['run']}'s progress rows"]
+        else:  # its replicas shared the hosts: the step here alone, and the cores that slowed it as it was
+            if cores is None:
+                cores = min(float(n), n * compute / run["compute_s"]) if run["compute_s"] > 0 else float(n)
+            source.append(f"cores: run {run['run']}'s step compute at {n} replicas "
+                          f"({run['compute_s'] * 1e3:.1f} ms)")
         if run["mode"] == "allreduce" and n > 1 and bandwidth_gbps is None:
             ring_bytes = 2 * (n - 1) / n * params * 4
             beta = max(0.0, (run["comm_s"] - 2 * (n - 1) * alpha) / ring_bytes)
             source.append(f"bandwidth: run {run['run']}'s communication at {n} replicas")
+        if run["mode"] in ("downpour", "easgd"):  # the shards' path (Ray calls, the object store), not gloo's
+            shape = run.get("shape", {})
+            exchanges = (1 / shape.get("n_push", 1) + 1 / shape.get("n_fetch", 1) if run["mode"] == "downpour"
+                         else 2 / shape.get("tau", 4))
+            shard_beta = max(0.0, (run["comm_s"] / exchanges - alpha) / (params * 4))
+            source.append(f"shard path: run {run['run']}'s communication")
     if bandwidth_gbps is not None or latency_us is not None:
         source.append("link: given")
-    return Calibration(params, batch, compute, alpha, beta, cores, "; ".join(source))
+    return Calibration(params, batch, compute, alpha, beta, cores, "; ".join(source),
+                       shard_beta_s_per_byte=shard_beta)
 
 
 def render(preds: list[Prediction], cal: Calibration, s: Stragglers) -> str:
@@ -239,7 +298,7 @@ def allreduce_bytes_per_param(cfg: Any) -> float:
 
 def simulate(cfg: Any, replicas: list[int], stragglers: Stragglers, run: Optional[dict[str, Any]] = None,
              bandwidth_gbps: Optional[float] = None, latency_us: Optional[float] = None,
-             cores: Optional[float] = None, period: Optional[int] = None) -> tuple[Calibration, list[Prediction]]:
+             cores: "float | str | None" = None, period: Optional[int] = None) -> tuple[Calibration, list[Prediction]]:
     cal = calibration(cfg, run, bandwidth_gbps, latency_us, cores)
     st = cfg.strategy
     if st.compression != "none":  # allreduce's gradients travel in half precision, or as low-rank factors

@@ -52,6 +52,11 @@ class Calibration:
     cores: Optional[float] = None  # replicas the hosts run at full speed (None: as many as asked)
     source: str = ""  # where the figures came from (a calibration here, a run, flags)
     allreduce_bytes_per_param: float = BYTES_PER_PARAM  # 2 with fp16 / bf16; PowerSGD: its factors' share
+    shard_beta_s_per_byte: Optional[float] = None  # the shards' path when it differs from the link (from a run)
+
+    @property
+    def shard_beta(self) -> float:
+        return self.beta_s_per_byte if self.shard_beta_s_per_byte is None else self.shard_beta_s_per_byte
 
     @property
     def model_bytes(self) -> int:
@@ -65,6 +70,9 @@ class Calibration:
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        if self.shard_beta_s_per_byte is not None and not (self.shard_beta_s_per_byte >= 0
+                                                            and math.isfinite(self.shard_beta_s_per_byte)):
+            raise ValueError(f"shard_beta_s_per_byte must be a finite number >= 0, got {self.shard_beta_s_per_byte}")
         if self.cores is not None and not self.cores > 0:
             raise ValueError(f"cores must be > 0, got {self.cores}")
 
@@ -178,10 +186,10 @@ def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),
     else:  # easgd: M up and M down every tau steps
         per_step_exchanges = 2 / max(1, shape.tau or shape.period)
     c = mean_compute(cal, n, s)
-    comm = per_step_exchanges * (cal.model_bytes * cal.beta_s_per_byte + cal.alpha_s)
+    comm = per_step_exchanges * (cal.model_bytes * cal.shard_beta + cal.alpha_s)
     step = c + comm
     replicas_rate = n * b / step
-    shard_s = per_step_exchanges * (cal.model_bytes / max(1, shape.shards)) * cal.beta_s_per_byte
+    shard_s = per_step_exchanges * (cal.model_bytes / max(1, shape.shards)) * cal.shard_beta
     cap = b / shard_s if shard_s > 0 else math.inf
     bound = "shards" if cap < replicas_rate else "replicas"
     rate = min(replicas_rate, cap)

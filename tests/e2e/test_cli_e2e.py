@@ -82,7 +82,7 @@ def test_simulate_calibrates_here_and_refuses_bad_input(tmp_path):
     """No Ray: the model and a loopback link are timed here; a table for every mode, a plot."""
     example = os.path.join(REPO, "examples", "mnist_allreduce.yaml")
     cmd = [sys.executable, "-m", "orchestrator", "simulate", example, "--replicas", "1,2,4,64,1024",
-           "--straggler-p", "0.01", "--straggler-factor", "3", "--json", str(tmp_path / "sim.json")]
+           "--straggler-p", "0.01", "--straggler-factor", "3", "--cores", "here", "--json", str(tmp_path / "sim.json")]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=REPO))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -91,10 +91,12 @@ def test_simulate_calibrates_here_and_refuses_bad_input(tmp_path):
     assert [r[1] for r in rows if r[0] == "allreduce"] == ["1", "2", "4", "64", "1024"]
     cal = json.loads((tmp_path / "sim.json").read_text())["calibration"]
     assert cal["params"] > 10_000 and 0 < cal["compute_s"] < 1 and cal["beta_s_per_byte"] > 0
-    assert "loopback" in cal["source"]
-    bad = subprocess.run(cmd[:4] + ["--replicas", "0,2"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=REPO))
-    assert bad.returncode == 2 and "--replicas" in bad.stderr
+    assert "loopback" in cal["source"] and "processes at once" in cal["source"]
+    assert 1 <= cal["cores"] <= (os.cpu_count() or 1)  # this host's effective cores, measured
+    for flag, value in (("--replicas", "0,2"), ("--cores", "many")):
+        bad = subprocess.run(cmd[:4] + [flag, value], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PYTHONPATH=REPO))
+        assert bad.returncode == 2 and flag in bad.stderr
 
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

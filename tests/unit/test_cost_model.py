@@ -102,3 +102,32 @@ def test_half_precision_halves_the_ring_all_reduce_bandwidth_term():
 
     cal = Calibration(params=1_000_000, batch=64, compute_s=0.01, alpha_s=0.0, beta_s_per_byte=1e-9)
     assert ring_allreduce_s(replace(cal, allreduce_bytes_per_param=2), 4) == pytest.approx(ring_allreduce_s(cal, 4) / 2)
+
+
+def test_a_run_of_several_replicas_calibrates_the_cores_its_hosts_gave_them():
+    """--from-run with a 2-replica run: the step stays the one timed here alone, and the cores
+    are what sharing the hosts did to it, so the model gives the run's own step back at 2."""
+    from orchestrator.config import JobConfig
+    from orchestrator.simulate import calibration
+
+    cfg = JobConfig.from_dict({"model": {"factory": "examples.models:tiny_mlp"},
+                               "data": {"source": "builtin:synthetic", "batch_size": 32}})
+    alone = calibration(cfg, latency_us=10, bandwidth_gbps=10)
+    run = {"run": "r1", "mode": "allreduce", "replicas": 2, "batch": 32, "step_s": 0.0, "comm_s": 0.0,
+           "compute_s": 3 * alone.compute_s, "shape": {}}
+    cal = calibration(cfg, run, latency_us=10, bandwidth_gbps=10)
+    assert "run r1" in cal.source
+    # timed again here: the same step within timing noise, so cores ~ 2 x 1/3
+    assert cal.cores == pytest.approx(2 * cal.compute_s / run["compute_s"])
+    assert 0.3 < cal.cores < 1.2
+    assert predict("allreduce", 2, cal).compute_s == pytest.approx(run["compute_s"], rel=1e-9)
+    fast = calibration(cfg, {**run, "compute_s": alone.compute_s / 10}, latency_us=10, bandwidth_gbps=10)
+    assert fast.cores == 2.0  # a run no slower than the step alone: every replica had its own cores
+
+
+def test_the_shards_path_from_a_sharded_run_sets_the_asynchronous_modes_traffic():
+    cal = Calibration(params=1000, batch=64, compute_s=0.01, alpha_s=0.0, beta_s_per_byte=1e-12,
+                      shard_beta_s_per_byte=1e-6)
+    p = predict("downpour", 1, cal, shape=ModeShape(n_push=1, n_fetch=1))
+    assert p.comm_s == pytest.approx(2 * 4000 * 1e-6)  # M up and M down on the shards' path, not the link's
+    assert predict("allreduce", 2, cal).comm_s == pytest.approx(ring_allreduce_s(cal, 2))
