@@ -305,7 +305,7 @@ def simulate(cfg: Any, replicas: list[int], stragglers: Stragglers, run: Optiona
         cal = replace(cal, allreduce_bytes_per_param=allreduce_bytes_per_param(cfg),
                       source=f"{cal.source}; all-reduce in {st.compression}")
     shape = ModeShape(period=period or st.period, tau=period or st.tau, shards=cfg.scaling.shards, n_push=st.n_push,
-                      n_fetch=st.n_fetch)
+                      n_fetch=st.n_fetch, backups=st.backup_replicas or 1)
     return cal, table(replicas, cal, stragglers, shape)
 
 

@@ -21,9 +21,11 @@ The alpha-beta model per step, n replicas:
   traffic);
 - easgd (S shards, an exchange every tau steps: M up and M down): as downpour with
   1/n_push + 1/n_fetch = 2/tau;
+- backup (allreduce with b backup replicas): the wait is for the (n - b)-th fastest replica
+  instead of the slowest, the ring is the same, and a step trains on (n - b) x b rows;
 - single: one replica, compute only.
-Samples/s = replicas x b / step seconds (the asynchronous modes: the sum of each replica's rate,
-capped by the shards). Where it stops being trustworthy: it has no overlap of compute and
+Samples/s = replicas x b / step seconds (backup: the rows trained on; the asynchronous modes:
+the sum of each replica's rate, capped by the shards). Where it stops being trustworthy: it has no overlap of compute and
 communication (our allreduce overlaps bucket reductions with the backward pass, so it is
 pessimistic when communication is large), no contention beyond the shards' links (a switch's
 bisection bandwidth, the Ray object store), and a straggler model of independent steps (a
@@ -38,7 +40,7 @@ from typing import Any, Optional
 import numpy as np
 
 BYTES_PER_PARAM = 4
-MODES = ("single", "allreduce", "local_sgd", "downpour", "easgd")
+MODES = ("single", "allreduce", "backup", "local_sgd", "downpour", "easgd")
 SAMPLES = 4000  # draws for an expected maximum with jitter (a fixed seed: the same answer every time)
 
 
@@ -102,6 +104,7 @@ class ModeShape:
     shards: int = 1
     n_push: int = 1
     n_fetch: int = 1
+    backups: int = 1  # allreduce with backup replicas: the step applies the first n - backups gradients
 
 
 @dataclass
@@ -130,17 +133,20 @@ def mean_compute(cal: Calibration, n: int, s: Stragglers) -> float:
     return cal.compute_s * slowdown(cal, n) * (1 + s.p * (s.factor - 1)) * jitter
 
 
-def max_compute(cal: Calibration, n: int, s: Stragglers, block: int = 1) -> float:
+def max_compute(cal: Calibration, n: int, s: Stragglers, block: int = 1, first: Optional[int] = None) -> float:
     """E[max over n replicas of the mean step compute over a block of `block` steps]: what a
-    lock-step mode waits for per step."""
+    lock-step mode waits for per step. `first`: the `first`-th fastest instead of the slowest
+    (backup replicas wait for the first n - b)."""
     t = cal.compute_s * slowdown(cal, n)
+    kth = n if first is None else max(1, min(n, first))  # the kth smallest of the n
     if n == 1 and not s.persistent:
         return mean_compute(cal, n, s)
     if s.jitter == 0.0 and (block == 1 or s.persistent or s.p in (0.0, 1.0)):
-        if s.persistent:  # round(p n) replicas are slow for good: every block waits for one of them
-            return t * (s.factor if round(s.p * n) >= 1 else 1.0)
-        none_slow = (1 - s.p) ** n
-        return t * (s.factor * (1 - none_slow) + none_slow)
+        if s.persistent:  # round(p n) replicas are slow for good: the kth waits for one if fewer are fast
+            return t * (s.factor if n - round(s.p * n) < kth else 1.0)
+        # the kth fastest is slow when fewer than kth of the n are fast
+        p_slow = sum(math.comb(n, j) * (1 - s.p) ** j * s.p ** (n - j) for j in range(kth))
+        return t * (s.factor * p_slow + (1 - p_slow))
     rng = np.random.default_rng(0)
     draws = max(1, SAMPLES // max(1, n // 64))
     out = 0.0
@@ -153,7 +159,7 @@ def max_compute(cal: Calibration, n: int, s: Stragglers, block: int = 1) -> floa
             steps = np.where(rng.random((k, n, block)) < s.p, s.factor, 1.0)
         if s.jitter:
             steps = steps * rng.lognormal(0.0, s.jitter, (k, n, block))
-        out += float(steps.mean(axis=2).max(axis=1).sum())
+        out += float(np.sort(steps.mean(axis=2), axis=1)[:, kth - 1].sum())
     return t * out / draws
 
 
@@ -174,6 +180,12 @@ def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),
     if mode == "single":
         c = mean_compute(cal, 1, Stragglers(jitter=s.jitter))
         return Prediction(mode, 1, c, c, 0.0, b / c)
+    if mode == "backup":  # allreduce that applies the first q = n - backups gradients: their rows, the full ring
+        q = max(1, n - shape.backups)
+        c = max_compute(cal, n, s, first=q)
+        comm = ring_allreduce_s(cal, n)
+        step = c + comm
+        return Prediction(mode, n, step, c, comm, q * b / step, extra={"backups": n - q, "rows_per_step": q * b})
     if mode in ("allreduce", "local_sgd"):
         h = 1 if mode == "allreduce" else max(1, shape.period)
         c = max_compute(cal, n, s, block=h)

@@ -131,3 +131,25 @@ def test_the_shards_path_from_a_sharded_run_sets_the_asynchronous_modes_traffic(
     p = predict("downpour", 1, cal, shape=ModeShape(n_push=1, n_fetch=1))
     assert p.comm_s == pytest.approx(2 * 4000 * 1e-6)  # M up and M down on the shards' path, not the link's
     assert predict("allreduce", 2, cal).comm_s == pytest.approx(ring_allreduce_s(cal, 2))
+
+
+@pytest.mark.parametrize("n,b,persistent", [(4, 1, False), (5, 2, False), (4, 1, True), (3, 0, False)])
+def test_backups_wait_for_the_first_replicas_as_a_plain_simulation_says(n, b, persistent):
+    """The backup row: the (n - b)-th fastest replica's compute (closed form), against a plain
+    numpy draw of every replica's step; it trains on (n - b) batches a step; b = 0 is allreduce."""
+    s = Stragglers(p=0.3, factor=3.0, persistent=persistent)
+    shape = ModeShape(backups=b)
+    got = predict("backup", n, CAL, s, shape)
+    rng = np.random.default_rng(1)
+    if persistent:
+        steps = np.ones((1, n))
+        steps[:, : round(s.p * n)] = s.factor
+    else:
+        steps = np.where(rng.random((200_000, n)) < s.p, s.factor, 1.0)
+    kth = np.sort(steps, axis=1)[:, n - b - 1].mean() * CAL.compute_s
+    assert got.compute_s == pytest.approx(kth, rel=0.01)
+    assert got.samples_per_s == pytest.approx((n - b) * CAL.batch / (kth + ring_allreduce_s(CAL, n)), rel=0.01)
+    if b == 0:
+        assert got.samples_per_s == pytest.approx(predict("allreduce", n, CAL, s).samples_per_s)
+    jittered = predict("backup", n, CAL, Stragglers(p=0.3, factor=3.0, jitter=0.2), shape)
+    assert jittered.compute_s < predict("allreduce", n, CAL, Stragglers(p=0.3, factor=3.0, jitter=0.2)).compute_s or b == 0
