@@ -112,6 +112,9 @@ def calibrate_cores(cfg: Any, alone_s: float, k: Optional[int] = None, steps: in
         p.start()
     try:
         times = [out.get(timeout=LINK_TIMEOUT_S * 2) for _ in range(k)]
+    except Exception as exc:  # a process that died or hung: no figure
+        raise ConfigError(f"--cores here: {k} calibration processes did not all answer within "
+                          f"{LINK_TIMEOUT_S * 2:.0f}s ({type(exc).__name__}); give --cores N instead") from None
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -305,7 +308,8 @@ def simulate(cfg: Any, replicas: list[int], stragglers: Stragglers, run: Optiona
         cal = replace(cal, allreduce_bytes_per_param=allreduce_bytes_per_param(cfg),
                       source=f"{cal.source}; all-reduce in {st.compression}")
     shape = ModeShape(period=period or st.period, tau=period or st.tau, shards=cfg.scaling.shards, n_push=st.n_push,
-                      n_fetch=st.n_fetch, backups=st.backup_replicas or 1)
+                      n_fetch=st.n_fetch,
+                      backups=max([p["backup_replicas"] for p in st.plan() if p["mode"] == "allreduce"] or [0]) or 1)
     return cal, table(replicas, cal, stragglers, shape)
 
 

@@ -19,6 +19,9 @@ from policies.failure import Decision, ReplicaFailure
 from policies.switching import Switch
 
 
+
+COUNTED = ("dropped_steps", "dropped_rows")  # mode figures that are counts: summed over an epoch's segments
+
 @dataclass
 class Recovery:
     """A reconfiguration (a recovery or a phase switch) waiting for its members' first steps (to
@@ -63,9 +66,16 @@ class EpochSegment:
 
     def merged(self) -> list[dict[str, Any]]:
         """One totals row per rank (a rank runs several segments when the epoch was interrupted
-        or needed a second pass); evaluation, loss and mode figures from its last epoch end."""
+        or needed a second pass); evaluation, loss and mode figures from its last epoch end,
+        the mode's counts (`COUNTED`: backup replicas' drops) summed over the segments of
+        that mode (a segment paused for a grow reported its own)."""
         merged: dict[int, dict[str, Any]] = {}
+        counts: dict[int, dict[tuple[str, str], int]] = {}
         for s in self.items:
+            for key in COUNTED:
+                if s["mode"] and key in s["mode"]:
+                    c = counts.setdefault(s["rank"], {})
+                    c[(s["mode_name"], key)] = c.get((s["mode_name"], key), 0) + s["mode"][key]
             m = merged.get(s["rank"])
             if m is None:
                 merged[s["rank"]] = dict(s)
@@ -76,6 +86,10 @@ class EpochSegment:
             m["partitions"] = m["partitions"] + s["partitions"]
             if s["kind"] == "epoch":
                 m.update(eval=s["eval"], loss=s["loss"], mode=s["mode"], mode_name=s["mode_name"], kind="epoch")
+        for rank, m in merged.items():
+            mine = {key: v for (name, key), v in counts.get(rank, {}).items() if name == m["mode_name"]}
+            if m["mode"] is not None and mine:
+                m["mode"] = {**m["mode"], **mine}
         return [merged[r] for r in sorted(merged)]
 
     def consumed(self) -> dict[int, list[list[int]]]:

@@ -48,6 +48,11 @@ from policies.modes import StepResult, check_finite
 from policies.powersgd import PowerSgd
 from policies.tasks import Classification, Task
 
+class Late(Exception):
+    """Raised from a gradient hook when a backup replica learns mid-backward that the step
+    already has its gradients: the rest of its backward pass is not computed."""
+
+
 SLOTS = 4  # extra floats at the end of the first bucket: summed loss, rows, "has another batch", "pause"
 
 
@@ -87,6 +92,7 @@ class GradientBuckets:
     compress: Optional[torch.dtype] = None  # strategy.compression: gradients travel in this dtype
     scale: float = 1.0  # compress: gradients are sent divided by this (the global batch: fp16's range)
     _low: list[Any] = field(default_factory=list)  # compress: per bucket, (the low-precision copy, its tail)
+    stop: Optional[Callable[[], bool]] = None  # backups: asked as each gradient lands; True stops the backward (Late)
     _pending: list[int] = field(default_factory=list)
     _handles: list[Any] = field(default_factory=list)
     _started: list[bool] = field(default_factory=list)
@@ -145,6 +151,8 @@ class GradientBuckets:
         self._started = [False] * len(self.buffers)
 
     def _grad_ready(self, b: int) -> None:
+        if self.stop is not None and self.stop():
+            raise Late()
         if self.reducer is None:
             return
         self._pending[b] -= 1
@@ -266,7 +274,14 @@ def allreduce_step(
             if gate is not None and gate.late():
                 dropped = n
             else:
-                loss.backward()
+                buckets.stop = gate.late if gate is not None else None
+                try:
+                    loss.backward()
+                except Late:
+                    dropped = n
+                finally:
+                    buckets.stop = None
+            if dropped is None:
                 if straggle is not None:
                     straggle(time.perf_counter() - t_busy, gate.late if gate is not None else lambda: False)
                 if gate is not None and not gate.arrive():
@@ -393,6 +408,7 @@ class AllReduceWorker:
         self.last: dict[str, Any] = {}
         self.backups = backups
         self.gate: Optional[BackupGate] = None
+        self.gate_generation: Any = None  # the process group the gate counts in (the reducer's `pg`)
         self.straggle: Optional[Callable[[float, Callable[[], bool]], None]] = None
         self.drops = {"dropped_steps": 0, "dropped_rows": 0}  # gates of past groups, this epoch
 
@@ -416,9 +432,19 @@ class AllReduceWorker:
         if self.powersgd_rank is not None:  # grads are views into the new buckets: a compressor over them
             self.exchange = partial(PowerSgd(self.params, self.powersgd_rank).reduce, self.reducer,
                                     self.buckets.buffers[0][-self.buckets.tail:], world)
-        self._take_drops()
-        self.gate = BackupGate(self.backups, self.reducer.arrivals(), world, rank) if self.backups and world > 1 else None
         self.group = group
+
+    def _fit_gate(self) -> None:
+        """Backups: a gate for this generation of the group, at its first step. Every
+        generation (a regroup after a failure too, even at the same rank and size) has its own
+        store and starts counting its steps from 0 on every member."""
+        generation = getattr(self.reducer, "pg", None)
+        if self.gate is not None and generation is self.gate_generation and self.gate.world == self.group[1]:
+            return
+        self._take_drops()
+        rank, world = self.group
+        self.gate = BackupGate(self.backups, self.reducer.arrivals(), world, rank) if world > 1 else None
+        self.gate_generation = generation
 
     def _take_drops(self) -> None:
         if self.gate is not None:
@@ -433,6 +459,8 @@ class AllReduceWorker:
     def step(self, x: Optional[torch.Tensor], y: Optional[torch.Tensor], more: bool = False,
              pause: bool = False) -> StepResult:
         self._fit_group()
+        if self.backups:
+            self._fit_gate()
         started = time.perf_counter()
         if self.buffer_sync:
             self.buffer_sync.sync(self.reducer)

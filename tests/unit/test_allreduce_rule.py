@@ -123,12 +123,12 @@ def reference_training(batches_by_step, momentum=0.9):
     return ref, losses
 
 
-def lock_step_replicas(data, momentum=0.9, backups=0, straggle=None, ends=None):
+def lock_step_replicas(data, momentum=0.9, backups=0, straggle=None, ends=None, setup=None):
     """data[rank] = that replica's batches for the epoch (any number, any sizes). Each replica
     runs the worker's lock-step loop (empty steps once its data ran out). Returns the models,
     the steps each took and the losses each saw. `backups`: the workers' backup replicas;
     `straggle`: {rank: the worker's straggle}; `ends`: a dict that receives each rank's
-    end_epoch stats."""
+    end_epoch stats; `setup`: {rank: f(rank, worker)} called once the worker is built."""
     p = len(data)
     models = [make(momentum=momentum) for _ in range(p)]
     reducer = ThreadSum(p)
@@ -138,6 +138,8 @@ def lock_step_replicas(data, momentum=0.9, backups=0, straggle=None, ends=None):
         m, opt = models[rank]
         worker = AllReduceWorker(m, opt, 256, reducer.for_rank(rank), backups=backups)
         worker.straggle = (straggle or {}).get(rank)
+        if rank in (setup or {}):
+            setup[rank](rank, worker)
         batches, n, seen = list(data[rank]), 0, []
         while True:
             x, y = batches.pop(0) if batches else (None, None)

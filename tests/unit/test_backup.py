@@ -86,3 +86,77 @@ def test_with_backups_every_step_applies_exactly_the_quorum(p):
     for m in models:
         assert torch.equal(flat(m), flat(models[0]))
     assert sum(e["dropped_steps"] for e in ends.values()) == steps
+
+
+def test_a_late_replica_stops_its_backward_pass_where_it_learns_it():
+    """The straggler is slow inside its backward pass (a hook on its last layer waits until the
+    step has its gradients): the pass stops at the next gradient to land, so its first layer's
+    gradient is never computed, and the step is still the in-time replicas' SGD."""
+    rng = np.random.default_rng(6)
+    steps = 3
+    data = [[batch(rng, 5) for _ in range(steps)] for _ in range(3)]
+    reached_first_layer = []
+    holders = {}
+
+    def slow_backward(rank, worker):
+        model = worker.model
+        layers = [p for p in model.parameters()]
+        layers[-1].register_hook(lambda g: (wait_until_late(0.0, worker.gate.late), g)[1])
+        layers[0].register_hook(lambda g: (reached_first_layer.append(rank), g)[1])
+        holders[rank] = worker
+
+    ends = {}
+    models, _, _ = lock_step_replicas(data, backups=1, ends=ends, setup={2: slow_backward})
+    ref, _ = reference_training([[data[0][s], data[1][s]] for s in range(steps)])
+    for m in models:
+        assert torch.equal(flat(m), flat(models[0]))
+    torch.testing.assert_close(flat(models[0]), flat(ref), rtol=1e-5, atol=1e-6)
+    assert ends[2]["dropped_steps"] == steps and 2 not in reached_first_layer
+
+
+def test_a_new_generation_of_the_group_counts_in_its_own_store():
+    """A regroup (a new process group, its own store) at the same ranks and size: every member
+    starts a gate in the new store, so the step after it is decided there."""
+    from tests.unit.test_allreduce_rule import ThreadSum, make, run_replicas
+    from policies.allreduce import AllReduceWorker
+
+    rng = np.random.default_rng(7)
+    data = [[batch(rng, 4) for _ in range(4)] for _ in range(3)]
+    models = [make() for _ in range(3)]
+    group = ThreadSum(3)
+    reducers = [group.for_rank(r) for r in range(3)]
+    old, new = group.counters, LocalArrivals()
+
+    def replica(rank):
+        m, opt = models[rank]
+        worker = AllReduceWorker(m, opt, 256, reducers[rank], backups=1)
+        worker.straggle = wait_until_late if rank == 2 else None
+        for step in range(4):
+            if step == 2:  # the regroup: a new group and store, the same ranks
+                group.barrier.wait()
+                reducers[rank].pg = object()
+                group.counters = new
+                group.barrier.wait()
+            x, y = data[rank][step]
+            worker.step(x, y, step < 3)
+
+    run_replicas(3, replica)
+    assert old.counts["backup-rounds"] == 3 and new.counts["backup-rounds"] == 3
+    assert any(k.startswith("backup/0/") for k in new.counts)
+    ref, _ = reference_training([[data[0][s], data[1][s]] for s in range(4)])
+    torch.testing.assert_close(flat(models[2][0]), flat(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_drops_of_a_segment_paused_for_a_grow_count_in_the_epoch():
+    from orchestrator.states import EpochSegment
+
+    def seg(kind, mode, drops):
+        return {"kind": kind, "rank": 1, "epoch": 3, "steps": 5, "samples": 40, "train_s": 1.0, "comm_s": 0.1,
+                "consumed": [], "partitions": [], "eval": None, "loss": 0.5, "mode_name": mode,
+                "mode": {"dropped_steps": drops, "dropped_rows": 8 * drops}}
+
+    segment = EpochSegment(epoch=3, t_start=0.0, items=[seg("paused", "allreduce", 2), seg("epoch", "allreduce", 3)])
+    [row] = segment.merged()
+    assert row["mode"] == {"dropped_steps": 5, "dropped_rows": 40} and row["steps"] == 10
+    other = EpochSegment(epoch=3, t_start=0.0, items=[seg("paused", "local_sgd", 2), seg("epoch", "allreduce", 3)])
+    assert other.merged()[0]["mode"]["dropped_steps"] == 3  # another mode's segment: not this mode's figure
