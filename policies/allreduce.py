@@ -408,7 +408,7 @@ class AllReduceWorker:
         self.last: dict[str, Any] = {}
         self.backups = backups
         self.gate: Optional[BackupGate] = None
-        self.gate_generation: Any = None  # the process group the gate counts in (the reducer's `pg`)
+        self.gate_generation: Any = None  # (the reducer's process group, (rank, size)) the gate counts in
         self.straggle: Optional[Callable[[float, Callable[[], bool]], None]] = None
         self.drops = {"dropped_steps": 0, "dropped_rows": 0}  # gates of past groups, this epoch
 
@@ -438,8 +438,8 @@ class AllReduceWorker:
         """Backups: a gate for this generation of the group, at its first step. Every
         generation (a regroup after a failure too, even at the same rank and size) has its own
         store and starts counting its steps from 0 on every member."""
-        generation = getattr(self.reducer, "pg", None)
-        if self.gate is not None and generation is self.gate_generation and self.gate.world == self.group[1]:
+        generation = (getattr(self.reducer, "pg", None), self.group)
+        if generation == self.gate_generation:
             return
         self._take_drops()
         rank, world = self.group

@@ -40,6 +40,20 @@ def _controller(cfg, trace_ids=True, display=None):
     return Controller(cfg, dataset, tracker, time.perf_counter(), display=display, trace_ids=trace_ids), dataset
 
 
+def _epochs(cfg, epochs, trace_ids=True):
+    """(the controller, the data set, every replica's flat parameters) after `epochs` epochs;
+    the controller is shut down."""
+    ctl, dataset = _controller(cfg, trace_ids=trace_ids)
+    try:
+        ctl.step()
+        for _ in range(epochs):
+            ctl.run_epoch()
+        flats = ray.get([r.flat_parameters.remote() for r in ctl.replicas], timeout=30)
+    finally:
+        ctl.shutdown()
+    return ctl, dataset, flats
+
+
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_parameters_identical_and_equal_to_single_process_reference(ray_cluster, replicas):
     cfg = job_config(scaling={"replicas": replicas, "cpus_per_replica": 0.5}, data={"batch_size": 16},
@@ -122,14 +136,7 @@ def test_compressed_allreduce_keeps_the_replicas_identical_and_learns(ray_cluste
     maths against a one-process reference: tests/unit/test_balance.py, test_powersgd.py)."""
     cfg = job_config(scaling={"replicas": 2, "cpus_per_replica": 0.5}, data={"batch_size": 16},
                      strategy={"compression": compression, "powersgd_rank": 1}, stop={"epochs": 2})
-    ctl, _ = _controller(cfg, trace_ids=False)
-    try:
-        ctl.step()
-        ctl.run_epoch()
-        ctl.run_epoch()
-        flats = ray.get([r.flat_parameters.remote() for r in ctl.replicas], timeout=30)
-    finally:
-        ctl.shutdown()
+    ctl, _, flats = _epochs(cfg, 2, trace_ids=False)
     np.testing.assert_array_equal(flats[0], flats[1])
     ends = [e for e in ctl.tracker.events if e["kind"] == "epoch_end"]
     assert ends[-1]["test_accuracy"] > 0.8
@@ -144,13 +151,7 @@ def test_backup_replicas_apply_the_first_gradient_and_drop_the_stragglers(ray_cl
     cfg = job_config(scaling={"replicas": 2, "cpus_per_replica": 0.5}, data={"batch_size": 16},
                      optimizer={"lr": 0.05, "momentum": 0.9}, strategy={"backup_replicas": 1},
                      faults={"slow_replicas": [{"rank": 1, "delay_s": 0.5}]})
-    ctl, dataset = _controller(cfg)
-    try:
-        ctl.step()
-        ctl.run_epoch()
-        flats = ray.get([r.flat_parameters.remote() for r in ctl.replicas], timeout=30)
-    finally:
-        ctl.shutdown()
+    ctl, dataset, flats = _epochs(cfg, 1)
     np.testing.assert_array_equal(flats[0], flats[1])
     consumed = ctl.consumed[0]
     row = {int(i): k for k, i in enumerate(dataset.train.ids)}
