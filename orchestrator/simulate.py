@@ -13,9 +13,11 @@ Calibration (`calibrate`), about 10 s:
 batch / samples_per_s, of which the run's comm_share is communication). A 1-replica run gives t;
 a run of n > 1 replicas gives the cores its hosts ran at full speed instead (n x t here / its
 step compute: what sharing the hosts did to the step, `--cores` unless given), t staying the
-step measured here alone; for allreduce at n > 1 beta comes from its communication, for downpour
-and easgd the shards' path (Ray calls and the object store, not gloo) from theirs (alpha as
-calibrated, or given).
+step measured here alone. For allreduce at n > 1 the link comes from its communication: alpha and
+beta as calibrated here, both scaled so the ring all-reduce at n takes the run's communication
+time (with `--latency-us` given, beta is what the run's time leaves after the latency). For
+downpour and easgd the shards' path (Ray calls and the object store, not gloo) comes from theirs
+(alpha as calibrated, or given).
 `--cores here`: this host's effective cores from the calibration steps run in as many processes
 at once as it has CPUs (`calibrate_cores`).
 """
@@ -228,8 +230,13 @@ def calibration(cfg: Any, run: Optional[dict[str, Any]] = None, bandwidth_gbps: 
                           f"({run['compute_s'] * 1e3:.1f} ms)")
         if run["mode"] == "allreduce" and n > 1 and bandwidth_gbps is None:
             ring_bytes = 2 * (n - 1) / n * params * 4
-            beta = max(0.0, (run["comm_s"] - 2 * (n - 1) * alpha) / ring_bytes)
-            source.append(f"bandwidth: run {run['run']}'s communication at {n} replicas")
+            if latency_us is not None:  # the latency given: the bandwidth is what the run's time leaves
+                beta = max(0.0, (run["comm_s"] - 2 * (n - 1) * alpha) / ring_bytes)
+            else:  # the link's shape (alpha : beta) from here, its scale from the run's own all-reduce time
+                ring = ring_bytes * beta + 2 * (n - 1) * alpha
+                scale = run["comm_s"] / ring if ring > 0 else 1.0
+                alpha, beta = alpha * scale, beta * scale
+            source.append(f"link: run {run['run']}'s communication at {n} replicas")
         if run["mode"] in ("downpour", "easgd"):  # the shards' path (Ray calls, the object store), not gloo's
             shape = run.get("shape", {})
             exchanges = (1 / shape.get("n_push", 1) + 1 / shape.get("n_fetch", 1) if run["mode"] == "downpour"

@@ -153,3 +153,23 @@ def test_backups_wait_for_the_first_replicas_as_a_plain_simulation_says(n, b, pe
         assert got.samples_per_s == pytest.approx(predict("allreduce", n, CAL, s).samples_per_s)
     jittered = predict("backup", n, CAL, Stragglers(p=0.3, factor=3.0, jitter=0.2), shape)
     assert jittered.compute_s < predict("allreduce", n, CAL, Stragglers(p=0.3, factor=3.0, jitter=0.2)).compute_s or b == 0
+
+
+def test_a_runs_all_reduce_faster_than_the_latency_fitted_here_still_sets_the_link():
+    """--from-run of a 2-replica allreduce run whose all-reduce took less than the latency this
+    host's loopback showed when calibrating (a loaded machine): the link scales to the run's
+    time, so the model gives the run's own step back at 2 instead of a latency floor."""
+    from orchestrator.config import JobConfig
+    from orchestrator.simulate import calibration
+
+    cfg = JobConfig.from_dict({"model": {"factory": "examples.models:tiny_mlp"},
+                               "data": {"source": "builtin:synthetic", "batch_size": 32}})
+    run = {"run": "r2", "mode": "allreduce", "replicas": 2, "batch": 32, "step_s": 0.0, "comm_s": 1e-7,
+           "compute_s": 0.002, "shape": {}}
+    cal = calibration(cfg, run)
+    assert "run r2's communication" in cal.source
+    got = predict("allreduce", 2, cal)
+    assert got.comm_s == pytest.approx(run["comm_s"], rel=1e-6)
+    assert got.compute_s == pytest.approx(run["compute_s"], rel=1e-9)
+    assert cal.alpha_s > 0 and cal.beta_s_per_byte > 0  # the shape kept: more replicas cost more latency
+    assert predict("allreduce", 8, cal).comm_s > got.comm_s
