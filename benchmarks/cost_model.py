@@ -17,6 +17,10 @@ within 0.75-1.25): `predicted_vs_measured_<mode>_<n>` (here) and
 10 Gbit/s, 50 us link (the figures docs/benchmarks.md quotes with their assumptions).
 
     python benchmarks/cost_model.py [--quick] [--json PATH]
+
+`benchmarks/cost_model_cluster.py` runs the same on a `ray.cluster_utils.Cluster` of 3 nodes (a
+0-CPU head for the driver, and two worker nodes of 2 logical CPUs each: the same 4 logical CPUs
+as the one-node run, on the same 2 cores), recorded as `cost_model_cluster`.
 """
 from __future__ import annotations
 
@@ -42,7 +46,25 @@ def measured(mode: str, replicas: int, epochs: int, storage: str) -> tuple[float
     return r.steady_samples_per_s, r.mlflow_run_id
 
 
-def main() -> None:
+def start_ray(nodes: int):
+    """Ray for the measured runs: one local node of 4 logical CPUs, or a `Cluster` of `nodes`
+    (a 0-CPU head, the 4 CPUs split over the worker nodes). Returns the cluster (None: one node)."""
+    import ray
+
+    if nodes <= 1:
+        ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+        return None
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(nodes - 1):
+        cluster.add_node(num_cpus=4 // (nodes - 1))
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="ERROR")
+    return cluster
+
+
+def main(nodes: int = 1) -> None:
     args = parse_args(__doc__.splitlines()[0])
     import ray
 
@@ -66,7 +88,8 @@ def main() -> None:
                           n_fetch=cfg.strategy.n_fetch)
         cals[mode], cfgs[mode] = (cal, shape), cfg
         results["calibration"][mode] = asdict(cal)
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    cluster = start_ray(nodes)
+    results["nodes"] = nodes
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for mode in MODES:
@@ -89,6 +112,8 @@ def main() -> None:
                           flush=True)
     finally:
         ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
     for mode in MODES:  # at scale: a 10 Gbit/s, 50 us link, every replica on its own cores
         cal, shape = cals[mode]
         far = Calibration(cal.params, cal.batch, cal.compute_s, 50e-6, 8 / 10e9, None, "10 Gbit/s, 50 us")
@@ -98,7 +123,7 @@ def main() -> None:
         within = [0.75 <= r <= 1.25 for k, r in ratios.items() if k.startswith(side)]
         results[f"within_25_percent_{side}"] = f"{sum(within)} of {len(within)}"
         print(f"within 25%, {side}: {sum(within)} of {len(within)}")
-    report("cost_model", args.quick, results, ratios, args.json)
+    report("cost_model" if nodes <= 1 else "cost_model_cluster", args.quick, results, ratios, args.json)
 
 
 if __name__ == "__main__":
