@@ -207,7 +207,9 @@ class Switching(Change):
         ctl.guard = self.guard
         ctl.report.metrics([("mode", MODE_CODES[self.old_mode], max(step - 1, 0)),
                             ("mode", MODE_CODES[self.new_spec.name], step)])
-        ctl.report.say(f"switched {self.old_mode} -> {self.new_spec.name} at step {step}: {ctl.metric} "
+        phases = (f" (phase {ctl.phases[-2]['phase']} -> {sw.phase})"
+                  if self.old_mode == self.new_spec.name and len(ctl.phases) > 1 else "")  # e.g. allreduce -> allreduce with backups
+        ctl.report.say(f"switched {self.old_mode} -> {self.new_spec.name}{phases} at step {step}: {ctl.metric} "
                        f"{before:.4f} before, {after:.4f} after")
         return {"kind": "mode_switch", "epoch": seg.epoch, "from": self.old_mode, "to": self.new_spec.name,
                 "phase": sw.phase, "rule": sw.rule, "reason": sw.reason, "numbers": sw.numbers, "at_step": step,
