@@ -111,8 +111,9 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
             trained = len(y) if result.dropped is None else 0  # backups: a late replica's rows were not trained on
             samples += trained
             window += trained
-            win_compute += compute
-            win_real += 1
+            if result.dropped is None:  # a dropped step stopped when it was late: no measure of this replica's speed
+                win_compute += compute
+                win_real += 1
             loss = result.loss
             if trace_ids:
                 consumed.append(current[3]["ids"][current[2].numpy()].tolist())

@@ -63,6 +63,14 @@ def quorum(holding: int, backups: int) -> int:
     return max(1, holding - backups)
 
 
+def backup_rows_per_s(speeds: list[float], backups: int) -> float:
+    """Rows trained per second with `backups` backup replicas, every replica reading a batch of
+    the same rows at its own speed (rows/s): a step ends when the q-th fastest is done and
+    trains q batches, so q x the q-th fastest speed (q = quorum)."""
+    q = quorum(len(speeds), backups)
+    return q * sorted(speeds, reverse=True)[q - 1]
+
+
 class BackupGate:
     """One replica's side of the backups: which step it is in, whether it is already late,
     and its place when its gradient is ready."""

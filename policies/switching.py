@@ -24,6 +24,13 @@ runs.
   the ideal one (every row at the replicas' summed speed; see `residual`). It exceeds 1 only
   once a share hits its bound (of two replicas, one more than 7x slower than the other with the
   default bounds), and only then is an asynchronous mode worth its switch.
+  With `async_mode: backup` the straggler phase is allreduce with backup replicas (policies/
+  backup.py): it is entered only when, besides the ratio, the backups are predicted to train
+  more rows a second than the synchronous mode (`rows_per_s`: q x the q-th fastest speed against
+  every row over the slowest member's time). A replica late at every step stops as soon as it
+  knows and reports no compute time, so while one straggles the policy cannot see it recover:
+  it comes back when every replica is in time often enough to be measured and the ratio is at
+  most recover_ratio, or after `probe_s` seconds (rule "probe") to measure again.
 Every decision names its rule and the numbers behind it (the controller logs them as the
 `mode_switch` event).
 """
@@ -33,6 +40,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any, Optional, Union
 
+from policies.backup import backup_rows_per_s
 from policies.balance import split, step_time
 from policies.tasks import Classification
 
@@ -122,13 +130,17 @@ class AdaptivePolicy:
     SYNC, ASYNC = 0, 1
 
     def __init__(self, plan: list[dict[str, Any]], slow_ratio: float, recover_ratio: float, patience: int,
-                 min_phase_s: float, balance: Optional[tuple[float, float]] = None) -> None:
+                 min_phase_s: float, balance: Optional[tuple[float, float]] = None, probe_s: float = 20.0) -> None:
         """`balance`: the synchronous mode balances the batch within these share bounds
-        (policies/balance.py), and the signal is what balancing cannot absorb (`residual`)."""
+        (policies/balance.py), and the signal is what balancing cannot absorb (`residual`).
+        `probe_s`: with backups as the straggler phase, how long before going back to measure."""
         if recover_ratio >= slow_ratio:
             raise ValueError(f"recover_ratio ({recover_ratio}) must be below slow_ratio ({slow_ratio})")
         self.plan = plan
         self.balance = balance
+        straggler = plan[self.ASYNC]
+        self.backups = int(straggler.get("backup_replicas") or 0) if straggler["mode"] == "allreduce" else 0
+        self.probe_s = probe_s
         self.slow_ratio, self.recover_ratio = slow_ratio, recover_ratio
         self.patience, self.min_phase_s = patience, min_phase_s
         self.current = self.SYNC
@@ -174,28 +186,60 @@ class AdaptivePolicy:
                    "predicted_balanced_step_s": round(balanced, 5), "predicted_ideal_step_s": round(ideal, 5)}
         return balanced / ideal, slow, numbers
 
+    def rows_per_s(self, compute_s: dict[int, float], rows: dict[int, float]) -> Optional[dict[str, Any]]:
+        """With backups as the straggler phase: the synchronous mode's and the backups' predicted
+        trained rows per second from the replicas' speeds (rows per step / compute seconds per
+        step), and the backups' gain; None with fewer than two replicas reporting. Synchronous:
+        every row of the step over the slowest member's time (balanced shares, when balancing);
+        backups: every replica a batch at its own speed, the step ending with the q-th fastest
+        (policies/backup.py `backup_rows_per_s`)."""
+        ranks = sorted(r for r, t in compute_s.items() if t and t > 0 and rows.get(r))
+        if len(ranks) < 2:
+            return None
+        speeds = [rows[r] / compute_s[r] for r in ranks]
+        if self.balance is not None:
+            batch = sum(rows[r] for r in ranks) / len(ranks)
+            shares = split(max(1, round(batch)), speeds, *self.balance)
+            sync = sum(shares) / step_time(shares, speeds)
+        else:
+            sync = sum(rows[r] for r in ranks) / max(compute_s[r] for r in ranks)
+        backup = backup_rows_per_s(speeds, self.backups)
+        return {"predicted_sync_rows_per_s": round(sync, 1), "predicted_backup_rows_per_s": round(backup, 1),
+                "backup_gain": backup / sync - 1}
+
     def decide(self, obs: Observation) -> Optional[Switch]:
         extra: dict[str, Any] = {}
         if self.balance is not None:
             ratio, slow, extra = self.residual(obs.compute_s, obs.rows)
         else:
             ratio, slow = self.spread(obs.compute_s)
-        if slow is None:
+        # backups drop a late replica's steps, so its figures stop: after probe_s, go back and measure
+        probe = (self.current == self.ASYNC and self.backups > 0 and obs.elapsed_s - self.last_switch_s >= self.probe_s
+                 and obs.elapsed_s - self.last_switch_s >= self.min_phase_s)
+        if slow is None and not probe:
             return None
+        rates = self.rows_per_s(obs.compute_s, obs.rows) if self.backups else None
         if self.current == self.SYNC:
             holds, rule, threshold = ratio >= self.slow_ratio, "straggler", self.slow_ratio
+            if holds and self.backups:  # only when the backups are predicted to train more rows a second
+                holds = rates is not None and rates["backup_gain"] > 0
         else:
-            holds, rule, threshold = ratio <= self.recover_ratio, "recovered", self.recover_ratio
+            holds, rule, threshold = slow is not None and ratio <= self.recover_ratio, "recovered", self.recover_ratio
         self.streak = self.streak + 1 if holds else 0
+        if probe and not (holds and self.streak >= self.patience):
+            rule, self.streak = "probe", self.patience
         if self.streak < self.patience or obs.elapsed_s - self.last_switch_s < self.min_phase_s:
             return None
         self.streak = 0
+        since = obs.elapsed_s - self.last_switch_s
         self.last_switch_s = obs.elapsed_s
         self.current = self.ASYNC if self.current == self.SYNC else self.SYNC
-        numbers = {"ratio": round(ratio, 3), "threshold": threshold, "slowest_rank": slow,
+        numbers = {"ratio": round(ratio, 3) if slow is not None else None, "threshold": threshold, "slowest_rank": slow,
                    "compute_s_by_rank": {str(r): round(t, 5) for r, t in sorted(obs.compute_s.items())},
                    "observations": self.patience, **extra,
                    **({"comm_share": round(obs.comm_share, 3)} if obs.comm_share is not None else {})}
+        if self.backups:
+            return self._backup_switch(rule, ratio, threshold, slow, since, rates, numbers)
         if self.balance is not None:
             gain = 1 - 1 / ratio  # of the balanced step's time, when the asynchronous mode reaches the ideal
             numbers["predicted_gain"] = round(gain if rule == "straggler" else -gain, 4)
@@ -212,6 +256,27 @@ class AdaptivePolicy:
             reason = f"the slowest replica is back to {ratio:.2f}x the others (<= {threshold:g}): go synchronous"
         return Switch(self.current, self.plan[self.current]["mode"], rule, reason, numbers)
 
+    def _backup_switch(self, rule: str, ratio: float, threshold: float, slow: Optional[int], since: float,
+                       rates: Optional[dict[str, Any]], numbers: dict[str, Any]) -> Switch:
+        """The switch into or out of the backups, with its reason and predicted gain."""
+        sync = self.plan[self.SYNC]["mode"]
+        numbers["backup_replicas"] = self.backups
+        if rates is not None:
+            gain = rates.pop("backup_gain")
+            numbers.update(rates)
+            numbers["predicted_gain"] = round(gain if rule == "straggler" else 1 / (1 + gain) - 1, 4)
+        if rule == "straggler":
+            reason = (f"replica {slow} straggles ({ratio:.2f}x, >= {threshold:g}): with {self.backups} backup "
+                      f"replica(s) the step is predicted to train {numbers['predicted_backup_rows_per_s']:.0f} rows/s "
+                      f"against {numbers['predicted_sync_rows_per_s']:.0f}: apply the first gradients, drop the late")
+        elif rule == "recovered":
+            reason = (f"every replica is in time again ({ratio:.2f}x, <= {threshold:g}): back to {sync} without backups")
+        else:
+            numbers["probe_s"] = self.probe_s
+            reason = (f"{since:.1f} s with backups (probe_s {self.probe_s:g}): a replica late at every step is not "
+                      f"measured while its steps are dropped; back to {sync} to measure every replica")
+        return Switch(self.current, self.plan[self.current]["mode"], rule, reason, numbers)
+
 
 SwitchPolicy = Union[SchedulePolicy, AdaptivePolicy]
 
@@ -222,7 +287,7 @@ def make_switch_policy(strategy: Any, goals: Optional[dict[str, str]] = None) ->
     if strategy.switch == "adaptive":
         a = strategy.adaptive
         balance = (strategy.balance_min_share, strategy.balance_max_share) if a.balance else None
-        return AdaptivePolicy(plan, a.slow_ratio, a.recover_ratio, a.patience, a.min_phase_s, balance)
+        return AdaptivePolicy(plan, a.slow_ratio, a.recover_ratio, a.patience, a.min_phase_s, balance, a.probe_s)
     return SchedulePolicy(plan, goals)
 
 

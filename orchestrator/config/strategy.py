@@ -91,9 +91,12 @@ class AdaptiveConfig(Section):
         "allreduce", description="The mode while no replica straggles: allreduce, or local_sgd (the models averaged "
         "every strategy.period steps; with balance, each replica's period follows its speed)."
     )
-    async_mode: Literal["downpour", "easgd"] = Field(
-        "easgd", description="The mode while one does (asynchronous: the others do not wait for it); easgd runs "
-        "as variant async with the strategy.* easgd options."
+    async_mode: Literal["downpour", "easgd", "backup"] = Field(
+        "easgd", description="The mode while one does, so the others do not wait for it: easgd (as variant async "
+        "with the strategy.* easgd options) or downpour, asynchronous; or backup: allreduce with "
+        "strategy.backup_replicas (at least 1) backup replicas and no balancing, each step applying the first "
+        "gradients and dropping the late ones, entered only when its predicted trained rows per second beat the "
+        "synchronous mode's (see probe_s)."
     )
     slow_ratio: float = Field(
         2.0, gt=1, description="Go asynchronous when the ratio is at least this: with balance, the balanced "
@@ -108,6 +111,12 @@ class AdaptiveConfig(Section):
         2, ge=1, description="Consecutive observations (one per replica progress report) a condition must hold."
     )
     min_phase_s: float = Field(3.0, ge=0, description="No switch sooner than this many seconds after the last one.")
+    probe_s: float = Field(
+        20.0, gt=0, description="async_mode backup: a replica late at every step is not measured (it stops as soon "
+        "as it is late), so after this many seconds with backups the run goes back to the synchronous mode to "
+        "measure every replica again (a `probe` switch); the straggler rule brings the backups back if it still "
+        "holds."
+    )
     balance: bool = Field(
         True, description="The synchronous mode balances the batch by the replicas' speeds (strategy.balance, "
         "within balance_min_share..balance_max_share), and the ratios above compare the balanced step's predicted "
@@ -289,9 +298,17 @@ class StrategyConfig(Section):
 
         if self.switch == "adaptive":
             a = self.adaptive
-            return [{**base, "mode": m, "variant": "async", "until": None, "optimizer": opt(o),
-                     "balance": a.balance if m == a.sync_mode else base["balance"]}
-                    for m, o in ((a.sync_mode, a.sync_optimizer), (a.async_mode, a.async_optimizer))]
+            sync = {**base, "mode": a.sync_mode, "variant": "async", "until": None, "optimizer": opt(a.sync_optimizer),
+                    "balance": a.balance}
+            if a.async_mode == "backup":  # allreduce with backups: the backups belong to the straggler phase
+                sync["backup_replicas"] = 0
+                straggler = {**base, "mode": "allreduce", "variant": "async", "until": None,
+                             "optimizer": opt(a.async_optimizer), "balance": False,
+                             "backup_replicas": max(1, base["backup_replicas"])}
+            else:
+                straggler = {**base, "mode": a.async_mode, "variant": "async", "until": None,
+                             "optimizer": opt(a.async_optimizer), "balance": base["balance"]}
+            return [sync, straggler]
         phases = self.phases or [PhaseConfig(mode=self.mode)]
         return [{**base, **phase.model_dump(exclude_none=True, exclude={"until", "optimizer"}), "until": phase.until,
                  "optimizer": opt(phase.optimizer)} for phase in phases]

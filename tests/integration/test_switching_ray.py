@@ -251,3 +251,32 @@ def test_local_momentum_is_carried_into_easgd_and_averaged_on_the_way_back_to_al
         assert [e["local_optimizer"] for e in switches] == [["carried"], ["carried, averaged"]]
     finally:
         ctl.shutdown()
+
+
+def test_adaptive_backups_drop_a_stragglers_gradients_and_probe_it_again(ray_cluster, tmp_path):
+    """strategy.adaptive.async_mode backup: replica 1 slowed 50 ms a step (the tiny MLP's own step
+    is about 1 ms) from the start. The policy switches to allreduce with one backup replica
+    (predicted to train more rows a second), replica 1's late steps are dropped and counted,
+    and after probe_s the run goes back to plain allreduce to measure it, then to the backups
+    again. Every replica takes the same steps; the run learns."""
+    from orchestrator.trainer import ElasticTrainer
+
+    cfg = job_config(strategy={"switch": "adaptive", "adaptive": {"async_mode": "backup", "balance": False,
+                                                                  "patience": 1, "min_phase_s": 0.5, "probe_s": 1.5}},
+                     faults={"slow_replicas": [{"rank": 1, "delay_s": 0.05}]}, stop={"epochs": 4},
+                     tracking={"progress_interval_s": 0, "log_every_steps": 2,
+                               "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+                     checkpoint={"storage": f"{tmp_path}/ck"}, scaling={"replicas": 2, "cpus_per_replica": 0.5})
+    result = ElasticTrainer(cfg, show_progress=False).fit()
+    switches = events(result, "mode_switch")
+    rules = [(e["phase"], e["rule"]) for e in switches]
+    assert rules[:3] == [(1, "straggler"), (0, "probe"), (1, "straggler")], rules
+    first = switches[0]
+    assert (first["from"], first["to"], first["numbers"]["slowest_rank"], first["numbers"]["backup_replicas"]) == \
+        ("allreduce", "allreduce", 1, 1)
+    assert first["numbers"]["predicted_backup_rows_per_s"] > first["numbers"]["predicted_sync_rows_per_s"]
+    assert "not measured" in switches[1]["reason"] and switches[1]["numbers"]["probe_s"] == 1.5
+    drops = events(result, "backup_drops")
+    assert drops and set().union(*(e["dropped_rows_by_rank"] for e in drops)) == {1}
+    assert sum(e["dropped_rows"] for e in drops) > 0
+    assert result.final.test_accuracy > 0.9

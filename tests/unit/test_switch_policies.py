@@ -124,3 +124,65 @@ def test_entering_downpour_lowers_the_momentum_by_what_the_asynchrony_adds():
     assert entering_optimizer("downpour", job, None, 2, False) == (job, None)
     assert entering_optimizer("easgd", job, None, 2, True) == (job, None)
     assert entering_optimizer("downpour", job, {"lr": 0.01}, 1, True) == ({**job, "lr": 0.01}, None)
+
+
+def test_backups_as_the_straggler_phase_are_allreduce_with_backups_and_no_balancing():
+    pol = adaptive(async_mode="backup", balance=True)
+    sync, straggler = pol.plan
+    assert (sync["mode"], sync["balance"], sync["backup_replicas"]) == ("allreduce", True, 0)
+    assert (straggler["mode"], straggler["balance"], straggler["backup_replicas"]) == ("allreduce", False, 1)
+    cfg = {"switch": "adaptive", "backup_replicas": 2, "adaptive": {"async_mode": "backup"}}
+    two = make_switch_policy(JobConfig.from_dict({"strategy": cfg, "scaling": {"replicas": 4}}).strategy)
+    assert two.backups == 2 and two.plan[0]["backup_replicas"] == 0 and two.plan[1]["backup_replicas"] == 2
+    with pytest.raises(ValueError, match="backup_replicas"):  # 2 backups of 2 replicas
+        JobConfig.from_dict({"strategy": cfg, "scaling": {"replicas": 2}})
+
+
+def test_backups_are_entered_only_when_predicted_to_train_more_rows_a_second():
+    """Two replicas, b = 1, balancing on. 30x slower: the balanced step trains 128 rows in 0.075 s
+    (1,707 rows/s); with backups the fast one's 64 rows in 0.010 s (6,400 rows/s). 4 replicas, one
+    20x slower, no balancing: waiting trains 256 rows in 0.2 s; backups 3 batches at the
+    third-fastest's pace, 192 rows in 0.010 s."""
+    pol = adaptive(async_mode="backup", balance=True, patience=1, min_phase_s=0)
+    sw = pol.decide(obs(compute_s={0: 0.010, 1: 0.300}, rows={0: 64, 1: 64}))
+    assert (sw.phase, sw.mode, sw.rule) == (1, "allreduce", "straggler")
+    assert sw.numbers["predicted_sync_rows_per_s"] == pytest.approx(128 / 0.075, abs=0.1)
+    assert sw.numbers["predicted_backup_rows_per_s"] == pytest.approx(6400, abs=0.1)
+    assert sw.numbers["predicted_gain"] == pytest.approx(6400 / (128 / 0.075) - 1, abs=1e-3)
+    assert sw.numbers["backup_replicas"] == 1 and "drop the late" in sw.reason
+
+    cfg = {"switch": "adaptive", "adaptive": {"async_mode": "backup", "balance": False, "patience": 1,
+                                              "min_phase_s": 0}}
+    four = make_switch_policy(JobConfig.from_dict({"strategy": cfg, "scaling": {"replicas": 4}}).strategy)
+    sw = four.decide(obs(compute_s={0: 0.010, 1: 0.010, 2: 0.011, 3: 0.200}, rows=dict.fromkeys(range(4), 64)))
+    assert sw.numbers["predicted_backup_rows_per_s"] == pytest.approx(3 * 64 / 0.011, abs=0.1)
+    assert sw.numbers["predicted_sync_rows_per_s"] == pytest.approx(256 / 0.2, abs=0.1)
+
+    # 4 replicas, 2 of them 3x slower: the ratio says straggler, but one backup still waits for a
+    # slow one (3 x 64 rows per 0.03 s) and trains fewer rows than waiting for both (256 per 0.03 s)
+    four = make_switch_policy(JobConfig.from_dict({"strategy": cfg, "scaling": {"replicas": 4}}).strategy)
+    for _ in range(3):
+        assert four.decide(obs(compute_s={0: 0.010, 1: 0.010, 2: 0.030, 3: 0.030},
+                               rows=dict.fromkeys(range(4), 64))) is None
+
+
+def test_with_backups_a_late_replica_unmeasured_is_probed_and_a_measured_recovery_comes_back():
+    pol = adaptive(async_mode="backup", balance=False, patience=2, min_phase_s=1.0, probe_s=10.0)
+    slow = {0: 0.010, 1: 0.300}
+    pol.decide(obs(elapsed_s=2, compute_s=slow, rows={0: 64, 1: 64}))
+    assert pol.decide(obs(elapsed_s=3, compute_s=slow, rows={0: 64, 1: 64})).rule == "straggler"
+    # replica 1 is late at every step: no figure of its own, so nothing to decide on ...
+    for t in (4, 8, 12.9):
+        assert pol.decide(obs(elapsed_s=t, compute_s={0: 0.010}, rows={0: 64})) is None
+    # ... until probe_s has passed: back to the synchronous mode to measure it
+    sw = pol.decide(obs(elapsed_s=13, compute_s={0: 0.010}, rows={0: 64}))
+    assert (sw.phase, sw.rule, sw.numbers["probe_s"], sw.numbers["ratio"]) == (0, "probe", 10.0, None)
+    assert "not measured" in sw.reason
+    # still slow: back to the backups (patience 2, min_phase_s 1)
+    pol.decide(obs(elapsed_s=14, compute_s=slow, rows={0: 64, 1: 64}))
+    assert pol.decide(obs(elapsed_s=15, compute_s=slow, rows={0: 64, 1: 64})).rule == "straggler"
+    # in time again often enough to be measured, and as fast: recovered before the probe
+    even = {0: 0.010, 1: 0.011}
+    assert pol.decide(obs(elapsed_s=16, compute_s=even, rows={0: 64, 1: 64})) is None
+    sw = pol.decide(obs(elapsed_s=17, compute_s=even, rows={0: 64, 1: 64}))
+    assert (sw.phase, sw.rule) == (0, "recovered") and sw.numbers["predicted_gain"] > 0
