@@ -21,6 +21,8 @@ Sides:
               situation's
   adaptive_allreduce  the same with strategy.adaptive.sync_mode allreduce (balanced batch shares
               instead; the example's synchronous mode before 2026-11-25)
+  adaptive_backup  adaptive_allreduce with strategy.adaptive.async_mode backup (allreduce with one
+              backup replica, not easgd, for a straggler the balance cannot absorb)
   ray_train   Ray Train TorchTrainer, DDP, the same partitions, order, batches and evaluation
               as our allreduce (benchmarks/throughput.py ray_train_loop), the same straggler
   single      one PyTorch process (2 threads) on the global batches, no straggler: the
@@ -32,6 +34,8 @@ F - 1 times that step's compute, as a device F times slower would take):
               allreduce's time in `none` in the same repetition)
   hetero      2 replicas, replica 1 2x slower for the whole run (a heterogeneous cluster)
   four        4 replicas, replica 3 3x slower for the whole run
+  extreme     2 replicas, replica 1 20x slower for the whole run (past what balancing absorbs:
+              the adaptive sides switch); only with --only extreme
 Figure: train_to_target_s (training seconds until the first epoch-end evaluation at or above
 97%: time_to_target_s - startup_s for ours; from the first step for Ray Train and single), and
 s_per_epoch = train_to_target_s / the epochs it took (speed without the luck of which epoch
@@ -63,9 +67,13 @@ OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce
         "downpour": ("mnist_downpour.yaml", []), "easgd": ("mnist_easgd.yaml", []),
         "local_sgd": ("mnist_local_sgd.yaml", []), "local_bal": ("mnist_local_sgd.yaml", ["strategy.balance=true"]),
         "adaptive": ("mnist_adaptive.yaml", []),
-        "adaptive_allreduce": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce"])}
+        "adaptive_allreduce": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce"]),
+        "adaptive_backup": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce",
+                                                    "strategy.adaptive.async_mode=backup"])}
 FIXED = ("allreduce", "balanced", "backup", "downpour", "easgd", "local_sgd", "local_bal")
-SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)), "four": (4, (3, 3.0))}
+SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)), "four": (4, (3, 3.0)),
+              "extreme": (2, (1, 20.0))}
+DEFAULT = ("none", "window", "hetero", "four")
 
 
 def ours(side: str, tmp: str, replicas: int, seed: int, slow: Optional[dict]) -> dict[str, Any]:
@@ -126,7 +134,7 @@ def main() -> None:
     import ray
 
     reps = 1 if args.quick else 3
-    wanted = args.only.split(",") if args.only else (["none", "window"] if args.quick else list(SITUATIONS))
+    wanted = args.only.split(",") if args.only else (["none", "window"] if args.quick else list(DEFAULT))
     sides = tuple(args.sides.split(",")) if args.sides else (*OURS, "ray_train", "single")
     unknown = set(sides) - {*OURS, "ray_train", "single"}
     if unknown:
@@ -176,7 +184,7 @@ def main() -> None:
         summary[f"{situation}:s_per_epoch"] = {side: {"median": median(v), "min": min(v), "max": max(v)} if v else None
                                                for side, v in per_epoch.items()}
         med = {side: median(v) for side, v in t.items() if v}
-        for adaptive in ("adaptive", "adaptive_allreduce"):
+        for adaptive in ("adaptive", "adaptive_allreduce", "adaptive_backup"):
             if adaptive not in med:
                 continue
             if "allreduce" in med:
