@@ -67,7 +67,8 @@ def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = F
         return
     mid = not epoch_end and seg is not None and seg.begun
     ctl.pending_switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid)
-    ctl.report.say(f"switch to {sw.mode} decided ({sw.rule}): {sw.reason}")
+    to = f"{sw.mode} (phase {sw.phase})" if sw.mode == ctl.strategy["mode"] else sw.mode  # e.g. allreduce with backups
+    ctl.report.say(f"switch to {to} decided ({sw.rule}): {sw.reason}")
     if mid:
         ctl.pause.close("switch")
 
