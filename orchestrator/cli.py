@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--tracking-uri", help="the MLflow store the run is in (default: MLflow's default)")
     sim.add_argument("--bandwidth-gbps", type=float, help="model a link of this many Gbit/s (default: measured)")
     sim.add_argument("--latency-us", type=float, help="model a link with this latency per message (default: measured)")
-    sim.add_argument("--cores", help="replicas the hosts run at full speed; beyond it compute slows in proportion; "
+    sim.add_argument("--cores", help="replicas the hosts run at full speed; beyond it compute and communication slow in proportion; "
                      "'here': this host's effective cores, measured by running one replica's calibration steps in "
                      "as many processes at once as it has CPUs (default: every replica has its own cores)")
     sim.add_argument("--straggler-p", type=float, default=0.0, help="chance a replica's step is slowed (default 0)")

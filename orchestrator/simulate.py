@@ -15,7 +15,9 @@ a run of n > 1 replicas gives the cores its hosts ran at full speed instead (n x
 step compute: what sharing the hosts did to the step, `--cores` unless given), t staying the
 step measured here alone. For allreduce at n > 1 the link comes from its communication: alpha and
 beta as calibrated here, both scaled so the ring all-reduce at n takes the run's communication
-time (with `--latency-us` given, beta is what the run's time leaves after the latency). For
+time (with `--latency-us` given, beta is what the run's time leaves after the latency), the
+run's time first divided by n / cores when n exceeds the cores (the model stretches
+communication on shared cores as it does compute). For
 downpour and easgd the shards' path (Ray calls and the object store, not gloo) comes from theirs
 (alpha as calibrated, or given).
 `--cores here`: this host's effective cores from the calibration steps run in as many processes
@@ -228,20 +230,22 @@ def calibration(cfg: Any, run: Optional[dict[str, Any]] = None, bandwidth_gbps: 
                 cores = min(float(n), n * compute / run["compute_s"]) if run["compute_s"] > 0 else float(n)
             source.append(f"cores: run {run['run']}'s step compute at {n} replicas "
                           f"({run['compute_s'] * 1e3:.1f} ms)")
+        # the run's communication as it would be on cores of its own (the model stretches it back at n)
+        comm_s = run["comm_s"] / (max(1.0, n / float(cores)) if cores else 1.0)
         if run["mode"] == "allreduce" and n > 1 and bandwidth_gbps is None:
             ring_bytes = 2 * (n - 1) / n * params * 4
             if latency_us is not None:  # the latency given: the bandwidth is what the run's time leaves
-                beta = max(0.0, (run["comm_s"] - 2 * (n - 1) * alpha) / ring_bytes)
+                beta = max(0.0, (comm_s - 2 * (n - 1) * alpha) / ring_bytes)
             else:  # the link's shape (alpha : beta) from here, its scale from the run's own all-reduce time
                 ring = ring_bytes * beta + 2 * (n - 1) * alpha
-                scale = run["comm_s"] / ring if ring > 0 else 1.0
+                scale = comm_s / ring if ring > 0 else 1.0
                 alpha, beta = alpha * scale, beta * scale
             source.append(f"link: run {run['run']}'s communication at {n} replicas")
         if run["mode"] in ("downpour", "easgd"):  # the shards' path (Ray calls, the object store), not gloo's
             shape = run.get("shape", {})
             exchanges = (1 / shape.get("n_push", 1) + 1 / shape.get("n_fetch", 1) if run["mode"] == "downpour"
                          else 2 / shape.get("tau", 4))
-            shard_beta = max(0.0, (run["comm_s"] / exchanges - alpha) / (params * 4))
+            shard_beta = max(0.0, (comm_s / exchanges - alpha) / (params * 4))
             source.append(f"shard path: run {run['run']}'s communication")
     if bandwidth_gbps is not None or latency_us is not None:
         source.append("link: given")

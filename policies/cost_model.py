@@ -6,7 +6,8 @@ Inputs (`Calibration`): the trainable parameter count P (4 bytes each: M = 4P by
 per full exchange), the per-replica batch b, one step's compute seconds t (forward, backward,
 update of one replica), the link's latency alpha (seconds per message) and inverse bandwidth
 beta (seconds per byte), and how many replicas the hosts run at full speed (`cores`: beyond it
-compute slows in proportion, as on one machine whose cores are shared). Stragglers
+compute and communication slow in proportion, as on one machine whose cores are shared: there
+the loopback "link" is memory copies and protocol work on the same cores). Stragglers
 (`Stragglers`): each replica's step takes t x factor with probability p (a slowed replica), and
 every step is jittered by a lognormal of sigma `jitter`.
 
@@ -123,7 +124,8 @@ class Prediction:
 
 
 def slowdown(cal: Calibration, n: int) -> float:
-    """Compute slows in proportion once n replicas exceed the cores that run them at full speed."""
+    """Compute and communication slow in proportion once n replicas exceed the cores that run
+    them at full speed."""
     return max(1.0, n / cal.cores) if cal.cores else 1.0
 
 
@@ -183,14 +185,14 @@ def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),
     if mode == "backup":  # allreduce that applies the first q = n - backups gradients: their rows, the full ring
         q = max(1, n - shape.backups)
         c = max_compute(cal, n, s, first=q)
-        comm = ring_allreduce_s(cal, n)
+        comm = ring_allreduce_s(cal, n) * slowdown(cal, n)
         step = c + comm
         return Prediction(mode, n, step, c, comm, q * b / step, extra={"backups": n - q, "rows_per_step": q * b})
     if mode in ("allreduce", "local_sgd"):
         h = 1 if mode == "allreduce" else max(1, shape.period)
         c = max_compute(cal, n, s, block=h)
         ring = cal if mode == "allreduce" else replace(cal, allreduce_bytes_per_param=BYTES_PER_PARAM)  # float32 rounds
-        comm = ring_allreduce_s(ring, n) / h
+        comm = ring_allreduce_s(ring, n) * slowdown(cal, n) / h
         step = c + comm
         return Prediction(mode, n, step, c, comm, n * b / step, extra={"period": h})
     if mode == "downpour":
@@ -198,7 +200,7 @@ def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),
     else:  # easgd: M up and M down every tau steps
         per_step_exchanges = 2 / max(1, shape.tau or shape.period)
     c = mean_compute(cal, n, s)
-    comm = per_step_exchanges * (cal.model_bytes * cal.shard_beta + cal.alpha_s)
+    comm = per_step_exchanges * (cal.model_bytes * cal.shard_beta + cal.alpha_s) * slowdown(cal, n)
     step = c + comm
     replicas_rate = n * b / step
     shard_s = per_step_exchanges * (cal.model_bytes / max(1, shape.shards)) * cal.shard_beta

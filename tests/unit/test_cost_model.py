@@ -173,3 +173,18 @@ def test_a_runs_all_reduce_faster_than_the_latency_fitted_here_still_sets_the_li
     assert got.compute_s == pytest.approx(run["compute_s"], rel=1e-9)
     assert cal.alpha_s > 0 and cal.beta_s_per_byte > 0  # the shape kept: more replicas cost more latency
     assert predict("allreduce", 8, cal).comm_s > got.comm_s
+
+
+def test_on_shared_cores_communication_slows_as_compute_does():
+    """More replicas than cores: the loopback link is work on the same cores, so the ring
+    all-reduce and the shards' exchanges stretch by n / cores as compute does."""
+    from dataclasses import replace
+
+    from policies.cost_model import Calibration, ring_allreduce_s
+
+    own = Calibration(params=100_000, batch=64, compute_s=0.01, alpha_s=1e-4, beta_s_per_byte=1e-9)
+    shared = replace(own, cores=2.0)
+    for mode, n in (("allreduce", 4), ("backup", 4), ("downpour", 4), ("easgd", 8), ("local_sgd", 4)):
+        a, b = predict(mode, n, own), predict(mode, n, shared)
+        assert b.comm_s == pytest.approx(a.comm_s * n / 2) and b.compute_s == pytest.approx(a.compute_s * n / 2)
+    assert predict("allreduce", 2, shared).comm_s == pytest.approx(ring_allreduce_s(own, 2))  # within the cores
