@@ -6,14 +6,17 @@ Calibration (`calibrate`), about 10 s:
 - compute: the config's model and optimizer take `STEPS` steps on one real batch of the job's
   data (data.batch_size rows) in this process, with the threads one replica gets
   (scaling.cpus_per_replica); the median step is t;
-- link: two processes on this host time a gloo all-reduce of a small and of a model-sized
-  message (`LINK_REPEATS` each, medians); alpha and beta are fitted (cost_model.fit_link).
+- link: two processes on this host time a gloo all-reduce of a 4-byte message and of a quarter
+  and the whole of the model's size or 1 MiB, whichever is larger (`LINK_REPEATS` each, medians);
+  alpha and beta are fitted (cost_model.fit_link).
   That is the loopback link; `--bandwidth-gbps` / `--latency-us` model another one.
 `--from-run RUN`: the run's own progress rows (its samples_per_s at the run's batch: a step is
 batch / samples_per_s, of which the run's comm_share is communication). A 1-replica run gives t;
 a run of n > 1 replicas gives the cores its hosts ran at full speed instead (n x t here / its
 step compute: what sharing the hosts did to the step, `--cores` unless given), t staying the
-step measured here alone. For allreduce at n > 1 the link comes from its communication: alpha and
+step measured here alone; a run whose step compute was no slower than t gives n cores and its
+own step as t (its replicas had cores of their own; a busy host here must not slow the model of
+that run). Either way the model gives the run's own step back at its n. For allreduce at n > 1 the link comes from its communication: alpha and
 beta as calibrated here, both scaled so the ring all-reduce at n takes the run's communication
 time (with `--latency-us` given, beta is what the run's time leaves after the latency), the
 run's time first divided by n / cores when n exceeds the cores (the model stretches
@@ -41,6 +44,7 @@ from policies.cost_model import (Calibration, ModeShape, Prediction, Stragglers,
 
 STEPS = 30  # calibration steps (after 5 warm-up steps)
 LINK_REPEATS = 15
+LINK_MIN_BYTES = 1 << 20
 LINK_TIMEOUT_S = 60.0
 PLOT_NAME = "simulate.png"
 
@@ -157,7 +161,10 @@ def calibrate_link(model_bytes: int, repeats: int = LINK_REPEATS) -> tuple[float
     """(alpha, beta) of this host's loopback link, from a gloo all-reduce between two processes."""
     from actors.reducer import free_port
 
-    sizes = [4, max(8, model_bytes // 4), max(8, model_bytes)]
+    # a message of at least LINK_MIN_BYTES: a tiny model's messages are all latency, and their
+    # slope (beta) is timing noise that fits to 0 as often as not
+    big = max(LINK_MIN_BYTES, model_bytes)
+    sizes = [4, big // 4, big]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -227,7 +234,10 @@ def calibration(cfg: Any, run: Optional[dict[str, Any]] = None, bandwidth_gbps: 
             source = [f"compute: run {run['run']}'s progress rows"]
         else:  # its replicas shared the hosts: the step here alone, and the cores that slowed it as it was
             if cores is None:
-                cores = min(float(n), n * compute / run["compute_s"]) if run["compute_s"] > 0 else float(n)
+                if 0 < run["compute_s"] <= compute:  # no slower than alone here: each replica had its own cores,
+                    compute, cores = run["compute_s"], float(n)  # and its step is the evidence (a busy host here is not)
+                else:
+                    cores = n * compute / run["compute_s"] if run["compute_s"] > 0 else float(n)
             source.append(f"cores: run {run['run']}'s step compute at {n} replicas "
                           f"({run['compute_s'] * 1e3:.1f} ms)")
         # the run's communication as it would be on cores of its own (the model stretches it back at n)

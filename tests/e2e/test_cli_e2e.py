@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -71,10 +72,11 @@ def test_cli_run_joins_ray_address_and_tracks_to_server(ray_head, mlflow_server,
     assert f"run {result['mlflow_run_id']}" in predicted["calibration"]["source"]
     at = {(p["mode"], p["replicas"]): p for p in predicted["predictions"]}
     assert {("allreduce", 1024), ("downpour", 64), ("easgd", 2), ("local_sgd", 4), ("single", 1)} <= set(at)
-    # the run's own step: its lowest rank's samples_per_s at 2 replicas, within the model's 25%
-    history = [m.value for m in client.get_metric_history(result["mlflow_run_id"], "samples_per_s")]
-    measured = sorted(history)[len(history) // 2]
-    assert abs(at[("allreduce", 2)]["samples_per_s"] / 2 - measured) <= 0.25 * measured, (at[("allreduce", 2)], measured)
+    # calibrated from the run, the model gives the run's own step back at its 2 replicas: the median of
+    # its lowest rank's samples_per_s, whatever this host's load while simulate timed the step here
+    history = [m.value for m in client.get_metric_history(result["mlflow_run_id"], "samples_per_s") if m.value > 0]
+    measured = statistics.median(history)
+    assert at[("allreduce", 2)]["samples_per_s"] / 2 == pytest.approx(measured, rel=1e-6), (at[("allreduce", 2)], measured)
     assert (tmp_path / "sim.png").read_bytes()[:8] == PNG_MAGIC and "allreduce" in proc.stdout
 
 

@@ -123,6 +123,9 @@ def test_a_run_of_several_replicas_calibrates_the_cores_its_hosts_gave_them():
     assert predict("allreduce", 2, cal).compute_s == pytest.approx(run["compute_s"], rel=1e-9)
     fast = calibration(cfg, {**run, "compute_s": alone.compute_s / 10}, latency_us=10, bandwidth_gbps=10)
     assert fast.cores == 2.0  # a run no slower than the step alone: every replica had its own cores
+    # and the run's step is the one modelled (a busy host here must not slow the model of that run)
+    assert fast.compute_s == pytest.approx(alone.compute_s / 10)
+    assert predict("allreduce", 2, fast).compute_s == pytest.approx(alone.compute_s / 10, rel=1e-9)
 
 
 def test_the_shards_path_from_a_sharded_run_sets_the_asynchronous_modes_traffic():
