@@ -243,7 +243,8 @@ def calibration(cfg: Any, run: Optional[dict[str, Any]] = None, bandwidth_gbps: 
         # the run's communication as it would be on cores of its own (the model stretches it back at n)
         comm_s = run["comm_s"] / (max(1.0, n / float(cores)) if cores else 1.0)
         if run["mode"] == "allreduce" and n > 1 and bandwidth_gbps is None:
-            ring_bytes = 2 * (n - 1) / n * params * 4
+            # the bytes the prediction will count (simulate: half precision, PowerSGD's factors)
+            ring_bytes = 2 * (n - 1) / n * params * allreduce_bytes_per_param(cfg)
             if latency_us is not None:  # the latency given: the bandwidth is what the run's time leaves
                 beta = max(0.0, (comm_s - 2 * (n - 1) * alpha) / ring_bytes)
             else:  # the link's shape (alpha : beta) from here, its scale from the run's own all-reduce time

@@ -53,7 +53,7 @@ def observe(ctl: "Controller", epoch_end: bool, metrics: Optional[dict[str, floa
     batch = {r: row["batch_rows"] for r, row in rows.items() if row.get("batch_rows")}
     return Observation(epoch_end, ctl.totals.epochs, max(ctl.progress.values(), default=0),
                        time.perf_counter() - ctl.train_started, metrics or {}, compute,
-                       sum(shares) / len(shares) if shares else None, batch)
+                       sum(shares) / len(shares) if shares else None, batch, len(ctl.group.members))
 
 
 def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = False,

@@ -29,8 +29,10 @@ runs.
   more rows a second than the synchronous mode (`rows_per_s`: q x the q-th fastest speed against
   every row over the slowest member's time). A replica late at every step stops as soon as it
   knows and reports no compute time, so while one straggles the policy cannot see it recover:
-  it comes back when every replica is in time often enough to be measured and the ratio is at
-  most recover_ratio, or after `probe_s` seconds (rule "probe") to measure again.
+  it comes back when every member of the group is in time often enough to be measured (the
+  observation's `members`: with 3 or more replicas the in-time others alone would look
+  recovered) and the ratio is at most recover_ratio, or after `probe_s` seconds (rule "probe")
+  to measure again.
 Every decision names its rule and the numbers behind it (the controller logs them as the
 `mode_switch` event).
 """
@@ -59,6 +61,7 @@ class Observation:
     compute_s: dict[int, float] = field(default_factory=dict)  # rank -> compute seconds per step, latest window
     comm_share: Optional[float] = None  # share of the step spent waiting for communication, latest window
     rows: dict[int, float] = field(default_factory=dict)  # rank -> rows per step of its batches, latest window
+    members: Optional[int] = None  # replicas in the group (those in `compute_s` are the ones measured)
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,8 @@ class AdaptivePolicy:
                 holds = rates is not None and rates["backup_gain"] > 0
         else:
             holds, rule, threshold = slow is not None and ratio <= self.recover_ratio, "recovered", self.recover_ratio
+            if holds and self.backups and obs.members is not None:  # a late replica reports nothing: all measured
+                holds = sum(1 for t in obs.compute_s.values() if t and t > 0) >= obs.members
         self.streak = self.streak + 1 if holds else 0
         if probe and not (holds and self.streak >= self.patience):
             rule, self.streak = "probe", self.patience

@@ -94,7 +94,9 @@ class JobConfig(Section):
                              f"two ranks on one GPU), got {gpus}")
         backups = max((p["backup_replicas"] for p in self.strategy.plan() if p["mode"] == "allreduce"), default=0)
         if backups and backups >= self.scaling.replicas:
-            raise ValueError(f"strategy.backup_replicas ({backups}) must be below scaling.replicas "
+            implied = (" (strategy.adaptive.async_mode backup runs its straggler phase with at least 1)"
+                       if self.strategy.switch == "adaptive" and self.strategy.adaptive.async_mode == "backup" else "")
+            raise ValueError(f"strategy.backup_replicas ({backups}){implied} must be below scaling.replicas "
                              f"({self.scaling.replicas}): a step applies the first replicas - backup_replicas "
                              "gradients")
         missing = sorted(w.rank for w in self.faults.slow_replicas if w.rank >= self.scaling.replicas)

@@ -191,3 +191,19 @@ def test_on_shared_cores_communication_slows_as_compute_does():
         a, b = predict(mode, n, own), predict(mode, n, shared)
         assert b.comm_s == pytest.approx(a.comm_s * n / 2) and b.compute_s == pytest.approx(a.compute_s * n / 2)
     assert predict("allreduce", 2, shared).comm_s == pytest.approx(ring_allreduce_s(own, 2))  # within the cores
+
+
+def test_a_half_precision_run_calibrates_the_link_with_the_bytes_it_sent():
+    """--from-run of an fp16 allreduce run: the link is fitted to the bytes the prediction counts
+    (2 per parameter), so the model gives the run's own communication back at its n."""
+    from orchestrator.config import JobConfig
+    from orchestrator.simulate import simulate
+
+    cfg = JobConfig.from_dict({"model": {"factory": "examples.models:tiny_mlp"},
+                               "data": {"source": "builtin:synthetic", "batch_size": 32},
+                               "strategy": {"compression": "fp16"}})
+    run = {"run": "r3", "mode": "allreduce", "replicas": 2, "batch": 32, "step_s": 0.0, "comm_s": 0.004,
+           "compute_s": 1e-6, "shape": {}}
+    cal, preds = simulate(cfg, [2], Stragglers(), run, latency_us=10)
+    [got] = [p for p in preds if p.mode == "allreduce" and p.replicas == 2]
+    assert cal.allreduce_bytes_per_param == 2 and got.comm_s == pytest.approx(run["comm_s"], rel=1e-6)

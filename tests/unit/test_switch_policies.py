@@ -5,8 +5,9 @@ from orchestrator.config import JobConfig
 from policies.switching import AdaptivePolicy, Observation, SchedulePolicy, make_switch_policy
 
 
-def obs(epoch_end=False, epochs=0, step=0, elapsed_s=0.0, metrics=None, compute_s=None, rows=None):
-    return Observation(epoch_end, epochs, step, elapsed_s, metrics or {}, compute_s or {}, rows=rows or {})
+def obs(epoch_end=False, epochs=0, step=0, elapsed_s=0.0, metrics=None, compute_s=None, rows=None, members=None):
+    return Observation(epoch_end, epochs, step, elapsed_s, metrics or {}, compute_s or {}, rows=rows or {},
+                       members=members)
 
 
 def schedule(*phases):
@@ -186,3 +187,22 @@ def test_with_backups_a_late_replica_unmeasured_is_probed_and_a_measured_recover
     assert pol.decide(obs(elapsed_s=16, compute_s=even, rows={0: 64, 1: 64})) is None
     sw = pol.decide(obs(elapsed_s=17, compute_s=even, rows={0: 64, 1: 64}))
     assert (sw.phase, sw.rule) == (0, "recovered") and sw.numbers["predicted_gain"] > 0
+
+
+def test_with_backups_and_three_replicas_the_in_time_two_alone_are_not_a_recovery():
+    """Replica 2 late at every step reports no compute time; replicas 0 and 1, in time and even,
+    must not read as "recovered" (that flipped the run in and out of the backups every few
+    seconds): only a measured group, every member in time, comes back, or the probe."""
+    pol = adaptive(async_mode="backup", balance=False, patience=2, min_phase_s=1.0, probe_s=10.0)
+    slow, rows = {0: 0.010, 1: 0.010, 2: 0.300}, dict.fromkeys(range(3), 64)
+    pol.decide(obs(elapsed_s=2, compute_s=slow, rows=rows, members=3))
+    assert pol.decide(obs(elapsed_s=3, compute_s=slow, rows=rows, members=3)).rule == "straggler"
+    two = {0: 0.010, 1: 0.0105}
+    for t in (4, 6, 8, 12.9):
+        assert pol.decide(obs(elapsed_s=t, compute_s=two, rows={0: 64, 1: 64}, members=3)) is None
+    assert pol.decide(obs(elapsed_s=13, compute_s=two, rows={0: 64, 1: 64}, members=3)).rule == "probe"
+    pol.decide(obs(elapsed_s=14, compute_s=slow, rows=rows, members=3))
+    assert pol.decide(obs(elapsed_s=15, compute_s=slow, rows=rows, members=3)).rule == "straggler"
+    even = {0: 0.010, 1: 0.010, 2: 0.011}
+    assert pol.decide(obs(elapsed_s=16, compute_s=even, rows=rows, members=3)) is None
+    assert pol.decide(obs(elapsed_s=17, compute_s=even, rows=rows, members=3)).rule == "recovered"
