@@ -43,7 +43,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from policies.allreduce import BufferSync, Reducer, reducer_group
-from policies.balance import split
+from policies.balance import near_even, split
 from policies.batches import forward, rows as batch_rows
 from policies.modes import StepResult, check_finite
 from policies.tasks import Classification, Task
@@ -159,8 +159,10 @@ class LocalSgdWorker:
         """Every rank's period for the next round, the same on every replica: the group's
         world x period steps a round split in proportion to the ranks' speeds (steps per busy
         second, half the last round's and half the smoothed figure before), each within
-        [min_share, max_share] x period (policies/balance.py `split`); a rank with no figure
-        this round keeps its last speed."""
+        [min_share, max_share] x period (policies/balance.py `split`), kept even unless the
+        split is predicted to shorten the round by more than balance.TOLERANCE (`near_even`:
+        speeds a little apart by noise must not make every round wait for a longer period); a
+        rank with no figure this round keeps its last speed."""
         if fresh or len(self.speeds) != world:
             self.speeds, self.periods = [0.0] * world, None
         for r in range(world):
@@ -169,7 +171,8 @@ class LocalSgdWorker:
                 v = steps / busy
                 self.speeds[r] = v if self.speeds[r] <= 0 else 0.5 * (self.speeds[r] + v)
         if all(v > 0 for v in self.speeds):
-            self.periods = split(self.period, self.speeds, self.balance["min_share"], self.balance["max_share"])
+            periods = split(self.period, self.speeds, self.balance["min_share"], self.balance["max_share"])
+            self.periods = near_even(periods, self.period, self.speeds)
 
     @property
     def my_period(self) -> int:

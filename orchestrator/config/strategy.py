@@ -155,7 +155,8 @@ class StrategyConfig(Section):
         "nobody waits; the update is still the mean gradient over the step's rows. While the split is uneven, partitions are leased "
         "from one shared queue (a fast replica reads more of them); an even split runs as plain allreduce. local_sgd: "
         "each replica's period (steps between two rounds) follows its measured speed instead, replicas x "
-        "strategy.period steps a round in all, each within balance_min_share..balance_max_share x period, and "
+        "strategy.period steps a round in all, each within balance_min_share..balance_max_share x period (kept even "
+        "unless the split is predicted to shorten the round by more than 10%), and "
         "partitions are leased from one shared queue. See docs/modes.md."
     )
     compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(

@@ -260,3 +260,14 @@ def test_a_slower_replica_takes_fewer_steps_a_round_and_all_end_identical():
     assert fast + slow == 8 and fast > slow
     assert torch.equal(flat(workers[0]), flat(workers[1]))
     assert steps == {0: 30, 1: 30}  # every batch trained once (the fast one waited with empty steps at the end)
+
+
+def test_balanced_periods_stay_even_for_speeds_a_little_apart():
+    """Speeds 1.15x apart (what timing noise alone shows on a shared host) keep the period of
+    every replica: a 9 / 7 split would make each round wait for the 9."""
+    w = workers_for(model(), 2, period=8, lr=0.1, momentum=0.0)[0]
+    w.balance = {"min_share": 0.25, "max_share": 4.0}
+    w._rebalance([8, 0.8, 8, 0.92], 2, fresh=False)
+    assert w.periods == [8, 8] and w.my_period == 8
+    w._rebalance([8, 0.8, 8, 2.4], 2, fresh=False)  # then 3x (smoothed: 2x): balanced
+    assert w.periods[0] > w.periods[1]
