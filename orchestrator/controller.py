@@ -171,6 +171,7 @@ class Controller:
         self.strategy = strategy
         self.spec = mode_spec(strategy["mode"])
         self.lock_step = self.spec.lock_step(strategy)
+        self.batch_shares = None  # a phase's balanced work starts even
         self.pinned = self.spec.leases_pinned(strategy)
 
     def shard_optimizer(self, strategy: dict[str, Any]) -> tuple[str, float, float, float]:

@@ -206,7 +206,8 @@ def lost_meanwhile(ctl: "Controller", seg: EpochSegment, lost: MemberLost) -> "S
 
 def note_balance(ctl: "Controller", seg: EpochSegment) -> None:
     """strategy.balance: when the replicas' latest rows show a new split of the batch (every
-    member's share known, summing to the global batch: rows of the same window), a
+    member's share known, summing to the global batch: rows of the same window), or of local
+    SGD's round (every member's period, summing to members x strategy.period), a
     `batch_rebalanced` event with the shares and the compute seconds per step behind them; an
     uneven split during an epoch leased pinned leases the rest of it from one shared queue (the
     next epochs too, while it stays uneven)."""
@@ -214,20 +215,22 @@ def note_balance(ctl: "Controller", seg: EpochSegment) -> None:
         return
     members = sorted(ctl.group.members)
     rows = [ctl.signals.get(r) or {} for r in members]
-    shares = [row.get("batch_rows") for row in rows]
-    if len(members) < 2 or None in shares or sum(shares) != len(members) * ctl.cfg.data.batch_size:
+    # what is split: the batch (rows a step), or local SGD's periods (steps a round)
+    key = ctl.spec.balanced_share
+    unit, even = ("steps", ctl.strategy["period"]) if key == "period" else ("rows", ctl.cfg.data.batch_size)
+    shares = [row.get(key) for row in rows]
+    if len(members) < 2 or None in shares or sum(shares) != len(members) * even:
         return
     if shares == ctl.batch_shares:
         return
-    before = ctl.batch_shares if ctl.batch_shares and len(ctl.batch_shares) == len(shares) else \
-        [ctl.cfg.data.batch_size] * len(members)
+    before = ctl.batch_shares if ctl.batch_shares and len(ctl.batch_shares) == len(shares) else [even] * len(members)
     ctl.batch_shares = shares
     if shares == before:
         return
     if ctl.pinned and len(set(shares)) > 1 and seg.begun and not ctl.pause.closed:
         ctl.server.call("pause", False, share=True)  # uneven shares: the rest of the epoch from one queue
         ctl.pinned = False
-    ctl.report.event("batch_rebalanced", epoch=seg.epoch, step=max(row.get("step", 0) for row in rows),
+    ctl.report.event("batch_rebalanced", epoch=seg.epoch, step=max(row.get("step", 0) for row in rows), unit=unit,
                      shares={str(r): s for r, s in zip(members, shares)},
                      shares_before={str(r): s for r, s in zip(members, before)},
                      compute_s_by_rank={str(r): row.get("compute_s") for r, row in zip(members, rows)},

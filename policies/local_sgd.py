@@ -175,6 +175,12 @@ class LocalSgdWorker:
             self.periods = near_even(periods, self.period, self.speeds)
 
     @property
+    def balanced_period(self) -> Optional[int]:
+        """With balance, this replica's period now (its progress rows carry it: the controller
+        leases pinned while every period is even, from one shared queue once they differ)."""
+        return self.my_period if self.balance is not None else None
+
+    @property
     def my_period(self) -> int:
         """This replica's steps between two rounds: `period`, or its balanced share of them."""
         if self.periods is None:

@@ -8,8 +8,8 @@ and the replicas never branch on a mode's name:
   failure interrupts every member and the group is re-formed before anyone steps again; in the
   other modes the survivors keep stepping while a replacement joins;
 - `pinned`: partitions are each replica's own (one grant call per epoch) rather than shared
-  (`leases_pinned(strategy, shares)`: not with backup replicas, not while strategy.balance splits the batch unevenly, and
-  never with balance when `pinned_while_even` is false: local_sgd's balanced periods);
+  (`leases_pinned(strategy, shares)`: not with backup replicas, not while strategy.balance splits the work
+  unevenly: allreduce's batch, local_sgd's periods, the mode's `balanced_share`);
 - `process_group`: the replicas form a torch.distributed process group;
 - `server_optimizer(optimizer_name)`: what the shards apply;
 - `build_worker(...)`: the update rule (policies/<mode>.py) wired to a replica's transport;
@@ -62,13 +62,14 @@ class ModeSpec:
     shard_metrics: Callable[[Any], dict[str, float]] = lambda shards: {}
     global_batch: bool = False  # one update from every replica's batch: the rate follows replicas x batch
     pinned_while_even: bool = True  # strategy.balance: pinned while the shares are even (else shared throughout)
+    balanced_share: str = "batch_rows"  # strategy.balance splits the batch (rows a step) or local SGD's "period"
     survivors_keep_state: bool = False  # after a failure survivors keep their own state (the next round reconciles)
     epoch_events: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = lambda stats: []  # the mode's own events
 
     def leases_pinned(self, strategy: dict[str, Any], shares: Optional[list[int]] = None) -> bool:
-        """Pinned leasing, unless the strategy balances the work (strategy.balance) and either
-        the replicas' `shares` of the batch are uneven (allreduce) or the mode's balanced
-        replicas take different numbers of steps anyway (local_sgd: `pinned_while_even`
+        """Pinned leasing, unless the strategy balances the work (strategy.balance) and the
+        replicas' `shares` are uneven (allreduce's rows a step, local SGD's periods: the mode's
+        `balanced_share`) or the mode shares one queue whenever it balances (`pinned_while_even`
         false): then a faster replica reads more partitions, from one shared queue. Backup
         replicas (allreduce's strategy.backup_replicas) always share one queue, so the rows a
         late replica drops are not the same partitions every epoch."""
@@ -167,7 +168,7 @@ MODES: dict[str, ModeSpec] = {
                       build_worker=_easgd_worker, metrics=_easgd_metrics),
     "local_sgd": ModeSpec("local_sgd", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
                           server_optimizer=lambda name: name, build_worker=_local_sgd_worker,
-                          metrics=local_sgd_metrics, pinned_while_even=False, survivors_keep_state=True),
+                          metrics=local_sgd_metrics, balanced_share="period", survivors_keep_state=True),
 }
 
 

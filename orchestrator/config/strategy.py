@@ -156,8 +156,8 @@ class StrategyConfig(Section):
         "from one shared queue (a fast replica reads more of them); an even split runs as plain allreduce. local_sgd: "
         "each replica's period (steps between two rounds) follows its measured speed instead, replicas x "
         "strategy.period steps a round in all, each within balance_min_share..balance_max_share x period (kept even "
-        "unless the split is predicted to shorten the round by more than 10%), and "
-        "partitions are leased from one shared queue. See docs/modes.md."
+        "unless the split is predicted to shorten the round by more than 10%); partitions are leased "
+        "as plain local SGD's while the periods are even, from one shared queue while they differ. See docs/modes.md."
     )
     compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
         "none", description="allreduce: how gradients travel. fp16 or bf16: summed in that dtype, half the bytes "

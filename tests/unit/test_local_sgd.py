@@ -271,3 +271,20 @@ def test_balanced_periods_stay_even_for_speeds_a_little_apart():
     assert w.periods == [8, 8] and w.my_period == 8
     w._rebalance([8, 0.8, 8, 2.4], 2, fresh=False)  # then 3x (smoothed: 2x): balanced
     assert w.periods[0] > w.periods[1]
+
+
+def test_balanced_local_sgd_leases_pinned_while_the_periods_are_even():
+    """With no straggler balanced local SGD leases as plain local SGD (the same data on the same
+    replica); uneven periods share one queue, the faster replica reading more partitions."""
+    from policies.registry import mode_spec
+
+    spec = mode_spec("local_sgd")
+    balanced = {"mode": "local_sgd", "period": 8, "balance": True}
+    assert spec.balanced_share == "period"
+    assert spec.leases_pinned(balanced) and spec.leases_pinned(balanced, [8, 8])
+    assert not spec.leases_pinned(balanced, [11, 5])
+    w = workers_for(model(), 2, period=8, lr=0.1, momentum=0.0)[0]
+    assert w.balanced_period is None  # plain: its rows carry no period
+    w.balance = {"min_share": 0.25, "max_share": 4.0}
+    w._rebalance([8, 0.8, 8, 2.4], 2, fresh=False)
+    assert w.balanced_period == w.periods[0] == 12
