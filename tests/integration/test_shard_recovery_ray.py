@@ -95,6 +95,14 @@ def test_a_killed_shard_is_rebuilt_and_no_acknowledged_update_is_lost(ray_cluste
             w.start()
         # past a snapshot or two, with acknowledged updates since the last one
         poll_until(group, lambda: min(w.done_steps for w in workers) >= 40, 60, events)
+        # snapshots are taken in poll() only: none from here to the kill, so the updates both
+        # workers have acknowledged since (5 each, past any snapshot call the last poll sent)
+        # are newer than the shard's snapshot, whatever the host's load does to their pace
+        since = [w.done_steps for w in workers]
+        deadline = time.monotonic() + 30
+        while min(w.done_steps - s for w, s in zip(workers, since)) < 5:
+            assert time.monotonic() < deadline and all(w.is_alive() for w in workers), "the workers stopped pushing"
+            time.sleep(0.01)
         kill_process(group.handles[1])  # SIGKILL, as the OOM killer does
         killed_at = time.monotonic()
         poll_until(group, lambda: group.rebuilds == 1 and group._slots[1].state == "up", 30, events)
