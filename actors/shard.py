@@ -76,6 +76,7 @@ class ParameterShard:
         self.generation = generation
         self.durable = self.state.version  # the newest snapshot of this lineage the driver holds
         self.replayed = self.resent = self.dropped = 0
+        self.clients: set[str] = set()  # the clients that reconnected (replayed their logs) to this incarnation
         self.seen = self.state.version  # the predecessor's newest version a reconnecting client saw
         self._rounds: dict[int, _Round] = {}
 
@@ -139,6 +140,7 @@ class ParameterShard:
         if refs:
             resolved = iter(await asyncio.gather(*refs))
             payloads = [next(resolved) if isinstance(p, ray.ObjectRef) else p for p in payloads]
+        self.clients.add(client_id)
         if generation == self.generation - 1 or generation in self.lineage:
             self.seen = max(self.seen, last_seen)
         self.dropped += dropped
@@ -197,7 +199,8 @@ class ParameterShard:
 
     async def recovery_info(self) -> dict[str, Any]:
         return {"generation": self.generation, "restored_from": self.restored_from, "replayed": self.replayed,
-                "resent": self.resent, "dropped": self.dropped, "seen": self.seen, "version": self.state.version}
+                "resent": self.resent, "dropped": self.dropped, "seen": self.seen, "version": self.state.version,
+                "clients": len(self.clients)}
 
     async def forget_replica(self, rank: int) -> None:
         self.state.forget(rank)

@@ -124,7 +124,8 @@ class ShardGroup:
     # ---- the controller's loop -----------------------------------------------------------
     def poll(self, now: Optional[float] = None) -> list[dict]:
         """Snapshot shards that are due, notice dead ones, rebuild them, and report each rebuild
-        once its clients have replayed (or `settle_s` passed): one event per rebuild,
+        once a client has reconnected and nothing the clients saw is missing (or `settle_s`
+        passed): one event per rebuild,
         {"kind": "shard_rebuilt", "shard", "generation", "detected_by", "snapshot_version",
         "version_at_death", "replayed_updates", "resent_updates", "lost_updates", "recovery_s"}.
         lost_updates = the newest version the driver or a reconnecting client saw - (snapshot
@@ -243,7 +244,9 @@ class ShardGroup:
         # is re-sent and applied once in the new lineage: resent updates account for versions too
         unreplayed = max(0, seen - (info["restored_from"] + info["replayed"] + info["resent"]))
         lost = unreplayed + info["dropped"]
-        if lost and now < slot.settle_deadline:
+        # until a client has reconnected, the newest version known is the driver's last ping,
+        # which can be as old as the snapshot: no client yet is no evidence that nothing is missing
+        if (lost or not info.get("clients")) and now < slot.settle_deadline:
             return None
         slot.settling = False
         event = {"kind": "shard_rebuilt", "shard": i, "generation": slot.generation, "detected_by": slot.detected_by,
