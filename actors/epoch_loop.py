@@ -127,7 +127,7 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
                          "compute_s": win_compute / win_real if win_real else None,
                          "comm_share": win_comm / (now - t_window), "lr": self.current_lr(),
                          "comm_s": win_comm / log_every, **win.row(win_comm / log_every),
-                         "batch_rows": self.reader.batch_size, 
+                         "batch_rows": self.reader.batch_size,
                          "period": getattr(self.worker, "balanced_period", None)})  # local SGD's, balanced
             t_window, window, win_compute, win_comm, win_real = now, 0, 0.0, 0.0, 0
             win = StepWindow()

@@ -91,7 +91,7 @@ class Controller:
             config.optimizer.name) if sharded else None)
         self.phases: list[dict[str, Any]] = []  # the result JSON's record of which mode ran when
         self.signals: dict[int, dict[str, Any]] = {}  # rank -> its latest progress row (the switch policy's input)
-        self.batch_shares: Optional[list[int]] = None  # strategy.balance: the split of the batch last reported
+        self.batch_shares: Optional[list[int]] = None  # strategy.balance: the split last reported (rows or periods)
         self.report = Reporter(tracker, display, t0)
         self.elastic = Elasticity(self)  # growing and shrinking with the cluster (orchestrator/elastic.py)
         self.state: State = Starting()

@@ -61,7 +61,6 @@ class ModeSpec:
     metrics: Callable[[list[dict[str, Any]]], dict[str, float]]
     shard_metrics: Callable[[Any], dict[str, float]] = lambda shards: {}
     global_batch: bool = False  # one update from every replica's batch: the rate follows replicas x batch
-    pinned_while_even: bool = True  # strategy.balance: pinned while the shares are even (else shared throughout)
     balanced_share: str = "batch_rows"  # strategy.balance splits the batch (rows a step) or local SGD's "period"
     survivors_keep_state: bool = False  # after a failure survivors keep their own state (the next round reconciles)
     epoch_events: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = lambda stats: []  # the mode's own events
@@ -69,15 +68,14 @@ class ModeSpec:
     def leases_pinned(self, strategy: dict[str, Any], shares: Optional[list[int]] = None) -> bool:
         """Pinned leasing, unless the strategy balances the work (strategy.balance) and the
         replicas' `shares` are uneven (allreduce's rows a step, local SGD's periods: the mode's
-        `balanced_share`) or the mode shares one queue whenever it balances (`pinned_while_even`
-        false): then a faster replica reads more partitions, from one shared queue. Backup
+        `balanced_share`): then a faster replica reads more partitions, from one shared queue. Backup
         replicas (allreduce's strategy.backup_replicas) always share one queue, so the rows a
         late replica drops are not the same partitions every epoch."""
         if self.pinned and strategy.get("backup_replicas"):
             return False
         if not self.pinned or not strategy.get("balance"):
             return self.pinned
-        return self.pinned_while_even and (not shares or len(set(shares)) == 1)
+        return not shares or len(set(shares)) == 1
 
 
 def _allreduce_worker(model, flat, cfg, rank, world, transport):
