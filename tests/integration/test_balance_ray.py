@@ -63,8 +63,12 @@ def test_a_slowed_replica_gets_a_smaller_share_and_each_step_equals_the_single_p
     rows = {r: sum(len(s) for s in steps) for r, steps in last.items()}
     assert rows[0] > 1.5 * rows[1], rows  # the fast replica trained most of the epoch
     rebalanced = [e for e in events if e["kind"] == "batch_rebalanced"]
-    assert rebalanced and rebalanced[-1]["shares"]["0"] > rebalanced[-1]["shares"]["1"]
-    assert sum(rebalanced[-1]["shares"].values()) == 2 * 16  # the global batch is kept
+    # a window of 2 steps of a few milliseconds: one stall of the fast replica on a loaded host can
+    # make the two look alike for a window (an even split until the next), so the split is judged
+    # by the rows each replica trained (above) and by the events taken together, not by the last
+    history = [(e["epoch"], e["step"], e["shares"], e["compute_s_by_rank"]) for e in rebalanced]
+    assert any(e["shares"]["0"] > e["shares"]["1"] for e in rebalanced), history
+    assert all(sum(e["shares"].values()) == 2 * 16 for e in rebalanced), history  # the global batch is kept
     ends = [e for e in events if e["kind"] == "epoch_end"]
     figures = ends[-1]["step_figures"]
     assert set(figures) == {"0", "1"} and all(figures[r]["compute_s"] > 0 for r in figures)
