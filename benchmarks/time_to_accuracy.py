@@ -45,9 +45,10 @@ Ratios (medians over repetitions; above 1: the first side is faster):
   the fixed sides run), <situation>:allreduce_vs_<local_sgd | local_bal | backup>,
   <situation>:ray_train_vs_<side>.
 
-    python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...] [--sides SIDE,...]
+    python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...] [--sides SIDE,...] [--reps N]
 
 --quick: one repetition (seed 0) of `none` and `window`; without it three (seeds 0, 1, 2) of all four.
+--reps N: N repetitions (seeds 0 .. N-1) instead.
 """
 from __future__ import annotations
 
@@ -130,10 +131,13 @@ def single(replicas: int, seed: int) -> dict[str, Any]:
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], extra=[
         ("--only", {"default": None, "help": "situations to run, comma-separated"}),
-        ("--sides", {"default": None, "help": "sides to run, comma-separated (default: all)"})])
+        ("--sides", {"default": None, "help": "sides to run, comma-separated (default: all)"}),
+        ("--reps", {"type": int, "default": None, "help": "repetitions (data.seed 0 .. N-1; default 3, 1 with --quick)"})])
     import ray
 
-    reps = 1 if args.quick else 3
+    reps = args.reps if args.reps is not None else (1 if args.quick else 3)
+    if reps < 1:
+        raise SystemExit(f"--reps: at least 1, got {reps}")
     wanted = args.only.split(",") if args.only else (["none", "window"] if args.quick else list(DEFAULT))
     sides = tuple(args.sides.split(",")) if args.sides else (*OURS, "ray_train", "single")
     unknown = set(sides) - {*OURS, "ray_train", "single"}

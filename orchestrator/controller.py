@@ -56,6 +56,7 @@ from policies.switching import entering_optimizer, make_switch_policy
 from policies.tasks import sum_stats
 
 SHARD_STATE_TIMEOUT_S = 10.0  # the shards' optimizer states for a checkpoint
+CHECKPOINT_FLUSH_S = 10.0  # the MLflow writes asked for before a checkpoint, stored before it is written
 
 
 class Controller:
@@ -381,6 +382,9 @@ class Controller:
                 if i == len(ranks) - 1:
                     raise
                 self.report.say(f"checkpoint {tag}: {lost}; taking replica {ranks[i + 1]}'s copy")
+        if not self.tracker.flush(CHECKPOINT_FLUSH_S):  # a run resumed from it finds every metric it covers
+            self.report.say(f"checkpoint {tag}: MLflow has not stored the run's metrics within {CHECKPOINT_FLUSH_S:g}s; "
+                            "the checkpoint is written anyway and they follow in the background")
         state.update(epoch=self.totals.epochs, mlflow_run_id=self.tracker.run_id,
                      config=self.cfg.model_dump(mode="json"), run=self.position.save(), finished=tag == "final")
         path, stored = self.checkpoints.write(state, tag, self.totals.steps, self.totals.epochs, self.tracker.run_id,

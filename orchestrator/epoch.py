@@ -19,17 +19,22 @@ if TYPE_CHECKING:
 MAX_PASSES = 8  # further passes over an epoch's unserved partitions before the run gives up
 
 
-def watch_servers(ctl: "Controller", epoch: int) -> None:
+def watch_servers(ctl: "Controller", epoch: int) -> bool:
     """The shards and the partition server: a dead (or stopped) one is rebuilt, whatever else
-    the driver is doing (never waits)."""
+    the driver is doing (never waits on a shard; a server's rebuild is waited for). True when
+    one was rebuilt or a shard is being rebuilt: a replica may have waited on it."""
+    repaired = False
     if ctl.server is not None:
         for event in ctl.server.poll():
+            repaired = True
             ctl.report.event(event.pop("kind"), **event)
             ctl.report.say(f"partition server died ({event['detected_by']}); rebuilt from its journal in "
                            f"{event['recovery_s']:.2f}s, epoch {event['epoch']} with {event['partitions_done']} "
                            f"partitions served kept")
     if ctl.shard_group is not None:
         report_shard_events(ctl, ctl.shard_group.poll(), epoch)
+        repaired = repaired or ctl.shard_group.repairing
+    return repaired
 
 
 def report_shard_events(ctl: "Controller", events: list[dict], epoch: int) -> None:

@@ -70,7 +70,8 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
         for rank, stream in list(seg.streams.items()):
             if stream in ready:
                 read_item(ctl, seg, rank, stream)
-        watch_servers(ctl, seg.epoch)
+        if watch_servers(ctl, seg.epoch):  # time spent waiting on a server or shard being rebuilt is no hang
+            restart_hang_clocks(seg)
         if ctl.group.check_spares():
             ctl.report.event("spare_replaced", epoch=seg.epoch, spares=len(ctl.group.spares))
         check_hangs(ctl, seg)
@@ -149,6 +150,14 @@ def fail(ctl: "Controller", seg: EpochSegment, failure: ReplicaFailure) -> None:
         sg.forget_replica(failure.rank)  # the survivors' slowest-replica clock (SSP) must not wait for it
         if ctl.lock_step:
             sg.abort_rounds()  # synchronous EASGD: the survivors' pending round ends now
+
+
+def restart_hang_clocks(seg: EpochSegment) -> None:
+    """Every replica's hang clock starts again now (a replica blocked on the partition server or
+    a shard makes no progress while it is rebuilt)."""
+    now = time.perf_counter()
+    for rank in seg.heard:
+        seg.heard[rank] = now
 
 
 def check_hangs(ctl: "Controller", seg: EpochSegment) -> None:

@@ -146,6 +146,12 @@ class ShardGroup:
                     events.append(event)
         return events
 
+    @property
+    def repairing(self) -> bool:
+        """A shard is dead, starting again, or waiting for its clients' replay: a replica may be
+        waiting on it."""
+        return any(slot.state != "up" or slot.settling for slot in self._slots)
+
     def settle_all(self, timeout_s: float = 5.0) -> list[dict]:
         """The events of rebuilds still waiting for their clients' replay, as they stand now
         (the run is ending: no more replay will come)."""

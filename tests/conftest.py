@@ -112,3 +112,21 @@ def assert_carried(event: dict, *steps: str) -> None:
     assert parts == [s for s in STEPS if s in parts], parts
     assert set(steps) <= set(parts), (steps, parts)
     assert event["reconfigure_s"] >= sum(event["reconfigure_parts_s"].values()) - 0.01
+
+
+class StopAfter:
+    """A reporting callback that ends the run `epochs` epochs after the epoch of its first
+    `kind` event: a test that waits for something a loaded host takes long to do (a new replica's
+    process start and join) sets a generous stop.epochs and runs only as long as it needs."""
+
+    def __init__(self, trainer, kind: str, epochs: int) -> None:
+        self.trainer, self.kind, self.epochs, self.fired = trainer, kind, epochs, False
+
+    def on_event(self, event: dict) -> None:
+        if self.fired or event["kind"] != self.kind:
+            return
+        import dataclasses
+
+        self.fired = True
+        ctl = self.trainer.controller
+        ctl.stop_policy = dataclasses.replace(ctl.stop_policy, epochs=int(event["epoch"]) + self.epochs)

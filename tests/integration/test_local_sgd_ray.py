@@ -73,7 +73,9 @@ def test_balanced_a_slow_replica_takes_fewer_steps_and_a_killed_one_is_replaced(
     assert replaced["ranks"] == [1] and replaced["survivors_kept"] == [0, 2]
     last = [e for e in ctl.tracker.events if e["kind"] == "epoch_end"][-1]
     assert last["local_drift"] > 0 and last["rounds_per_s"] > 0  # the mode's own figures
-    assert last["replica2/period"] < last["replica0/period"]  # the slow replica: fewer steps a round
+    # the slow replica took fewer steps over the epoch (the period at the epoch's end alone is one
+    # noisy decision: rounds of a few milliseconds, and one stall of replica 0 can even them out)
+    assert last["steps_by_rank"][2] < last["steps_by_rank"][0], last["steps_by_rank"]
     assert sum(last[f"replica{r}/period"] for r in range(3)) == 12
     rows = [i for steps in ctl.consumed[-1].values() for batch in steps for i in batch]
     assert sorted(rows) == sorted(set(rows)) and len(rows) == len(ctl.dataset.train)

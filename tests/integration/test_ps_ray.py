@@ -127,7 +127,9 @@ def test_a_straggler_does_not_hold_back_the_fast_replica(ray_cluster, tmp_path, 
     result = fit(tmp_path, strategy=strategy, faults={"slow_replicas": {1: 0.05}}, stop={"epochs": 1},
                  data=SMALL_PARTS)
     fast, slow = epoch_events(result)[0]["steps_by_rank"]
-    assert fast > 2 * slow, (fast, slow)  # no lock-step: the fast replica leases more partitions
+    # no lock-step (which would give both the same steps): the fast replica leases more partitions;
+    # 1.5x leaves room for a loaded host's fast step with its shard calls to take up to 100 ms
+    assert fast > 1.5 * slow, (fast, slow)
 
 
 def test_allreduce_is_lock_step_with_a_straggler(ray_cluster, tmp_path):

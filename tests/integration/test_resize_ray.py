@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from orchestrator.trainer import ElasticTrainer
-from tests.conftest import assert_carried, job_config
+from tests.conftest import StopAfter, assert_carried, job_config
 
 pytestmark = pytest.mark.ray
 
@@ -17,15 +17,17 @@ LR = 0.05
 
 
 def grow_run(tmp_path, mode, lr_scaling):
-    """1 replica, room for a second on the head; ~1 s epochs (a new replica boots in ~4 s)."""
+    """1 replica, room for a second on the head; ~1 s epochs (a new replica boots in ~4 s, more
+    on a loaded host): the run ends 2 epochs after the grow's, or after 40 with none."""
     cfg = job_config(strategy={"mode": mode, "timeout_s": 30},
                      scaling={"replicas": 1, "max_replicas": 2, "cpus_per_replica": 0.5, "poll_s": 0.3,
                               "grow_after": 1, "lr_scaling": lr_scaling, "lr_warmup_steps": 10},
-                     optimizer={"lr": LR}, stop={"epochs": 8}, data={"batch_size": 16},
+                     optimizer={"lr": LR}, stop={"epochs": 40}, data={"batch_size": 16},
                      faults={"slow_replicas": [{"rank": 0, "delay_s": 0.005}]},
                      tracking={"progress_interval_s": 0, "log_every_steps": 1},
                      checkpoint={"storage": str(tmp_path / "ck")})
     trainer = ElasticTrainer(cfg, show_progress=False)
+    trainer.callbacks.append(StopAfter(trainer, "resize", 2))
     return trainer.fit(), trainer
 
 
@@ -65,7 +67,7 @@ def test_the_room_a_hung_replica_leaves_is_its_replacements_not_a_grows(ray_clus
     cfg = job_config(strategy={"mode": "allreduce", "timeout_s": 30},
                      scaling={"replicas": 2, "max_replicas": 2, "cpus_per_replica": 0.5, "poll_s": 0.1,
                               "grow_after": 1},
-                     fault_tolerance={"hang_timeout_s": 3}, stop={"epochs": 6}, data={"batch_size": 8},
+                     fault_tolerance={"hang_timeout_s": 10}, stop={"epochs": 6}, data={"batch_size": 8},
                      faults={"slow_replicas": [{"rank": 0, "delay_s": 0.005}]},
                      tracking={"progress_interval_s": 0, "log_every_steps": 1},
                      checkpoint={"storage": str(tmp_path / "ck")})

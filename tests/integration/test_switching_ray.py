@@ -279,6 +279,12 @@ def test_adaptive_backups_drop_a_stragglers_gradients_and_probe_it_again(ray_clu
     assert first["numbers"]["predicted_backup_rows_per_s"] > first["numbers"]["predicted_sync_rows_per_s"]
     assert "not measured" in switches[1]["reason"] and switches[1]["numbers"]["probe_s"] == 1.5
     drops = events(result, "backup_drops")
-    assert drops and set().union(*(e["dropped_rows_by_rank"] for e in drops)) == {1}
+    # the straggler's rows are the ones dropped (a stall of replica 0 past 50 ms on a loaded host
+    # can drop one of its steps too, so by share, not by the set of ranks)
+    by_rank: dict = {}
+    for e in drops:
+        for rank, rows in e["dropped_rows_by_rank"].items():
+            by_rank[int(rank)] = by_rank.get(int(rank), 0) + rows
+    assert drops and by_rank.get(1, 0) >= 0.9 * sum(by_rank.values()), by_rank
     assert sum(e["dropped_rows"] for e in drops) > 0
     assert result.final.test_accuracy > 0.9
