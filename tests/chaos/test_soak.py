@@ -54,7 +54,7 @@ def soak(mode: str, seed: int, duration_s: float, tmp_path) -> dict:
     trainer = ElasticTrainer(cfg, show_progress=False)
     controller, pids = watched(trainer)
 
-    t0 = time.perf_counter()
+    t0, t0_wall = time.perf_counter(), time.time()
     with FaultInjector(controller, faults, timeout_s=duration_s + 120) as injector:
         result = trainer.fit()
     wall_s = time.perf_counter() - t0
@@ -82,6 +82,10 @@ def soak(mode: str, seed: int, duration_s: float, tmp_path) -> dict:
         "accuracy_by_epoch": [round(e["test_accuracy"], 4) for e in events if e["kind"] == "epoch_end"],
         "disturbances": [(e["kind"], e.get("epoch"), e.get("rank", e.get("ranks")), e.get("cause"), e.get("state_from"))
                          for e in events if e["kind"] in ("replica_failed", "replica_replaced", "shard_rebuilt")],
+        "faults": [(f["kind"], f.get("target"), round(f["t_wall"] - t0_wall, 2) if "t_wall" in f else None)
+                   for f in injector.fired],  # seconds since fit() was called
+        "timeline": [(e["t"], e["kind"], e.get("epoch"), e.get("rank", e.get("ranks"))) for e in events
+                     if e["kind"] not in ("checkpoint",)],  # when each event came, seconds since fit()
     }
     out = os.path.join(REPO, "runs", "soak")
     os.makedirs(out, exist_ok=True)
