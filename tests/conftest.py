@@ -2,6 +2,7 @@
 `mlflow server` for end-to-end tests; every test's MLflow default points at a temp dir."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -125,8 +126,6 @@ class StopAfter:
     def on_event(self, event: dict) -> None:
         if self.fired or event["kind"] != self.kind:
             return
-        import dataclasses
-
         self.fired = True
         ctl = self.trainer.controller
         ctl.stop_policy = dataclasses.replace(ctl.stop_policy, epochs=int(event["epoch"]) + self.epochs)
