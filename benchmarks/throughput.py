@@ -8,6 +8,8 @@ cross-entropy). Figures of both distributed sides, taken the same way:
   steady   samples / seconds inside the step loops, the slowest worker's per epoch, summed
   whole    samples/s over whole epochs (evaluation and reporting included)
   t97      seconds from the call to fit() until test accuracy first reached 97%
+Each repetition runs both distributed sides one after the other, ours first in even
+repetitions and Ray Train first in odd ones, so a drift of the machine's speed falls on both.
 The limits:
   linear limit   2 x the samples/s of one single-threaded PyTorch process (batch 64)
   single process one PyTorch process with 1 thread and with 2 threads training on the same
@@ -266,8 +268,9 @@ def main() -> None:
                 runs["single_process_steady"].append(single_process_steady(150 if args.quick else 300))
                 runs["single_process_1t"].append(single_process_to_target(1, epochs))
                 runs["single_process_2t"].append(single_process_to_target(2, epochs))
-                runs["ours"].append(ours(epochs, tmp))
-                runs["ray_train"].append(ray_train(epochs, tmp))
+                sides = [("ours", ours), ("ray_train", ray_train)]
+                for side, run in sides if rep % 2 == 0 else sides[::-1]:  # A B, then B A: drift falls on both
+                    runs[side].append(run(epochs, tmp))
                 print(f"rep {rep + 1}/{reps}: " + json.dumps(
                     {k: ({kk: vv for kk, vv in v[-1].items() if kk != "history"} if isinstance(v[-1], dict) else v[-1])
                      for k, v in runs.items()}), flush=True)
