@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from actors import epoch_loop
+from actors.heap import keep_heap
 from actors.partition_reader import PartitionReader
 from actors.reducer import EmulatedLink, ProcessGroupReducer, free_port
 from actors.reading import StreamPlan, count_kept, read_range, eval_pieces
@@ -60,6 +61,7 @@ class ModelReplica:
     def __init__(self, rank: Optional[int], world_size: int, config: dict[str, Any], shards: Any = None) -> None:
         """`rank` None: a spare (see `assign`). `shards`: the shard directory (sharded modes)."""
         self.cfg = config
+        keep_heap()  # a step's activations are reused, not given back and faulted in again (actors/heap.py)
         torch.set_num_threads(max(1, int(config["scaling"]["cpus_per_replica"])))
         self.device = replica_device(config["scaling"]["gpus_per_replica"])
         self.model = build_model(config["model"]["factory"], config["model"]["kwargs"], config["data"]["seed"]).to(self.device)
