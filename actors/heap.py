@@ -6,8 +6,9 @@ bytes are free there, and serves any allocation of at least M_MMAP_THRESHOLD byt
 mapping that is unmapped when freed. Both thresholds start low (128 KiB) and move with what the
 process frees. In a replica they stayed low enough that a step's activations (tens of MB for
 the example CNN) were given back at the end of every backward pass and faulted in again, one
-zeroed page at a time, at the next forward pass: 44,000-86,000 minor page faults a second per
-replica, and about a fifth of the steady samples/s (docs/benchmarks.md, "throughput").
+zeroed page at a time, at the next forward pass: 14,000-86,000 minor page faults a second per
+replica; with the thresholds fixed, 6-641, and steady samples/s 1.168x in an A/B of the two
+(docs/benchmarks.md, "Replicas keep their heap").
 
 `keep_heap` fixes the thresholds: allocations up to 32 MiB (the largest glibc allows here) come
 from the heap, and up to 1 GiB of free heap is kept for reuse. A replica's resident memory then
