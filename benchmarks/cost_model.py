@@ -4,9 +4,11 @@ The main example's CNN on mnist5k runs for a few epochs in allreduce, downpour a
 examples' settings) at 1, 2 and 4 replicas (cpus_per_replica 0.5, as many replicas fit as the
 test suite runs), each run's steady samples/s (samples / the slowest replica's step-loop
 seconds) measured. Two calibrations predict them:
-- here: as `python -m orchestrator simulate --cores here` does it (30 steps of the CNN on one
-  real batch with one replica's threads; a gloo all-reduce between two local processes; this
-  host's effective cores: the same steps in as many processes at once as it has CPUs);
+- here: as `python -m orchestrator simulate --cores here --shard-path here` does it (30 steps of
+  the CNN on one real batch with one replica's threads; a gloo all-reduce between two local
+  processes; this host's effective cores: the same steps in as many processes at once as it has
+  CPUs; the mode's exchanges with real parameter shards beside the driver, on the cluster the
+  runs use, from a shard client in the driver);
 - from the run: as `simulate --from-run RUN` does it, from the mode's own 2-replica run (the
   step here alone; the cores the run's hosts gave its replicas, from its step compute; its
   communication: allreduce's bandwidth, the shards' path for downpour and easgd), so its
@@ -80,17 +82,17 @@ def main(nodes: int = 1) -> None:
                      "at_1000": {}}
     ratios: dict[str, float] = {}
     cals, cfgs = {}, {}
-    for mode in MODES:
-        cfg = JobConfig.from_yaml(os.path.join(repo, "examples", f"mnist_{mode}.yaml"),
-                                  ["scaling.cpus_per_replica=0.5"])
-        cal = calibration(cfg, cores="here")
-        shape = ModeShape(period=cfg.strategy.tau, shards=cfg.scaling.shards, n_push=cfg.strategy.n_push,
-                          n_fetch=cfg.strategy.n_fetch)
-        cals[mode], cfgs[mode] = (cal, shape), cfg
-        results["calibration"][mode] = asdict(cal)
     cluster = start_ray(nodes)
     results["nodes"] = nodes
     try:
+        for mode in MODES:  # on the started cluster: the shards' path is timed on it
+            cfg = JobConfig.from_yaml(os.path.join(repo, "examples", f"mnist_{mode}.yaml"),
+                                      ["scaling.cpus_per_replica=0.5"])
+            cal = calibration(cfg, cores="here", shard_path="here")
+            shape = ModeShape(period=cfg.strategy.tau, shards=cfg.scaling.shards, n_push=cfg.strategy.n_push,
+                              n_fetch=cfg.strategy.n_fetch)
+            cals[mode], cfgs[mode] = (cal, shape), cfg
+            results["calibration"][mode] = asdict(cal)
         with tempfile.TemporaryDirectory() as tmp:
             for mode in MODES:
                 cal, shape = cals[mode]

@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--cores", help="replicas the hosts run at full speed; beyond it compute and communication slow in proportion; "
                      "'here': this host's effective cores, measured by running one replica's calibration steps in "
                      "as many processes at once as it has CPUs (default: every replica has its own cores)")
+    sim.add_argument("--shard-path", choices=("link", "here"), default="link",
+                     help="the parameter shards' exchanges (downpour, easgd): 'link' costs them as the link's "
+                     "messages; 'here' measures them with real shards on Ray (the one RAY_ADDRESS names, or a "
+                     "local one started for it; about 10 s more) unless --from-run gives a downpour or easgd "
+                     "run's own (default: %(default)s)")
     sim.add_argument("--straggler-p", type=float, default=0.0, help="chance a replica's step is slowed (default 0)")
     sim.add_argument("--straggler-factor", type=float, default=1.0, help="how much slower a slowed step is")
     sim.add_argument("--jitter", type=float, default=0.0, help="lognormal sigma of every step's compute")
@@ -195,7 +200,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 raise ConfigError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
         run = sim.from_run(args.from_run, args.tracking_uri) if args.from_run else None
         cal, preds = sim.simulate(config, replicas, stragglers, run, args.bandwidth_gbps, args.latency_us,
-                                  args.cores, args.period)
+                                  args.cores, args.period, args.shard_path)
     except ConfigError as exc:
         print(f"orchestrator: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -23,6 +23,8 @@ run's time first divided by n / cores when n exceeds the cores (the model stretc
 communication on shared cores as it does compute). For
 downpour and easgd the shards' path (Ray calls and the object store, not gloo) comes from theirs
 (alpha as calibrated, or given).
+`--shard-path here`: without such a run, the shards' path is timed with real shards on Ray
+(`calibrate_shard_path`); by default (`link`) the shards' exchanges cost what the link's do.
 `--cores here`: this host's effective cores from the calibration steps run in as many processes
 at once as it has CPUs (`calibrate_cores`).
 """
@@ -46,6 +48,8 @@ STEPS = 30  # calibration steps (after 5 warm-up steps)
 LINK_REPEATS = 15
 LINK_MIN_BYTES = 1 << 20
 LINK_TIMEOUT_S = 60.0
+SHARD_ROUNDS = 20
+SHARD_PATHS = ("link", "here")
 PLOT_NAME = "simulate.png"
 
 
@@ -181,6 +185,55 @@ def calibrate_link(model_bytes: int, repeats: int = LINK_REPEATS) -> tuple[float
     return fit_link(sizes, seconds, n=2)
 
 
+def calibrate_shard_path(cfg: Any, params: int, rounds: int = SHARD_ROUNDS) -> tuple[str, float]:
+    """(mode, seconds one exchange with the parameter shards takes here): real ParameterShards
+    (scaling.shards of them, beside this process as a run places them) holding a vector of the
+    model's size, and a replica's RayShardClient in this process making the exchanges of the
+    config's first sharded mode (downpour when it has none): downpour pushes a gradient
+    (strategy.max_in_flight outstanding) and pulls the parameters, two exchanges a round; easgd
+    makes one elastic exchange, the model up and back, two as well. The median round of
+    `rounds`, after 3 warm-up rounds, halved. Ray as a run finds it (orchestrator/cluster.py:
+    this process's, RAY_ADDRESS's, or a local one started for the calibration and stopped after)."""
+    import uuid
+
+    import numpy as np
+    import ray
+    import torch
+
+    from actors.shard_client import RayShardClient
+    from orchestrator import cluster
+    from orchestrator.shard_group import ShardGroup
+    from policies.sharding import shard_bounds
+
+    mode = next((p["mode"] for p in cfg.strategy.plan() if p["mode"] in ("downpour", "easgd")), "downpour")
+    started = cluster.connect(1)
+    group, times = None, []
+    try:
+        group = ShardGroup.create(np.zeros(params, dtype=np.float32), shard_bounds(params, cfg.scaling.shards),
+                                  "sgd", 0.0, 0.0, 0.0, 1, 3600.0, name_prefix=f"eo-calibrate-{uuid.uuid4().hex[:8]}",
+                                  timeout_s=LINK_TIMEOUT_S, placement=cluster.beside_driver())
+        client = RayShardClient(group.directory(), cfg.strategy.max_in_flight, LINK_TIMEOUT_S)
+        flat, grad = torch.zeros(params), torch.zeros(params)
+        versions = client.pull(flat)
+        for i in range(3 + rounds):
+            t = time.perf_counter()
+            if mode == "downpour":
+                client.push(grad, versions, 0, i + 1, False)
+                client.completed()
+                versions = client.pull(flat)
+            else:
+                client.elastic(flat, 0.1)
+            if i >= 3:
+                times.append(time.perf_counter() - t)
+        client.drain()
+    finally:
+        if group is not None:
+            group.shutdown()
+        if started:
+            ray.shutdown()
+    return mode, statistics.median(times) / 2
+
+
 def from_run(run_id: str, tracking_uri: Optional[str]) -> dict[str, Any]:
     """A finished run's step figures: replicas, batch, mode, compute and communication seconds."""
     from mlflow.exceptions import MlflowException
@@ -207,9 +260,17 @@ def from_run(run_id: str, tracking_uri: Optional[str]) -> dict[str, Any]:
 
 
 def calibration(cfg: Any, run: Optional[dict[str, Any]] = None, bandwidth_gbps: Optional[float] = None,
-                latency_us: Optional[float] = None, cores: "float | str | None" = None) -> Calibration:
+                latency_us: Optional[float] = None, cores: "float | str | None" = None,
+                shard_path: str = "link") -> Calibration:
     """The model's inputs: this machine's (or the run's) figures, flags over both. `cores`
-    "here": this host's effective cores, measured (`calibrate_cores`)."""
+    "here": this host's effective cores, measured (`calibrate_cores`). `shard_path` "here": the
+    shards' path measured with real shards (`calibrate_shard_path`) unless a downpour or easgd
+    run gives its own; "link": the shards' exchanges cost what the link's do."""
+    if shard_path not in SHARD_PATHS:
+        raise ConfigError(f"--shard-path must be one of {', '.join(SHARD_PATHS)}, got {shard_path!r}")
+    if shard_path == "here" and bandwidth_gbps is not None:
+        raise ConfigError("--shard-path here measures this host's shards; with --bandwidth-gbps the shards' "
+                          "exchanges follow the modelled link: give one of the two")
     params, compute = calibrate_compute(cfg)
     source = [f"compute: {STEPS} steps of the model here"]
     if cores == "here":
@@ -258,6 +319,11 @@ def calibration(cfg: Any, run: Optional[dict[str, Any]] = None, bandwidth_gbps: 
                          else 2 / shape.get("tau", 4))
             shard_beta = max(0.0, (comm_s / exchanges - alpha) / (params * 4))
             source.append(f"shard path: run {run['run']}'s communication")
+    if shard_path == "here" and shard_beta is None:
+        mode, exchange_s = calibrate_shard_path(cfg, params)
+        shard_beta = max(0.0, (exchange_s - alpha) / (params * 4))
+        source.append(f"shard path: {mode}'s exchanges with {cfg.scaling.shards} real shards here "
+                      f"({exchange_s * 1e3:.2f} ms each)")
     if bandwidth_gbps is not None or latency_us is not None:
         source.append("link: given")
     return Calibration(params, batch, compute, alpha, beta, cores, "; ".join(source),
@@ -323,8 +389,9 @@ def allreduce_bytes_per_param(cfg: Any) -> float:
 
 def simulate(cfg: Any, replicas: list[int], stragglers: Stragglers, run: Optional[dict[str, Any]] = None,
              bandwidth_gbps: Optional[float] = None, latency_us: Optional[float] = None,
-             cores: "float | str | None" = None, period: Optional[int] = None) -> tuple[Calibration, list[Prediction]]:
-    cal = calibration(cfg, run, bandwidth_gbps, latency_us, cores)
+             cores: "float | str | None" = None, period: Optional[int] = None,
+             shard_path: str = "link") -> tuple[Calibration, list[Prediction]]:
+    cal = calibration(cfg, run, bandwidth_gbps, latency_us, cores, shard_path)
     st = cfg.strategy
     if st.compression != "none":  # allreduce's gradients travel in half precision, or as low-rank factors
         cal = replace(cal, allreduce_bytes_per_param=allreduce_bytes_per_param(cfg),

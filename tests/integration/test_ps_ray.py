@@ -233,3 +233,20 @@ def test_a_resumed_downpour_run_gives_the_shards_back_their_server_optimizer_sta
         for key, buf in want["state"].items():
             assert torch.equal(got["state"][key]["momentum_buffer"], buf["momentum_buffer"])
     assert result.mlflow_run_id == first.mlflow_run_id and result.epochs == 2
+
+
+@pytest.mark.parametrize("mode", ["downpour", "easgd"])
+def test_simulate_times_the_shards_exchanges_on_real_shards_and_removes_them(ray_cluster, mode):
+    """`simulate --shard-path here`: the mode's exchanges with scaling.shards real shards give the
+    shards' path (an exchange costs more than the latency alone); the shards are gone after."""
+    from orchestrator.simulate import calibrate_shard_path, calibration
+    from tests.integration.test_shutdown_ray import alive_run_actors, wait_gone
+
+    cfg = job_config(strategy={"mode": mode, "timeout_s": 30}, scaling={"replicas": 2, "shards": 2})
+    before = alive_run_actors()
+    measured, exchange_s = calibrate_shard_path(cfg, 250_000, rounds=5)
+    assert measured == mode and 0 < exchange_s < 5
+    cal = calibration(cfg, latency_us=10, shard_path="here")
+    assert cal.shard_beta_s_per_byte > 0 and f"{mode}'s exchanges with 2 real shards here" in cal.source
+    assert ray.is_initialized()  # the session's Ray was used, not stopped
+    wait_gone(lambda: alive_run_actors() - before, "calibration shards")

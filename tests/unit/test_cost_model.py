@@ -207,3 +207,18 @@ def test_a_half_precision_run_calibrates_the_link_with_the_bytes_it_sent():
     cal, preds = simulate(cfg, [2], Stragglers(), run, latency_us=10)
     [got] = [p for p in preds if p.mode == "allreduce" and p.replicas == 2]
     assert cal.allreduce_bytes_per_param == 2 and got.comm_s == pytest.approx(run["comm_s"], rel=1e-6)
+
+
+def test_the_shard_path_option_refuses_an_unknown_value_and_a_modelled_link():
+    """--shard-path: 'link' or 'here'; 'here' with --bandwidth-gbps contradicts itself. Both are
+    refused before anything is timed or any Ray is started."""
+    from orchestrator.config import JobConfig
+    from orchestrator.errors import ConfigError
+    from orchestrator.simulate import calibration
+
+    cfg = JobConfig.from_dict({"model": {"factory": "examples.models:tiny_mlp"},
+                               "data": {"source": "builtin:synthetic", "batch_size": 32}})
+    with pytest.raises(ConfigError, match="--shard-path must be one of link, here"):
+        calibration(cfg, shard_path="there")
+    with pytest.raises(ConfigError, match="--bandwidth-gbps"):
+        calibration(cfg, bandwidth_gbps=1.0, shard_path="here")
