@@ -203,9 +203,10 @@ def calibrate_shard_path(cfg: Any, params: int, rounds: int = SHARD_ROUNDS) -> t
     from actors.shard_client import RayShardClient
     from orchestrator import cluster
     from orchestrator.shard_group import ShardGroup
+    from policies.registry import mode_spec
     from policies.sharding import shard_bounds
 
-    mode = next((p["mode"] for p in cfg.strategy.plan() if p["mode"] in ("downpour", "easgd")), "downpour")
+    mode = next((p["mode"] for p in cfg.strategy.plan() if mode_spec(p["mode"]).sharded), "downpour")
     started = cluster.connect(1)
     group, times = None, []
     try:
