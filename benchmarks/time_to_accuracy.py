@@ -23,6 +23,8 @@ Sides:
               instead; the example's synchronous mode before 2026-11-25)
   adaptive_backup  adaptive_allreduce with strategy.adaptive.async_mode backup (allreduce with one
               backup replica, not easgd, for a straggler the balance cannot absorb)
+  adaptive_spread  the same with allreduce unbalanced as its synchronous mode and easgd for a
+              replica computing at least 1.5x as long per step as the other (back at 1.2x)
   ray_train   Ray Train TorchTrainer, DDP, the same partitions, order, batches and evaluation
               as our allreduce (benchmarks/throughput.py ray_train_loop), the same straggler
   single      one PyTorch process (2 threads) on the global batches, no straggler: the
@@ -70,7 +72,12 @@ OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce
         "adaptive": ("mnist_adaptive.yaml", []),
         "adaptive_allreduce": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce"]),
         "adaptive_backup": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce",
-                                                    "strategy.adaptive.async_mode=backup"])}
+                                                    "strategy.adaptive.async_mode=backup"]),
+        "adaptive_spread": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce",
+                                                    "strategy.adaptive.balance=false",
+                                                    "strategy.adaptive.slow_ratio=1.5",
+                                                    "strategy.adaptive.recover_ratio=1.2"])}
+ADAPTIVE = ("adaptive", "adaptive_allreduce", "adaptive_backup", "adaptive_spread")
 FIXED = ("allreduce", "balanced", "backup", "downpour", "easgd", "local_sgd", "local_bal")
 SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)), "four": (4, (3, 3.0)),
               "extreme": (2, (1, 20.0))}
@@ -188,7 +195,7 @@ def main() -> None:
         summary[f"{situation}:s_per_epoch"] = {side: {"median": median(v), "min": min(v), "max": max(v)} if v else None
                                                for side, v in per_epoch.items()}
         med = {side: median(v) for side, v in t.items() if v}
-        for adaptive in ("adaptive", "adaptive_allreduce", "adaptive_backup"):
+        for adaptive in ADAPTIVE:
             if adaptive not in med:
                 continue
             if "allreduce" in med:
