@@ -360,7 +360,7 @@ class Grow(Change):
             return
         group = ctl.group
         if ctl.spec.sharded:
-            group.call(self.newcomers, "sync_from_shards", self.step, what="state from the shards")
+            group.call(self.newcomers, "sync_from_shards", self.step, what="state from the shards", peers=False)
             for r in self.newcomers:
                 ctl.shard_group.welcome_replica(r, self.step)
         else:

@@ -205,38 +205,55 @@ class ReplicaGroup:
         if not to:
             return
         state = self.members[donor].export_state.remote()
-        self.call(to, "load_state", state, what=f"state from replica {donor}")
+        self.call(to, "load_state", state, what=f"state from replica {donor}", peers=False)
 
     def call(self, ranks: list[int], method: str, *args: Any, what: str = "", timeout_s: Optional[float] = None,
-             per_rank: Optional[Callable[[int], tuple]] = None) -> list[Any]:
-        """Call `method` on the replicas of `ranks` (arguments per rank from `per_rank`)."""
+             per_rank: Optional[Callable[[int], tuple]] = None, peers: bool = True) -> list[Any]:
+        """Call `method` on the replicas of `ranks` (arguments per rank from `per_rank`).
+        Every member does the same work, so with `peers` (the default) a member still silent
+        fault_tolerance.hang_timeout_s after the first answer is hung, whatever is left of the
+        call's timeout (a replica stopped at an epoch's end surfaces in seconds, not after
+        strategy.timeout_s). `peers=False` for members that may still be starting (newcomers:
+        one may boot later than another)."""
         with issued_whole():
             refs = [getattr(self.members[r], method).remote(*(per_rank(r) if per_rank else args)) for r in ranks]
         timeout = timeout_s or self.timeout_s
+        after_first = self.cfg.fault_tolerance.hang_timeout_s if peers and len(refs) > 1 else None
         try:
-            return self._get(refs, what or method, timeout)
+            return self._get(refs, what or method, timeout, after_first)
         except MemberLost:
             raise
-        except TrainingError:
+        except TrainingError as exc:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             silent = [r for r, ref in zip(ranks, refs) if ref not in ready]
             if silent:  # stopped or stuck (SIGSTOP, a livelock): hung, for the failure policy
-                raise MemberLost(silent, f"{what or method}: no answer within {timeout:.0f}s", cause="hung") from None
+                raise MemberLost(silent, str(exc), cause="hung") from None
             raise
 
-    def _wait_all(self, refs, timeout: float) -> None:
+    def _wait_all(self, refs, timeout: float, after_first: Optional[float] = None) -> None:
         """Wait for `refs` in slices, calling `on_wait` between them (the driver's shard watch: a
         replica may be waiting for a shard the driver has to rebuild); GetTimeoutError past
-        `timeout`."""
+        `timeout`, or once some have answered and the rest stay silent `after_first` seconds
+        longer."""
         refs = list(refs) if isinstance(refs, (list, tuple)) else [refs]
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline, first = start + timeout, None
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
+            if first is not None:
+                left = min(left, first + after_first - now)
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(WAIT_SLICE_S, left)))
             if len(ready) == len(refs):
                 return
-            if left <= 0:
+            if ready and first is None and after_first is not None:
+                first = time.monotonic()
+            if time.monotonic() >= deadline:
                 raise ray.exceptions.GetTimeoutError(f"no answer within {timeout:.0f}s")
+            if first is not None and time.monotonic() >= first + after_first:
+                raise ray.exceptions.GetTimeoutError(
+                    f"{len(refs) - len(ready)} of {len(refs)} silent {after_first:.0f}s after the others answered "
+                    f"(fault_tolerance.hang_timeout_s)")
             if self.on_wait is not None:
                 self.on_wait()
 
@@ -260,12 +277,12 @@ class ReplicaGroup:
             _kill(actor)
         self.members, self.spares, self.joining = {}, [], {}
 
-    def _get(self, refs, what: str, timeout: float):
+    def _get(self, refs, what: str, timeout: float, after_first: Optional[float] = None):
         try:
-            self._wait_all(refs, timeout)
+            self._wait_all(refs, timeout, after_first)
             return ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise TrainingError(f"{what}: no answer within {timeout:.0f}s") from None
+        except ray.exceptions.GetTimeoutError as exc:
+            raise TrainingError(f"{what}: {exc}") from None
         except ray.exceptions.RayActorError as exc:
             dead = self.dead_members()
             if dead:  # a value for the failure policy, not the end of the run

@@ -139,12 +139,12 @@ class Repair(Change):
                                     "(checkpoint.every_epochs)")
             self.from_checkpoint = ctl.last_state["step"]
             self.donor_step = group.call(newcomers, "load_state", ctl.last_state,
-                                         what="state from the last checkpoint")[0]
+                                         what="state from the last checkpoint", peers=False)[0]
             ctl.report.say(f"every replica holding the model died: going on from the last checkpoint "
                            f"(replica step {self.from_checkpoint}); the steps since are lost")
         if ctl.spec.sharded:
             if newcomers:
-                group.call(newcomers, "sync_from_shards", self.donor_step, what="state from the shards")
+                group.call(newcomers, "sync_from_shards", self.donor_step, what="state from the shards", peers=False)
                 for r in newcomers:
                     ctl.shard_group.welcome_replica(r, self.donor_step)
         elif donor is not None:

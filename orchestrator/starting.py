@@ -86,13 +86,13 @@ def restore(ctl: "Controller", state: dict[str, Any]) -> None:
     its owner (orchestrator/run_state.py)."""
     ranks, step = ctl.group.ranks, state["step"]
     payload = ray.put({"model": state["model"], "optimizer": state["optimizer"], "step": step})
-    ctl.group.call(ranks, "load_state", payload, what="state from the checkpoint")
+    ctl.group.call(ranks, "load_state", payload, what="state from the checkpoint", peers=False)
     if ctl.shard_group is not None:
         values = ctl.group.call([ranks[0]], "flat_parameters", what="parameters")[0]
         ctl.shard_group.reseed(values, ctl.shard_optimizer(ctl.strategy), {r: step for r in ranks},
                                 timeout_s=ctl.cfg.strategy.timeout_s)
         if ctl.spec.sharded:
-            ctl.group.call(ranks, "sync_from_shards", step, what="state from the shards")
+            ctl.group.call(ranks, "sync_from_shards", step, what="state from the shards", peers=False)
     ctl.progress = {r: step for r in ranks}
     missing = ctl.position.load(state["run"])
     if "failure" in missing:  # a checkpoint from before the budget was kept: the count

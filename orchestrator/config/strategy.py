@@ -389,7 +389,8 @@ class FaultToleranceConfig(Section):
     )
     hang_timeout_s: float = Field(
         60.0, gt=0, description="A replica that reports no progress for this long is hung: it is killed and "
-        "replaced. allreduce: also the process group's collective timeout. A parameter shard or the partition "
+        "replaced; so is one that has not answered a call made to every member this long after the others did "
+        "(the epoch's evaluation, a switch's steps). allreduce: also the process group's collective timeout. A parameter shard or the partition "
         "server whose pings go unanswered for half of it is killed and rebuilt (from its snapshot, its journal)."
     )
     shard_snapshot_every_s: float = Field(

@@ -3,6 +3,9 @@ replica is replaced and the survivors keep their processes (small synthetic jobs
 chaos runs per mode are in tests/e2e/test_chaos_e2e.py)."""
 from __future__ import annotations
 
+import signal
+import time
+
 import numpy as np
 import pytest
 import ray
@@ -97,6 +100,36 @@ def test_a_hung_replica_is_killed_and_replaced(ray_cluster, tmp_path):
     failed = events(result, "replica_failed")  # a loaded machine may see another pause past 3 s too
     assert failed[0]["cause"] == "hung" and failed[0]["rank"] == 1
     assert events(result, "replica_replaced")[0]["ranks"] == [1]
+
+
+def test_a_replica_stopped_at_an_epochs_end_is_hung_after_the_hang_timeout_not_the_calls(ray_cluster, tmp_path,
+                                                                                         monkeypatch):
+    """easgd evaluates the center on every replica at each epoch's end, one call to all: a replica
+    SIGSTOPped just before that call is found hung fault_tolerance.hang_timeout_s after its peer
+    answered (3 s here), not after strategy.timeout_s (120 s), and replaced; the run goes on."""
+    from orchestrator.chaos import kill_process
+    from orchestrator.group import ReplicaGroup
+
+    original, stopped = ReplicaGroup.call, {}
+
+    def call(self, ranks, method, *args, **kwargs):
+        if method == "evaluate_reference" and len(ranks) > 1 and not stopped:
+            stopped.update(rank=ranks[-1], t_wall=time.time())
+            stopped["pid"] = kill_process(self.members[ranks[-1]], signal.SIGSTOP)
+        return original(self, ranks, method, *args, **kwargs)
+
+    monkeypatch.setattr(ReplicaGroup, "call", call)
+    cfg = job_config(strategy={"mode": "easgd", "tau": 4, "timeout_s": 120},
+                     scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 1}, stop={"epochs": 2},
+                     data={"batch_size": 8}, tracking={"progress_interval_s": 0, "log_every_steps": 1},
+                     fault_tolerance={"hang_timeout_s": 3}, checkpoint={"storage": str(tmp_path / "ck")})
+    result = ElasticTrainer(cfg, show_progress=False).fit()
+    failed = events(result, "replica_failed")
+    assert stopped and failed[0]["rank"] == stopped["rank"] and failed[0]["cause"] == "hung", failed
+    assert failed[0]["t_wall"] - stopped["t_wall"] < 60, failed  # the peer's answer + 3 s, far from 120 s
+    assert "after the others answered" in failed[0]["detail"], failed
+    assert events(result, "replica_replaced")[0]["ranks"] == [stopped["rank"]]
+    assert result.epochs == 2 and np.isfinite(result.final.test_loss)
 
 
 def test_a_user_error_is_replaced_once_and_reported_with_its_traceback(ray_cluster, tmp_path):
