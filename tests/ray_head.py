@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from orchestrator.local_autoscaler import free_port, wait_for_head
 
+STOP_GRACE_S = 5.0  # SIGTERM, then this long before the process group is SIGKILLed
+
 
 @dataclass
 class RayHead:
@@ -50,8 +52,11 @@ class RayHead:
         except ProcessLookupError:
             return
         os.killpg(pgid, signal.SIGTERM)
+        # the raylet and the autoscaler's monitor outlast a SIGTERM by a minute or more here and
+        # `ray start --block` waits for them: what is left after a short grace is SIGKILLed, as
+        # `ray stop` does after its own grace period
         try:
-            self.proc.wait(timeout=20)
+            self.proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             pass
         time.sleep(1.0)
