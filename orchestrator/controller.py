@@ -393,11 +393,12 @@ class Controller:
                           seconds=round(self.checkpoints.last_s - t, 4), **({"stored": stored} if named else {}))
         return path
 
-    def _watch(self) -> None:
+    def _watch(self) -> bool:
         """While the driver waits on replicas (a repair, a switch, an evaluation): a dead shard
         or partition server is still noticed and rebuilt, so a replica waiting for one is not
-        left waiting."""
-        watch_servers(self, self.totals.epochs + 1)
+        left waiting. True when one was rebuilt or a shard is being rebuilt (a replica that
+        waited on it was not hung meanwhile)."""
+        return watch_servers(self, self.totals.epochs + 1)
 
     def halt(self, timeout_s: float) -> None:
         """An interrupted run: the replicas stop at their next partition boundary (the phase

@@ -41,7 +41,7 @@ class ReplicaGroup:
         self.spares: list[Any] = []
         self._spare_pings: dict[int, Any] = {}  # id(spare) -> its pending pid() call (check_spares)
         self._spares_due = 0.0  # when check_spares asks the spares again
-        self.on_wait: Optional[Callable[[], None]] = None  # called while the driver waits on replicas
+        self.on_wait: Optional[Callable[[], bool]] = None  # called while the driver waits on replicas; True: a rebuild
         self.timeout_s = config.strategy.timeout_s
         self.sample = None  # a ref to a few rows spares rehearse a step on (set once data is in the store)
 
@@ -234,7 +234,7 @@ class ReplicaGroup:
         """Wait for `refs` in slices, calling `on_wait` between them (the driver's shard watch: a
         replica may be waiting for a shard the driver has to rebuild); GetTimeoutError past
         `timeout`, or once some have answered and the rest stay silent `after_first` seconds
-        longer."""
+        longer (counted again from a server's or shard's rebuild that `on_wait` reports)."""
         refs = list(refs) if isinstance(refs, (list, tuple)) else [refs]
         start = time.monotonic()
         deadline, first = start + timeout, None
@@ -254,8 +254,8 @@ class ReplicaGroup:
                 raise ray.exceptions.GetTimeoutError(
                     f"{len(refs) - len(ready)} of {len(refs)} silent {after_first:.0f}s after the others answered "
                     f"(fault_tolerance.hang_timeout_s)")
-            if self.on_wait is not None:
-                self.on_wait()
+            if self.on_wait is not None and self.on_wait() and first is not None:
+                first = time.monotonic()  # waiting on a server or shard being rebuilt is no hang
 
     def dead_members(self, timeout_s: float = LIVENESS_TIMEOUT_S) -> list[int]:
         """The members whose actors are gone (a call to them fails with RayActorError)."""
