@@ -236,21 +236,19 @@ class ReplicaGroup:
         `timeout`, or once some have answered and the rest stay silent `after_first` seconds
         longer (counted again from a server's or shard's rebuild that `on_wait` reports)."""
         refs = list(refs) if isinstance(refs, (list, tuple)) else [refs]
-        start = time.monotonic()
-        deadline, first = start + timeout, None
+        deadline, first = time.monotonic() + timeout, None
         while True:
-            now = time.monotonic()
-            left = deadline - now
-            if first is not None:
-                left = min(left, first + after_first - now)
+            until = deadline if first is None else min(deadline, first + after_first)
+            left = until - time.monotonic()
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(WAIT_SLICE_S, left)))
             if len(ready) == len(refs):
                 return
+            now = time.monotonic()
             if ready and first is None and after_first is not None:
-                first = time.monotonic()
-            if time.monotonic() >= deadline:
+                first = now
+            if now >= deadline:
                 raise ray.exceptions.GetTimeoutError(f"no answer within {timeout:.0f}s")
-            if first is not None and time.monotonic() >= first + after_first:
+            if first is not None and now >= first + after_first:
                 raise ray.exceptions.GetTimeoutError(
                     f"{len(refs) - len(ready)} of {len(refs)} silent {after_first:.0f}s after the others answered "
                     f"(fault_tolerance.hang_timeout_s)")
