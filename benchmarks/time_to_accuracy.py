@@ -25,6 +25,11 @@ Sides:
               backup replica, not easgd, for a straggler the balance cannot absorb)
   adaptive_spread  the same with allreduce unbalanced as its synchronous mode and easgd for a
               replica computing at least 1.5x as long per step as the other (back at 1.2x)
+  adaptive_lspread  the example with local SGD unbalanced as its synchronous mode and easgd for
+              a replica computing at least 1.5x as long per step as the other (back at 1.2x);
+              only with --sides (measured and ruled out: docs/benchmarks.md)
+  adaptive_h4  the example with strategy.period 4 (the models averaged twice as often); only
+              with --sides (measured and ruled out: docs/benchmarks.md)
   ray_train   Ray Train TorchTrainer, DDP, the same partitions, order, batches and evaluation
               as our allreduce (benchmarks/throughput.py ray_train_loop), the same straggler
   single      one PyTorch process (2 threads) on the global batches, no straggler: the
@@ -76,8 +81,13 @@ OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce
         "adaptive_spread": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce",
                                                     "strategy.adaptive.balance=false",
                                                     "strategy.adaptive.slow_ratio=1.5",
-                                                    "strategy.adaptive.recover_ratio=1.2"])}
-ADAPTIVE = ("adaptive", "adaptive_allreduce", "adaptive_backup", "adaptive_spread")
+                                                    "strategy.adaptive.recover_ratio=1.2"]),
+        "adaptive_lspread": ("mnist_adaptive.yaml", ["strategy.adaptive.balance=false",
+                                                     "strategy.adaptive.slow_ratio=1.5",
+                                                     "strategy.adaptive.recover_ratio=1.2"]),
+        "adaptive_h4": ("mnist_adaptive.yaml", ["strategy.period=4"])}
+ADAPTIVE = ("adaptive", "adaptive_allreduce", "adaptive_backup", "adaptive_spread", "adaptive_lspread", "adaptive_h4")
+OPT_IN = ("adaptive_lspread", "adaptive_h4")  # run only when --sides names them
 FIXED = ("allreduce", "balanced", "backup", "downpour", "easgd", "local_sgd", "local_bal")
 SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)), "four": (4, (3, 3.0)),
               "extreme": (2, (1, 20.0))}
@@ -146,7 +156,7 @@ def main() -> None:
     if reps < 1:
         raise SystemExit(f"--reps: at least 1, got {reps}")
     wanted = args.only.split(",") if args.only else (["none", "window"] if args.quick else list(DEFAULT))
-    sides = tuple(args.sides.split(",")) if args.sides else (*OURS, "ray_train", "single")
+    sides = tuple(args.sides.split(",")) if args.sides else (*(s for s in OURS if s not in OPT_IN), "ray_train", "single")
     unknown = set(sides) - {*OURS, "ray_train", "single"}
     if unknown:
         raise SystemExit(f"--sides: unknown {sorted(unknown)}; sides are {', '.join((*OURS, 'ray_train', 'single'))}")
