@@ -53,9 +53,11 @@ Ratios (medians over repetitions; above 1: the first side is faster):
   <situation>:ray_train_vs_<side>.
 
     python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...] [--sides SIDE,...] [--reps N]
+                                          [--first-seed S]
 
 --quick: one repetition (seed 0) of `none` and `window`; without it three (seeds 0, 1, 2) of all four.
---reps N: N repetitions (seeds 0 .. N-1) instead.
+--reps N: N repetitions (seeds 0 .. N-1) instead. --first-seed S: seeds S .. S+N-1 (more
+repetitions on seeds not run before).
 """
 from __future__ import annotations
 
@@ -149,12 +151,15 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], extra=[
         ("--only", {"default": None, "help": "situations to run, comma-separated"}),
         ("--sides", {"default": None, "help": "sides to run, comma-separated (default: all)"}),
-        ("--reps", {"type": int, "default": None, "help": "repetitions (data.seed 0 .. N-1; default 3, 1 with --quick)"})])
+        ("--reps", {"type": int, "default": None, "help": "repetitions (data.seed 0 .. N-1; default 3, 1 with --quick)"}),
+        ("--first-seed", {"type": int, "default": 0, "help": "the first repetition's data.seed (default 0)"})])
     import ray
 
     reps = args.reps if args.reps is not None else (1 if args.quick else 3)
     if reps < 1:
         raise SystemExit(f"--reps: at least 1, got {reps}")
+    if args.first_seed < 0:
+        raise SystemExit(f"--first-seed: at least 0, got {args.first_seed}")
     wanted = args.only.split(",") if args.only else (["none", "window"] if args.quick else list(DEFAULT))
     sides = tuple(args.sides.split(",")) if args.sides else (*(s for s in OURS if s not in OPT_IN), "ray_train", "single")
     unknown = set(sides) - {*OURS, "ray_train", "single"}
@@ -165,6 +170,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for rep in range(reps):
+                seed = args.first_seed + rep
                 t0 = None
                 for situation in wanted:
                     replicas, straggler = SITUATIONS[situation]
@@ -179,11 +185,11 @@ def main() -> None:
                         if side == "single" and situation not in ("none", "four"):
                             continue  # no straggler in one process: once per replica count
                         if side == "single":
-                            r = single(replicas, rep)
+                            r = single(replicas, seed)
                         elif side == "ray_train":
-                            r = ray_train(tmp, replicas, rep, slow)
+                            r = ray_train(tmp, replicas, seed, slow)
                         else:
-                            r = ours(side, tmp, replicas, rep, slow)
+                            r = ours(side, tmp, replicas, seed, slow)
                         r["slow"] = slow
                         results[situation][side].append(r)
                         if situation == "none" and side == "allreduce":
@@ -225,7 +231,7 @@ def main() -> None:
                          "target": TARGET, "situations": {k: {"replicas": v[0], "straggler": v[1]}
                                                           for k, v in SITUATIONS.items() if k in wanted},
                          "window": "T0/3 .. 2*T0/3 training seconds, T0 = allreduce's time in `none`",
-                         "repetitions": reps, "seeds": list(range(reps))}
+                         "repetitions": reps, "seeds": list(range(args.first_seed, args.first_seed + reps))}
     print("\ntrain seconds to 97% (median, min-max, reached/runs):")
     for situation, by_side in summary.items():
         if ":" in situation:
