@@ -28,6 +28,7 @@ from statistics import median
 from typing import Optional, Sequence
 
 TOLERANCE = 0.1  # near even is even (BatchBalancer's share band, local SGD's predicted round time)
+JUMP = 1.5  # local SGD: a round's speed this far from the tracked one is a change, not noise
 
 
 def split(batch: int, speeds: Sequence[float], min_share: float = 0.25, max_share: float = 4.0) -> list[int]:
@@ -64,6 +65,18 @@ def split(batch: int, speeds: Sequence[float], min_share: float = 0.25, max_shar
     for i in order[: total - sum(rows)]:
         rows[i] += 1
     return rows
+
+
+def track_speed(old: float, new: float, jump: float = JUMP) -> float:
+    """A rank's tracked speed after a round measured `new` (local SGD's balanced periods; `old`
+    <= 0: no figure yet). Half the old figure and half the new one, which damps timing noise;
+    but a round at least `jump` x faster or slower than the tracked speed is a change (a
+    straggler started or ended), taken alone: halving towards it would leave the next rounds
+    split for a speed the replica no longer has, each waiting on the wrong replica (from 3x
+    slower back to full speed, halving takes three rounds to come within 1.1x)."""
+    if old <= 0 or new >= jump * old or new * jump <= old:
+        return new
+    return 0.5 * (old + new)
 
 
 def step_time(rows: Sequence[int], speeds: Sequence[float]) -> float:

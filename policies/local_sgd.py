@@ -43,7 +43,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from policies.allreduce import BufferSync, Reducer, reducer_group
-from policies.balance import near_even, split
+from policies.balance import near_even, split, track_speed
 from policies.batches import forward, rows as batch_rows
 from policies.modes import StepResult, check_finite
 from policies.tasks import Classification, Task
@@ -100,7 +100,7 @@ class LocalSgdWorker:
         self.balance = balance  # {min_share, max_share}: each replica's period by its speed
         self.periods: Optional[list[int]] = None  # balance: every rank's period (None: `period` for all)
         self.rank = 0  # this replica's rank in the group of the last round
-        self.speeds: list[float] = []  # balance: every rank's steps per busy second, smoothed over rounds
+        self.speeds: list[float] = []  # balance: every rank's steps per busy second, tracked over rounds
         self.real_since = 0  # balance: steps with a batch since the last round
         self.t_free: Optional[float] = None  # balance: when the last round ended (None: a new group)
 
@@ -158,8 +158,9 @@ class LocalSgdWorker:
     def _rebalance(self, figures: list[float], world: int, fresh: bool) -> None:
         """Every rank's period for the next round, the same on every replica: the group's
         world x period steps a round split in proportion to the ranks' speeds (steps per busy
-        second, half the last round's and half the smoothed figure before), each within
-        [min_share, max_share] x period (policies/balance.py `split`), kept even unless the
+        second, tracked over rounds by policies/balance.py `track_speed`: half the last round's
+        and half the figure before, or the last round's alone when it moved by 1.5x or more),
+        each within [min_share, max_share] x period (policies/balance.py `split`), kept even unless the
         split is predicted to shorten the round by more than balance.TOLERANCE (`near_even`:
         speeds a little apart by noise must not make every round wait for a longer period); a
         rank with no figure this round keeps its last speed."""
@@ -168,8 +169,7 @@ class LocalSgdWorker:
         for r in range(world):
             steps, busy = figures[2 * r], figures[2 * r + 1]
             if steps > 0 and busy > 0:
-                v = steps / busy
-                self.speeds[r] = v if self.speeds[r] <= 0 else 0.5 * (self.speeds[r] + v)
+                self.speeds[r] = track_speed(self.speeds[r], steps / busy)
         if all(v > 0 for v in self.speeds):
             periods = split(self.period, self.speeds, self.balance["min_share"], self.balance["max_share"])
             self.periods = near_even(periods, self.period, self.speeds)

@@ -239,3 +239,15 @@ def test_near_even_keeps_the_even_split_unless_the_uneven_one_saves_more_than_th
     assert split(8, clear) == [10, 6] and near_even([10, 6], 8, clear) == [10, 6]
     assert step_time([10, 6], clear) < 0.9 * step_time([8, 8], clear)
     assert near_even([8, 8], 8, clear) == [8, 8]
+
+
+def test_track_speed_halves_noise_and_follows_a_change_at_once():
+    from policies.balance import JUMP, track_speed
+
+    assert track_speed(0.0, 7.0) == 7.0  # no figure yet
+    assert track_speed(10.0, 12.0) == 11.0  # 1.2x: noise, halved
+    assert track_speed(10.0, 8.0) == 9.0
+    assert track_speed(10.0, 10.0 / 3) == 10.0 / 3  # a straggler starts: taken alone
+    assert track_speed(10.0 / 3, 10.0) == 10.0  # and ends
+    assert track_speed(10.0, JUMP * 10.0) == JUMP * 10.0  # the bound is a change
+    assert track_speed(10.0, 0.99 * JUMP * 10.0) == 0.5 * (10.0 + 0.99 * JUMP * 10.0)
