@@ -2,13 +2,14 @@
 
     python benchmarks/run_all.py [--quick] [--repeat N] [--only NAME ...] [--summary-only]
 
-Each run of a benchmark writes benchmarks/results/runs/<name>-<UTC timestamp>.json and a copy
-at benchmarks/results/<name>.json (the latest). benchmarks/results/summary.md then gives, for
-every ratio, the median over all recorded runs of the current code with the min-max range and
-the number of runs: the current code is the newest run's (git commit, uncommitted-difference
-digest), runs of any other code are left out, and quick and full runs are summarised apart.
-`make bench` runs this with --quick; run it three times (or once with --repeat 3) on the final
-code before quoting figures.
+Each run of a benchmark writes benchmarks/results/runs/<name>-<commit>-<UTC timestamp>.json
+(<commit>: the first 7 digits of the code's git commit, "-dirty" after it when the work tree
+differed from it); nothing else is written per run. benchmarks/results/summary.md is then
+regenerated: for every ratio, the median over all recorded runs of the current code with the
+min-max range and the number of runs: the current code is the newest run's (git commit,
+uncommitted-difference digest), runs of any other code are left out, and quick and full runs
+are summarised apart. `make bench` runs this with --quick; run it three times (or once with
+--repeat 3) on the final code before quoting figures (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import datetime as dt
 import glob
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 from collections import defaultdict
+
+from common import code_version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -52,17 +54,22 @@ def main() -> int:
         for rep in range(1, args.repeat + 1):
             for name in names:
                 stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-                out = os.path.join(RUNS, f"{name}-{stamp}.json")
+                out = os.path.join(RUNS, f"{name}-{code_tag()}-{stamp}.json")
                 cmd = [sys.executable, os.path.join(HERE, f"{name}.py"), "--json", out] + (["--quick"] if args.quick else [])
                 print(f"== [{rep}/{args.repeat}] {name}: {' '.join(cmd)}", flush=True)
                 if subprocess.run(cmd).returncode != 0 or not os.path.exists(out):
                     failed.append(f"{name} (repeat {rep})")
-                    continue
-                shutil.copyfile(out, os.path.join(RESULTS, f"{name}.json"))
     print(write_summary())
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def code_tag() -> str:
+    """The code a run measures, for its file name: the commit's first 7 digits, "-dirty" when the
+    work tree differs from it (benchmarks/results aside), "nogit" outside a git checkout."""
+    code = code_version()
+    return (code["git_commit"] or "nogit")[:7] + ("-dirty" if code["git_dirty"] else "")
 
 
 def load_runs() -> list[dict]:

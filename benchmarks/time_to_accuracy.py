@@ -27,9 +27,9 @@ Sides:
               replica computing at least 1.5x as long per step as the other (back at 1.2x)
   adaptive_lspread  the example with local SGD unbalanced as its synchronous mode and easgd for
               a replica computing at least 1.5x as long per step as the other (back at 1.2x);
-              only with --sides (measured and ruled out: docs/benchmarks.md)
+              only with --sides (measured and ruled out: benchmarks/results/HISTORY.md)
   adaptive_h4  the example with strategy.period 4 (the models averaged twice as often); only
-              with --sides (measured and ruled out: docs/benchmarks.md)
+              with --sides (measured and ruled out: benchmarks/results/HISTORY.md)
   ray_train   Ray Train TorchTrainer, DDP, the same partitions, order, batches and evaluation
               as our allreduce (benchmarks/throughput.py ray_train_loop), the same straggler
   single      one PyTorch process (2 threads) on the global batches, no straggler: the
