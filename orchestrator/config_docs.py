@@ -20,11 +20,35 @@ def reference_markdown() -> str:
     for section, field in JobConfig.model_fields.items():
         lines += [f"## `{section}`: {field.description}", ""]
         lines += field_table(section, type(field.default_factory()), nested)  # type: ignore[misc]
-    for name, model in nested:
-        lines += [f"## `{name}`", "", " ".join((model.__doc__ or "").split()), ""]
-        lines += field_table(name, model, [])
+    lines += nested_tables(nested)
     lines += sweep_reference()
     return "\n".join(lines)
+
+
+def nested_tables(nested: list[tuple[str, type]], note: str = "") -> list[str]:
+    """A table for every model below the top-level ones, at any depth (breadth first, in the order
+    the keys come). A model found at one key is keyed by it; one found at several (e.g.
+    PhaseOptimizer) gets one table, headed by all of them, keyed by its field names."""
+    found = list(nested)
+    i = 0
+    while i < len(found):  # every level: the fields of a nested model that are models themselves
+        key, model = found[i]
+        field_table(key, model, found)
+        i += 1
+    keys: dict[type, list[str]] = {}
+    for key, model in found:
+        keys.setdefault(model, []).append(key)
+    lines: list[str] = []
+    for model, at in keys.items():
+        doc = " ".join((model.__doc__ or "").split())
+        if len(at) == 1:
+            lines += [f"## `{at[0]}`{note}", "", doc, ""]
+            lines += field_table(at[0], model, [])
+        else:
+            heading = ", ".join(f"`{k}`" for k in at)
+            lines += [f"## `{model.__name__}`: {heading}{note}", "", doc, ""]
+            lines += field_table("", model, [])
+    return lines
 
 
 def field_table(prefix: str, model: type, nested: list[tuple[str, type]]) -> list[str]:
@@ -48,8 +72,8 @@ def field_table(prefix: str, model: type, nested: list[tuple[str, type]]) -> lis
         allowed = ", ".join(f"{ops[k]} {getattr(m, k)}" for m in f.metadata for k in ops if hasattr(m, k))
         key = f"{prefix}.{name}" if prefix else name  # a sweep file's keys are top-level
         lines.append(f"| `{key}` | `{ann}` | {allowed} | {shown} | {f.description} |")
-        if sub is not None:
-            nested.append((key + ("[]" if "list" in ann else ""), sub))
+        if sub is not None:  # a list of them: key[]; a dict of them: key.<key>
+            nested.append((key + ("[]" if "list[" in ann else ".<key>" if "dict[" in ann else ""), sub))
     lines.append("")
     return lines
 
@@ -60,11 +84,4 @@ def sweep_reference() -> list[str]:
     lines = ["## Sweep file (`python -m orchestrator sweep SWEEP.yaml`, see docs/sweeps.md)", "",
              " ".join((SweepConfig.__doc__ or "").split()), ""]
     lines += field_table("", SweepConfig, nested)
-    for name, model in nested:
-        name = "search.<key>" if name == "search" else name
-        lines += [f"## `{name}` (sweep file)", "", " ".join((model.__doc__ or "").split()), ""]
-        lines += field_table(name, model, [])
-    return lines
-
-
-# ---- one trial (runs inside a Ray Tune trial actor) -------------------------------------------------
+    return lines + nested_tables(nested, " (sweep file)")
