@@ -1,8 +1,10 @@
 """Helpers for the checks made before anything starts: a timeout for blocking calls that have
-none of their own (filesystem listings, store lookups), and whether a local directory can be written."""
+none of their own (filesystem listings, store lookups), and whether a local directory or file can be
+written."""
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from typing import Any, Callable, Optional
 
@@ -48,12 +50,12 @@ def bad_local_path(path: str) -> Optional[str]:
 
 def writable_local_dir(path: str) -> Optional[str]:
     """None if a directory can be created at `path` (or is there) and written to, else why not.
-    Checks the nearest existing ancestor with os.access; creates nothing."""
+    Writes and removes a probe file in the nearest existing ancestor (os.access says yes to root
+    where nothing can be written, e.g. /proc); creates nothing else."""
     why = bad_local_path(path)
     if why:
         return why
-    path = os.path.abspath(path)
-    probe = path
+    probe = os.path.abspath(path)
     while not os.path.exists(probe):
         parent = os.path.dirname(probe)
         if parent == probe:
@@ -61,6 +63,31 @@ def writable_local_dir(path: str) -> Optional[str]:
         probe = parent
     if not os.path.isdir(probe):
         return f"{probe} is not a directory"
-    if not os.access(probe, os.W_OK | os.X_OK) or os.statvfs(probe).f_flag & os.ST_RDONLY:
-        return f"{probe} is not writable"
+    try:
+        fd, name = tempfile.mkstemp(prefix=".orchestrator-probe-", dir=probe)
+        os.close(fd)
+        os.remove(name)
+    except OSError as exc:
+        return f"{probe} is not writable: a probe file there gives {exc.strerror or type(exc).__name__}"
+    return None
+
+
+def writable_local_file(path: str) -> Optional[str]:
+    """None if a file can be written at `path` (its directory there or creatable, and written to
+    by a probe file; the path not a directory; a file already there opened for appending, which
+    changes nothing), else why not. Creates nothing."""
+    why = bad_local_path(path)
+    if why:
+        return why
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    why = writable_local_dir(os.path.dirname(path))
+    if why or not os.path.isfile(path):
+        return why
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        return f"{path} is not writable: opening it gives {exc.strerror or type(exc).__name__}"
     return None

@@ -89,6 +89,25 @@ def _guarded(work, doing: str, run: str):
         return None, 130
 
 
+def _writable(flag: str, *paths: str) -> None:
+    """Every file the command will write under `flag` can be written (checked before anything runs):
+    ConfigError naming the flag otherwise. Creates nothing."""
+    from orchestrator.checks import writable_local_file
+    from orchestrator.errors import ConfigError
+
+    for path in paths:
+        why = writable_local_file(path)
+        if why:
+            raise ConfigError(f"{flag}: cannot write {path} ({why})")
+
+
+def _result_files(result_json: str) -> tuple[str, str]:
+    """The files --result-json writes: the JSON, and training.png beside it."""
+    from orchestrator.plots import PLOT_NAME
+
+    return result_json, os.path.join(os.path.dirname(os.path.abspath(result_json)), PLOT_NAME)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from orchestrator.config import JobConfig
@@ -106,6 +125,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "simulate":
         return _simulate(args)
     try:
+        if args.result_json:
+            _writable("--result-json", *_result_files(args.result_json))
         resume = None
         if args.command == "resume":
             from orchestrator.resume import find_checkpoint
@@ -115,10 +136,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             overrides = list(args.overrides) + ([f"run.name={args.name}"] if args.name is not None else [])
             config = JobConfig.from_yaml(args.config, overrides)
-        if args.result_json:
-            parent = os.path.dirname(os.path.abspath(args.result_json))
-            if not os.path.isdir(parent):
-                os.makedirs(parent, exist_ok=True)
         from orchestrator.trainer import ElasticTrainer
 
         trainer = ElasticTrainer(config, show_progress=not args.no_progress, resume=resume)
@@ -131,28 +148,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result, code = _guarded(trainer.fit, "training", "the MLflow run")
     if code is not None:
         return code
+    if args.no_progress:  # no progress display and no summary from fit(): one final line
+        print(result.final_line(config.headline_metric()), flush=True)
     if args.result_json:
-        with open(args.result_json, "w", encoding="utf-8") as f:
+        json_path, plot_path = _result_files(args.result_json)
+        os.makedirs(os.path.dirname(plot_path), exist_ok=True)
+        with open(json_path, "w", encoding="utf-8") as f:
             f.write(result.to_json())
         from orchestrator.plots import PLOT_NAME, training_plot
 
         try:  # the run's record is complete either way (training.png is in its MLflow run too)
-            training_plot(result.events, os.path.join(os.path.dirname(os.path.abspath(args.result_json)), PLOT_NAME))
+            training_plot(result.events, plot_path)
         except Exception as exc:
             print(f"orchestrator: {PLOT_NAME} not drawn ({type(exc).__name__}: {exc})", file=sys.stderr)
     return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    """The sweep subcommand: bad input exits 2 before Ray starts; 1 when no trial finished."""
+    """The sweep subcommand: bad input (the --json path included) exits 2 before Ray starts; 1 when no
+    trial finished."""
     from orchestrator.checks import one_line
     from orchestrator.errors import ConfigError
     from orchestrator.sweep import load_sweep, run_sweep
 
     try:
-        plan = load_sweep(args.sweep, args.overrides)
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            _writable("--json", args.json)
+        plan = load_sweep(args.sweep, args.overrides)
     except ConfigError as exc:
         print(f"orchestrator: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -161,6 +183,7 @@ def _sweep(args: argparse.Namespace) -> int:
     if code is not None:
         return code
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(result.to_json())
     from orchestrator.sweep import comparison_markdown
@@ -173,14 +196,18 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    """The simulate subcommand: bad input exits 2."""
+    """The simulate subcommand: bad input (the --plot and --json paths included) exits 2 before calibrating."""
     from orchestrator.checks import one_line
     from orchestrator.config import JobConfig
     from orchestrator.errors import ConfigError
     from orchestrator import simulate as sim
     from policies.cost_model import Stragglers
 
+    path = args.plot or sim.PLOT_NAME
     try:
+        _writable("--plot", path)
+        if args.json:
+            _writable("--json", args.json)
         config = JobConfig.from_yaml(args.config, args.overrides)
         replicas = sim.parse_replicas(args.replicas)
         try:
@@ -205,7 +232,7 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"orchestrator: {one_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(sim.render(preds, cal, stragglers))
-    path = args.plot or sim.PLOT_NAME
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     sim.plot(preds, path, f"{os.path.basename(args.config)}: predicted samples/s")
     print(f"plot: {path}")
     if args.json:

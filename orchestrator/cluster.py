@@ -14,6 +14,7 @@ from orchestrator.errors import ConfigError, TrainingError
 
 RESOURCES_TIMEOUT_S = 30.0
 ROOM_POLL_S = 1.0
+LOCAL_CPUS_PER_CORE = 4  # the most logical CPUs a local cluster declares per core (replicas share cores)
 
 
 def connect(logical_cpus: float) -> bool:
@@ -23,14 +24,21 @@ def connect(logical_cpus: float) -> bool:
     libraries do. With RAY_ADDRESS set (e.g. under `ray job submit`) the job joins that
     cluster. Otherwise a local cluster is started with at least `logical_cpus` CPUs declared,
     so replicas fit even on a small machine; address="local" keeps a stray cluster on the
-    same machine from being picked up by accident.
+    same machine from being picked up by accident. More than LOCAL_CPUS_PER_CORE per core is
+    a ConfigError before Ray starts: so many replica processes on so few cores is a mistake.
     """
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level=logging.WARNING)
         return False
-    num_cpus = max(os.cpu_count() or 1, int(-(-logical_cpus // 1)))
+    cores = os.cpu_count() or 1
+    if logical_cpus > LOCAL_CPUS_PER_CORE * cores + 1e-9:
+        raise ConfigError(f"config error: scaling: the job asks for {logical_cpus:g} logical CPUs (scaling.replicas x "
+                          f"scaling.cpus_per_replica); a local Ray cluster started here declares at most "
+                          f"{LOCAL_CPUS_PER_CORE} per core, {LOCAL_CPUS_PER_CORE * cores} on this machine's {cores} "
+                          "cores: ask for fewer, or join a larger cluster (RAY_ADDRESS)")
+    num_cpus = max(cores, int(-(-logical_cpus // 1)))
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     return True
 

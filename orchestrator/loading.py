@@ -14,6 +14,19 @@ from orchestrator.sources import classes_of, decode_spec, read_table, table_from
 from policies.batches import shape_of
 
 
+# how rows are decoded and split: a builtin dataset comes decoded and split, and would ignore them
+FILE_ONLY_FIELDS = ("label_column", "feature_columns", "decode", "feature_shape", "id_column", "test_source",
+                    "test_fraction")
+
+
+def check_builtin_fields(data_cfg) -> None:
+    """A builtin source with one of FILE_ONLY_FIELDS changed from its default: ConfigError naming it."""
+    for name in FILE_ONLY_FIELDS:
+        if getattr(data_cfg, name) != type(data_cfg).model_fields[name].default:
+            raise ConfigError(f"config error: data.{name}: {data_cfg.source} comes decoded and split; data.{name} "
+                              "applies to file sources and in-memory data only (remove it)")
+
+
 def load_dataset(data_cfg, in_memory: Any = None, task: Any = None, replicas: int = 1) -> Union[Dataset, StreamedDataset]:
     """The train and test data for a job (see DataConfig for the fields): builtins and in-memory
     data as arrays (put into the object store by the driver), a file source as a plan
@@ -21,6 +34,7 @@ def load_dataset(data_cfg, in_memory: Any = None, task: Any = None, replicas: in
     decoder makes (default: classification's); `replicas`: for a file source's partition count."""
     source = data_cfg.source
     if in_memory is None and source.startswith("builtin:"):
+        check_builtin_fields(data_cfg)
         return load_source(source, data_cfg.seed)
     if in_memory is None:
         return plan_file_dataset(data_cfg, task, replicas)

@@ -41,6 +41,11 @@ class TrainResult:
     phases: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 
+    def final_line(self, metric: str) -> str:
+        """The one line `--no-progress` prints: why the run stopped, its headline `metric`, its MLflow run."""
+        value = self.final.get(metric, float("nan"))
+        return f"done: {self.stop_reason}; {metric} {value:.4f}; MLflow run {self.mlflow_run_id}"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

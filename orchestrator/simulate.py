@@ -240,6 +240,9 @@ def from_run(run_id: str, tracking_uri: Optional[str]) -> dict[str, Any]:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
+    from orchestrator.tracking import check_store_to_read
+
+    check_store_to_read(tracking_uri, f"--from-run {run_id}")  # read only: a store that is not there is not made
     client = MlflowClient(tracking_uri)
     try:
         run = client.get_run(run_id)

@@ -28,7 +28,7 @@ import mlflow
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from orchestrator.checks import bad_local_path, bounded, one_line, writable_local_dir
+from orchestrator.checks import bounded, one_line, writable_local_dir, writable_local_file
 from orchestrator.errors import ConfigError, TrainingError
 
 MAX_BATCH = 900  # MLflow accepts up to 1000 metrics per log_batch
@@ -90,9 +90,7 @@ def _check_store(uri: str, field: str) -> None:
         path = make_url(uri).database
         if path and path != ":memory:":
             path = os.path.abspath(path)
-            why = bad_local_path(path) or (
-                (None if os.access(path, os.W_OK) else f"{path} is not writable") if os.path.isfile(path)
-                else writable_local_dir(os.path.dirname(path)))
+            why = writable_local_file(path)
             if why:
                 raise ConfigError(f"config error: {field}: cannot write the MLflow store {uri} ({why})")
     elif scheme in ("", "file"):
@@ -130,6 +128,37 @@ def store_missing(tracking_uri: Optional[str]) -> Optional[str]:
         if not os.path.isdir(path):
             return f"no MLflow store at {uri}"
     return None
+
+
+def check_store_to_read(tracking_uri: Optional[str], what: str) -> None:
+    """A store runs are only read from, which opening must leave as it is: a local one must be
+    there (MLflow creates a missing one) and already be an MLflow store (MLflow would create its
+    tables in any other sqlite file, its trash folder in any other directory); any other must
+    answer (check_store). ConfigError starting with `what` otherwise; nothing is created."""
+    uri = tracking_uri or mlflow.get_tracking_uri()
+    why = store_missing(uri)
+    scheme = urllib.parse.urlparse(uri).scheme.lower()
+    if why is None and scheme.split("+")[0] == "sqlite":
+        import sqlite3
+
+        from sqlalchemy.engine import make_url
+
+        try:
+            path = urllib.parse.quote(os.path.abspath(make_url(uri).database))
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+                tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except sqlite3.Error as exc:
+            tables, why = set(), f"{uri} cannot be read as an MLflow store ({one_line(exc)})"
+        if why is None and not {"experiments", "runs", "alembic_version"} <= tables:
+            why = f"{uri} is not an MLflow store (it lacks MLflow's tables)"
+    elif why is None and scheme in ("", "file"):
+        path = urllib.parse.urlparse(uri).path if scheme == "file" else uri
+        if not os.path.isdir(os.path.join(path, ".trash")):
+            why = f"{uri} is not an MLflow file store (it has no .trash folder)"
+    elif why is None:
+        check_store(tracking_uri, "--tracking-uri")
+    if why:
+        raise ConfigError(f"{what}: {why}")
 
 
 def _http_unreachable(uri: str) -> Optional[str]:

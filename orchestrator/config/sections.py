@@ -41,7 +41,9 @@ class DataConfig(Section):
         "builtin:mnist5k",
         description="Dataset: builtin:mnist5k (5,000 real MNIST digits), builtin:digits (scikit-learn 8x8 "
         "digits), builtin:synthetic (Gaussian blobs), or a Parquet / CSV / Arrow IPC file or directory: a local "
-        "path or any pyarrow filesystem URI (file://, s3://, gs://, hdfs://).",
+        "path or any pyarrow filesystem URI (file://, s3://, gs://, hdfs://). A builtin comes decoded and split: "
+        "with one, label_column, feature_columns, decode, feature_shape, id_column, test_source and test_fraction "
+        "are refused (they apply to files and in-memory data).",
     )
     label_column: Union[str, list[str]] = Field(
         "label", description="The target column (class ids for classification; a fixed-size-list column gives "

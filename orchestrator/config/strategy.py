@@ -322,11 +322,14 @@ class StrategyConfig(Section):
 
 
 class ScalingConfig(Section):
-    replicas: int = Field(2, ge=1, description="Number of ModelReplica actors.")
+    replicas: int = Field(2, ge=1, description="Number of ModelReplica actors. A local Ray cluster the run starts "
+                          "itself declares at most 4 logical CPUs per core of the machine: replicas x cpus_per_replica "
+                          "beyond that is refused before Ray starts (join a cluster for more).")
     cpus_per_replica: float = Field(1.0, gt=0, description="Logical CPUs per replica (also its torch threads).")
     gpus_per_replica: float = Field(
-        0.0, ge=0, description="GPUs per replica; > 0 selects the NCCL backend (allreduce: 0 or at least 1, "
-        "NCCL cannot put two ranks on one GPU)."
+        0.0, ge=0, description="GPUs per replica, at most 1: a replica trains on one GPU today (more would be "
+        "reserved and left idle); > 0 selects the NCCL backend (allreduce and local_sgd: 0 or 1, NCCL cannot put "
+        "two ranks on one GPU)."
     )
     shards: int = Field(
         1, ge=1, description="ParameterShard actors (downpour, easgd); they reserve no CPU; at most one per "
@@ -368,6 +371,13 @@ class ScalingConfig(Section):
         "many seconds for the room (a cluster scaling up from zero worker nodes), then exit 2 naming what is "
         "short. 0 = refuse at once. A local cluster the run starts itself is never waited for."
     )
+
+    @field_validator("gpus_per_replica")
+    @classmethod
+    def _one_gpu_at_most(cls, v: float) -> float:
+        if v > 1:
+            raise ValueError("a replica uses one GPU today (its model and batches go to one device), so at most 1")
+        return v
 
     def max_or_replicas(self) -> int:
         """max_replicas, or replicas when it is unset (no growth)."""

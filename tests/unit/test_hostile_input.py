@@ -578,17 +578,24 @@ def test_data_files(harness, case, field):
     judge_config(harness, path, [], (field, "data.", os.path.join(d, source), "model.factory", "task.name"), d)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files without read permission")
-def test_unreadable_data_file(harness):
+@pytest.mark.parametrize("field", ["data.source", "data.test_source"])
+def test_unreadable_data_file(harness, field):
+    """A data file under a regular file cannot be read by anyone, root included (CI runs as
+    root); a file without read permission cannot be read by anyone else."""
     d = harness.inputs()
     data = write(d, "rows.csv", "label,f0\n1,2\n")
-    os.chmod(data, 0)
-    try:
-        raw = _merge(GOOD, {"data": {"source": data}})
-        code, err = harness.main(["run", write(d, "job.yaml", yaml.safe_dump(raw))], d)
-    finally:
-        os.chmod(data, 0o644)
-    assert_one_line(code, err, "data.source")
+    write(d, "train.csv", "label,f0\n" + "1,2\n0,3\n" * 20)
+    unreadable = [os.path.join(data, "rows.csv")] + ([data] if os.geteuid() != 0 else [])
+    for path in unreadable:
+        raw = _merge(GOOD, {"data": {"source": path} if field == "data.source" else
+                            {"source": os.path.join(d, "train.csv"), "test_source": path}})
+        job = write(d, "job.yaml", yaml.safe_dump(raw))
+        os.chmod(data, 0 if path == data else 0o644)
+        try:
+            code, err = harness.main(["run", job], d)
+        finally:
+            os.chmod(data, 0o644)
+        assert_one_line(code, err, field)
 
 
 # ---- checkpoints for `orchestrator resume` --------------------------------------------------------
