@@ -86,13 +86,13 @@ def test_ray_job_stop_marks_the_run_killed_and_keeps_its_events(ray_head, mlflow
                            30, ray_head=ray_head, job_id=job_id)
         assert running and client.get_run(run_id).info.status == "RUNNING"
 
-        stopped_at = time.monotonic()
         stop = ray_cli(ray_head, "stop", "--address", ray_head.dashboard_url, job_id)
         assert stop.returncode == 0, stop.stdout + stop.stderr
-        wait_for("KILLED status", lambda: client.get_run(run_id).info.status == "KILLED",
-                 max(1.0, stopped_at + 10 - time.monotonic()))
+        # `ray job stop` SIGKILLs the driver a few seconds after its SIGTERM: what is not recorded
+        # by then never is, so the deadlines below only guard against a hang
+        wait_for("KILLED status", lambda: client.get_run(run_id).info.status == "KILLED", 60)
         events = wait_for("ended event", lambda: (lambda ev: ev if any(e["kind"] == "ended" for e in ev) else None)(
-            events_of(client, run_id, tmp_path)), max(1.0, stopped_at + 10 - time.monotonic()))
+            events_of(client, run_id, tmp_path)), 60)
         kinds = [e["kind"] for e in events]
         assert kinds[0] == "started" and "epoch_end" in kinds, kinds
         ended = [e for e in events if e["kind"] == "ended"]

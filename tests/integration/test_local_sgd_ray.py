@@ -73,9 +73,11 @@ def test_balanced_a_slow_replica_takes_fewer_steps_and_a_killed_one_is_replaced(
     assert replaced["ranks"] == [1] and replaced["survivors_kept"] == [0, 2]
     last = [e for e in ctl.tracker.events if e["kind"] == "epoch_end"][-1]
     assert last["local_drift"] > 0 and last["rounds_per_s"] > 0  # the mode's own figures
-    # the slow replica took fewer steps over the epoch (the period at the epoch's end alone is one
-    # noisy decision: rounds of a few milliseconds, and one stall of replica 0 can even them out)
-    assert last["steps_by_rank"][2] < last["steps_by_rank"][0], last["steps_by_rank"]
+    # the balancer gave the slow replica the shorter period: fewer steps a round by the split it
+    # decided, not by how many steps the host's timing let each take over the epoch
+    rebalanced = [e for e in ctl.tracker.events if e["kind"] == "batch_rebalanced"]
+    history = [(e["epoch"], e["step"], e["unit"], e["shares"]) for e in rebalanced]
+    assert any(e["unit"] == "steps" and e["shares"].get("2", 4) < e["shares"].get("0", 4) for e in rebalanced), history
     assert sum(last[f"replica{r}/period"] for r in range(3)) == 12
     rows = [i for steps in ctl.consumed[-1].values() for batch in steps for i in batch]
     assert sorted(rows) == sorted(set(rows)) and len(rows) == len(ctl.dataset.train)

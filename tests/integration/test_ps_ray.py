@@ -2,6 +2,7 @@
 a replica killed under a staleness bound, buffers carried with the reference model."""
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -14,6 +15,7 @@ from orchestrator.controller import Controller
 from orchestrator.data import load_source
 from orchestrator.tracking import Tracker
 from orchestrator.trainer import ElasticTrainer
+from policies.leases import MAX_GRANT
 from tests.conftest import job_config
 
 pytestmark = pytest.mark.ray
@@ -122,14 +124,14 @@ SMALL_PARTS = {"batch_size": 16, "partitions": 16}
 
 @pytest.mark.parametrize("strategy", [{"mode": "downpour"}, {"mode": "easgd", "tau": 4}])
 def test_a_straggler_does_not_hold_back_the_fast_replica(ray_cluster, tmp_path, strategy):
-    # 50 ms per step: several times a fast step with its shard calls (at 20 ms a quiet machine
-    # gave the fast replica only 1.67x the steps once: the margin was the noise)
+    # replica 1 sleeps 50 ms per step: several times a fast step with its shard calls
     result = fit(tmp_path, strategy=strategy, faults={"slow_replicas": {1: 0.05}}, stop={"epochs": 1},
                  data=SMALL_PARTS)
     fast, slow = epoch_events(result)[0]["steps_by_rank"]
-    # no lock-step (which would give both the same steps): the fast replica leases more partitions;
-    # 1.5x leaves room for a loaded host's fast step with its shard calls to take up to 100 ms
-    assert fast > 1.5 * slow, (fast, slow)
+    # no lock-step (which gives both the same steps): the fast replica went on leasing the
+    # partitions the straggler did not get to, and every row was still trained once
+    assert fast > slow, (fast, slow)
+    assert result.rows_per_epoch == [len(ElasticTrainer(job_config()).check().train)]
 
 
 def test_allreduce_is_lock_step_with_a_straggler(ray_cluster, tmp_path):
@@ -147,8 +149,12 @@ def test_max_staleness_bounds_how_far_the_fast_replica_runs_ahead(ray_cluster, t
     # seen by the shard at each push: a replica starts a step only while <= 3 steps ahead, so it
     # completes at most 4 ahead (unbounded, the fast replica leads by tens of steps)
     assert 1 <= event["max_lead"] <= 4
-    # held to the straggler's pace while both have work; alone only for the epoch's last partitions
-    assert fast < 1.6 * slow, (fast, slow)
+    # held to the straggler's pace while both have work (at most 4 steps ahead when the straggler
+    # finds the queue empty); alone only for the partitions it holds then: the one it trains and
+    # the grant (at most MAX_GRANT) it asked for on starting it
+    [started] = [e for e in result.events if e["kind"] == "started"]
+    alone = (1 + MAX_GRANT) * -(-started["rows_per_partition"][1] // SMALL_PARTS["batch_size"])
+    assert fast - slow <= 4 + alone, (fast, slow, alone)
 
 
 def test_max_staleness_survives_a_killed_replica(ray_cluster, tmp_path):
@@ -245,7 +251,7 @@ def test_simulate_times_the_shards_exchanges_on_real_shards_and_removes_them(ray
     cfg = job_config(strategy={"mode": mode, "timeout_s": 30}, scaling={"replicas": 2, "shards": 2})
     before = alive_run_actors()
     measured, exchange_s = calibrate_shard_path(cfg, 250_000, rounds=5)
-    assert measured == mode and 0 < exchange_s < 5
+    assert measured == mode and math.isfinite(exchange_s) and exchange_s > 0  # measured; its size is a benchmark's
     cal = calibration(cfg, latency_us=10, shard_path="here")
     assert cal.shard_beta_s_per_byte > 0 and f"{mode}'s exchanges with 2 real shards here" in cal.source
     assert ray.is_initialized()  # the session's Ray was used, not stopped

@@ -4,7 +4,6 @@ chaos runs per mode are in tests/e2e/test_chaos_e2e.py)."""
 from __future__ import annotations
 
 import signal
-import time
 
 import numpy as np
 import pytest
@@ -55,9 +54,9 @@ def test_allreduce_survives_a_middle_rank_kill_without_the_collective_timeout(ra
     assert replaced["ranks"] == [victim] and replaced["survivors_kept"] == [r for r in range(replicas) if r != victim]
     # nobody waited out the collective timeout: the only failure is the killed rank's death
     assert [(f["rank"], f["cause"]) for f in events(result, "replica_failed")] == [(victim, "died")]
-    # the failed step, plus at most one step that a survivor whose all-reduce completed before the
-    # death applied and the donor did not (docs/fault-tolerance.md; seen once in 4-2)
-    assert replaced["steps_lost"] <= 2 and replaced["generation"] == 2
+    # lock-step: the failed step, plus at most the one step a survivor whose all-reduce completed
+    # before the death applied and the donor did not (docs/fault-tolerance.md); one regroup
+    assert replaced["steps_lost"] in (1, 2) and replaced["generation"] == 2
     assert result.final.test_accuracy > 0.9
 
 
@@ -114,7 +113,7 @@ def test_a_replica_stopped_at_an_epochs_end_is_hung_after_the_hang_timeout_not_t
 
     def call(self, ranks, method, *args, **kwargs):
         if method == "evaluate_reference" and len(ranks) > 1 and not stopped:
-            stopped.update(rank=ranks[-1], t_wall=time.time())
+            stopped["rank"] = ranks[-1]
             stopped["pid"] = kill_process(self.members[ranks[-1]], signal.SIGSTOP)
         return original(self, ranks, method, *args, **kwargs)
 
@@ -126,8 +125,10 @@ def test_a_replica_stopped_at_an_epochs_end_is_hung_after_the_hang_timeout_not_t
     result = ElasticTrainer(cfg, show_progress=False).fit()
     failed = events(result, "replica_failed")
     assert stopped and failed[0]["rank"] == stopped["rank"] and failed[0]["cause"] == "hung", failed
-    assert failed[0]["t_wall"] - stopped["t_wall"] < 60, failed  # the peer's answer + 3 s, far from 120 s
+    # found by the hang_timeout_s rule after its peer answered, not by the call's own timeout
+    # (strategy.timeout_s, whose detail says "no answer within 120s")
     assert "after the others answered" in failed[0]["detail"], failed
+    assert "no answer within" not in failed[0]["detail"], failed
     assert events(result, "replica_replaced")[0]["ranks"] == [stopped["rank"]]
     assert result.epochs == 2 and np.isfinite(result.final.test_loss)
 

@@ -1,5 +1,6 @@
 """Load-balanced allreduce (policies/balance.py) and the per-step figures that ride in the
 all-reduce (policies/allreduce.py StepFigures), without Ray: threads stand in for replicas."""
+import threading
 import time
 
 import pytest
@@ -167,9 +168,27 @@ def test_at_an_uneven_splits_tail_the_replica_left_takes_the_global_batch():
         assert torch.allclose(flat(m), flat(ref), atol=1e-6)
 
 
-def test_the_figures_report_waiting_and_gradient_diversity():
-    """Replica 1 is slow: replica 0 waits for it. Diversity is sum_i |g_i|^2 / |sum_i g_i|^2
-    of the step before, checked against gradients computed directly."""
+class ThreadClocks:
+    """policies.allreduce's clock with seconds added per thread: a replica given `delay(s)` is
+    busy s seconds longer that step by its own clock, whatever the host's load does to the
+    threads (no sleep, no race between a sleep and a stall of the other thread)."""
+
+    def __init__(self):
+        self.extra = threading.local()
+
+    def delay(self, seconds):
+        self.extra.s = getattr(self.extra, "s", 0.0) + seconds
+
+    def perf_counter(self):
+        return time.perf_counter() + getattr(self.extra, "s", 0.0)
+
+
+def test_the_figures_report_waiting_and_gradient_diversity(monkeypatch):
+    """Replica 1 is busier each step (1 s more by its clock): replica 0 waits for it, it waits
+    for nobody. Diversity is sum_i |g_i|^2 / |sum_i g_i|^2 of the step before, checked against
+    gradients computed directly."""
+    clocks = ThreadClocks()
+    monkeypatch.setattr("policies.allreduce.time", clocks)
     torch.manual_seed(5)
     batches = [[(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(2)] for _ in range(4)]
     models = [make() for _ in range(2)]
@@ -182,7 +201,7 @@ def test_the_figures_report_waiting_and_gradient_diversity():
         worker = AllReduceWorker(m, opt, 256, reducer.for_rank(rank))
         for i, step in enumerate(batches):
             if rank == 1:
-                time.sleep(0.02)
+                clocks.delay(1.0)
             worker.step(*step[rank], more=i < len(batches) - 1)
             seen[rank].append(dict(worker.last))
 
@@ -197,10 +216,13 @@ def test_the_figures_report_waiting_and_gradient_diversity():
     # the figures of step 1 arrive with step 2
     assert seen[0][1]["diversity"] == pytest.approx(expected, rel=1e-4)
     assert seen[1][1]["diversity"] == pytest.approx(expected, rel=1e-4)
-    waits = [s["wait_s"] for s in seen[0][2:]]
-    assert all(w is not None and w > 0.01 for w in waits)  # replica 0 waited for replica 1 each step
-    assert all(s["wait_s"] is not None and s["wait_s"] < 0.01 for s in seen[1][2:])
-    assert all(s["spread"] > 1.5 for s in seen[0][2:])
+    # the step before's figures, from step 2 on (step 0 has no start: nobody's busy time)
+    assert all(s["wait_s"] is not None and s["wait_s"] > 0 for s in seen[0][2:])  # replica 0 waited each step
+    # replica 1 was the busiest: it waited for nobody (0 up to the float32 the figures travel in)
+    assert all(s["wait_s"] == pytest.approx(0.0, abs=1e-6) for s in seen[1][2:]), seen[1]
+    # both read the same spread from the same summed figures, replica 1's busy time over replica 0's
+    assert [s["spread"] for s in seen[0][2:]] == [s["spread"] for s in seen[1][2:]]
+    assert all(s["spread"] > 1 for s in seen[0][2:])
 
 
 @pytest.mark.parametrize("compression,tol", [("fp16", 2e-3), ("bf16", 2e-2)])
