@@ -6,7 +6,7 @@ run did not fail; the only hangs are the injected ones), no acknowledged update 
 cause, and every actor and process of the run gone at the end. Each run's numbers go to
 runs/soak/<mode>-seed<seed>.json (docs/reliability.md).
 
-Short form (in `make test`): 45 s per mode. Long form (docs/reliability.md):
+Short form (in `make test-all`): 45 s per mode. Long form (docs/reliability.md):
     EO_SOAK_S=600 .venv/bin/python -m pytest tests/chaos -m soak -s
 A seed that fails becomes a fixed case in SEEDS."""
 from __future__ import annotations
@@ -114,6 +114,7 @@ def check(report: dict) -> None:
     assert report["faults_fired"] >= 1 and not report["not_fired"], report
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mode", ["allreduce", "downpour", "easgd"])
 def test_soak_short(ray_cluster, tmp_path, mode):
     check(soak(mode, SEEDS[mode], SHORT_S, tmp_path))

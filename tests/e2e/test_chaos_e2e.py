@@ -10,6 +10,7 @@ tests are about."""
 from __future__ import annotations
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from orchestrator.chaos import Fault, FaultInjector
 from orchestrator.config import JobConfig
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.ray
 LEARNED = 0.93
 
 
-@pytest.mark.parametrize("mode", ["allreduce", "downpour", "easgd"])
+@pytest.mark.parametrize("mode", [pytest.param("allreduce", marks=pytest.mark.full), "downpour",
+                                  pytest.param("easgd", marks=pytest.mark.full)])
 def test_replica_and_shard_kills_do_not_stop_the_run(ray_cluster, tmp_path, mode):
     cfg = compound_config(tmp_path, mode)
     faults = [Fault("kill_replica", 1, at_step=30), Fault("kill_server", 0, at_step=45),
@@ -40,6 +42,9 @@ def test_replica_and_shard_kills_do_not_stop_the_run(ray_cluster, tmp_path, mode
         [rebuilt] = [e for e in result.events if e["kind"] == "shard_rebuilt"]
         assert rebuilt["shard"] == 0 and rebuilt["replayed_updates"] + rebuilt["resent_updates"] > 0
         assert rebuilt["lost_updates"] == 0, (rebuilt, [(e["kind"], e.get("rank", e.get("ranks"))) for e in result.events])  # every acknowledged update replayed or re-sent
+    # the mode's own figures reach MLflow
+    metrics = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(result.mlflow_run_id).data.metrics
+    assert {"allreduce": "test_accuracy", "downpour": "staleness_mean", "easgd": "elastic_distance"}[mode] in metrics, sorted(metrics)
 
 
 def compound_config(tmp_path, mode, *overrides):
@@ -51,6 +56,7 @@ def compound_config(tmp_path, mode, *overrides):
         f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db", f"checkpoint.storage={tmp_path}/ck", *overrides])
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mode", ["allreduce", "downpour", "easgd"])
 def test_a_kill_during_a_repair_is_repaired_too(ray_cluster, tmp_path, mode):
     """Replica 1's process SIGKILLed, then replica 0's while the first repair is carried out
@@ -67,6 +73,7 @@ def test_a_kill_during_a_repair_is_repaired_too(ray_cluster, tmp_path, mode):
     assert failed[:2] == [1, 0] and {0, 1} <= set(replaced), (failed, replaced)
 
 
+@pytest.mark.full
 def test_a_kill_during_a_grow_is_repaired(ray_cluster, tmp_path):
     """2 -> 3 replicas; replica 1's process SIGKILLed while the newcomer joins."""
     cfg = compound_config(tmp_path, "allreduce", "scaling.replicas=2", "scaling.max_replicas=3",
@@ -79,6 +86,7 @@ def test_a_kill_during_a_grow_is_repaired(ray_cluster, tmp_path):
     assert any(e["kind"] == "replica_replaced" and 1 in e["ranks"] for e in result.events)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mid_epoch", [False, True])
 def test_a_kill_during_a_switch_is_repaired_and_the_switch_carried_out(ray_cluster, tmp_path, mid_epoch):
     """examples/mnist_phases.yaml (downpour -> allreduce -> easgd; the first switch at an epoch's
@@ -99,6 +107,7 @@ def test_a_kill_during_a_switch_is_repaired_and_the_switch_carried_out(ray_clust
     assert any(e["kind"] == "replica_replaced" and 1 in e["ranks"] for e in result.events)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mode,fault,rebuilt", [("allreduce", "hang_server", "server_rebuilt"),
                                                  ("downpour", "hang_shard", "shard_rebuilt")])
 def test_a_stopped_server_or_shard_is_killed_and_rebuilt(ray_cluster, tmp_path, mode, fault, rebuilt):

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 
@@ -14,6 +13,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
+from tests.e2e.conftest import submit
 
 pytestmark = pytest.mark.e2e
 REQUIRED = {"mlflow_run_id", "mode", "replicas", "epochs", "steps", "samples", "wall_s", "samples_per_s",
@@ -74,6 +74,7 @@ def test_cli_run_joins_ray_address_and_tracks_to_server(ray_head, mlflow_server,
     assert (tmp_path / "sim.png").read_bytes()[:8] == PNG_MAGIC and "allreduce" in proc.stdout
 
 
+@pytest.mark.full
 def test_simulate_calibrates_here_and_refuses_bad_input(tmp_path):
     """No Ray: the model and a loopback link are timed here; a table for every mode, a plot."""
     example = os.path.join(REPO, "examples", "mnist_allreduce.yaml")
@@ -119,29 +120,9 @@ def accuracy_of_logged_model(tracking_uri: str, run_id: str, dataset, batch_size
     return correct / len(y)
 
 
-def submit(ray_head, entrypoint: list[str], timeout_s: float = 600, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """`ray job submit [options]` (waits for the job); retried while the head's job agent is still starting."""
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    cmd = [ray_bin, "job", "submit", "--address", ray_head.dashboard_url, *options, "--"] + entrypoint
-    env = dict(ray_head.env)
-    env.pop("MLFLOW_TRACKING_URI", None)
-    deadline = time.monotonic() + 60
-    while True:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        if "No available agent" not in proc.stdout + proc.stderr or time.monotonic() > deadline:
-            return proc
-        time.sleep(2)
-
-
-def test_ray_job_submit_main_example_reaches_97(ray_head, mlflow_server, tmp_path):
-    out = tmp_path / "result.json"
-    proc = submit(ray_head, [sys.executable, "-m", "orchestrator", "run",
-                             os.path.join(REPO, "examples", "mnist_allreduce.yaml"),
-                             "--set", f"tracking.tracking_uri={mlflow_server}",
-                             "--set", f"checkpoint.storage={tmp_path}/ck", "--result-json", str(out)])
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+def test_ray_job_submit_main_example_reaches_97(main_example_job, mlflow_server):
+    proc, result = main_example_job
     assert "succeeded" in proc.stdout
-    result = json.loads(out.read_text())
     assert result["final"]["test_accuracy"] >= 0.97
     assert result["time_to_target_s"] is not None and result["replicas"] == 2
     client = MlflowClient(mlflow_server)
@@ -214,19 +195,3 @@ def test_sigterm_marks_the_run_killed_and_keeps_a_checkpoint(ray_head, tmp_path)
     assert path.endswith("-interrupted.pt") and state["mlflow_run_id"] == run.info.run_id
     events = client.download_artifacts(run.info.run_id, "events.jsonl", str(tmp_path))
     assert '"status": "KILLED"' in open(events).read()
-
-
-@pytest.mark.parametrize("mode", ["downpour", "easgd"])
-def test_sharded_mode_examples_reach_97(ray_head, tmp_path, mode):
-    out = tmp_path / "result.json"
-    env = dict(ray_head.env, RAY_ADDRESS=ray_head.address, PYTHONPATH=REPO)
-    cmd = [sys.executable, "-m", "orchestrator", "run", os.path.join(REPO, "examples", f"mnist_{mode}.yaml"),
-           "--set", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
-           "--set", f"checkpoint.storage={tmp_path}/ck", "--result-json", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["mode"] == mode and result["final"]["test_accuracy"] >= 0.97
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    metrics = client.get_run(result["mlflow_run_id"]).data.metrics
-    assert ("staleness_mean" in metrics) if mode == "downpour" else ("elastic_distance" in metrics)

@@ -24,10 +24,12 @@ def replica_actors(ray_head) -> int:
 @pytest.mark.parametrize("overrides, needle", [
     (["scaling.replicas=3", "scaling.cpus_per_replica=2", "scaling.wait_for_room_s=0"],
      "scaling: 3 replicas x 2 CPU need 6 CPU, the cluster has 4"),
-    (["scaling.gpus_per_replica=1", "scaling.wait_for_room_s=0"], "scaling: 2 replicas x 1 GPU need 2 GPU, the cluster has 0"),
+    pytest.param(["scaling.gpus_per_replica=1", "scaling.wait_for_room_s=0"],
+                 "scaling: 2 replicas x 1 GPU need 2 GPU, the cluster has 0", marks=pytest.mark.full),
     # a joined cluster is given time to grow (no autoscaler here: the wait runs out)
-    (["strategy.mode=downpour", "scaling.gpus_per_replica=0.5", "scaling.wait_for_room_s=2"],
-     "scaling: 2 replicas x 0.5 GPU need 1 GPU, the cluster has 0 (waited 2s for the autoscaler: scaling.wait_for_room_s)"),
+    pytest.param(["strategy.mode=downpour", "scaling.gpus_per_replica=0.5", "scaling.wait_for_room_s=2"],
+                 "scaling: 2 replicas x 0.5 GPU need 1 GPU, the cluster has 0 (waited 2s for the autoscaler: "
+                 "scaling.wait_for_room_s)", marks=pytest.mark.full),
 ])
 def test_cluster_too_small_for_the_job(ray_head, tmp_path, overrides, needle):
     before = replica_actors(ray_head)

@@ -43,6 +43,7 @@ def wait_for(path_glob: str, driver: subprocess.Popen, timeout_s: float = 240) -
         time.sleep(0.2)
 
 
+@pytest.mark.full
 def test_a_lost_node_shrinks_the_run_and_a_new_one_grows_it_back(three_nodes, tmp_path):
     cluster, workers = three_nodes
     env = dict(os.environ, RAY_ADDRESS=cluster.address, PYTHONPATH=REPO)

@@ -57,6 +57,7 @@ def wait_for(what: str, check, timeout_s: float, every_s: float = 0.5, ray_head=
     pytest.fail(f"no {what} within {timeout_s:.0f}s")
 
 
+@pytest.mark.full
 def test_ray_job_stop_marks_the_run_killed_and_keeps_its_events(ray_head, mlflow_server, tmp_path):
     job_id = f"stop-{uuid.uuid4().hex[:8]}"
     experiment = f"e2e-{job_id}"

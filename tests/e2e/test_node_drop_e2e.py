@@ -4,7 +4,7 @@ one 1-CPU worker node). The run starts with 1 replica and scaling.max_replicas 2
 second epoch's checkpoint a second worker node is added, the run grows into it, and while the
 newcomer joins, the node of the run's only member is removed (`drop_node` during `resize`):
 the state holder is gone mid-grow. The run goes on (allreduce from its last checkpoint, the
-sharded modes from their shards) and finishes at the 97% target. allreduce runs in `make test`;
+sharded modes from their shards) and finishes at the 97% target. allreduce runs in `make test-all`;
 every mode with `-m soak` (docs/reliability.md)."""
 from __future__ import annotations
 
@@ -81,6 +81,7 @@ def drop_during_grow(cluster, tmp_path, mode: str):
     return result
 
 
+@pytest.mark.full
 def test_a_node_dropped_during_a_grow_allreduce(own_cluster, tmp_path):
     result = drop_during_grow(own_cluster, tmp_path, "allreduce")
     assert any(e.get("state_from") == "checkpoint" for e in result.events), \

@@ -2,7 +2,8 @@
 started again with the same command: it goes on from its newest checkpoint in the same MLflow run
 (on a real `mlflow server`), its step counter continues, it reaches the target, and its trajectory
 is the one an uncrashed run of the same config takes. Starting it a third time, or `resume RUN_ID`,
-is refused: the run finished."""
+is refused: the run finished. The uncrashed reference is the session's `ray job submit` of the same
+example (tests/e2e/conftest.py)."""
 from __future__ import annotations
 
 import glob
@@ -26,7 +27,7 @@ def by_step(client, run_id, metric):
     return {m.step: m.value for m in client.get_metric_history(run_id, metric)}
 
 
-def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, mlflow_server, tmp_path):
+def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, mlflow_server, main_example_job, tmp_path):
     # the tracking store comes from the environment and checkpoints go to the example's
     # runs/checkpoints under the working directory: the command is the example and --name only
     env = dict(ray_head.env, RAY_ADDRESS=ray_head.address, PYTHONPATH=REPO, MLFLOW_TRACKING_URI=mlflow_server)
@@ -84,10 +85,9 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
                            capture_output=True, text=True, timeout=120)
     assert by_id.returncode == 2 and "already finished" in by_id.stderr, by_id.stderr[-2000:]
 
-    # the uncrashed run of the same config takes the same path, epoch by epoch
-    ref = subprocess.run(command("uncrashed"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    [uncrashed] = runs_named("uncrashed")
+    # the uncrashed run of the same config (the session's `ray job submit` of it) takes the same
+    # path, epoch by epoch
+    _, uncrashed = main_example_job
     for metric in ("test_accuracy", "train_loss"):
-        assert by_step(client, run_id, metric) == pytest.approx(by_step(client, uncrashed.info.run_id, metric),
+        assert by_step(client, run_id, metric) == pytest.approx(by_step(client, uncrashed["mlflow_run_id"], metric),
                                                                 rel=1e-4), metric

@@ -26,7 +26,7 @@ def test_sweep_nested_runs_table_plot_and_trials_in_turn(ray_head, mlflow_server
     # 4 trials x (2 replicas x 1 CPU) on 4 CPUs with no concurrency limit: at most 2 fit at once
     sweep = {
         "base": os.path.join(REPO, "examples", "mnist_allreduce.yaml"),
-        "set": {"stop.epochs": 2, "stop.target_accuracy": 0.9, "stop.at_target": False, "data.partitions": 4,
+        "set": {"model.factory": "examples.models:tiny_mlp", "data.source": "builtin:synthetic", "stop.epochs": 2, "stop.target_accuracy": 0.9, "stop.at_target": False, "data.partitions": 4,
                 "tracking.tracking_uri": mlflow_server, "checkpoint.storage": str(tmp_path / "ck")},
         "search": {"strategy.mode": {"grid": ["allreduce", "easgd"]}, "optimizer.lr": {"loguniform": [0.02, 0.1]}},
         "num_samples": 2,

@@ -54,7 +54,7 @@ def _epochs(cfg, epochs, trace_ids=True):
     return ctl, dataset, flats
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("replicas", [2, pytest.param(3, marks=pytest.mark.full)])
 def test_parameters_identical_and_equal_to_single_process_reference(ray_cluster, replicas):
     cfg = job_config(scaling={"replicas": replicas, "cpus_per_replica": 0.5}, data={"batch_size": 16},
                      optimizer={"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4})

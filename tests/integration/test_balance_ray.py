@@ -76,6 +76,7 @@ def test_a_slowed_replica_gets_a_smaller_share_and_each_step_equals_the_single_p
     assert ends[-1]["gradient_diversity"] > 0 and ends[-1]["busy_spread"] >= 1.0
 
 
+@pytest.mark.full
 def test_without_balance_the_slowed_replica_makes_the_other_wait_and_the_figures_say_so(ray_cluster, tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -99,6 +100,7 @@ def test_without_balance_the_slowed_replica_makes_the_other_wait_and_the_figures
         assert client.get_metric_history(result.mlflow_run_id, key), key
 
 
+@pytest.mark.full
 def test_a_killed_replica_in_a_balanced_run_is_replaced_and_the_epochs_complete(ray_cluster, tmp_path):
     """SIGKILL of the fast replica (the one holding most of the rows) while the split is uneven:
     it is replaced, the run completes its epochs, the next epoch trains every row once, and the

@@ -59,7 +59,7 @@ def ids_of(consumed_epoch):
     return sorted(i for steps in consumed_epoch.values() for step in steps for i in step)
 
 
-@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=pytest.mark.full), pytest.param(2, marks=pytest.mark.full), 3])
 def test_every_row_exactly_once_per_epoch(ray_cluster, parquet_dir, tmp_path, replicas):
     cfg = blob_job(parquet_dir, strategy={"mode": "downpour"}, stop={"epochs": 2},
                    scaling={"replicas": replicas, "cpus_per_replica": 0.5, "shards": 1},
@@ -75,6 +75,7 @@ def test_every_row_exactly_once_per_epoch(ray_cluster, parquet_dir, tmp_path, re
     assert trainer.controller.consumed[0] != trainer.controller.consumed[1]  # reshuffled
 
 
+@pytest.mark.full
 def test_allreduce_serves_every_partition_once_in_lock_step(ray_cluster, parquet_dir, tmp_path):
     cfg = blob_job(parquet_dir, stop={"epochs": 1}, scaling={"replicas": 2, "cpus_per_replica": 0.5},
                    checkpoint={"storage": str(tmp_path)})

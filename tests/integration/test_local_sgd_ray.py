@@ -14,6 +14,7 @@ from tests.integration.test_switching_ray import controller, replica_flats
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.full
 def test_switched_into_and_out_of_mid_epoch_every_row_once_and_the_replicas_identical(ray_cluster):
     ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}},
                       {"mode": "local_sgd", "period": 3, "until": {"steps": 60}}, {"mode": "allreduce"}],

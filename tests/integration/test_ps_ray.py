@@ -33,7 +33,7 @@ def epoch_events(result):
 
 @pytest.mark.parametrize("strategy", [
     {"mode": "downpour", "n_fetch": 2, "n_push": 2},
-    {"mode": "easgd", "tau": 2},
+    pytest.param({"mode": "easgd", "tau": 2}, marks=pytest.mark.full),
     {"mode": "easgd", "tau": 2, "variant": "sync"},
 ])
 def test_sharded_modes_learn_and_report_their_metrics(ray_cluster, tmp_path, strategy):
@@ -57,7 +57,7 @@ def flat_state(model_state, names):
     return np.concatenate([model_state[n].reshape(-1).numpy() for n in names])
 
 
-@pytest.mark.parametrize("mode", ["downpour", "easgd"])
+@pytest.mark.parametrize("mode", ["downpour", pytest.param("easgd", marks=pytest.mark.full)])
 def test_the_checkpoint_holds_the_shards_parameters(ray_cluster, tmp_path, mode):
     cfg = job_config(strategy={"mode": mode, "tau": 2}, stop={"epochs": 1}, optimizer={"momentum": 0.0},
                      scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 2},
@@ -77,6 +77,7 @@ def test_the_checkpoint_holds_the_shards_parameters(ray_cluster, tmp_path, mode)
         assert not np.array_equal(local, shards)
 
 
+@pytest.mark.full
 def test_sync_easgd_reports_the_elastic_distance_it_has(ray_cluster):
     """elastic_distance = mean over replicas of ||x_i - c|| at the end of the epoch, measured
     here from the replicas' parameters and the shards' center."""
@@ -99,6 +100,7 @@ def test_sync_easgd_reports_the_elastic_distance_it_has(ray_cluster):
     assert reported == pytest.approx(measured, rel=1e-4)
 
 
+@pytest.mark.full
 def test_sync_easgd_with_uneven_partitions_finishes_in_lock_step(ray_cluster, tmp_path):
     """5 partitions for 2 replicas: one replica holds more batches; it used to wait at a round
     the other never reached until strategy.timeout_s."""
@@ -110,6 +112,7 @@ def test_sync_easgd_with_uneven_partitions_finishes_in_lock_step(ray_cluster, tm
     assert result.rows_per_epoch == [n_train, n_train] and result.final.test_accuracy > 0.9
 
 
+@pytest.mark.full
 def test_easgd_honours_the_local_optimizer(ray_cluster, tmp_path):
     result = fit(tmp_path, strategy={"mode": "easgd", "tau": 2, "momentum": 0.0}, stop={"epochs": 1},
                  optimizer={"name": "adam", "lr": 0.01})
@@ -122,6 +125,7 @@ SLOW = {"slow_replicas": {1: 0.02}}  # replica 1 sleeps 20 ms per step
 SMALL_PARTS = {"batch_size": 16, "partitions": 16}
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("strategy", [{"mode": "downpour"}, {"mode": "easgd", "tau": 4}])
 def test_a_straggler_does_not_hold_back_the_fast_replica(ray_cluster, tmp_path, strategy):
     # replica 1 sleeps 50 ms per step: several times a fast step with its shard calls
@@ -134,6 +138,7 @@ def test_a_straggler_does_not_hold_back_the_fast_replica(ray_cluster, tmp_path, 
     assert result.rows_per_epoch == [len(ElasticTrainer(job_config()).check().train)]
 
 
+@pytest.mark.full
 def test_allreduce_is_lock_step_with_a_straggler(ray_cluster, tmp_path):
     result = fit(tmp_path, strategy={"mode": "allreduce"}, faults=SLOW, stop={"epochs": 1}, data=SMALL_PARTS,
                  scaling={"replicas": 2, "cpus_per_replica": 0.5})
@@ -157,6 +162,7 @@ def test_max_staleness_bounds_how_far_the_fast_replica_runs_ahead(ray_cluster, t
     assert fast - slow <= 4 + alone, (fast, slow, alone)
 
 
+@pytest.mark.full
 def test_max_staleness_survives_a_killed_replica(ray_cluster, tmp_path):
     """The survivors stop waiting for a dead replica's clock as soon as its death is seen."""
     cfg = job_config(strategy={"mode": "downpour", "max_staleness": 3, "timeout_s": 20}, stop={"epochs": 3},
@@ -177,7 +183,8 @@ def test_max_staleness_survives_a_killed_replica(ray_cluster, tmp_path):
 BN = {"factory": "examples.models:mlp_bn", "kwargs": {"in_features": 32, "num_classes": 4}}
 
 
-@pytest.mark.parametrize("strategy", [{"mode": "allreduce"}, {"mode": "downpour"}, {"mode": "easgd", "tau": 2}])
+@pytest.mark.parametrize("strategy", [pytest.param({"mode": "allreduce"}, marks=pytest.mark.full),
+                                      pytest.param({"mode": "downpour"}, marks=pytest.mark.full), {"mode": "easgd", "tau": 2}])
 def test_batchnorm_buffers_are_consistent_in_every_mode(ray_cluster, tmp_path, strategy):
     """allreduce: every replica holds (and the checkpoint saves) rank 0's running statistics.
     downpour / easgd: the reference model carries the replicas' statistics averaged."""
@@ -241,6 +248,7 @@ def test_a_resumed_downpour_run_gives_the_shards_back_their_server_optimizer_sta
     assert result.mlflow_run_id == first.mlflow_run_id and result.epochs == 2
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mode", ["downpour", "easgd"])
 def test_simulate_times_the_shards_exchanges_on_real_shards_and_removes_them(ray_cluster, mode):
     """`simulate --shard-path here`: the mode's exchanges with scaling.shards real shards give the

@@ -41,7 +41,7 @@ def fit_with(cfg, faults):
     return result, inj, ids, trainer
 
 
-@pytest.mark.parametrize("replicas,victim", [(3, 1), (4, 2)])
+@pytest.mark.parametrize("replicas,victim", [(3, 1), pytest.param(4, 2, marks=pytest.mark.full)])
 def test_allreduce_survives_a_middle_rank_kill_without_the_collective_timeout(ray_cluster, tmp_path, replicas, victim):
     """The dead rank's ring neighbours fail at once; the others leave through the generation's
     abort flag, not the collective timeout (fault_tolerance.hang_timeout_s, 60 s here)."""
@@ -101,6 +101,7 @@ def test_a_hung_replica_is_killed_and_replaced(ray_cluster, tmp_path):
     assert events(result, "replica_replaced")[0]["ranks"] == [1]
 
 
+@pytest.mark.full
 def test_a_replica_stopped_at_an_epochs_end_is_hung_after_the_hang_timeout_not_the_calls(ray_cluster, tmp_path,
                                                                                          monkeypatch):
     """easgd evaluates the center on every replica at each epoch's end, one call to all: a replica
@@ -145,6 +146,7 @@ def test_a_user_error_is_replaced_once_and_reported_with_its_traceback(ray_clust
     assert events(result, "replica_replaced") and result.epochs == 2
 
 
+@pytest.mark.full
 def test_the_same_user_error_twice_on_a_fresh_replica_ends_the_run(ray_cluster, tmp_path):
     model = {"factory": "examples.models:failing_mlp", "kwargs": {"fail_after_calls": 25}}
     cfg = job_config(model=model, stop={"epochs": 3}, scaling={"replicas": 2, "cpus_per_replica": 0.5},
@@ -153,6 +155,7 @@ def test_the_same_user_error_twice_on_a_fresh_replica_ends_the_run(ray_cluster, 
         ElasticTrainer(cfg, show_progress=False).fit()
 
 
+@pytest.mark.full
 def test_past_the_restart_budget_a_dead_replica_is_dropped_down_to_min_replicas(ray_cluster, tmp_path):
     cfg = job_config(scaling={"replicas": 3, "cpus_per_replica": 0.5, "min_replicas": 2}, stop={"epochs": 3},
                      data={"batch_size": 8}, tracking={"progress_interval_s": 0, "log_every_steps": 1},

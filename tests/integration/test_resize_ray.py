@@ -55,6 +55,7 @@ def test_allreduce_grows_to_max_replicas_and_the_rate_follows_the_rule(ray_clust
 
 
 
+@pytest.mark.full
 def test_the_room_a_hung_replica_leaves_is_its_replacements_not_a_grows(ray_cluster, tmp_path):
     """A hung replica is taken out of the group at once (its process stopped); until the failure
     policy has replaced it, the run is one replica short with room on the cluster. A grow

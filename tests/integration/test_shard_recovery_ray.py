@@ -82,7 +82,7 @@ def poll_until(group, condition, timeout_s: float, events: list) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("kind", ["grad", "elastic"])
+@pytest.mark.parametrize("kind", ["grad", pytest.param("elastic", marks=pytest.mark.full)])
 def test_a_killed_shard_is_rebuilt_and_no_acknowledged_update_is_lost(ray_cluster, kind):
     group = make_group()
     initial = group.values()
@@ -214,6 +214,7 @@ def test_abort_rounds_interrupts_a_waiting_sync_round_at_once(ray_cluster):
         group.shutdown()
 
 
+@pytest.mark.full
 def test_a_shard_dying_during_a_sync_round_interrupts_it(ray_cluster):
     group = make_group()
     events: list[dict] = []
@@ -232,6 +233,7 @@ def test_a_shard_dying_during_a_sync_round_interrupts_it(ray_cluster):
         group.shutdown()
 
 
+@pytest.mark.full
 def test_updates_of_a_replica_that_died_survive_a_shard_dying_next(ray_cluster):
     """Replica 0 pushes, its updates are acknowledged, and it dies (its replay log with it);
     then a shard dies before its periodic snapshot. The driver snapshots every shard when it

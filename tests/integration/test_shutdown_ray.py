@@ -155,9 +155,12 @@ def arm(state: str, monkeypatch, tmp_path):
     raise AssertionError(state)
 
 
-@pytest.mark.parametrize("state,sig", [(s, signal.SIGTERM) for s in (
-    "starting", "running", "between_epochs", "repairing", "shrinking", "switching", "growing", "checkpointing")]
-    + [("repairing", signal.SIGINT), ("switching", signal.SIGINT)])
+@pytest.mark.parametrize("state,sig", [
+    (s, signal.SIGTERM) if s in ("running", "switching")  # make test: a run stepping and one reconfiguring
+    else pytest.param(s, signal.SIGTERM, marks=pytest.mark.full)
+    for s in ("starting", "running", "between_epochs", "repairing", "shrinking", "switching", "growing", "checkpointing")]
+    + [pytest.param("repairing", signal.SIGINT, marks=pytest.mark.full),
+       pytest.param("switching", signal.SIGINT, marks=pytest.mark.full)])
 def test_sigterm_in_every_state_ends_killed_and_leaves_nothing(ray_cluster, tmp_path, monkeypatch, state, sig):
     monkeypatch.setitem(SENT, "signal", sig)
     actors_before, groups_before = alive_run_actors(), live_placement_groups()

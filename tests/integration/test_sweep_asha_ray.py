@@ -17,6 +17,7 @@ from orchestrator.sweep import SweepConfig, run_sweep
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.full
 def test_asha_stops_the_trailing_trial_and_marks_its_run(ray_cluster, tmp_path, monkeypatch):
     import ray
 

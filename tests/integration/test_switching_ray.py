@@ -70,6 +70,7 @@ def test_allreduce_to_easgd_seeds_the_center_with_the_replicas_parameters_and_ba
         ctl.shutdown()
 
 
+@pytest.mark.full
 def test_a_frozen_parameter_stays_out_of_the_center_a_switch_seeds(ray_cluster):
     """A model whose first layer is frozen: the center seeded from a replica holds exactly the
     trainable parameters, in the shards' layout, and the replicas train on from them."""
@@ -94,6 +95,7 @@ def test_a_frozen_parameter_stays_out_of_the_center_a_switch_seeds(ray_cluster):
         ctl.shutdown()
 
 
+@pytest.mark.full
 def test_downpour_to_easgd_carries_the_shards_contents_over(ray_cluster):
     ctl = controller([{"mode": "downpour", "n_push": 2, "until": {"epochs": 1}}, {"mode": "easgd"}],
                      optimizer={"momentum": 0.5})
@@ -113,6 +115,7 @@ def test_downpour_to_easgd_carries_the_shards_contents_over(ray_cluster):
         ctl.shutdown()
 
 
+@pytest.mark.full
 def test_a_mid_epoch_switch_pauses_at_partition_boundaries_and_serves_every_row_once(ray_cluster):
     """allreduce for 1 s, then downpour: the switch lands inside the first epoch (replicas slowed
     20 ms per step: 100 steps per epoch, over 2 s); the epoch goes on where it was and still uses
@@ -152,6 +155,7 @@ def test_a_mid_epoch_switch_pauses_at_partition_boundaries_and_serves_every_row_
     assert ctl.phases[0]["end_step"] == ctl.phases[1]["start_step"] > 0
 
 
+@pytest.mark.full
 def test_a_replica_killed_after_a_switch_is_replaced_in_the_new_mode(ray_cluster, tmp_path):
     small = {**SMALL, "data": {"batch_size": 8, "partitions": 32}}  # 50-row partitions: a pause within ~7 steps
     cfg = job_config(strategy={"phases": [{"mode": "allreduce", "until": {"steps": 20}}, {"mode": "downpour"}]},
@@ -184,6 +188,7 @@ def phases_run(tmp_path, phases, epochs):
 ALLREDUCE_2 = {"mode": "allreduce", "until": {"epochs": 2}}
 
 
+@pytest.mark.full
 def test_entering_downpour_with_the_jobs_momentum_is_translated_and_does_not_collapse(ray_cluster, tmp_path):
     """allreduce -> downpour with no per-phase optimizer: the shards' momentum is lowered by what
     the asynchrony adds, and accuracy holds after the switch (with the job's momentum 0.9 taken
@@ -214,6 +219,7 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
     assert [p["mode"] for p in result.phases] == ["allreduce", "downpour", "allreduce"]
 
 
+@pytest.mark.full
 def test_a_run_that_stops_at_the_rollback_ends_with_the_model_from_before_the_switch(ray_cluster, tmp_path):
     """The stop comes at the same epoch end that finds the switch hurt: the rollback is carried
     out first, so the final model and figures are those from before the switch."""
@@ -224,6 +230,7 @@ def test_a_run_that_stops_at_the_rollback_ends_with_the_model_from_before_the_sw
     assert result.final.test_accuracy == first["test_accuracy_before"] == back["test_accuracy_after"]
 
 
+@pytest.mark.full
 def test_local_momentum_is_carried_into_easgd_and_averaged_on_the_way_back_to_allreduce(ray_cluster):
     ctl = controller([{"mode": "allreduce", "until": {"epochs": 1}},
                       {"mode": "easgd", "tau": 2, "momentum": 0.9, "until": {"epochs": 1}}, {"mode": "allreduce"}],

@@ -1,0 +1,43 @@
+"""End-to-end runs shared by several tests: each real run is made once per session and asserted
+on from every angle that needs it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO
+
+MAIN_EXAMPLE = os.path.join(REPO, "examples", "mnist_allreduce.yaml")
+
+
+def submit(ray_head, entrypoint: list[str], timeout_s: float = 600, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`ray job submit [options]` (waits for the job); retried while the head's job agent is still starting."""
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    cmd = [ray_bin, "job", "submit", "--address", ray_head.dashboard_url, *options, "--"] + entrypoint
+    env = dict(ray_head.env)
+    env.pop("MLFLOW_TRACKING_URI", None)
+    deadline = time.monotonic() + 60
+    while True:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if "No available agent" not in proc.stdout + proc.stderr or time.monotonic() > deadline:
+            return proc
+        time.sleep(2)
+
+
+@pytest.fixture(scope="session")
+def main_example_job(ray_head, mlflow_server, tmp_path_factory):
+    """The main example, unchanged, submitted with `ray job submit` to the session's head and
+    tracked to the session's `mlflow server`: (the finished `ray job submit`, its result JSON).
+    The job-submit test checks the job; the resume test takes it as the uncrashed reference."""
+    tmp = tmp_path_factory.mktemp("main_example_job")
+    out = tmp / "result.json"
+    proc = submit(ray_head, [sys.executable, "-m", "orchestrator", "run", MAIN_EXAMPLE,
+                             "--set", f"tracking.tracking_uri={mlflow_server}",
+                             "--set", f"checkpoint.storage={tmp}/ck", "--result-json", str(out)])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return proc, json.loads(out.read_text())
