@@ -50,6 +50,8 @@ from typing import Any, Optional
 
 from common import REPO, LineTail, environment, median
 
+RAY_TRAIN_START_TIMEOUT_S: Optional[float] = None  # None: Ray Train's own default (60 s); --ray-train-start-timeout-s
+
 # Ray reads its auth token once per process; the clusters this process starts and the
 # subprocesses connected to them share it.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -331,6 +333,8 @@ def ray_train_round(tmp: str) -> dict:
         # interval, 2 s by default: at POLL_S it looks as often as ours does
         env = dict(os.environ, RAY_ADDRESS=cluster.address, RAY_TRAIN_V2_ENABLED="1",
                    RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=str(POLL_S))
+        if RAY_TRAIN_START_TIMEOUT_S is not None:  # how long its new worker group may take to start (60 s by default)
+            env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(RAY_TRAIN_START_TIMEOUT_S)
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ray-train-child", spec], cwd=tmp,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -406,7 +410,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one round each side (about 3-5 minutes on 2 cores)")
     p.add_argument("--json", metavar="PATH", help="write results (BENCHMARKS.md contract) to PATH")
+    p.add_argument("--ray-train-start-timeout-s", type=float, metavar="S",
+                   help="Ray Train's worker-group start timeout (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S; its "
+                        "default, 60 s, is most of its shrink: a group asked for 2 workers on 1 node waits it out)")
     args = p.parse_args()
+    if args.ray_train_start_timeout_s is not None and not args.ray_train_start_timeout_s > 0:
+        p.error("--ray-train-start-timeout-s: give seconds above 0")
+    global RAY_TRAIN_START_TIMEOUT_S
+    RAY_TRAIN_START_TIMEOUT_S = args.ray_train_start_timeout_s
     rounds = 1 if args.quick else 3
     runs: dict[str, list] = {"ours": [], "ray_train": []}
     for rnd in range(rounds):
@@ -437,7 +448,8 @@ def main() -> None:
               "ray_train": {"v2": True, "scaling_config": f"num_workers=({MIN_WORKERS}, {MAX_WORKERS}), "
                                                           f"elastic_resize_monitor_interval_s={POLL_S}",
                             "failure_config.max_failures": -1, "checkpoint": "every epoch (rank 0)",
-                            "env": {"RAY_TRAIN_V2_ENABLED": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(POLL_S)}}}
+                            "env": {"RAY_TRAIN_V2_ENABLED": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(POLL_S)},
+                            "worker_group_start_timeout_s": 60.0 if RAY_TRAIN_START_TIMEOUT_S is None else RAY_TRAIN_START_TIMEOUT_S}}
     print(f"\nresize ({'quick' if args.quick else 'full'}; {rounds} round(s) per side; poll {POLL_S} s)")
     print(f"  {'side':<10} {'shrink_s':>24} {'grow_s':>24}")
     for side, c in cases.items():

@@ -73,21 +73,19 @@ def writable_local_dir(path: str) -> Optional[str]:
 
 
 def writable_local_file(path: str) -> Optional[str]:
-    """None if a file can be written at `path` (its directory there or creatable, and written to
-    by a probe file; the path not a directory; a file already there opened for appending, which
-    changes nothing), else why not. Creates nothing."""
+    """None if a file can be written at `path` (not a directory; a file already there opened for
+    appending, which changes nothing; else its directory there or creatable, and written to by a
+    probe file), else why not. Creates nothing."""
     why = bad_local_path(path)
     if why:
         return why
     path = os.path.abspath(path)
     if os.path.isdir(path):
         return f"{path} is a directory"
-    why = writable_local_dir(os.path.dirname(path))
-    if why or not os.path.isfile(path):
-        return why
-    try:
-        with open(path, "ab"):
-            pass
+    if not os.path.exists(path):
+        return writable_local_dir(os.path.dirname(path))
+    try:  # a file already there (or /dev/null, a pipe): opened for appending without blocking, nothing changes
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
     except OSError as exc:
         return f"{path} is not writable: opening it gives {exc.strerror or type(exc).__name__}"
     return None

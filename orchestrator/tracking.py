@@ -90,7 +90,8 @@ def _check_store(uri: str, field: str) -> None:
         path = make_url(uri).database
         if path and path != ":memory:":
             path = os.path.abspath(path)
-            why = writable_local_file(path)
+            # the directory too: sqlite writes its journal beside the file
+            why = writable_local_file(path) or writable_local_dir(os.path.dirname(path))
             if why:
                 raise ConfigError(f"config error: {field}: cannot write the MLflow store {uri} ({why})")
     elif scheme in ("", "file"):
