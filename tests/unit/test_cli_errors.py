@@ -375,21 +375,17 @@ def test_one_gpu_per_replica_is_valid():
     assert JobConfig.from_dict(GOOD, ["scaling.gpus_per_replica=1"]).scaling.gpus_per_replica == 1
 
 
-def test_local_cluster_far_larger_than_the_machine(tmp_path, capsys, monkeypatch):
-    """scaling.replicas=64 on 2 cores: exit 2 before ray.init (a local cluster would declare 64
-    logical CPUs and start 64 replica processes)."""
-    import ray
-
-    def reached(*args, **kwargs):
-        raise Reached()
-
-    monkeypatch.setattr(ray, "init", reached)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.chdir(tmp_path)
-    assert main(["run", write(tmp_path, GOOD), "--set", "scaling.replicas=64", "--no-progress"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert_one_line(2, err, "config error: scaling: the job asks for 64 logical CPUs (scaling.replicas x")
+def test_local_cluster_far_larger_than_the_machine(tmp_path):
+    """2 replicas of 5000 CPUs each with no cluster to join: exit 2 with one line before Ray starts
+    (a local cluster would declare 10000 logical CPUs). In a fresh process, so that no Ray
+    connection of this one is joined instead."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", write(tmp_path, GOOD), "--set",
+                           "scaling.cpus_per_replica=5000", "--no-progress"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert_one_line(2, proc.stderr.strip(), "config error: scaling: the job asks for 10000 logical CPUs (scaling.replicas x")
     assert os.listdir(tmp_path) == ["job.yaml"]
 
 
