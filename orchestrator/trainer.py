@@ -187,6 +187,7 @@ class ElasticTrainer:
                 ray.shutdown()
             for sig, handler in (previous_handlers or {}).items():
                 signal.signal(sig, handler)
+            INTERRUPTED.clear()  # handled (the KeyboardInterrupt is on its way out): not this process's next run's
         result = _result(cfg, totals, tracker, time.perf_counter() - t0, ctl.phases)
         tracker.event("finished", t0, wall_s=round(result.wall_s, 3))
         tracker.log_metrics([("wall_s", result.wall_s, totals.steps),
