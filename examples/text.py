@@ -2,8 +2,9 @@
 
 Each row's `text` holds CONTEXT + 1 bytes (examples/datasets.py): the model reads the first
 CONTEXT as token ids (one byte, one token: a character-level model over ASCII, vocabulary 128)
-and learns to predict each following byte. The function gets a pyarrow RecordBatch (or Table)
-of rows and returns (inputs, targets) with those rows as the first dimension.
+and learns to predict each following byte. The function gets a pyarrow Table of rows (a
+partition may span files and row groups) and returns (inputs, targets) with those rows as the
+first dimension.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 
-def decode(batch: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
+def decode(batch: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     column = batch.column("text")
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()

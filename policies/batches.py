@@ -1,7 +1,7 @@
 """Batches as the model and the task see them: a tensor, or a dict of tensors (name -> tensor).
 
-A decoder (actors/decoding.py, or the user's `data.decode`) turns a record batch into
-(inputs, targets), each a "tree": one array, or a dict of arrays that share their first
+A decoder (actors/decoding.py, or the user's `data.decode`) turns a pyarrow Table of rows
+into (inputs, targets), each a "tree": one array, or a dict of arrays that share their first
 dimension (the rows). Everything that moves rows around (partitions, batches, test slices)
 goes through the helpers here, so a dict of tensors travels exactly like one tensor.
 """
