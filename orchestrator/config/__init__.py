@@ -1,7 +1,8 @@
 """The job config: typed, validated, documented; YAML is a view of these models.
 
 `JobConfig` (orchestrator/config/job.py) holds the sections: what is trained and how it is kept
-(orchestrator/config/sections.py) and how replicas train together (orchestrator/config/strategy.py).
+(orchestrator/config/sections.py), how replicas train together (orchestrator/config/strategy.py), and
+the replicas as a fleet: scaling, fault tolerance, injected faults (orchestrator/config/fleet.py).
 `JobConfig.from_yaml(path, overrides)` is the one way in from the outside world; it raises
 `ConfigError` with a single line naming the field or file on bad input. docs/config.md is
 written from these models by orchestrator/config_docs.py.
@@ -10,9 +11,9 @@ from orchestrator.config.job import (MAX_YAML_VALUES, JobConfig, apply_overrides
                                      yaml_shape_problem)
 from orchestrator.config.sections import (RUN_NAME, CheckpointConfig, DataConfig, ModelConfig, OptimizerConfig,
                                           RunConfig, Section, StopConfig, TargetConfig, TaskConfig, TrackingConfig)
-from orchestrator.config.strategy import (MODE_OPTIONS, UNTIL_COUNTS, AdaptiveConfig, FaultsConfig,
-                                          FaultToleranceConfig, PhaseConfig, PhaseOptimizer, ScalingConfig,
-                                          SlowWindow, StrategyConfig)
+from orchestrator.config.fleet import FaultsConfig, FaultToleranceConfig, ScalingConfig, SlowWindow
+from orchestrator.config.strategy import (MODE_OPTIONS, UNTIL_COUNTS, AdaptiveConfig, PhaseConfig, PhaseOptimizer,
+                                          StrategyConfig)
 
 __all__ = [
     "MAX_YAML_VALUES", "JobConfig", "apply_overrides", "describe_validation_error", "yaml_shape_problem", "RUN_NAME",

@@ -16,8 +16,8 @@ from orchestrator.errors import ConfigError
 
 from orchestrator.config.sections import (CheckpointConfig, DataConfig, ModelConfig, OptimizerConfig, RunConfig, Section,
                                           StopConfig, TaskConfig, TrackingConfig)
-from orchestrator.config.strategy import (UNTIL_COUNTS, FaultsConfig, FaultToleranceConfig, ScalingConfig,
-                                          StrategyConfig)
+from orchestrator.config.fleet import FaultsConfig, FaultToleranceConfig, ScalingConfig
+from orchestrator.config.strategy import UNTIL_COUNTS, StrategyConfig
 
 
 class JobConfig(Section):
