@@ -41,10 +41,13 @@ class TrainResult:
     phases: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 
+    def headline(self, metric: str) -> str:
+        """Why the run stopped and its headline `metric`: the first line of every summary."""
+        return f"done: {self.stop_reason}; {metric} {self.final.get(metric, float('nan')):.4f}"
+
     def final_line(self, metric: str) -> str:
-        """The one line `--no-progress` prints: why the run stopped, its headline `metric`, its MLflow run."""
-        value = self.final.get(metric, float("nan"))
-        return f"done: {self.stop_reason}; {metric} {value:.4f}; MLflow run {self.mlflow_run_id}"
+        """The one line `--no-progress` prints: the headline and the MLflow run."""
+        return f"{self.headline(metric)}; MLflow run {self.mlflow_run_id}"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -197,8 +197,7 @@ class ElasticTrainer:
         _log_plot(tracker)
         tracker.finish("FINISHED")
         if self.show_progress:
-            metric = ctl.metric
-            print(f"done: {result.stop_reason}; {metric} {result.final.get(metric, float('nan')):.4f}\n"
+            print(f"{result.headline(ctl.metric)}\n"
                   f"{tracker.where()}\n  view it: mlflow ui --backend-store-uri {tracker.tracking_uri}\n"
                   f"checkpoint: {result.checkpoint}", flush=True)
         return result
