@@ -174,7 +174,9 @@ def test_a_runs_all_reduce_faster_than_the_latency_fitted_here_still_sets_the_li
     got = predict("allreduce", 2, cal)
     assert got.comm_s == pytest.approx(run["comm_s"], rel=1e-6)
     assert got.compute_s == pytest.approx(run["compute_s"], rel=1e-9)
-    assert cal.alpha_s > 0 and cal.beta_s_per_byte > 0  # the shape kept: more replicas cost more latency
+    # the shape kept: more replicas cost more. The latency fitted on this host's loopback may be 0
+    # (fit_link keeps it >= 0 when a loaded host's timings give a negative intercept)
+    assert cal.alpha_s >= 0 and cal.beta_s_per_byte > 0
     assert predict("allreduce", 8, cal).comm_s > got.comm_s
 
 
