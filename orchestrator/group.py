@@ -281,7 +281,9 @@ class ReplicaGroup:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError as exc:
             raise TrainingError(f"{what}: {exc}") from None
-        except ray.exceptions.RayActorError as exc:
+        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
+            # ObjectLostError: the answer was made but its node went away before it was read
+            # (a node removed between the reply and the get); the member there is gone too
             dead = self.dead_members()
             if dead:  # a value for the failure policy, not the end of the run
                 raise MemberLost(dead, what) from None
