@@ -5,6 +5,7 @@ membership change or paused for a switch or a grow goes on where it stopped. `se
 ModelReplica (actors/replica.py) whose state the loop reads and moves."""
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -37,7 +38,7 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
     group first, so peers are not left waiting."""
     self.model.train()
     cur = self.cursor if resume and self.cursor is not None and self.cursor["epoch"] == epoch else None
-    base_batch = int(self.cfg["data"]["batch_size"])
+    base_batch = int(self.cfg["data"]["batch_size"]) * int(self.cfg["data"].get("accumulate", 1))  # micro-batches x k
     follow_share(self, base_batch)
     if cur is None:
         batches = self.reader.epoch_batches(first_grant)
@@ -68,7 +69,7 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
         following = cur["following"] if real else None
         x, y = current[:2] if real else (None, None)
         pause = current_pause or is_pause(following)  # lock-step: every member stops after this step
-        if self.lr_ramp is not None:
+        if self.lr_moves:
             self.apply_lr()
         t_step = time.perf_counter()
         try:
@@ -93,6 +94,9 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
         figures = getattr(self.worker, "last", None)
         if figures:
             win.add(figures)
+        norm = self.recipe.last.grad_norm
+        if real and norm is not None and math.isfinite(norm):  # fp16's skipped steps have none
+            win.add_norm(norm)
         follow_share(self, base_batch)
         cur["pending"], cur["following"] = following, _UNREAD
         if lock_step and pause:
@@ -128,7 +132,8 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
                          "comm_share": win_comm / (now - t_window), "lr": self.current_lr(),
                          "comm_s": win_comm / log_every, **win.row(win_comm / log_every),
                          "batch_rows": self.reader.batch_size,
-                         "period": getattr(self.worker, "balanced_period", None)})  # local SGD's, balanced
+                         "period": getattr(self.worker, "balanced_period", None),  # local SGD's, balanced
+                         **({"skipped_steps": self.recipe.skipped} if self.recipe.scaler is not None else {})})
             t_window, window, win_compute, win_comm, win_real = now, 0, 0.0, 0.0, 0
             win = StepWindow()
             if now - t_sent >= send_every:  # each message to the driver costs the step loop
@@ -198,6 +203,10 @@ class StepWindow:
     def __init__(self) -> None:
         self.sums = {"wait_s": 0.0, "spread": 0.0, "diversity": 0.0}
         self.counts = {"wait_s": 0, "spread": 0, "diversity": 0}
+        self.norms: list[float] = []  # each step's gradient norm before clipping (policies/recipe.py)
+
+    def add_norm(self, norm: float) -> None:
+        self.norms.append(norm)
 
     def add(self, figures: dict[str, Any]) -> None:
         for k in self.sums:
@@ -209,11 +218,12 @@ class StepWindow:
     def row(self, comm_s: float) -> dict[str, Any]:
         """The progress row's figures: wait_s (per step), comm_s (`comm_s`, the collective's
         seconds per step, less the waiting: the transfer itself), busy_spread,
-        gradient_diversity; {} when none."""
+        gradient_diversity, grad_norm (the mean of the steps'); {} when none."""
+        norm = {"grad_norm": sum(self.norms) / len(self.norms)} if self.norms else {}
         if not any(self.counts.values()):
-            return {}
+            return norm
         mean = {k: self.sums[k] / self.counts[k] if self.counts[k] else None for k in self.sums}
-        out: dict[str, Any] = {"busy_spread": mean["spread"], "gradient_diversity": mean["diversity"]}
+        out: dict[str, Any] = {"busy_spread": mean["spread"], "gradient_diversity": mean["diversity"], **norm}
         if mean["wait_s"] is not None:
             out["wait_s"] = mean["wait_s"]
             out["comm_s"] = max(0.0, comm_s - mean["wait_s"])

@@ -10,8 +10,12 @@ A replica's PartitionReader, granted a partition, runs `read_partition_task` on 
 it reads just the blocks that overlap the range (Parquet: only those row groups, a partly
 covered one in slices), keeps the rows of its split, decodes them (actors/decoding.py) and
 returns {"x", "y", "ids"} into the node's object store. Evaluation reads its share of the test
-rows a piece at a time in the replica (`read_rows`). A file that cannot be read is a
+rows a piece at a time in the replica (`read_range`). A file that cannot be read is a
 `SourceReadError` naming the file.
+
+A map-style torch Dataset is planned the same way (fmt "torch"): its positions index a list of
+dataset indices, and `read_range` reads them by calling the dataset (actors/items.py), so the
+partitions, their read tasks and evaluation pieces are the same for both.
 """
 from __future__ import annotations
 
@@ -66,6 +70,7 @@ class StreamPlan:
     ranges: tuple[tuple[int, int], ...] = ()
     rows: tuple[int, ...] = ()
     piece_rows: int = 65536  # evaluation reads at most this many positions at a time
+    items: Any = None  # a torch Dataset source (fmt "torch"): its actors.items.ItemSource, read by index
 
     @property
     def total(self) -> int:
@@ -209,6 +214,12 @@ def decode_rows(plan: StreamPlan, table: pa.Table, positions: np.ndarray, lo: in
 
 
 def read_range(plan: StreamPlan, lo: int, hi: int) -> dict[str, Any]:
+    """{"x", "y", "ids"} of the kept rows among positions [lo, hi): read from the files, or for
+    a torch Dataset plan indexed in the dataset (actors/items.py)."""
+    if plan.items is not None:
+        from actors.items import read_items  # imports torch, which a file source's read task does without
+
+        return read_items(plan, lo, hi)
     table, positions = read_rows(plan, lo, hi)
     return decode_rows(plan, table, positions, lo, hi)
 

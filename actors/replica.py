@@ -39,6 +39,7 @@ from actors.shard_client import RayShardClient
 from policies.factory import build_model, carry_optimizer_state, momentum_buffers, set_momentum_buffers
 from policies.lr_scaling import warmup_lr
 from policies.batches import as_tensors, forward, rows as batch_rows, slice_rows, to_device, tree_map
+from policies.recipe import Recipe, Schedule
 from policies.registry import Transport, build_worker, mode_spec
 from policies.tasks import add_stats, load_task
 
@@ -65,6 +66,8 @@ class ModelReplica:
         torch.set_num_threads(max(1, int(config["scaling"]["cpus_per_replica"])))
         self.device = replica_device(config["scaling"]["gpus_per_replica"])
         self.model = build_model(config["model"]["factory"], config["model"]["kwargs"], config["data"]["seed"]).to(self.device)
+        if config["model"].get("compile"):  # once per replica process: a switch or a reload keeps the compiled forward
+            self.model.forward = torch.compile(self.model.forward)  # the module's own state_dict keys stay
         self.task = load_task(config["task"]["name"], config["task"]["kwargs"])
         self.base_optimizer = dict(config["optimizer"])
         self._take_strategy(config["strategy"])
@@ -81,6 +84,9 @@ class ModelReplica:
         self.cursor: Optional[dict[str, Any]] = None  # the epoch in progress: its batches and where we are
         self.has_buffers = any(True for _ in self.model.buffers())
         self.lr_ramp: Optional[dict[str, float]] = None  # a resize's learning-rate factor (set_lr_scale)
+        self.recipe = Recipe.from_config(config, self.device)  # micro-batches, precision, clipping (policies/recipe.py)
+        schedule = config["optimizer"].get("schedule")
+        self.schedule = Schedule(schedule, config.get("schedule_steps", 1)) if schedule else None
         if config.get("multi_phase"):  # torch.optim's first use imports ~1 s of modules: not in a switch
             torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
         if rank is not None:
@@ -111,7 +117,9 @@ class ModelReplica:
         if self.spec.sharded and self.client is None:
             self.client = RayShardClient(self.shards, s["max_in_flight"], s["timeout_s"])
         self.worker, self.flat = build_worker(self.model, self.cfg, self.rank, self.world_size,
-                                              Transport(self.reducer, self.client if self.spec.sharded else None, self.task))
+                                              Transport(self.reducer, self.client if self.spec.sharded else None, self.task,
+                                                        self.recipe))
+        self.apply_lr()
         if self.slow and getattr(self.worker, "straggles_inside", False):
             self.worker.straggle = self.slow_down  # backups: the delay before the gradient is ready, cut short when late
 
@@ -137,13 +145,14 @@ class ModelReplica:
         carried = carry_optimizer_state(getattr(old, "optimizer", None), getattr(self.worker, "optimizer", None))
         return {"rank": self.rank, "step": self.step, "local_optimizer": carried}
 
-    def momentum(self) -> Optional[np.ndarray]:
-        """The local optimizer's momentum buffers, flat (None: it keeps none)."""
+    def momentum(self) -> Optional[dict[str, np.ndarray]]:
+        """The local optimizer's per-element state (momentum buffers, Adam's moments), flat per
+        state key (None: it keeps none)."""
         flat = momentum_buffers(getattr(self.worker, "optimizer", None))
-        return None if flat is None else flat.numpy()
+        return None if flat is None else {k: v.cpu().numpy() for k, v in flat.items()}
 
-    def set_momentum(self, flat: np.ndarray) -> None:
-        set_momentum_buffers(self.worker.optimizer, torch.from_numpy(flat))
+    def set_momentum(self, flat: dict[str, np.ndarray]) -> None:
+        set_momentum_buffers(self.worker.optimizer, {k: torch.from_numpy(v).to(self.device) for k, v in flat.items()})
 
     def _load_reference(self) -> None:
         """The shards' reference parameters and averaged buffers into the model: straight into
@@ -204,19 +213,43 @@ class ModelReplica:
         self.apply_lr()
         return self.current_lr()
 
+    @property
+    def lr_moves(self) -> bool:
+        """The rate changes from step to step (optimizer.schedule, or a resize's ramp)."""
+        return self.schedule is not None or self.lr_ramp is not None
+
+    def lr_factor(self) -> float:
+        """optimizer.lr's factor for the next step: the schedule's at this replica's optimizer
+        step, times the resize ramp's in modes with a global batch (policies/lr_scaling.py)."""
+        factor = self.schedule.factor(self.step) if self.schedule is not None else 1.0
+        if self.lr_ramp is not None and self.spec.global_batch:
+            r = self.lr_ramp
+            factor *= warmup_lr(r["target"], r["start"], self.step - r["from_step"], int(r["steps"]))
+        return factor
+
     def apply_lr(self) -> None:
-        """The resize schedule's rate for the next step into the local optimizer (global-batch modes)."""
-        opt = getattr(self.worker, "optimizer", None)
-        if opt is None or self.lr_ramp is None or not self.spec.global_batch:
+        """The rate for the next step into the local optimizer (downpour: the factor its local
+        steps and its pushes carry to the shards)."""
+        if self.worker is None or not self.lr_moves:
             return
-        r = self.lr_ramp
-        lr = self.cfg["optimizer"]["lr"] * warmup_lr(r["target"], r["start"], self.step - r["from_step"], int(r["steps"]))
-        for group in opt.param_groups:
-            group["lr"] = lr
+        factor = self.lr_factor()
+        if hasattr(self.worker, "lr_factor"):
+            self.worker.lr_factor = factor
+        opt = getattr(self.worker, "optimizer", None)
+        if opt is not None:
+            lr = self.cfg["optimizer"]["lr"] * factor
+            for group in opt.param_groups:
+                group["lr"] = lr
 
     def current_lr(self) -> Optional[float]:
+        """The rate of the next step: the local optimizer's, or (downpour) the shards' for this
+        replica's pushes."""
         opt = getattr(self.worker, "optimizer", None)
-        return float(opt.param_groups[0]["lr"]) if opt is not None else None
+        if opt is not None:
+            return float(opt.param_groups[0]["lr"])
+        if hasattr(self.worker, "lr_factor"):
+            return float(self.cfg["optimizer"]["lr"] * self.worker.lr_factor)
+        return None
 
     def pid(self) -> int:
         return os.getpid()
@@ -287,7 +320,7 @@ class ModelReplica:
         opt = getattr(self.worker, "optimizer", None)
         return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
                 "optimizer": opt.state_dict() if opt is not None else None, "step": self.step,
-                "worker": self._worker_state()}
+                "worker": self._worker_state(), "recipe": self.recipe.state_dict()}
 
     def _worker_state(self) -> Optional[dict[str, Any]]:
         """What the mode's worker keeps beside the model (local SGD's global model and outer
@@ -304,7 +337,9 @@ class ModelReplica:
         load = getattr(self.worker, "load", None)
         if load is not None:
             load(state.get("worker"))
+        self.recipe.load_state_dict(state.get("recipe"))
         self.step = state["step"]
+        self.apply_lr()
         return self.step
 
     def sync_from_shards(self, step: int) -> int:
@@ -314,6 +349,7 @@ class ModelReplica:
         self.step = step
         if hasattr(self.worker, "step_count"):
             self.worker.step_count = step
+        self.apply_lr()
         return step
 
     # ---- data ----------------------------------------------------------------------------
@@ -325,7 +361,8 @@ class ModelReplica:
         if t_train_wall is not None:
             self.t_train_wall = t_train_wall
         data = self.cfg["data"]
-        self.reader = PartitionReader(server, train_parts[0], self.rank, data["batch_size"], data["shuffle"],
+        self.reader = PartitionReader(server, train_parts[0], self.rank, data["batch_size"] * data.get("accumulate", 1),
+                                      data["shuffle"],
                                       self.device, self.cfg["strategy"]["timeout_s"], data.get("prefetch_partitions", 2))
         return self.set_test_slice(test_part, test_slice)
 
@@ -400,7 +437,7 @@ class ModelReplica:
             model = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         opt = getattr(self.worker, "optimizer", None)
         return {"model": model, "optimizer": opt.state_dict() if opt is not None else None, "step": self.step,
-                "worker": self._worker_state()}
+                "worker": self._worker_state(), "recipe": self.recipe.state_dict()}
 
     @contextlib.contextmanager
     def _reference_loaded(self):

@@ -52,6 +52,8 @@ from policies.failure import FailurePolicy
 from policies.leases import MAX_GRANT, first_grant_messages
 from policies.registry import mode_spec
 from policies.stop import ChanceWatch, StopPolicy
+from policies.recipe import planned_steps
+from policies.stop import BestWatch
 from policies.switching import entering_optimizer, make_switch_policy
 from policies.tasks import sum_stats
 
@@ -88,8 +90,11 @@ class Controller:
         modes = config.strategy.modes()
         sharded = [m for m in modes if mode_spec(m).sharded]
         self.needs_shards = bool(sharded)  # any phase keeps its reference in shards
-        self.server_optimizer = (mode_spec("downpour" if "downpour" in sharded else sharded[0]).server_optimizer(
-            config.optimizer.name) if sharded else None)
+        server = (mode_spec("downpour" if "downpour" in sharded else sharded[0]).server_optimizer(config.optimizer.name)
+                  if sharded else None)
+        # what the shards apply: a name, or with optimizer.kwargs {name, kwargs} (policies/sharding.py ShardState)
+        self.server_optimizer = ({"name": server, "kwargs": dict(config.optimizer.kwargs)}
+                                 if server == config.optimizer.name and config.optimizer.kwargs else server)
         self.phases: list[dict[str, Any]] = []  # the result JSON's record of which mode ran when
         self.signals: dict[int, dict[str, Any]] = {}  # rank -> its latest progress row (the switch policy's input)
         self.batch_shares: Optional[list[int]] = None  # strategy.balance: the split last reported (rows or periods)
@@ -97,6 +102,10 @@ class Controller:
         self.elastic = Elasticity(self)  # growing and shrinking with the cluster (orchestrator/elastic.py)
         self.state: State = Starting()
         self.group = ReplicaGroup(config, strategy=self.strategy)
+        # optimizer.schedule's clock: the optimizer steps the run plans (policies/recipe.py planned_steps)
+        self.group.raw["schedule_steps"] = planned_steps(dataset.train_rows, config.data.batch_size,
+                                                         config.data.accumulate, config.scaling.replicas,
+                                                         config.stop.epochs)
         self.shard_group = None
         self.group.on_wait = self._watch  # a replica waited on may be waiting for a shard or server rebuild
         self.totals = RunTotals()
@@ -107,6 +116,10 @@ class Controller:
         self.progress: dict[int, int] = {}  # rank -> the last step it reported (progress rows)
         s, ft = config.stop, config.fault_tolerance
         self.stop_policy = StopPolicy(s.epochs, self.target, s.at_target, s.max_wall_s)
+        early = s.early_stopping
+        self.best = BestWatch(self.metric, config.metric_goals()[self.metric], early.min_delta if early else 0.0,
+                              early.patience if early else None)  # checkpoint.keep_best, stop.early_stopping
+        self.best_model: Optional[dict[str, Any]] = None  # keep_best: the best epoch's model (state dict)
         self.failure_policy = FailurePolicy(ft.max_replica_restarts, ft.restart_backoff_s, config.scaling.min_replicas)
         self.steps_per_epoch = 0
         self.train_started = 0.0  # perf_counter when training began (after start-up)
@@ -159,6 +172,7 @@ class Controller:
         pos.register("wall_elapsed_s", lambda: time.perf_counter() - self.t0, load_wall_clock)
         pos.register("lr_schedule", self.elastic.lr.position, self.elastic.restore_lr)
         pos.register("shards", save_shards, load_shards)
+        pos.register("best", self.best.position, self.best.restore)
         pos.register("switching_off", lambda: self.switching_off, lambda off: setattr(self, "switching_off", off))
         return pos
 
@@ -363,9 +377,22 @@ class Controller:
             self.report.tracker.log_file(path)
         from orchestrator.final_model import log_trained_model
 
-        seconds = log_trained_model(self.report.tracker, self.cfg, self.dataset, self.last_state["model"])
+        model, which = self.last_state["model"], "final"
+        if self.cfg.checkpoint.keep_best and self.best.best is not None:
+            model, which = self.best_state_model(), f"best (epoch {self.best.best_epoch})"
+        seconds = log_trained_model(self.report.tracker, self.cfg, self.dataset, model)
         if seconds is not None:
-            self.report.event("model_logged", name="model", seconds=round(seconds, 3))
+            self.report.event("model_logged", name="model", seconds=round(seconds, 3), model=which)
+
+    def best_state_model(self) -> dict[str, Any]:
+        """checkpoint.keep_best: the best epoch's model, held since it was checkpointed, or (a
+        resumed run) read back from best.pt."""
+        if self.best_model is None:
+            from orchestrator.checkpoint import load_checkpoint
+
+            directory = self.cfg.run.name or self.tracker.run_id
+            self.best_model = load_checkpoint(f"{self.cfg.checkpoint.storage.rstrip('/')}/{directory}/best.pt")["model"]
+        return self.best_model
 
     def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None) -> str:
         """The lowest answering rank's model and optimizer state (all replicas hold the same

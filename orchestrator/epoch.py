@@ -102,7 +102,8 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
                           target=target.value, goal=target.goal, **{target.metric: judged[target.metric]})
 
     rows_out = [(key, p[name], p["step"]) for p in seg.progress
-                for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"), ("lr", "lr"))
+                for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"), ("lr", "lr"),
+                                  ("grad_norm", "grad_norm"), ("skipped_steps", "skipped_steps"))
                 if p.get(name) is not None]
     rows_out += step_metric_rows(seg.all_progress)
     figures = step_figures(seg.all_progress)
@@ -138,14 +139,21 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
         if why is not None:
             raise TrainingError(f"epoch {epoch}: training diverged: {why}; the last checkpoint is kept")
         ck = cfg.checkpoint
-        if checkpoint_due(epoch, time.perf_counter(), max(ctl.checkpoints.last_s, ctl.train_started),
-                          ck.every_epochs, ck.every_s):
+        best = ctl.best.observe(epoch, judged) and ck.keep_best  # the best epoch so far: kept as best.pt
+        if best or checkpoint_due(epoch, time.perf_counter(), max(ctl.checkpoints.last_s, ctl.train_started),
+                                  ck.every_epochs, ck.every_s):
             try:
-                tot.checkpoint = ctl.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s)
+                tot.checkpoint = ctl.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s,
+                                                named="best.pt" if best else None)
+                if best:
+                    ctl.best_model = ctl.last_state["model"]
+                    ctl.report.event("best_checkpoint", epoch=epoch, metric=ctl.metric, value=judged[ctl.metric])
             except TrainingError as exc:  # a replica stopped or died meanwhile: the next epoch sees to it
                 ctl.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
                 ctl.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
     decision = ctl.stop_policy.decide(EpochSnapshot(epoch, judged, time.perf_counter() - ctl.train_started))
+    if not decision.stop and not rolling_back:
+        decision = ctl.best.stop() or decision  # stop.early_stopping
     if decision.stop:
         tot.stop_reason = decision.reason
         ctl.report.event("stop", reason=decision.reason)

@@ -1,5 +1,6 @@
 """The data a job trains on: `load_dataset` picks the loader for the job's source (a builtin,
-in-memory data, or files, which are planned rather than read: orchestrator/planning.py)."""
+in-memory data, files, which are planned rather than read: orchestrator/planning.py, or a
+map-style torch Dataset, planned the same way: orchestrator/torch_data.py)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,7 @@ from orchestrator.data import Dataset, load_source
 from orchestrator.errors import ConfigError
 from orchestrator.planning import StreamedDataset, plan_file_dataset
 from orchestrator.sources import classes_of, decode_spec, read_table, table_from_memory, table_to_split
+from orchestrator.torch_data import check_fields, load_torch_dataset, wants_torch
 from policies.batches import shape_of
 
 
@@ -31,8 +33,13 @@ def load_dataset(data_cfg, in_memory: Any = None, task: Any = None, replicas: in
     """The train and test data for a job (see DataConfig for the fields): builtins and in-memory
     data as arrays (put into the object store by the driver), a file source as a plan
     (orchestrator/planning.py: read where it is consumed). `task`: whose dtypes the builtin
-    decoder makes (default: classification's); `replicas`: for a file source's partition count."""
+    decoder makes (default: classification's); `replicas`: for a file source's partition count.
+    A torch Dataset (`in_memory` one, or a 'module:function' data.source) is planned like a file
+    source (orchestrator/torch_data.py)."""
     source = data_cfg.source
+    if wants_torch(data_cfg, in_memory):
+        return load_torch_dataset(data_cfg, in_memory, task, replicas)
+    check_fields(data_cfg, torch_source=False)
     if in_memory is None and source.startswith("builtin:"):
         check_builtin_fields(data_cfg)
         return load_source(source, data_cfg.seed)

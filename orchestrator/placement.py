@@ -6,6 +6,8 @@
 - `StreamedData` (file sources): nothing of the source is put; a replica gets the train plan
   (its reader reads each granted partition on its own node, actors/reading.py) and its share
   of the test plan's pieces. Only the decoded sample is put (the spares' rehearsal batch).
+  A torch Dataset is planned like a file source: its dataset object (pickled) and each plan's
+  index list are put once, and the plans carry their refs (orchestrator/torch_data.py).
 
 Both answer the same questions (`rows`, `train`, `sample`, `test_share`), so the controller
 does not ask which kind it has.
@@ -40,6 +42,10 @@ class StreamedData:
         self.train: Any = dataset.train_plan
         self.rows = list(dataset.train_plan.rows)
         self.test = dataset.test_plan
+        if self.train.items is not None:  # a torch Dataset: the dataset and its index lists put once
+            from orchestrator.torch_data import place_items
+
+            self.train, self.test = place_items(self.train, self.test)
         self.test_rows = dataset.test_rows
         self.sample = ray.put({"x": dataset.sample.x, "y": dataset.sample.y})
 

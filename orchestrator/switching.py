@@ -159,11 +159,12 @@ class Switching(Change):
         self.carried = group.call(ranks, "set_mode", self.new_strategy, self.old_spec.sharded, what="set mode")
         if self.new_spec.process_group and any(c["local_optimizer"] == "carried" for c in self.carried):
             # into allreduce: every replica must take the same step, so the momentum each kept
-            # in the other mode is averaged once, as the parameters were (at the center)
+            # in the other mode (momentum, Adam's moments) is averaged once, as the parameters were
             buffers = group.call(ranks, "momentum", what="momentum")
             kept = [b for b in buffers if b is not None]
-            if len(kept) == len(ranks):
-                mean = np.mean(np.stack(kept), axis=0).astype(kept[0].dtype)
+            if len(kept) == len(ranks) and all(set(k) == set(kept[0]) for k in kept):  # per state key
+                mean = {key: np.mean(np.stack([k[key] for k in kept]), axis=0).astype(kept[0][key].dtype)
+                        for key in kept[0]}
                 group.call(ranks, "set_momentum", mean, what="momentum")
                 self.carried = [{**c, "local_optimizer": "carried, averaged"} for c in self.carried]
         group.set_strategy(self.new_strategy)

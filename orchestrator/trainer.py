@@ -33,6 +33,12 @@ def check_inputs(config: JobConfig, data: Any = None) -> Union[Dataset, Streamed
     if any(mode_spec(m).sharded for m in config.strategy.modes()) and config.scaling.shards > n_params:
         raise ConfigError(f"config error: scaling.shards: {config.scaling.shards} shards for the {n_params} "
                           f"parameters of {config.model.factory}; at most one shard per parameter")
+    from policies.recipe import RecipeError, make_optimizer
+
+    try:  # the optimizer's class takes the model's parameters and optimizer.kwargs
+        make_optimizer(config.optimizer.model_dump(), model.parameters())
+    except RecipeError as exc:
+        raise ConfigError(str(exc)) from None
     dataset = _load_checked_data(config, data)
     example = dataset.example(2)  # decoded rows (a file source's first rows: it is only planned, not read)
     check_model_and_task(config, model, example.x, example.y, dataset.num_classes)
@@ -90,7 +96,8 @@ class ElasticTrainer:
                  resume: Optional[dict[str, Any]] = None, callbacks: Sequence[Any] = (),
                  run_tags: Optional[dict[str, str]] = None) -> None:
         """`data`: optional in-memory training data instead of `config.data.source`: (x, y) numpy
-        arrays, a dict of columns, a pandas DataFrame or a pyarrow Table (see docs/data.md).
+        arrays, a dict of columns, a pandas DataFrame or a pyarrow Table, or a map-style
+        torch.utils.data.Dataset (or a (train, test) pair of them), see docs/data.md.
         `resume`: a checkpoint's state (`orchestrator.resume.find_checkpoint`): the run goes on
         from it, in the same MLflow run. `callbacks`: reporting callbacks (orchestrator/reporting.py),
         e.g. a sweep's trial reporting each epoch to Ray Tune. `run_tags`: extra tags on the MLflow

@@ -43,9 +43,10 @@ import torch
 
 from policies.backup import BackupGate
 from policies.balance import BatchBalancer
-from policies.batches import forward, rows as batch_rows
+from policies.batches import rows as batch_rows
 from policies.modes import StepResult, check_finite
 from policies.powersgd import PowerSgd
+from policies.recipe import Recipe
 from policies.tasks import Classification, Task
 
 class Late(Exception):
@@ -242,6 +243,7 @@ def allreduce_step(
     exchange: Optional[Callable[[], None]] = None,
     gate: Optional[BackupGate] = None,
     straggle: Optional[Callable[[float, Callable[[], bool]], None]] = None,
+    recipe: Optional[Recipe] = None,
 ) -> StepResult:
     """One synchronous step on this replica's batch (`x` None: an empty step, this replica's
     data ran out but another's has not). `more`: this replica has another batch after this one.
@@ -255,9 +257,12 @@ def allreduce_step(
     started during it (PowerSGD). `gate`: backup replicas (policies/backup.py): this replica's
     gradient is sent only if it is among the step's first; else it sends zeros and no rows,
     stopping its work as soon as it knows (`StepResult.dropped`: its rows). `straggle(busy_s,
-    late)`: a deliberate straggler's delay after the backward pass, cut short once `late()`."""
+    late)`: a deliberate straggler's delay after the backward pass, cut short once `late()`.
+    `recipe` (policies/recipe.py): micro-batches, autocast and loss scaling around the backward
+    pass, clipping and the optimizer step on the summed gradient (default: one fp32 batch)."""
+    recipe = recipe or Recipe()
     early = exchange is None and gate is None  # buckets leave during backward only when nothing can drop them
-    buckets.begin_step(reducer if early else None)
+    buckets.begin_step(None)  # armed before the last micro-batch's backward (earlier ones only accumulate)
     if figures is not None:
         buckets.figures.copy_(torch.tensor(figures, dtype=buckets.figures.dtype))
     dropped = None
@@ -267,20 +272,20 @@ def allreduce_step(
         if gate is not None and gate.late():
             dropped = n
         else:
-            loss = (task or Classification()).loss(forward(model, x), y) * n
-            # before backward: the first bucket may leave early
-            buckets.slots.copy_(torch.stack([loss.detach(), loss.new_tensor(float(n)), loss.new_tensor(float(more)),
-                                             loss.new_tensor(float(pause))]))
-            if gate is not None and gate.late():
+            def before_last(loss_sum: torch.Tensor) -> None:
+                # before the last backward: the first bucket may leave during it
+                buckets.slots.copy_(torch.stack([loss_sum, loss_sum.new_tensor(float(n)),
+                                                 loss_sum.new_tensor(float(more)), loss_sum.new_tensor(float(pause))]))
+                if early:
+                    buckets.reducer = reducer
+
+            buckets.stop = gate.late if gate is not None else None
+            try:
+                recipe.backward(model, task or Classification(), x, y, summed=True, before_last=before_last)
+            except Late:
                 dropped = n
-            else:
-                buckets.stop = gate.late if gate is not None else None
-                try:
-                    loss.backward()
-                except Late:
-                    dropped = n
-                finally:
-                    buckets.stop = None
+            finally:
+                buckets.stop = None
             if dropped is None:
                 if straggle is not None:
                     straggle(time.perf_counter() - t_busy, gate.late if gate is not None else lambda: False)
@@ -295,8 +300,7 @@ def allreduce_step(
     if exchange is not None:
         exchange()
     else:
-        if not early:
-            buckets.reducer = reducer
+        buckets.reducer = reducer  # already set when the backward started the buckets
         buckets.finish_step()
     comm_s = time.perf_counter() - t0
     loss_sum, rows, more_total, pause_total = buckets.slots.tolist()
@@ -304,11 +308,13 @@ def allreduce_step(
     check_finite(mean_loss)
     summed = buckets.figures.tolist() if figures is not None else None
     if rows:
+        norm = None
         if buckets.measure:
             buckets.summed_norm2_last = buckets.summed_norm2()
+            norm = buckets.summed_norm2_last ** 0.5 / rows
         for b in buckets.buffers:
             b.div_(rows)
-        optimizer.step()
+        recipe.apply(optimizer, buckets.params, norm=norm)  # clipped, fp16-unscaled: the same on every replica
     return StepResult(mean_loss, comm_s, int(rows), more_total > 0, pause_total > 0, figures=summed, ready_at=t0,
                       with_more=int(round(more_total)), dropped=dropped)
 
@@ -392,8 +398,9 @@ class AllReduceWorker:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: int,
                  reducer: Reducer, task: Optional[Task] = None, batch: int = 0,
                  balance: Optional[dict[str, Any]] = None, compression: str = "none",
-                 powersgd_rank: int = 2, backups: int = 0) -> None:
+                 powersgd_rank: int = 2, backups: int = 0, recipe: Optional[Recipe] = None) -> None:
         self.model, self.optimizer, self.task = model, optimizer, task or Classification()
+        self.recipe = recipe or Recipe()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.bucket_bytes, self.batch, self.balance = bucket_bytes, batch, balance
         self.compress = COMPRESSION[compression]
@@ -469,7 +476,8 @@ class AllReduceWorker:
         if gate is not None:
             gate.begin()
         result = allreduce_step(self.model, self.optimizer, self.buckets, x, y, self.reducer, more, pause, self.task,
-                                figures=figs.outgoing(), exchange=self.exchange, gate=gate, straggle=self.straggle)
+                                figures=figs.outgoing(), exchange=self.exchange, gate=gate, straggle=self.straggle,
+                                recipe=self.recipe)
         if gate is not None:
             gate.end(result.with_more, result.dropped)
         self.last = figs.observe(result.figures, started, batch_rows(y) if x is not None else 0, result.ready_at,

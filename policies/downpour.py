@@ -25,8 +25,9 @@ from typing import Any, Optional
 
 import torch
 
-from policies.batches import forward, rows
+from policies.batches import rows
 from policies.modes import ShardClient, StepResult, check_finite
+from policies.recipe import Recipe
 from policies.sharding import FlatParams
 from policies.tasks import Classification, Task
 
@@ -52,10 +53,14 @@ class DownpourWorker:
     pushes: int = 0
     _min_clock: int = 0
     task: Task = field(default_factory=Classification)  # the loss (policies/tasks.py)
+    recipe: Recipe = field(default_factory=Recipe)  # micro-batches, precision, clipping (policies/recipe.py)
+    lr_factor: float = 1.0  # the schedule's factor at this replica's step (set by the replica each step)
     lock_step = False
 
     def __post_init__(self) -> None:
         self.acc = torch.zeros_like(self.flat.grads)
+        # the local step between fetches: plain SGD at the scheduled rate (the shards apply optimizer.*)
+        self.local = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=self.lr)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, more: bool = False, pause: bool = False) -> StepResult:
         comm_s = 0.0
@@ -69,22 +74,26 @@ class DownpourWorker:
         comm_s += time.perf_counter() - t0
 
         self.flat.grads.zero_()
-        loss = self.task.loss(forward(self.model, x), y)
-        loss.backward()
-        check_finite(float(loss.detach()))  # never push a non-finite gradient
-        self.acc.add_(self.flat.grads)
-        with torch.no_grad():
-            self.flat.params.sub_(self.flat.grads, alpha=self.lr)
+        loss = self.recipe.backward(self.model, self.task, x, y)
+        check_finite(loss)  # never push a non-finite gradient
+        for group in self.local.param_groups:
+            group["lr"] = self.lr * self.lr_factor
+        if self.recipe.apply(self.local, norm=None).applied:  # clipped; fp16: skipped on inf/NaN
+            self.acc.add_(self.flat.grads)
         self.step_count += 1
 
         if self.step_count % self.n_push == 0:
             t0 = time.perf_counter()
-            self.client.push(self.acc, self.versions, self.rank, self.step_count, self.staleness_lr)
+            self.client.push(self.acc, self.versions, self.rank, self.step_count, self.rate())
             self.acc.zero_()  # the push has been serialized: reuse the buffer
             self.pushes += 1
             self._collect()
             comm_s += time.perf_counter() - t0
-        return StepResult(float(loss.detach()), comm_s, rows(y), more)
+        return StepResult(loss, comm_s, rows(y), more)
+
+    def rate(self) -> tuple[bool, float]:
+        """How the shards rate this push: (divide by its staleness, the schedule's factor)."""
+        return (self.staleness_lr, self.lr_factor)
 
     def _collect(self) -> None:
         stale, min_clock = self.client.completed()
@@ -114,7 +123,7 @@ class DownpourWorker:
         """A phase switch: push what was accumulated since the last push (n_push > 1) and wait
         until the shards acknowledged every push, so they hold all this replica learned."""
         if self.step_count % self.n_push and bool(self.acc.any()):
-            self.client.push(self.acc, self.versions, self.rank, self.step_count, self.staleness_lr)
+            self.client.push(self.acc, self.versions, self.rank, self.step_count, self.rate())
             self.acc.zero_()
             self.pushes += 1
         self.client.drain()

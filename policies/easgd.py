@@ -37,8 +37,9 @@ from typing import Any, Optional
 import torch
 
 from policies.lr_scaling import easgd_alpha
-from policies.batches import forward, rows
+from policies.batches import rows
 from policies.modes import ShardClient, StepResult, check_finite
+from policies.recipe import Recipe
 from policies.sharding import FlatParams
 from policies.tasks import Classification, Task
 
@@ -67,6 +68,7 @@ class EasgdWorker:
     exchanges: int = 0
     _center: Optional[torch.Tensor] = None  # sync: the center the last round returned
     task: Task = field(default_factory=Classification)  # the loss (policies/tasks.py)
+    recipe: Recipe = field(default_factory=Recipe)  # micro-batches, precision, clipping (policies/recipe.py)
 
     @property
     def lock_step(self) -> bool:
@@ -76,9 +78,7 @@ class EasgdWorker:
              pause: bool = False) -> StepResult:
         if x is not None:
             self.flat.grads.zero_()
-            loss = self.task.loss(forward(self.model, x), y)
-            loss.backward()  # the gradient at x, the parameters before any elastic move
-            loss_value = float(loss.detach())
+            loss_value = self.recipe.backward(self.model, self.task, x, y)  # the gradient at x, before any elastic move
             check_finite(loss_value)
         else:  # sync only: this replica's data ran out, the others' has not
             loss_value = float("nan")
@@ -104,7 +104,7 @@ class EasgdWorker:
             go_on = active > 0
             comm_s = time.perf_counter() - t0
         if x is not None:
-            self.optimizer.step()
+            self.recipe.apply(self.optimizer)  # clipped; fp16: skipped on inf/NaN
             self.step_count += 1
         self.epoch_step += 1
         if self.variant == "async":

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from policies.imports import NotImportable, import_function
+from policies.recipe import make_optimizer  # noqa: F401 (one place builds optimizers: policies/recipe.py)
 
 
 
@@ -39,17 +40,6 @@ def build_model(spec: str, kwargs: dict[str, Any], seed: int) -> torch.nn.Module
     return model
 
 
-def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, momentum: float,
-                   weight_decay: float) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-    if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay)
-    raise FactoryError(f"config error: optimizer.name: unknown optimizer {name!r}")
-
-
 def carry_optimizer_state(old: Any, new: Any) -> str:
     """A phase switch: the old rule's local optimizer's per-parameter state (momentum buffers)
     into the new rule's, when both are the same kind of optimizer over the same parameters; the
@@ -70,20 +60,31 @@ def _params(opt: Any) -> list:
     return [p for group in opt.param_groups for p in group["params"]]
 
 
-def momentum_buffers(opt: Any) -> "torch.Tensor | None":
-    """The optimizer's momentum buffers, flat in its parameters' order (zeros where a parameter
-    has none); None when it keeps none at all."""
+def momentum_buffers(opt: Any) -> "dict[str, torch.Tensor] | None":
+    """The optimizer's per-element state, one flat tensor per state key in its parameters'
+    order (SGD's momentum_buffer, Adam's exp_avg and exp_avg_sq, Adagrad's sum, ...: every
+    state tensor shaped like its parameter; zeros where a parameter has none yet). Scalar
+    state (Adam's step) is not included. None when it keeps none at all."""
     params = _params(opt) if opt is not None else []
-    if not any(opt.state.get(p, {}).get("momentum_buffer") is not None for p in params):
+    keys = sorted({k for p in params for k, v in opt.state.get(p, {}).items()
+                   if torch.is_tensor(v) and v.shape == p.shape})
+    if not keys:
         return None
-    return torch.cat([(opt.state.get(p, {}).get("momentum_buffer") if opt.state.get(p, {}).get("momentum_buffer")
-                       is not None else torch.zeros_like(p)).detach().reshape(-1) for p in params])
+    out = {}
+    for key in keys:
+        parts = []
+        for p in params:
+            v = opt.state.get(p, {}).get(key)
+            parts.append((v if v is not None else torch.zeros_like(p)).detach().reshape(-1))
+        out[key] = torch.cat(parts)
+    return out
 
 
-def set_momentum_buffers(opt: Any, flat: "torch.Tensor") -> None:
-    """Overwrite (or create) the optimizer's momentum buffers from `flat` (as momentum_buffers)."""
-    offset = 0
-    for p in _params(opt):
-        n = p.numel()
-        opt.state.setdefault(p, {})["momentum_buffer"] = flat[offset:offset + n].view_as(p).clone().to(p.dtype)
-        offset += n
+def set_momentum_buffers(opt: Any, flat: "dict[str, torch.Tensor]") -> None:
+    """Overwrite (or create) the optimizer's per-element state from `flat` (as momentum_buffers)."""
+    for key, values in flat.items():
+        offset = 0
+        for p in _params(opt):
+            n = p.numel()
+            opt.state.setdefault(p, {})[key] = values[offset:offset + n].view_as(p).clone().to(p.dtype)
+            offset += n

@@ -44,7 +44,8 @@ from torch.nn.utils import parameters_to_vector
 
 from policies.allreduce import BufferSync, Reducer, reducer_group
 from policies.balance import near_even, split, track_speed
-from policies.batches import forward, rows as batch_rows
+from policies.batches import rows as batch_rows
+from policies.recipe import Recipe
 from policies.modes import StepResult, check_finite
 from policies.tasks import Classification, Task
 
@@ -79,11 +80,13 @@ class LocalSgdWorker:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, reducer: Reducer,
                  period: int = 8, outer_lr: float = 1.0, outer_momentum: float = 0.0,
-                 task: Optional[Task] = None, balance: Optional[dict[str, float]] = None) -> None:
+                 task: Optional[Task] = None, balance: Optional[dict[str, float]] = None,
+                 recipe: Optional[Recipe] = None) -> None:
         if period < 1:
             raise ValueError(f"period must be >= 1, got {period}")
         self.model, self.optimizer, self.reducer = model, optimizer, reducer
         self.task = task or Classification()
+        self.recipe = recipe or Recipe()  # micro-batches, precision, clipping of the local steps
         self.period, self.outer_lr, self.outer_momentum = int(period), float(outer_lr), float(outer_momentum)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffer_sync = BufferSync(model)
@@ -193,11 +196,9 @@ class LocalSgdWorker:
         if x is not None and not self.owed:  # owed: trained before a round that failed; now only the round
             n = batch_rows(y)
             self.optimizer.zero_grad(set_to_none=False)
-            loss = self.task.loss(forward(self.model, x), y)
-            loss_value = float(loss.detach())
+            loss_value = self.recipe.backward(self.model, self.task, x, y)
             check_finite(loss_value)
-            loss.backward()
-            self.optimizer.step()
+            self.recipe.apply(self.optimizer)  # clipped; fp16: skipped on inf/NaN
             self.rows_since += n
             self.real_since += 1
         self.since += 1

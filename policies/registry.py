@@ -47,6 +47,7 @@ class Transport:
     reducer: Any = None
     client: Any = None
     task: Any = None  # the loss every mode's rule calls (policies/tasks.py)
+    recipe: Any = None  # the step's micro-batches, precision and clipping (policies/recipe.py)
 
 
 @dataclass(frozen=True)
@@ -80,29 +81,31 @@ class ModeSpec:
 
 def _allreduce_worker(model, flat, cfg, rank, world, transport):
     opt = cfg["optimizer"]
-    optimizer = make_optimizer(opt["name"], model.parameters(), opt["lr"], opt["momentum"], opt["weight_decay"])
+    optimizer = make_optimizer(opt, model.parameters())
     s = cfg["strategy"]
     balance = ({"window": s["balance_window"], "min_share": s["balance_min_share"], "max_share": s["balance_max_share"]}
                if s.get("balance") else None)
     return AllReduceWorker(model, optimizer, int(s["bucket_mb"] * 2**20), transport.reducer, transport.task,
-                           batch=int(cfg["data"]["batch_size"]), balance=balance,
-                           compression=s.get("compression", "none"), powersgd_rank=s.get("powersgd_rank", 2),
-                           backups=int(s.get("backup_replicas", 0)))
+                           batch=int(cfg["data"]["batch_size"]) * int(cfg["data"].get("accumulate", 1)),
+                           balance=balance, compression=s.get("compression", "none"),
+                           powersgd_rank=s.get("powersgd_rank", 2), backups=int(s.get("backup_replicas", 0)),
+                           recipe=transport.recipe)
 
 
 def _local_sgd_worker(model, flat, cfg, rank, world, transport):
     opt, s = cfg["optimizer"], cfg["strategy"]
-    optimizer = make_optimizer(opt["name"], model.parameters(), opt["lr"], opt["momentum"], opt["weight_decay"])
+    optimizer = make_optimizer(opt, model.parameters())
     balance = {"min_share": s["balance_min_share"], "max_share": s["balance_max_share"]} if s.get("balance") else None
     return LocalSgdWorker(model, optimizer, transport.reducer, s["period"], s["outer_lr"], s["outer_momentum"],
-                          transport.task, balance=balance)
+                          transport.task, balance=balance, recipe=transport.recipe)
 
 
 def _downpour_worker(model, flat, cfg, rank, world, transport):
     s, opt = cfg["strategy"], cfg["optimizer"]
     return DownpourWorker(model, flat, transport.client, rank, lr=opt["lr"], n_fetch=s["n_fetch"], n_push=s["n_push"],
                           max_staleness=s["max_staleness"], staleness_lr=s["staleness_lr"],
-                          warmstart_steps=s["warmstart_steps"], timeout_s=s["timeout_s"], task=transport.task)
+                          warmstart_steps=s["warmstart_steps"], timeout_s=s["timeout_s"], task=transport.task,
+                          **({"recipe": transport.recipe} if transport.recipe is not None else {}))
 
 
 def _easgd_worker(model, flat, cfg, rank, world, transport):
@@ -111,9 +114,10 @@ def _easgd_worker(model, flat, cfg, rank, world, transport):
         local = torch.optim.SGD(model.parameters(), lr=opt["lr"], momentum=s["momentum"], nesterov=s["momentum"] > 0,
                                 weight_decay=opt["weight_decay"])
     else:
-        local = make_optimizer(opt["name"], model.parameters(), opt["lr"], 0.0, opt["weight_decay"])
+        local = make_optimizer({**opt, "momentum": 0.0}, model.parameters())
     alpha = s["alpha"] if s["alpha"] is not None else default_alpha(world)
-    return EasgdWorker(model, flat, local, transport.client, world, alpha, s["tau"], s["variant"], task=transport.task)
+    return EasgdWorker(model, flat, local, transport.client, world, alpha, s["tau"], s["variant"], task=transport.task,
+                       **({"recipe": transport.recipe} if transport.recipe is not None else {}))
 
 
 def _allreduce_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:

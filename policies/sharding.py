@@ -22,6 +22,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from policies.recipe import make_optimizer, shardable
+
 
 def shard_bounds(numel: int, shards: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges of the flat vector, one per shard, sizes differing by at most one."""
@@ -80,7 +82,7 @@ class ShardState:
     """One shard: a slice of the reference parameters (Downpour's server copy, EASGD's center)."""
 
     values: torch.Tensor  # float32 [hi - lo]
-    optimizer: str = "sgd"  # sgd | adagrad (Downpour's server-side rule)
+    optimizer: "str | dict" = "sgd"  # the server-side rule: a torch.optim name, or {name, kwargs} (policies/recipe.py)
     lr: float = 0.05
     momentum: float = 0.0
     weight_decay: float = 0.0
@@ -97,14 +99,14 @@ class ShardState:
     def __post_init__(self) -> None:
         self._param = torch.nn.Parameter(self.values, requires_grad=False)
         self._param.grad = torch.zeros_like(self.values)
-        if self.optimizer == "sgd":
-            self._opt = torch.optim.SGD([self._param], lr=self.lr, momentum=self.momentum,
-                                        weight_decay=self.weight_decay)
-        elif self.optimizer == "adagrad":
-            # DistBelief's stabilizer: eta_i = gamma / sqrt(sum of squared updates of parameter i)
-            self._opt = torch.optim.Adagrad([self._param], lr=self.lr, weight_decay=self.weight_decay)
-        else:
-            raise ValueError(f"shard optimizer must be sgd or adagrad, got {self.optimizer!r}")
+        # adagrad is DistBelief's stabilizer: eta_i = gamma / sqrt(sum of squared updates of parameter i);
+        # any element-wise optimizer does to this slice exactly what it does to the whole vector
+        spec = self.optimizer if isinstance(self.optimizer, dict) else {"name": self.optimizer}
+        why = shardable(spec["name"])
+        if why is not None:
+            raise ValueError(f"a shard cannot apply {spec['name']} to its slice: it {why}")
+        self._opt = make_optimizer({"lr": self.lr, "momentum": self.momentum, "weight_decay": self.weight_decay,
+                                    **spec}, [self._param])
 
     # ---- Downpour ------------------------------------------------------------------------
     def apply_gradient(self, grad: np.ndarray | torch.Tensor, version_seen: int, staleness_lr: bool = False) -> int:
@@ -115,10 +117,14 @@ class ShardState:
         self._step(grad, staleness, staleness_lr)
         return staleness
 
-    def _step(self, grad: np.ndarray | torch.Tensor, staleness: int, staleness_lr: bool) -> None:
+    def _step(self, grad: np.ndarray | torch.Tensor, staleness: int, staleness_lr: "bool | tuple") -> None:
+        """`staleness_lr`: divide the rate by the staleness; or (that, factor): also multiply it
+        by the pushing replica's schedule factor at the push (policies/recipe.py Schedule)."""
+        by_staleness, factor = staleness_lr if isinstance(staleness_lr, (tuple, list)) else (staleness_lr, 1.0)
+        lr = self.lr * float(factor)
         self._param.grad.copy_(torch.as_tensor(grad))
         for group in self._opt.param_groups:
-            group["lr"] = self.lr / max(1, staleness) if staleness_lr else self.lr
+            group["lr"] = lr / max(1, staleness) if by_staleness else lr
         self._opt.step()
         self.version += 1
 

@@ -84,3 +84,49 @@ class ChanceWatch:
             return None
         return (f"test loss {test_loss:.4f} at chance level (ln {self.classes} = {chance:.4f}: every class alike) "
                 f"at {self.streak} epoch ends in a row, after it had been below {0.5 * chance:.4f}")
+
+
+@dataclass
+class BestWatch:
+    """The headline metric's best epoch so far, for checkpoint.keep_best and
+    stop.early_stopping: an epoch is better when it beats the best by more than `min_delta`
+    in the metric's direction (`goal` max or min). `patience`: epochs without such a gain
+    before early stopping says stop (None: never). A checkpoint part (`position`/`restore`),
+    so a resumed run goes on counting."""
+
+    metric: str
+    goal: str  # "max" | "min"
+    min_delta: float = 0.0
+    patience: Optional[int] = None
+    best: Optional[float] = None
+    best_epoch: int = 0
+    since: int = 0  # epochs since the best
+
+    def observe(self, epoch: int, metrics: dict[str, float]) -> bool:
+        """Take an epoch's metrics; True when it is the new best (a NaN or missing value never is)."""
+        x = metrics.get(self.metric)
+        if x is None or x != x:
+            self.since += 1
+            return False
+        better = (self.best is None or (x > self.best + self.min_delta if self.goal == "max"
+                                        else x < self.best - self.min_delta))
+        if better:
+            self.best, self.best_epoch, self.since = float(x), epoch, 0
+        else:
+            self.since += 1
+        return better
+
+    def stop(self) -> Optional[StopDecision]:
+        """Early stopping's decision, when `patience` epochs went by without a gain."""
+        if self.patience is None or self.best is None or self.since < self.patience:
+            return None
+        return StopDecision(True, f"early stopping: {self.metric} has not improved on {self.best:.4f} (epoch "
+                                  f"{self.best_epoch}) by more than {self.min_delta:g} for {self.since} epochs "
+                                  f"(stop.early_stopping.patience {self.patience})")
+
+    def position(self) -> dict:
+        return {"best": self.best, "best_epoch": self.best_epoch, "since": self.since}
+
+    def restore(self, saved: Optional[dict]) -> None:
+        if saved:
+            self.best, self.best_epoch, self.since = saved["best"], saved["best_epoch"], saved["since"]

@@ -40,8 +40,15 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _mode_fits(self) -> "JobConfig":
-        if "downpour" in self.strategy.modes() and self.optimizer.name not in ("sgd", "adagrad"):
-            raise ValueError(f"optimizer.name: downpour shards apply sgd or adagrad, not {self.optimizer.name}")
+        from policies.recipe import shardable
+
+        why = shardable(self.optimizer.name)
+        if self.optimizer.name == "lbfgs":
+            raise ValueError("optimizer.name: lbfgs needs a closure that re-evaluates the whole batch's loss, which no "
+                             "mode's step gives; choose a first-order optimizer (sgd, adamw, ...)")
+        if "downpour" in self.strategy.modes() and why is not None:
+            raise ValueError(f"optimizer.name: downpour's shards apply the optimizer to their slices, and "
+                             f"{self.optimizer.name} {why}; choose an element-wise one (sgd, adamw, adagrad, ...)")
         return self
 
     @model_validator(mode="after")

@@ -26,6 +26,16 @@ class ModelConfig(Section):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments passed to the factory."
     )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Forward and loss under torch.autocast in this dtype on the replica's device (bf16 works "
+        "on CPU too); parameters, gradients, optimizer state and the reduction stay fp32. fp16 scales the loss "
+        "(torch.amp.GradScaler) and skips a step whose gradient holds inf/NaN, every allreduce replica alike. "
+        "See docs/training.md."
+    )
+    compile: bool = Field(
+        False, description="torch.compile the model on each replica, once per replica process (not again at a switch "
+        "or a reload); the first steps pay the compile time."
+    )
 
     @field_validator("factory")
     @classmethod
@@ -41,14 +51,18 @@ class DataConfig(Section):
         "builtin:mnist5k",
         description="Dataset: builtin:mnist5k (5,000 real MNIST digits), builtin:digits (scikit-learn 8x8 "
         "digits), builtin:synthetic (Gaussian blobs), or a Parquet / CSV / Arrow IPC file or directory: a local "
-        "path or any pyarrow filesystem URI (file://, s3://, gs://, hdfs://). A builtin comes decoded and split: "
-        "with one, label_column, feature_columns, decode, feature_shape, id_column, test_source and test_fraction "
-        "are refused (they apply to files and in-memory data).",
+        "path or any pyarrow filesystem URI (file://, s3://, gs://, hdfs://), or 'module:function' returning a "
+        "map-style torch Dataset (__len__ and __getitem__) or a (train, test) pair of them, importable on every Ray "
+        "worker (docs/data.md, \"A torch Dataset\"). A builtin comes decoded and split: with one, label_column, "
+        "feature_columns, decode, feature_shape, id_column, test_source and test_fraction are refused (they apply to "
+        "files and in-memory data). With a torch Dataset, feature_columns, decode, feature_shape and id_column are "
+        "refused (its items are collated: collate).",
     )
     label_column: Union[str, list[str]] = Field(
         "label", description="The target column (class ids for classification; a fixed-size-list column gives "
         "[n, k] targets), or a list of columns (targets [n, k], e.g. several regression targets); cast to the "
-        "task's target dtype by the builtin decoder."
+        "task's target dtype by the builtin decoder. A torch Dataset whose items are dicts: the key(s) of the "
+        "targets (the other keys are the inputs)."
     )
     feature_columns: Optional[list[str]] = Field(
         None, description="Feature columns (numeric or fixed-size lists, concatenated into one vector of the task's "
@@ -60,17 +74,37 @@ class DataConfig(Section):
         "replica's node for file sources); default: the builtin decoder (feature_columns, feature_shape, "
         "label_column). See docs/data.md."
     )
+    collate: Optional[str] = Field(
+        None, description="A torch Dataset: 'module:function' turning a list of items into (inputs, targets), or a "
+        "dict split by label_column, with one row per item (tensors, arrays or dicts of them); called once per "
+        "partition read and evaluation piece with all their items, not per batch; default: "
+        "torch.utils.data.default_collate."
+    )
+    loader_workers: int = Field(
+        0, ge=0, le=256, description="A torch Dataset: threads calling __getitem__ in parallel in each partition "
+        "read (on the replica's node) and evaluation piece; 0 = one at a time. Threads, not processes (see "
+        "docs/data.md): they help where __getitem__ releases the GIL (file reads, image decoding, numpy and torch "
+        "ops); the dataset must be safe to call from several threads."
+    )
     feature_shape: Optional[list[int]] = Field(
         None, description="Reshape each feature vector, e.g. [1, 28, 28] for images; default: flat."
     )
     id_column: Optional[str] = Field(None, description="Column of row ids (reported in traces); default: row number.")
     test_fraction: float = Field(
         0.2, gt=0, lt=1, description="Share of rows held out for testing: file sources hold out each row whose "
-        "position hashes (with seed) below it, without reading the data; in-memory data a seeded random share."
+        "position hashes (with seed) below it, without reading the data; in-memory data and a torch Dataset a "
+        "seeded random share (a random permutation of the rows or indices)."
     )
-    test_source: Optional[str] = Field(None, description="A separate test set (same format rules); overrides test_fraction.")
-    batch_size: int = Field(64, gt=0, description="Samples per step per replica; the last batch of each "
-                            "partition is shorter when the partition's rows are not a multiple.")
+    test_source: Optional[str] = Field(None, description="A separate test set (same format rules; with a torch "
+                                       "Dataset source, a 'module:function' returning one); overrides test_fraction.")
+    batch_size: int = Field(64, gt=0, description="Samples per step per replica (per micro-batch with accumulate > "
+                            "1); the last batch of each partition is shorter when the partition's rows are not a "
+                            "multiple.")
+    accumulate: int = Field(
+        1, ge=1, description="Micro-batches per optimizer step: a step takes accumulate x batch_size rows as this "
+        "many forward and backward passes, gradients summed, then one optimizer step (one reduction in allreduce, "
+        "one push in downpour): the step on the union of the micro-batches."
+    )
     seed: int = Field(0, ge=0, lt=2**32, description="Seed for the split, partition order and shuffling; runs are "
                       "reproducible.")
     partitions: Optional[int] = Field(
@@ -80,7 +114,7 @@ class DataConfig(Section):
         "scaling.replicas keeps allreduce replicas equally busy."
     )
     prefetch_partitions: int = Field(
-        2, ge=0, description="File sources: partitions a replica reads ahead of the one it trains on (each read "
+        2, ge=0, description="File sources and torch Datasets: partitions a replica reads ahead of the one it trains on (each read "
         "on its node into the object store); bounds a replica's data in memory to 1 + this many partitions."
     )
     shuffle: bool = Field(True, description="Reshuffle partition order and rows within partitions every epoch "
@@ -104,7 +138,7 @@ class DataConfig(Section):
             raise ValueError("give a column name or a non-empty list of column names")
         return v
 
-    @field_validator("decode")
+    @field_validator("decode", "collate")
     @classmethod
     def _decode_colon_function(cls, v: Optional[str]) -> Optional[str]:
         if v is not None:
@@ -146,22 +180,92 @@ class TargetConfig(Section):
     value: float = Field(description="The target value.")
 
 
+class ScheduleConfig(Section):
+    """A factor on optimizer.lr by optimizer step (policies/recipe.py Schedule, docs/training.md)."""
+
+    name: str = Field(
+        "constant", min_length=1, description="constant, linear, cosine, step or exponential; any "
+        "torch.optim.lr_scheduler class by name (e.g. OneCycleLR, with its arguments in kwargs); or "
+        "'module:function' called as function(step, steps) -> factor, counted after the warm-up."
+    )
+    warmup: float = Field(
+        0, ge=0, description="Warm-up steps, the factor rising linearly to 1: < 1 a fraction of the run's planned "
+        "optimizer steps, >= 1 a count."
+    )
+    min_factor: float = Field(
+        0.0, ge=0, le=1, description="The floor: linear and cosine end at it, no schedule goes below it."
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="step: step_size (default a third of the steps) and gamma (0.1); "
+        "exponential: gamma (0.999); a torch.optim.lr_scheduler class: its own arguments."
+    )
+
+    @model_validator(mode="after")
+    def _known(self) -> "ScheduleConfig":
+        from policies.recipe import RecipeError, Schedule
+
+        try:
+            schedule = Schedule(self.model_dump(), 1000)
+            schedule.factor(schedule.warmup)  # the first step after the warm-up: built and called once
+        except RecipeError as exc:
+            raise ValueError(str(exc).removeprefix("config error: optimizer.schedule.name: ")
+                             .removeprefix("config error: optimizer.schedule: ")) from None
+        return self
+
+
 class OptimizerConfig(Section):
-    name: Literal["sgd", "adam", "adagrad"] = Field(
-        "sgd", description="The update rule: allreduce replicas step with it; downpour shards apply it (sgd or "
-        "adagrad); easgd replicas take their local steps with it (sgd: plain or, with strategy.momentum > 0, "
-        "EAMSGD's Nesterov momentum; adam and adagrad need strategy.momentum 0)."
+    name: str = Field(
+        "sgd", min_length=1, description="Any torch.optim class by its lower-case name (sgd, adamw, adam, rmsprop, "
+        "nadam, adagrad, ...) or 'module:Class' (a torch.optim.Optimizer subclass). allreduce and local SGD replicas "
+        "step with it; downpour shards apply it to their slices (an element-wise optimizer shards exactly; lbfgs, "
+        "adafactor, muon and sparseadam are refused there); easgd replicas take their local steps with it (sgd: "
+        "plain or, with strategy.momentum > 0, EAMSGD's Nesterov momentum; others need strategy.momentum 0)."
     )
     lr: float = Field(0.05, gt=0, description="Learning rate (per step, for the global batch).")
     momentum: float = Field(
         0.9, ge=0, lt=1, description="SGD momentum (sgd in allreduce and on downpour shards; easgd uses "
-        "strategy.momentum instead)."
+        "strategy.momentum instead); other optimizers take theirs in kwargs."
     )
-    weight_decay: float = Field(0.0, ge=0, description="L2 penalty added to the gradient.")
+    weight_decay: float = Field(0.0, ge=0, description="The optimizer's own weight decay (an L2 penalty added to the "
+                                "gradient for sgd and adam, decoupled for adamw).")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="More arguments for the optimizer's class, e.g. {betas: [0.9, 0.95], "
+        "eps: 1e-8} for adamw."
+    )
+    schedule: Optional[ScheduleConfig] = Field(
+        None, description="{name, warmup, min_factor, kwargs}: the learning rate's factor by optimizer step, the "
+        "same clock in every mode, e.g. {name: cosine, warmup: 0.05, min_factor: 0.1}; a resize's linear scaling "
+        "multiplies it. Default: constant."
+    )
+    clip_grad_norm: Optional[float] = Field(
+        None, gt=0, description="Cap the gradient's global 2-norm at this: the reduced gradient in allreduce (equal "
+        "to clipping in one process), each step's own gradient in the other modes. The norm before clipping is "
+        "logged (grad_norm) either way."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _resolvable(cls, v: str) -> str:
+        from policies.recipe import RecipeError, optimizer_class
+
+        try:
+            optimizer_class(v)
+        except RecipeError as exc:
+            raise ValueError(str(exc).removeprefix("config error: optimizer.name: ")) from None
+        return v
+
+
+class EarlyStoppingConfig(Section):
+    patience: int = Field(3, ge=1, description="Epochs without a gain on the best before the run stops.")
+    min_delta: float = Field(0.0, ge=0, description="A gain is more than this in the metric's direction.")
 
 
 class StopConfig(Section):
     epochs: int = Field(5, ge=1, description="Stop after this many epochs.")
+    early_stopping: Optional[EarlyStoppingConfig] = Field(
+        None, description="{patience, min_delta}: stop once the headline metric (stop.target's, else the task's "
+        "primary one, e.g. test_accuracy) has not beaten its best by more than min_delta for patience epochs."
+    )
     target: Optional[TargetConfig] = Field(
         None, description="{metric: NAME, goal: max|min, value: X}: stop once the metric reaches the value (goal max: "
         "at or above; min: at or below). NAME is a metric the task produces (checked before the run starts)."
@@ -235,6 +339,11 @@ class CheckpointConfig(Section):
         0.0, ge=0, description="Also checkpoint at the first epoch end at least this many seconds after the last "
         "checkpoint was written (or training started); checked only at epoch ends, so a checkpoint can come up to an "
         "epoch later than this; 0 = off."
+    )
+    keep_best: bool = Field(
+        False, description="Also keep the best epoch's checkpoint (by the headline metric; stop.early_stopping's "
+        "min_delta counts) as `<storage>/<run>/best.pt`, never deleted, and log that model (not the last epoch's) "
+        "as the run's MLflow model; model.pt stays the final one."
     )
     keep: int = Field(
         3, ge=1, description="Checkpoints kept per run, each `<storage>/<run.name or mlflow run id>/ckpt-<step>-<tag>.pt` with a `.json` "

@@ -225,10 +225,13 @@ def _absolute_paths(raw: dict[str, Any]) -> dict[str, Any]:
     storage = ck.get("storage", JobConfig().checkpoint.storage)
     if "://" not in storage:
         ck["storage"] = os.path.abspath(storage)
+    from orchestrator.torch_data import is_function_source
+
     data = out.get("data") or {}
     for key in ("source", "test_source"):
         value = data.get(key)
-        if isinstance(value, str) and "://" not in value and not value.startswith("builtin:"):
+        if isinstance(value, str) and "://" not in value and not value.startswith("builtin:") \
+                and not is_function_source(value):  # a torch Dataset's 'module:function' is no path
             data[key] = os.path.abspath(value)
     return out
 

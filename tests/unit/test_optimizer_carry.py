@@ -38,7 +38,22 @@ def test_nothing_to_carry_or_a_different_kind_is_said_so():
 def test_momentum_buffers_flatten_and_come_back():
     m, opt = trained()
     flat = momentum_buffers(opt)
-    assert flat.numel() == sum(p.numel() for p in m.parameters())
-    set_momentum_buffers(opt, flat * 2)
-    assert torch.allclose(momentum_buffers(opt), flat * 2)
+    assert list(flat) == ["momentum_buffer"]
+    assert flat["momentum_buffer"].numel() == sum(p.numel() for p in m.parameters())
+    set_momentum_buffers(opt, {"momentum_buffer": flat["momentum_buffer"] * 2})
+    assert torch.allclose(momentum_buffers(opt)["momentum_buffer"], flat["momentum_buffer"] * 2)
     assert momentum_buffers(trained(momentum=0.0)[1]) is None
+
+
+def test_adams_moments_are_per_element_state_to_average_and_step_is_not():
+    """Into allreduce every replica must step alike: AdamW's exp_avg and exp_avg_sq are
+    averaged as momentum is; its scalar step stays each replica's own."""
+    torch.manual_seed(0)
+    m = tiny_mlp(in_features=4, hidden=8, num_classes=2)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    flat = momentum_buffers(opt)
+    assert sorted(flat) == ["exp_avg", "exp_avg_sq"]
+    set_momentum_buffers(opt, {k: torch.zeros_like(v) for k, v in flat.items()})
+    assert all(float(s["exp_avg"].abs().sum()) == 0 and float(s["step"]) == 1 for s in opt.state.values())

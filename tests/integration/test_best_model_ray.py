@@ -1,0 +1,56 @@
+"""checkpoint.keep_best and stop.early_stopping on real Ray actors and a real MLflow store: when
+later epochs are worse than an earlier one (the rate jumps x30 half-way), the run stops early,
+best.pt holds the best epoch, and `mlflow.pytorch.load_model` gives the model with the best
+metric, not the last epoch's."""
+from __future__ import annotations
+
+import os
+
+import mlflow
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from orchestrator.trainer import ElasticTrainer
+from tests.conftest import job_config
+
+pytestmark = pytest.mark.ray
+
+
+def test_the_logged_model_is_the_best_epochs_and_the_run_stops_early(ray_cluster, tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = job_config(optimizer={"lr": 0.05, "schedule": {"name": "tests.factories:lr_spike"}},
+                     stop={"epochs": 8, "early_stopping": {"patience": 2}},
+                     checkpoint={"storage": str(tmp_path / "ck"), "keep_best": True},
+                     tracking={"tracking_uri": uri}, run={"name": "best"})
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    result = trainer.fit()
+    client = MlflowClient(uri)
+    history = [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, "test_accuracy"),
+                                       key=lambda m: m.step)]
+    best_epoch = max(range(len(history)), key=lambda i: history[i]) + 1
+    assert best_epoch < len(history), history  # the scenario: a later epoch is worse than the best
+    assert result.stop_reason.startswith("early stopping"), result.stop_reason
+    assert len(history) == best_epoch + 2 < 8  # patience 2 after the best
+    [best] = [e for e in result.events if e["kind"] == "best_checkpoint" and e["epoch"] == best_epoch]
+    assert best["value"] == pytest.approx(history[best_epoch - 1])
+    [logged] = [e for e in result.events if e["kind"] == "model_logged"]
+    assert logged["model"] == f"best (epoch {best_epoch})"
+    assert os.path.exists(tmp_path / "ck" / "best" / "best.pt")
+
+    mlflow.set_tracking_uri(uri)  # where the run is; unset after
+    try:
+        model = mlflow.pytorch.load_model(f"runs:/{result.mlflow_run_id}/model", dst_path=str(tmp_path / "dl"))
+    finally:
+        mlflow.set_tracking_uri(None)
+    test = trainer.controller.dataset.test
+    with torch.no_grad():
+        accuracy = float((model(torch.as_tensor(test.x)).argmax(1) == torch.as_tensor(test.y)).float().mean())
+    assert accuracy == pytest.approx(history[best_epoch - 1], abs=1e-6)
+    from orchestrator.checkpoint import load_checkpoint
+
+    best_state = load_checkpoint(str(tmp_path / "ck" / "best" / "best.pt"))["model"]
+    final_state = load_checkpoint(str(tmp_path / "ck" / "best" / "model.pt"))["model"]
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], best_state[k]) for k in best_state)
+    assert not all(torch.equal(final_state[k], best_state[k]) for k in best_state)  # not the last epoch's
