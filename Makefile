@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-all test-fast bench clean
+.PHONY: install run test test-all test-fast bench gpu-check clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,15 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py --quick
+
+# gpu-check: the replica's allreduce step on one GPU, in-process, no Ray (benchmarks/gpu_check.py,
+# docs/clusters.md "GPU check"). It needs a CUDA build of torch, which the venv's pinned CPU torch
+# is not, so it installs nothing: the venv's python when there is one, else $(PY) (e.g. a GPU
+# machine with torch and numpy installed system-wide: `make gpu-check PY=python`).
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py --device cuda
 
 clean:
 	rm -rf $(VENV) runs mlruns mlflow.db

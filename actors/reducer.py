@@ -26,6 +26,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+
+NCCL_POLL_S = 0.0002  # how often a wait on an NCCL collective asks whether it is done
+
 class ProcessGroupReducer:
     """Sums a bucket across replicas with an asynchronous all-reduce on this generation's gloo
     process group, and broadcasts group rank 0's buffers.
@@ -75,8 +78,22 @@ class ProcessGroupReducer:
         if isinstance(handle, Exception):
             self.abort()
             raise Interrupted(f"all-reduce failed: {first_line(handle)}")
-        slice_ = timedelta(seconds=self.WAIT_SLICE_S)
         deadline = time.monotonic() + self.timeout_s
+        if type(self.pg).__name__ == "ProcessGroupNCCL":  # NCCL's wait(timeout) fails a slow collective: poll instead
+            while not handle.is_completed():  # True too once it failed; wait() below raises then
+                if self.aborted():
+                    raise Interrupted("collective aborted: another member saw the group fail")
+                if time.monotonic() > deadline:
+                    self.abort()
+                    raise Interrupted(f"collective timed out after {self.timeout_s:.0f}s")
+                time.sleep(NCCL_POLL_S)
+            try:
+                handle.wait()
+                return
+            except Exception as exc:
+                self.abort()
+                raise Interrupted(f"collective failed: {first_line(exc)}") from None
+        slice_ = timedelta(seconds=self.WAIT_SLICE_S)
         while True:
             try:
                 handle.wait(slice_)

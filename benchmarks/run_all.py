@@ -32,7 +32,7 @@ RUNS = os.path.join(RESULTS, "runs")
 
 def benchmark_names() -> list[str]:
     return sorted(os.path.basename(f)[:-3] for f in glob.glob(os.path.join(HERE, "*.py"))
-                  if os.path.basename(f) not in ("run_all.py", "common.py"))
+                  if os.path.basename(f) not in ("run_all.py", "common.py", "gpu_check.py"))  # gpu_check: a check, not a benchmark
 
 
 def main() -> int:

@@ -85,7 +85,8 @@ def restore(ctl: "Controller", state: dict[str, Any]) -> None:
     shards (if any) take its parameters; then each part of the run's position goes back to
     its owner (orchestrator/run_state.py)."""
     ranks, step = ctl.group.ranks, state["step"]
-    payload = ray.put({"model": state["model"], "optimizer": state["optimizer"], "step": step})
+    payload = ray.put({"model": state["model"], "optimizer": state["optimizer"], "step": step,
+                       "recipe": state.get("recipe"), "worker": state.get("worker")})
     ctl.group.call(ranks, "load_state", payload, what="state from the checkpoint", peers=False)
     if ctl.shard_group is not None:
         values = ctl.group.call([ranks[0]], "flat_parameters", what="parameters")[0]

@@ -18,7 +18,8 @@ How (`carry_out`), with every replica stopped:
    leaving a sharded mode pushes what it accumulated and waits for its acknowledgements first;
    entering from a sharded mode it loads the reference (Downpour's server copy, EASGD's center),
    so every replica starts the phase from the same parameters; the new rule's local optimizer
-   starts fresh (said in the event);
+   takes the old one's state when both are of the same kind, else starts fresh (said in the
+   event); into allreduce the carried per-element state is averaged across the replicas;
 3. allreduce: the process group is formed (a new generation) if the new mode needs one;
 4. the partition server stops pausing; an asynchronous mode entered mid-epoch leases the rest
    of the epoch from one shared queue; the next epochs lease as the new mode does;

@@ -77,15 +77,17 @@ def optimizer_class(name: str) -> type:
 
 def make_optimizer(spec: dict[str, Any], params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """The optimizer `spec` describes (optimizer.*: name, lr, momentum, weight_decay, kwargs)
-    over `params`. `momentum` goes to the classes that take one by that name with a default
-    of 0 (sgd, rmsprop) only when it is the SGD default's (sgd) or given in kwargs; weight decay
-    is the class's own (decoupled for AdamW)."""
+    over `params`. `momentum` goes to sgd only (other classes take theirs in kwargs); weight
+    decay is the class's own (decoupled for AdamW), given to every class that takes one (0
+    means none, also for AdamW, whose own default is 0.01)."""
+    import inspect
+
     name = spec["name"]
     cls = optimizer_class(name)
     kwargs = dict(spec.get("kwargs") or {})
     kwargs.setdefault("lr", spec["lr"])
-    if spec.get("weight_decay"):
-        kwargs.setdefault("weight_decay", spec["weight_decay"])
+    if "weight_decay" in inspect.signature(cls.__init__).parameters:
+        kwargs.setdefault("weight_decay", spec.get("weight_decay") or 0.0)
     if name == "sgd":
         kwargs.setdefault("momentum", spec.get("momentum", 0.0))
     for key in ("betas",):  # YAML gives lists; torch's check wants tuples
@@ -166,7 +168,7 @@ class Schedule:
         if self.name == "cosine":
             return m + (1.0 - m) * (1.0 + math.cos(math.pi * min(u, span) / span)) / 2.0
         if self.name == "step":
-            return max(m, float(self.kwargs.get("gamma", 0.1)) ** (u // int(self.kwargs.get("step_size", max(1, span // 3)))))
+            return max(m, float(self.kwargs.get("gamma", 0.1)) ** (min(u, span) // int(self.kwargs.get("step_size", max(1, span // 3)))))
         if self.name == "exponential":
             return max(m, float(self.kwargs.get("gamma", 0.999)) ** min(u, span))
         if self._fn is not None:
