@@ -4,6 +4,8 @@ it learns, the rate of every step follows the schedule in MLflow (through a repl
 its replacement in allreduce), and the gradient norm is logged."""
 from __future__ import annotations
 
+import time
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -52,3 +54,54 @@ def test_the_modern_recipe_in_config_learns_in_every_mode_on_the_schedule(ray_cl
     assert lrs[steps[-1]] < LR * 0.3  # decayed to near the floor by the end
     norms = client.get_metric_history(result.mlflow_run_id, "grad_norm")
     assert norms and all(n.value > 0 for n in norms)
+
+
+def test_a_transformer_with_the_recipe_switches_survives_a_kill_resumes_and_logs_its_best(ray_cluster, tmp_path):
+    """A user's causal transformer (examples.models:tiny_lm) with the whole recipe in config:
+    easgd's local AdamW moments carried into allreduce and averaged at the switch (replicas then
+    step alike), a replica SIGKILLed in allreduce and replaced, a run resumed from its epoch-2
+    checkpoint going on with the schedule where it was, and the logged MLflow model the best
+    epoch's."""
+    from examples.datasets import write_text
+    from orchestrator.checkpoint import CheckpointStore
+    from orchestrator.trainer import ElasticTrainer
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    source = write_text(str(tmp_path / "text"))
+    sections = dict(model={"factory": "examples.models:tiny_lm", "kwargs": {"dim": 48, "layers": 1},
+                           "precision": "bf16"},
+                    task={"name": "language_model"},
+                    data={"source": source, "decode": "examples.text:decode", "batch_size": 16, "accumulate": 2},
+                    optimizer={**RECIPE, "lr": 0.003},
+                    strategy={"phases": [{"mode": "easgd", "momentum": 0.0, "tau": 2, "until": {"steps": 40}},
+                                         {"mode": "allreduce"}]},
+                    scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 2},
+                    stop={"epochs": 3, "target": {"metric": "test_perplexity", "goal": "min", "value": 12.0},
+                          "at_target": False},
+                    tracking={"tracking_uri": uri, "progress_interval_s": 0, "log_every_steps": 1},
+                    checkpoint={"storage": str(tmp_path / "ck"), "keep_best": True, "keep": 5}, run={"name": "lm"})
+    result, inj, _, trainer = fit_with(job_config(**sections), [Fault("kill_replica", 1, at_step=120)])
+    assert result.epochs == 3 and inj.fired
+    assert result.final.test_perplexity <= 12.0, result.final  # the bytes' unigram perplexity is ~30
+    [switch] = events(result, "mode_switch")
+    assert switch["local_optimizer"] == ["carried, averaged"]  # AdamW's exp_avg, exp_avg_sq into allreduce
+    [replaced] = events(result, "replica_replaced")
+    assert replaced["ranks"] == [1]
+    [logged] = events(result, "model_logged")
+    best = max((e for e in events(result, "epoch_end")), key=lambda e: -e["test_perplexity"])
+    assert logged["model"] == f"best (epoch {best['epoch']})"
+
+    store = CheckpointStore(str(tmp_path / "ck"), "lm", keep=10)
+    [entry] = [e for e in store.list() if e.tag == "epoch_0002"]
+    state, _ = store.verify(entry)
+    total = planned_steps(trainer.controller.dataset.train_rows, 16, 2, 2, 3)
+    sections.pop("run")
+    again = ElasticTrainer(job_config(**sections), show_progress=False, resume=state)
+    started_ms = time.time() * 1000
+    resumed = again.fit()
+    assert resumed.mlflow_run_id == result.mlflow_run_id and resumed.epochs == 3
+    client = MlflowClient(uri)
+    logged = [m for m in client.get_metric_history(resumed.mlflow_run_id, "lr") if m.timestamp >= started_ms]
+    schedule = Schedule(RECIPE["schedule"], total)  # the resumed run's rates: at its steps, on the same clock
+    assert logged and all(m.step > state["step"] for m in logged)
+    assert all(m.value == pytest.approx(0.003 * schedule.factor(m.step), rel=1e-5) for m in logged)
