@@ -107,6 +107,9 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
                 if p.get(name) is not None]
     rows_out += step_metric_rows(seg.all_progress)
     figures = step_figures(seg.all_progress)
+    if cfg.optimizer.schedule is not None:  # the rate by step for training.png (MLflow's `lr` holds every row)
+        rates = [[p["step"], p["lr"]] for p in seg.progress if p.get("lr") is not None]
+        figures["lr_by_step"] = rates[:: max(1, len(rates) // LR_POINTS)]
     rows_out += [(k, v, tot.steps) for k, v in metrics.items()]
     rows_out += [("epoch", epoch, tot.steps),
                  ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
@@ -167,6 +170,7 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
     return Running(EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False))
 
 
+LR_POINTS = 200  # at most this many (step, lr) points per epoch_end event
 STEP_FIGURES = ("compute_s", "comm_s", "wait_s", "batch_rows")  # per replica, from its progress rows
 
 

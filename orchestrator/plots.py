@@ -5,7 +5,8 @@ task's primary one, e.g. test accuracy) and train loss (each `epoch_end` event) 
 (every event's `t`), with a vertical mark where a replica failed, was replaced or dropped, the
 run changed its mode, or the replica group was resized. When the epochs carry per-step
 measurements (`step_figures`: allreduce), a second panel shows each replica's milliseconds per
-step split into compute, communication and waiting, and the gradient diversity. A pure function of the events, so it is
+step split into compute, communication and waiting, and the gradient diversity. With
+optimizer.schedule, a last panel shows the learning rate by optimizer step (`lr_by_step`). A pure function of the events, so it is
 tested without Ray and redrawn from any run's events.jsonl.
 """
 from __future__ import annotations
@@ -55,8 +56,10 @@ def training_plot(events: list[dict[str, Any]], path: str, metric: Optional[str]
     epochs = [e for e in events if e.get("kind") == "epoch_end" and e.get("t") is not None]
     t = [float(e["t"]) for e in epochs]
     timed = [e for e in epochs if e.get("step_figures")]
-    fig = Figure(figsize=(8, 8 if timed else 4.5), dpi=100)  # not pyplot: no global figure state, safe in any thread
-    acc_ax = fig.add_subplot(2, 1, 1) if timed else fig.add_subplot()
+    rates = [pair for e in epochs for pair in e.get("lr_by_step") or []]  # optimizer.schedule's rate by step
+    panels = 1 + bool(timed) + bool(rates)
+    fig = Figure(figsize=(8, 4.5 + 3.5 * (panels - 1)), dpi=100)  # not pyplot: no global figure state, safe in any thread
+    acc_ax = fig.add_subplot(panels, 1, 1)
     loss_ax = acc_ax.twinx()
     metric = metric or headline(events)
     label = metric.replace("_", " ")
@@ -83,7 +86,13 @@ def training_plot(events: list[dict[str, Any]], path: str, metric: Optional[str]
     acc_ax.legend(handles[0] + more[0], handles[1] + more[1], loc="lower left", bbox_to_anchor=(0, 1.02, 1, 0.2),
                   mode="expand", ncol=4, fontsize="small", frameon=False)  # above the axes: never over a curve
     if timed:
-        step_panel(fig.add_subplot(2, 1, 2), timed)
+        step_panel(fig.add_subplot(panels, 1, 2), timed)
+    if rates:
+        lr_ax = fig.add_subplot(panels, 1, panels)
+        lr_ax.plot([s for s, _ in rates], [r for _, r in rates], "-", color="tab:green")
+        lr_ax.set_xlabel("optimizer step")
+        lr_ax.set_ylabel("learning rate")
+        lr_ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, format="png")
     return marks

@@ -89,3 +89,21 @@ def test_log_training_plot_hands_the_png_to_the_tracker_and_never_raises():
     said = []
     log_training_plot(FileTracker([{"t": "soon", "kind": "epoch_end"}]), warn=said.append)
     assert len(said) == 1 and said[0].startswith("training.png not drawn")
+
+
+def test_a_scheduled_rate_gets_its_own_panel_by_optimizer_step(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    figures = []
+    real_savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), real_savefig(fig, *a, **k)))
+    events = run_events()
+    events[1]["lr_by_step"] = [[1, 0.001], [5, 0.005]]
+    events[4]["lr_by_step"] = [[10, 0.004]]
+    path = tmp_path / "training.png"
+    training_plot(events, str(path))
+    lr_ax = figures[0].axes[-1]
+    assert lr_ax.get_ylabel() == "learning rate"
+    [line] = lr_ax.lines
+    assert list(line.get_xdata()) == [1, 5, 10] and list(line.get_ydata()) == [0.001, 0.005, 0.004]
+    assert matplotlib.image.imread(str(path)).shape[:2] == (800, 800)
