@@ -22,9 +22,9 @@ Sides:
         downpour and easgd are evaluated on their reference model (the shards' copy, the center).
   single
         one PyTorch process, 2 threads, no Ray: the same model and initial parameters
-        (policies.factory.build_model with data.seed), the same partitions read with the same
-        reader (actors.reading.read_partition), each step the union of the 2 allreduce
-        replicas' batches of that step (rank r's pinned partitions in the PartitionLedger's
+        (policies.factory.build_model with data.seed), the same partitions read by the same
+        reader (actors.reading.read_range on the driver's plan), each step the union of the 2
+        allreduce replicas' batches of that step (rank r's pinned partitions in the PartitionLedger's
         order, each in its lease's shuffled order, cut into batches of batch_size x accumulate
         rows, the last of each partition short; a rank with no batch left adds nothing), as
         `accumulate` micro-batches (the j-th micro-batch: every rank's j-th, concatenated),
@@ -41,8 +41,10 @@ Sides:
         when the micro-batches are equal, so a partition's short last batch is weighted a little
         differently from ours, and DDP's mean over the 2 workers is a mean of their means),
         torch.autocast(bf16), clip_grad_norm_, torch.optim.AdamW and a LambdaLR with the same
-        Schedule stepped once per optimizer step; each worker evaluates its share of the test
-        rows (the shares ours deals) and the sums are all-reduced.
+        Schedule stepped once per optimizer step; each worker evaluates half of the test rows
+        and the sums are all-reduced. (Ours deals the test split in pieces of ~16 MB of the
+        source: this one is a single piece, so our rank 0 evaluates every test row while rank
+        1 waits, in every mode; the sums, and so the perplexity, are the same.)
   allreduce_fp32
         allreduce with model.precision fp32: against allreduce (bf16), what bf16 autocast does
         to samples/s and to the perplexity after the same epochs on this CPU.
@@ -60,15 +62,20 @@ Ratios (higher is better for ours): <side>_vs_single_* and <side>_vs_raytrain_* 
 time / ours and ours' samples/s / the other's; bf16_vs_fp32_steady (allreduce bf16 samples/s /
 fp32's), fp32_vs_bf16_perplexity (fp32's final perplexity / bf16's: above 1, bf16 ended lower).
 What a ratio leaves out: train_to_target and steady ratios exclude start-up (Ray actors, process
-group, data planning, Ray Train's worker group); to_target ratios against Ray Train include both
-sides' start-up, against the single process only ours (it has none). The single process's data
-is read before its clock starts; ours and Ray Train's read it inside their runs. Each
-repetition runs the sides in the listed order, reversed in odd repetitions (a drift of the
-machine's speed falls on both ends); all sides use data.seed 0.
+group, data planning, Ray Train's worker group and its reading of the rows); to_target (against
+Ray Train only) includes both sides' start-up; the single process has none and reads its rows
+before its clock starts, while our replicas read their partitions during the epochs (prefetched
+in the background). train_to_target includes the epoch-end evaluations on every side (ours on
+one replica here, see ray_train). downpour, easgd and local_sgd are other algorithms than the
+references' synchronous step: their time to target measures their convergence as well as their
+speed; their steady samples/s compare like with like. Each repetition runs the sides in the
+listed order, reversed in odd repetitions (a drift of the machine's speed falls on both ends);
+all sides use data.seed 0.
 
---quick: one repetition of QUICK_EPOCHS epochs (the schedule planned over those epochs), with the
-target loosened to QUICK_TARGET (the YAML's needs more epochs); without it --reps (default 3)
-repetitions of the YAML's stop.epochs and target.
+--quick: one repetition of QUICK_EPOCHS (2) epochs, the schedule planned over those epochs, with
+the target loosened to QUICK_TARGET (perplexity 10: the YAML's 5.0 takes 4 epochs or more);
+about 3.5 minutes here. Without it: --reps (default 3) repetitions of the YAML's stop.epochs (10)
+and target, about 2 minutes per side and repetition, so about 45-50 minutes in all.
 
     python benchmarks/recipe.py [--quick] [--json PATH] [--reps N] [--sides SIDE,...] [--epochs N]
 """
@@ -89,7 +96,7 @@ EXAMPLE = os.path.join(REPO, "examples", "tiny_lm.yaml")
 MODES = {"allreduce": ["strategy.mode=allreduce"], "downpour": ["strategy.mode=downpour"],
          "easgd": ["strategy.mode=easgd", "strategy.momentum=0"], "local_sgd": ["strategy.mode=local_sgd"]}
 SIDES = (*MODES, "single", "ray_train", "allreduce_fp32")
-QUICK_EPOCHS, QUICK_TARGET = 2, 6.0
+QUICK_EPOCHS, QUICK_TARGET = 2, 10.0
 
 
 def example() -> dict[str, Any]:
@@ -191,6 +198,8 @@ def ours(side: str, raw: dict, source: str, tmp: str, epochs: int, target: float
     return {"to_target_s": t, "train_to_target_s": None if t is None else t - r.startup_s,
             "final_perplexity": r.final.test_perplexity, "steady": r.steady_samples_per_s, "whole": r.samples_per_s,
             "startup_s": r.startup_s, "epochs": r.epochs, "steps": r.steps, "samples": r.samples,
+            "history": [{"epoch": e["epoch"], "perplexity": e.get("test_perplexity"), "t": e["t"]}
+                        for e in r.events if e["kind"] == "epoch_end"],
             "precision": "fp32" if side == "allreduce_fp32" else raw["model"].get("precision", "fp32")}
 
 
@@ -268,7 +277,7 @@ def ray_train_loop(config: dict) -> None:
     import torch.nn.functional as F
     from ray.train.torch import prepare_model
 
-    from actors.reading import eval_shares
+    from orchestrator.data import eval_slices
     from policies.factory import build_model
     from policies.recipe import Schedule
 
@@ -282,7 +291,9 @@ def ray_train_loop(config: dict) -> None:
     plans = {e: epoch_batches(rows, rank, e, seed, batch * k) for e in range(1, epochs + 1)}
     mine = sorted({p for steps in plans.values() for p, _ in steps})
     parts = {p: read_rows(train_plan, [train_plan.ranges[p]]) for p in mine}
-    tx, ty = read_rows(test_plan, eval_shares(test_plan, world)[rank])
+    tx, ty = read_rows(test_plan, test_plan.ranges)
+    lo, hi = eval_slices(len(ty), world)[rank]  # this worker's half of the test rows
+    tx, ty = tx[lo:hi], ty[lo:hi]
     model = prepare_model(build_model(config["factory"], config["kwargs"], seed))
     opt = torch.optim.AdamW(model.parameters(), lr=float(opt_spec["lr"]), **optimizer_kwargs(opt_spec))
     schedule = Schedule(opt_spec.get("schedule"), config["planned_steps"])
@@ -331,11 +342,17 @@ def ray_train(raw: dict, source: str, tmp: str, epochs: int, target: float) -> d
 
     cfg = job_config(raw, source, tmp, epochs, target, [])
     d = plan(cfg)
+    batch = cfg.data.batch_size * cfg.data.accumulate
+    for epoch in range(1, epochs + 1):  # DDP needs as many backward passes on every worker
+        counts = [len(epoch_batches(list(d.train_plan.rows), r, epoch, cfg.data.seed, batch)) for r in range(WORKERS)]
+        if len(set(counts)) > 1:
+            return {"error": f"epoch {epoch}: the workers take {counts} steps; DDP would hang"}
     out = os.path.join(tmp, f"raytrain-{time.time_ns()}.json")
     loop_config = {"train_plan": d.train_plan, "test_plan": d.test_plan, "seed": cfg.data.seed,
                    "batch_size": cfg.data.batch_size, "accumulate": cfg.data.accumulate, "epochs": epochs,
                    "optimizer": raw["optimizer"], "factory": cfg.model.factory, "kwargs": cfg.model.kwargs,
-                   "planned_steps": planned_steps(d.train_rows, cfg.data.batch_size, cfg.data.accumulate, WORKERS, epochs),
+                   "planned_steps": planned_steps(d.train_rows, cfg.data.batch_size, cfg.data.accumulate, WORKERS,
+                                                  epochs),
                    "out": out}
     trainer = TorchTrainer(
         ray_train_loop, train_loop_config=loop_config,
@@ -355,7 +372,8 @@ def ray_train(raw: dict, source: str, tmp: str, epochs: int, target: float) -> d
             "train_to_target_s": None if hit is None else hit["t_end"] - h["t_first"],
             "final_perplexity": hist[-1]["perplexity"], "steady": samples / sum(e["train_s"] for e in hist),
             "whole": samples / (hist[-1]["t_end"] - h["t_first"]), "startup_s": h["t_first"] - t_call,
-            "epochs": len(hist), "samples": samples, "history": [{k: e[k] for k in ("epoch", "perplexity")} for e in hist]}
+            "epochs": len(hist), "samples": samples,
+            "history": [{k: e[k] for k in ("epoch", "perplexity")} for e in hist]}
 
 
 FIGURES = ("to_target_s", "train_to_target_s", "final_perplexity", "steady", "whole", "startup_s")
@@ -428,7 +446,8 @@ def main() -> None:
             ratio(f"{side}_vs_{tag}_steady", med[side]["steady"], med[ref]["steady"])
     if "allreduce" in med and "allreduce_fp32" in med:
         ratio("bf16_vs_fp32_steady", med["allreduce"]["steady"], med["allreduce_fp32"]["steady"])
-        ratio("fp32_vs_bf16_perplexity", med["allreduce_fp32"]["final_perplexity"], med["allreduce"]["final_perplexity"])
+        ratio("fp32_vs_bf16_perplexity", med["allreduce_fp32"]["final_perplexity"],
+              med["allreduce"]["final_perplexity"])
     bench_s = time.perf_counter() - t_bench
     print(f"\n{epochs} epochs, target test perplexity <= {target}; median (min-max) over {reps} repetition(s); "
           f"{bench_s:.0f} s in all")
