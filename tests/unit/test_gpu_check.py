@@ -9,7 +9,11 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
+
+pytestmark = pytest.mark.full  # 20-50 s of training on CPU: make test-all runs it
 
 
 def test_gpu_check_cpu_branch_passes_without_ray(tmp_path):
