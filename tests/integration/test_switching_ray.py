@@ -238,19 +238,19 @@ def test_local_momentum_is_carried_into_easgd_and_averaged_on_the_way_back_to_al
     try:
         ctl.step()
         ctl.run_epoch()
-        before = ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)
+        before = [m["momentum_buffer"] for m in ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)]
         np.testing.assert_array_equal(before[0], before[1])  # allreduce: the same momentum everywhere
         assert np.abs(before[0]).sum() > 0
         assert isinstance(ctl.step(), Reconfiguring) and isinstance(ctl.step(), Running)
-        carried = ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)
+        carried = [m["momentum_buffer"] for m in ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)]
         for m in carried:
             np.testing.assert_array_equal(m, before[0])  # into easgd's local optimizer as it was
 
         ctl.run_epoch()  # one epoch of elastic averaging: each replica's momentum its own
-        apart = ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)
+        apart = [m["momentum_buffer"] for m in ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)]
         assert not np.array_equal(apart[0], apart[1])
         assert isinstance(ctl.step(), Reconfiguring) and isinstance(ctl.step(), Running)
-        back = ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)
+        back = [m["momentum_buffer"] for m in ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)]
         for m in back:
             np.testing.assert_allclose(m, (apart[0] + apart[1]) / 2, rtol=1e-6, atol=1e-7)
         ctl.run_epoch()  # allreduce steps on from the same parameters and the same momentum
