@@ -23,9 +23,8 @@ MODES = {"allreduce": {"mode": "allreduce"}, "downpour": {"mode": "downpour"},
          "easgd": {"mode": "easgd", "momentum": 0.0, "tau": 2}, "local_sgd": {"mode": "local_sgd", "period": 4}}
 
 
-@pytest.mark.parametrize("mode", ["allreduce", pytest.param("downpour", marks=pytest.mark.full),
-                                  pytest.param("easgd", marks=pytest.mark.full),  # make test: the transformer's
-                                  pytest.param("local_sgd", marks=pytest.mark.full)])
+@pytest.mark.full  # make test runs the recipe end to end in the transformer test below (allreduce and easgd)
+@pytest.mark.parametrize("mode", ["allreduce", "downpour", "easgd", "local_sgd"])
 def test_the_modern_recipe_in_config_learns_in_every_mode_on_the_schedule(ray_cluster, tmp_path, mode):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     epochs = 3
