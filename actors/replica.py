@@ -33,13 +33,13 @@ import torch.distributed as dist
 from actors import epoch_loop
 from actors.heap import keep_heap
 from actors.partition_reader import PartitionReader
+from actors.rates import Rates
 from actors.reducer import EmulatedLink, ProcessGroupReducer, free_port
 from actors.reading import StreamPlan, count_kept, read_range, eval_pieces
 from actors.shard_client import RayShardClient
 from policies.factory import build_model, carry_optimizer_state, momentum_buffers, set_momentum_buffers
-from policies.lr_scaling import warmup_lr
 from policies.batches import as_tensors, forward, rows as batch_rows, slice_rows, to_device, tree_map
-from policies.recipe import Recipe, Schedule
+from policies.recipe import Recipe
 from policies.registry import Transport, build_worker, mode_spec
 from policies.tasks import add_stats, load_task
 
@@ -83,10 +83,8 @@ class ModelReplica:
         self.generation = 0
         self.cursor: Optional[dict[str, Any]] = None  # the epoch in progress: its batches and where we are
         self.has_buffers = any(True for _ in self.model.buffers())
-        self.lr_ramp: Optional[dict[str, float]] = None  # a resize's learning-rate factor (set_lr_scale)
+        self.rates = Rates(config["optimizer"].get("schedule"), config.get("schedule_steps", 1))  # schedule x ramp
         self.recipe = Recipe.from_config(config, self.device)  # micro-batches, precision, clipping (policies/recipe.py)
-        schedule = config["optimizer"].get("schedule")
-        self.schedule = Schedule(schedule, config.get("schedule_steps", 1)) if schedule else None
         if config.get("multi_phase"):  # torch.optim's first use imports ~1 s of modules: not in a switch
             torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
         if rank is not None:
@@ -209,47 +207,20 @@ class ModelReplica:
         """From now on, modes with a global batch step at optimizer.lr times the factor the
         resize schedule gives (policies/lr_scaling.py: a ramp from `start` at step `from_step` to
         `target` over `steps` steps). Returns the rate the next step uses (None: no local optimizer)."""
-        self.lr_ramp = dict(ramp)
+        self.rates.ramp = dict(ramp)
         self.apply_lr()
         return self.current_lr()
 
     @property
     def lr_moves(self) -> bool:
-        """The rate changes from step to step (optimizer.schedule, or a resize's ramp)."""
-        return self.schedule is not None or self.lr_ramp is not None
-
-    def lr_factor(self) -> float:
-        """optimizer.lr's factor for the next step: the schedule's at this replica's optimizer
-        step, times the resize ramp's in modes with a global batch (policies/lr_scaling.py)."""
-        factor = self.schedule.factor(self.step) if self.schedule is not None else 1.0
-        if self.lr_ramp is not None and self.spec.global_batch:
-            r = self.lr_ramp
-            factor *= warmup_lr(r["target"], r["start"], self.step - r["from_step"], int(r["steps"]))
-        return factor
+        return self.rates.moving
 
     def apply_lr(self) -> None:
-        """The rate for the next step into the local optimizer (downpour: the factor its local
-        steps and its pushes carry to the shards)."""
-        if self.worker is None or not self.lr_moves:
-            return
-        factor = self.lr_factor()
-        if hasattr(self.worker, "lr_factor"):
-            self.worker.lr_factor = factor
-        opt = getattr(self.worker, "optimizer", None)
-        if opt is not None:
-            lr = self.cfg["optimizer"]["lr"] * factor
-            for group in opt.param_groups:
-                group["lr"] = lr
+        """The rate for the next step into the mode's worker (actors/rates.py)."""
+        self.rates.apply(self.worker, self.cfg["optimizer"]["lr"], self.step, self.spec.global_batch)
 
     def current_lr(self) -> Optional[float]:
-        """The rate of the next step: the local optimizer's, or (downpour) the shards' for this
-        replica's pushes."""
-        opt = getattr(self.worker, "optimizer", None)
-        if opt is not None:
-            return float(opt.param_groups[0]["lr"])
-        if hasattr(self.worker, "lr_factor"):
-            return float(self.cfg["optimizer"]["lr"] * self.worker.lr_factor)
-        return None
+        return Rates.current(self.worker, self.cfg["optimizer"]["lr"])
 
     def pid(self) -> int:
         return os.getpid()

@@ -283,12 +283,12 @@ class Recipe:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
             norm = None  # the measured one was of the scaled gradient
-        grads = [p.grad for p in params if p.grad is not None]
         if self.clip:
             norm_value = float(torch.nn.utils.clip_grad_norm_(params, self.clip, foreach=True))
         elif norm is not None:
             norm_value = float(norm)
         else:
+            grads = [p.grad for p in params if p.grad is not None]
             norm_value = float(torch.nn.utils.get_total_norm(grads, foreach=True)) if grads else 0.0
         applied = True
         if self.scaler is not None:
