@@ -29,6 +29,24 @@ def free_port() -> int:
 
 NCCL_POLL_S = 0.0002  # how often a wait on an NCCL collective asks whether it is done
 
+
+def group_backend(device: torch.device, gpus_per_replica: float) -> str:
+    """The collective backend of an allreduce replica: NCCL when it trains on a GPU of its own
+    (gpus_per_replica >= 1), gloo otherwise: on the CPU, and when replicas share a GPU
+    (0 < gpus_per_replica < 1: NCCL cannot put two ranks on one device; gloo sums CUDA tensors
+    through host memory)."""
+    return "nccl" if device.type == "cuda" and gpus_per_replica >= 1 else "gloo"
+
+
+def new_process_group(store: Any, group_rank: int, world_size: int, backend: str, timeout: timedelta) -> Any:
+    """A process group of `backend` over `store` (a generation's PrefixStore), as a replica joins one."""
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, group_rank, world_size)
+    return dist.ProcessGroupGloo(store, group_rank, world_size, timeout)
+
+
 class ProcessGroupReducer:
     """Sums a bucket across replicas with an asynchronous all-reduce on this generation's gloo
     process group, and broadcasts group rank 0's buffers.

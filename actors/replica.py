@@ -34,7 +34,7 @@ from actors import epoch_loop
 from actors.heap import keep_heap
 from actors.partition_reader import PartitionReader
 from actors.rates import Rates
-from actors.reducer import EmulatedLink, ProcessGroupReducer, free_port
+from actors.reducer import EmulatedLink, ProcessGroupReducer, free_port, group_backend, new_process_group
 from actors.reading import StreamPlan, count_kept, read_range, eval_pieces
 from actors.shard_client import RayShardClient
 from policies.factory import build_model, carry_optimizer_state, momentum_buffers, set_momentum_buffers
@@ -259,15 +259,14 @@ class ModelReplica:
     def join_group(self, addr: str, port: int, group_rank: int, world_size: int, generation: int,
                    timeout_s: float) -> int:
         """Join generation `generation` of the process group: a fresh TCP store (hosted by group
-        rank 0 on a new port) and a new gloo group over it, in this same process. `timeout_s`
-        bounds every collective: a peer that stops answering fails the step."""
+        rank 0 on a new port) and a new process group over it, in this same process: NCCL when
+        this replica has a GPU of its own, gloo on the CPU or a shared GPU (`group_backend`).
+        `timeout_s` bounds every collective: a peer that stops answering fails the step."""
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(addr, port, world_size, group_rank == 0, timeout=timeout)
         prefixed = dist.PrefixStore(f"generation-{generation}", store)
-        if self.device.type == "cuda":
-            pg = dist.ProcessGroupNCCL(prefixed, group_rank, world_size)
-        else:
-            pg = dist.ProcessGroupGloo(prefixed, group_rank, world_size, timeout)
+        backend = group_backend(self.device, self.cfg["scaling"]["gpus_per_replica"])
+        pg = new_process_group(prefixed, group_rank, world_size, backend, timeout)
         self.reducer.configure(prefixed, pg, timeout_s, keep=store)  # group rank 0 hosts the store: kept with the group
         self.generation, self.world_size = generation, world_size
         return group_rank

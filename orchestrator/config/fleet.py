@@ -16,8 +16,8 @@ class ScalingConfig(Section):
     cpus_per_replica: float = Field(1.0, gt=0, description="Logical CPUs per replica (also its torch threads).")
     gpus_per_replica: float = Field(
         0.0, ge=0, description="GPUs per replica, at most 1: a replica trains on one GPU today (more would be "
-        "reserved and left idle); > 0 selects the NCCL backend (allreduce and local_sgd: 0 or 1, NCCL cannot put "
-        "two ranks on one GPU)."
+        "reserved and left idle). 1: each replica has its own GPU and allreduce/local_sgd reduce with NCCL; a "
+        "fraction (e.g. 0.5): replicas share a GPU and reduce with gloo (NCCL cannot put two ranks on one GPU)."
     )
     shards: int = Field(
         1, ge=1, description="ParameterShard actors (downpour, easgd); they reserve no CPU; at most one per "

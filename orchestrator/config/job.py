@@ -94,11 +94,6 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _scaling_fits(self) -> "JobConfig":
-        gpus = self.scaling.gpus_per_replica
-        grouped = [m for m in self.strategy.modes() if m in ("allreduce", "local_sgd")]
-        if grouped and 0 < gpus < 1:
-            raise ValueError(f"scaling.gpus_per_replica: {grouped[0]} needs a whole GPU per replica (NCCL cannot put "
-                             f"two ranks on one GPU), got {gpus}")
         backups = max((p["backup_replicas"] for p in self.strategy.plan() if p["mode"] == "allreduce"), default=0)
         if backups and backups >= self.scaling.replicas:
             implied = (" (strategy.adaptive.async_mode backup runs its straggler phase with at least 1)"

@@ -210,9 +210,9 @@ def test_non_finite_numbers(tmp_path, capsys, monkeypatch, value):
     assert_one_line(code, err, "optimizer.lr: Input should be a finite number")
 
 
-def test_fractional_gpus_with_allreduce(tmp_path, capsys, monkeypatch):
-    code, err = run_cli(tmp_path, capsys, monkeypatch, GOOD, ["strategy.mode=allreduce", "scaling.gpus_per_replica=0.5"])
-    assert_one_line(code, err, "scaling.gpus_per_replica: allreduce needs a whole GPU per replica")
+def test_more_than_one_gpu_per_replica(tmp_path, capsys, monkeypatch):
+    code, err = run_cli(tmp_path, capsys, monkeypatch, GOOD, ["scaling.gpus_per_replica=2"])
+    assert_one_line(code, err, "a replica uses one GPU today")
 
 
 @pytest.mark.parametrize("name", ["adam", "adagrad"])

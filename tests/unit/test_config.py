@@ -51,7 +51,6 @@ def test_yaml_round_trip(tmp_path):
     ({}, ["stop.max_wall_s=.inf"], "stop.max_wall_s: Input should be a finite number"),
     ({}, ["faults.slow_replicas={0: .inf}"], "faults.slow_replicas.0"),
     ({}, ["scaling.replicas=2", "faults.slow_replicas={2: 0.1}"], "faults.slow_replicas: no replica of rank 2"),
-    ({}, ["strategy.mode=allreduce", "scaling.gpus_per_replica=0.25"], "scaling.gpus_per_replica"),
     ({"scaling": {"gpus_per_replica": 2}}, [], "scaling.gpus_per_replica: a replica uses one GPU"),
     ({}, ["strategy.mode=easgd", "optimizer.name=adam", "strategy.momentum=0.9"],
      "strategy.momentum is EAMSGD's Nesterov momentum for optimizer.name sgd"),
@@ -95,6 +94,8 @@ def test_rules_that_still_allow_what_works():
     assert JobConfig.from_dict({}, ["strategy.mode=easgd", "strategy.momentum=0.9"]).strategy.momentum == 0.9
     assert JobConfig.from_dict({}, ["strategy.mode=downpour", "scaling.gpus_per_replica=0.5"]).scaling.gpus_per_replica == 0.5
     assert JobConfig.from_dict({}, ["scaling.gpus_per_replica=1"]).scaling.gpus_per_replica == 1
+    for mode in ("allreduce", "local_sgd"):  # replicas sharing a GPU reduce with gloo (actors/reducer.group_backend)
+        assert JobConfig.from_dict({}, [f"strategy.mode={mode}", "scaling.gpus_per_replica=0.5"]).scaling.gpus_per_replica == 0.5
     assert JobConfig.from_dict({}, ["scaling.replicas=3", "faults.slow_replicas={2: 0.1}"]).faults.slow_replicas[0].model_dump(
         exclude_none=True) == {"rank": 2, "delay_s": 0.1}  # the short form: one window, the whole run
 
@@ -124,3 +125,13 @@ def test_a_phase_takes_only_its_own_modes_options():
     assert cfg.strategy.plan()[0]["period"] == 3 and cfg.strategy.plan()[0]["outer_momentum"] == 0.9
     with pytest.raises(ConfigError, match="period is a local_sgd option"):
         JobConfig.from_dict({"strategy": {"phases": [{"mode": "allreduce", "period": 3}]}})
+
+
+def test_group_backend_nccl_only_for_a_gpu_of_its_own():
+    import torch
+
+    from actors.reducer import group_backend
+
+    assert group_backend(torch.device("cpu"), 0) == "gloo"
+    assert group_backend(torch.device("cuda"), 1) == "nccl"
+    assert group_backend(torch.device("cuda"), 0.5) == "gloo"  # NCCL cannot put two ranks on one GPU
