@@ -54,9 +54,12 @@ class Block:
 class StreamPlan:
     """A file source planned on the driver, sent to every reader (small: no rows in it).
 
-    `keep`: which rows of a range belong to this plan: "train" (hash >= test_fraction), "test"
-    (hash < test_fraction) or "all" (a separate test source, or no split). `ranges`: [start,
-    stop) positions, the train partitions (or the test pieces); `rows`: the kept rows of each."""
+    `keep`: which rows of a range belong to this plan: "train" (hash >= test_fraction, and not
+    validation), "test" (hash < test_fraction), "val" (not test, and a second hash <
+    val_fraction) or "all" (a separate test source, or no split). `split_test` False: the
+    source holds no test rows (a separate test source) and only the validation rows are held
+    out. `ranges`: [start, stop) positions, the train partitions (or the test pieces); `rows`:
+    the kept rows of each."""
 
     source: str  # as configured: named in errors
     field: str  # data.source or data.test_source
@@ -71,6 +74,8 @@ class StreamPlan:
     rows: tuple[int, ...] = ()
     piece_rows: int = 65536  # evaluation reads at most this many positions at a time
     items: Any = None  # a torch Dataset source (fmt "torch"): its actors.items.ItemSource, read by index
+    val_fraction: float = 0.0  # data.val_fraction: the share of the non-test rows held out for validation
+    split_test: bool = True
 
     @property
     def total(self) -> int:
@@ -96,11 +101,19 @@ def held_out_mask(positions: np.ndarray, seed: int, fraction: float) -> np.ndarr
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < fraction
 
 
+VAL_SEED = 0x7A1  # the validation hash is its own: the same test rows with or without a validation split
+
+
 def kept(plan: StreamPlan, positions: np.ndarray) -> np.ndarray:
     if plan.keep == "all":
         return np.ones(len(positions), dtype=bool)
-    test = held_out_mask(positions, plan.seed, plan.test_fraction)
-    return test if plan.keep == "test" else ~test
+    test = (held_out_mask(positions, plan.seed, plan.test_fraction) if plan.split_test
+            else np.zeros(len(positions), dtype=bool))
+    if plan.keep == "test":
+        return test
+    val = (held_out_mask(positions, plan.seed + VAL_SEED, plan.val_fraction) if plan.val_fraction > 0
+           else np.zeros(len(positions), dtype=bool))
+    return ~test & (val if plan.keep == "val" else ~val)
 
 
 def count_kept(plan: StreamPlan, lo: int, hi: int) -> int:

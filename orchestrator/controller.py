@@ -55,7 +55,7 @@ from policies.stop import ChanceWatch, StopPolicy
 from policies.recipe import planned_steps
 from policies.stop import BestWatch
 from policies.switching import entering_optimizer, make_switch_policy
-from policies.tasks import sum_stats
+from policies.tasks import split_metric, sum_stats
 
 SHARD_STATE_TIMEOUT_S = 10.0  # the shards' optimizer states for a checkpoint
 CHECKPOINT_FLUSH_S = 10.0  # the MLflow writes asked for before a checkpoint, stored before it is written
@@ -72,7 +72,7 @@ class Controller:
         self.t0 = t0
         self.trace_ids = trace_ids
         self.task = config.task.build()  # the loss and the metrics (policies/tasks.py)
-        self.target = config.stop.the_target()
+        self.target = config.target()
         self.metric = config.headline_metric()  # what progress lines, switch events and phases report
         self.switch_policy = make_switch_policy(config.strategy, config.metric_goals())
         self.resume = resume
@@ -215,10 +215,18 @@ class Controller:
         """The headline metric's value in `metrics` (train_loss from the totals)."""
         return {**metrics, "train_loss": self.totals.train_loss}.get(self.metric, float("nan"))
 
-    def finish_evaluation(self, evals: list[dict[str, Any]]) -> dict[str, float]:
+    def finish_evaluation(self, evals: list[dict[str, Any]], split: Optional[str] = None) -> dict[str, float]:
         """The task's metrics from every replica's evaluation sums (added, then finished once:
-        the same figures one process evaluating the whole test split gets)."""
-        return {k: float(v) for k, v in self.task.finish(sum_stats(evals)).items()}
+        the same figures one process evaluating the whole split gets), named for the split they
+        were measured on (default: the run's evaluated split; val_* with data.val_fraction)."""
+        split = split or self.cfg.eval_split
+        return {split_metric(k, split): float(v) for k, v in self.task.finish(sum_stats(evals)).items()}
+
+    @property
+    def loss_metric(self) -> str:
+        """The evaluated split's loss (test_loss, or val_loss): what the switch guard and the
+        divergence check watch."""
+        return split_metric("test_loss", self.cfg.eval_split)
 
     # ---- the reporter's tracker (the trainer opens it while the actors boot) ---------------
     @property
@@ -311,14 +319,16 @@ class Controller:
     def give_data(self, ranks: list[int]) -> None:
         """The partition server, the train partitions (refs, or a file source's plan) and each
         replica's share of the test split (shares follow the members' positions in rank order)."""
-        members = self.group.ranks
-        where = {r: self.data.test_share(i, len(members)) for i, r in enumerate(members)}
+        members, split = self.group.ranks, self.cfg.eval_split
+        where = {r: self.data.test_share(i, len(members), split) for i, r in enumerate(members)}
         self.group.call(ranks, "set_data", what="data",
                         per_rank=lambda r: (self.server.address(), [self.data.train], *where[r], self.t_train_wall))
 
-    def reslice_tests(self) -> None:
-        members = self.group.ranks
-        where = {r: self.data.test_share(i, len(members)) for i, r in enumerate(members)}
+    def reslice_tests(self, split: Optional[str] = None) -> None:
+        """Each member's share of the evaluated split (default: the run's; "test" for the final
+        evaluation of a run with a validation split)."""
+        members, split = self.group.ranks, split or self.cfg.eval_split
+        where = {r: self.data.test_share(i, len(members), split) for i, r in enumerate(members)}
         self.group.call(members, "set_test_slice", what="test slices", per_rank=lambda r: where[r])
 
     # ---- Running: an epoch's streams -------------------------------------------------------
@@ -368,6 +378,8 @@ class Controller:
         if self.shard_group is not None:  # a rebuild still waiting for replay is reported as it stands
             report_shard_events(self, self.shard_group.settle_all(), self.totals.epochs)
         self.finish_epochs()
+        if self.cfg.validated:
+            self.evaluate_test()
         self.totals.checkpoint = self.checkpoint("final", self.cfg.strategy.timeout_s, named="model.pt")
         with tempfile.TemporaryDirectory() as tmp:
             import torch
@@ -383,6 +395,20 @@ class Controller:
         seconds = log_trained_model(self.report.tracker, self.cfg, self.dataset, model)
         if seconds is not None:
             self.report.event("model_logged", name="model", seconds=round(seconds, 3), model=which)
+
+    def evaluate_test(self) -> None:
+        """data.val_fraction: the test split, evaluated once, on the final model (the mode's
+        reference in sharded modes); its test_* metrics join the last validation figures in
+        `final`, go to MLflow at the last step and in a `test_evaluated` event."""
+        self.reslice_tests("test")
+        method = "evaluate_reference" if self.spec.sharded else "evaluate"
+        evals = self.group.call(self.group.ranks, method, what="test evaluation", timeout_s=self.cfg.strategy.timeout_s)
+        test = self.finish_evaluation(evals, "test")
+        self.totals.metrics = {**self.totals.metrics, **test}
+        self.report.metrics([(k, v, self.totals.steps) for k, v in test.items()])
+        self.report.event("test_evaluated", epoch=self.totals.epochs, step=self.totals.steps,
+                          **{k: round(v, 6) for k, v in test.items()})
+        self.report.say("test split: " + "  ".join(f"{k} {v:.4f}" for k, v in test.items()))
 
     def best_state_model(self) -> dict[str, Any]:
         """checkpoint.keep_best: the best epoch's model, held since it was checkpointed, or (a

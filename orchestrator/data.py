@@ -8,9 +8,10 @@ tests can check which rows a replica consumed). File sources are not held: they 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -39,6 +40,7 @@ class Dataset:
     train: Split
     test: Split
     num_classes: int
+    val: Optional[Split] = None  # data.val_fraction's rows, held out of train
 
     @property
     def train_rows(self) -> int:
@@ -47,6 +49,24 @@ class Dataset:
     def example(self, rows: int) -> Split:
         """The first rows of the test split: the model check's input and the logged model's example."""
         return self.test.take(np.arange(min(rows, len(self.test))))
+
+
+VAL_SEED = 0x7A1  # the validation split's draw is its own: the same test split with or without one
+
+
+def hold_out_val(dataset: Dataset, fraction: float, seed: int) -> Dataset:
+    """data.val_fraction: a seeded random `fraction` of the train rows becomes the validation
+    split (the test split is untouched). ConfigError when either side would be empty."""
+    if fraction <= 0:
+        return dataset
+    n = len(dataset.train)
+    n_val = int(round(n * fraction))
+    if n_val < 1 or n_val >= n:
+        raise ConfigError(f"config error: data.val_fraction: {fraction} of {n} train rows leaves an empty train or "
+                          "validation split")
+    order = np.random.default_rng(seed + VAL_SEED).permutation(n)
+    return dataclasses.replace(dataset, train=dataset.train.take(np.sort(order[n_val:])),
+                               val=dataset.train.take(np.sort(order[:n_val])))
 
 
 def _stratified_split(y: np.ndarray, test_per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -138,7 +138,8 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
     switching.check_guard(ctl, epoch, metrics)  # a switch that hurt: rolled back before anything keeps this model
     rolling_back = ctl.pending_switch is not None and ctl.pending_switch.rollback is not None
     if not rolling_back:
-        why = ctl.chance.observe(metrics["test_loss"]) if ctl.chance is not None and "test_loss" in metrics else None
+        loss = metrics.get(ctl.loss_metric)
+        why = ctl.chance.observe(loss) if ctl.chance is not None and loss is not None else None
         if why is not None:
             raise TrainingError(f"epoch {epoch}: training diverged: {why}; the last checkpoint is kept")
         ck = cfg.checkpoint

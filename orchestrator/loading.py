@@ -3,12 +3,13 @@ in-memory data, files, which are planned rather than read: orchestrator/planning
 map-style torch Dataset, planned the same way: orchestrator/torch_data.py)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Union
 
 import numpy as np
 
-from orchestrator.data import Dataset, load_source
+from orchestrator.data import Dataset, hold_out_val, load_source
 from orchestrator.errors import ConfigError
 from orchestrator.planning import StreamedDataset, plan_file_dataset
 from orchestrator.sources import classes_of, decode_spec, read_table, table_from_memory, table_to_split
@@ -18,7 +19,7 @@ from policies.batches import shape_of
 
 # how rows are decoded and split: a builtin dataset comes decoded and split, and would ignore them
 FILE_ONLY_FIELDS = ("label_column", "feature_columns", "decode", "feature_shape", "id_column", "test_source",
-                    "test_fraction")
+                    "test_fraction", "val_source")
 
 
 def check_builtin_fields(data_cfg) -> None:
@@ -42,7 +43,7 @@ def load_dataset(data_cfg, in_memory: Any = None, task: Any = None, replicas: in
     check_fields(data_cfg, torch_source=False)
     if in_memory is None and source.startswith("builtin:"):
         check_builtin_fields(data_cfg)
-        return load_source(source, data_cfg.seed)
+        return hold_out_val(load_source(source, data_cfg.seed), data_cfg.val_fraction, data_cfg.seed)
     if in_memory is None:
         return plan_file_dataset(data_cfg, task, replicas)
     table = table_from_memory(in_memory)
@@ -63,4 +64,12 @@ def load_dataset(data_cfg, in_memory: Any = None, task: Any = None, replicas: in
             raise ConfigError(f"config error: data.test_fraction: {data_cfg.test_fraction} of {len(whole)} rows "
                               "leaves an empty train or test split")
         test, train = whole.take(order[:n_test]), whole.take(order[n_test:])
-    return Dataset(os.path.basename(source.rstrip("/")) or source, train, test, classes_of(train, test))
+    dataset = Dataset(os.path.basename(source.rstrip("/")) or source, train, test, classes_of(train, test))
+    if data_cfg.val_source:  # in-memory training data: its validation set is read whole too
+        val_table = read_table(data_cfg.val_source, "data.val_source")
+        val = table_to_split(val_table, decode_spec(data_cfg, val_table.schema, task), source=data_cfg.val_source)
+        if shape_of(val.x) != shape_of(train.x):
+            raise ConfigError(f"config error: data.val_source: {data_cfg.val_source} rows decode to inputs "
+                              f"{shape_of(val.x)}, the train data to {shape_of(train.x)}")
+        return dataclasses.replace(dataset, val=val)
+    return hold_out_val(dataset, data_cfg.val_fraction, data_cfg.seed)

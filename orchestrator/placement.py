@@ -10,7 +10,8 @@
   index list are put once, and the plans carry their refs (orchestrator/torch_data.py).
 
 Both answer the same questions (`rows`, `train`, `sample`, `test_share`), so the controller
-does not ask which kind it has.
+does not ask which kind it has. `test_share(..., split="val")` is the validation split's share
+(data.val_fraction), the one replicas evaluate during the run when there is one.
 """
 from __future__ import annotations
 
@@ -30,10 +31,14 @@ class StoredData:
         self.rows = [len(p) for p in cut]
         self.test = ray.put({"x": dataset.test.x, "y": dataset.test.y})
         self.test_rows = len(dataset.test)
+        self.val = None if dataset.val is None else ray.put({"x": dataset.val.x, "y": dataset.val.y})
+        self.val_rows = 0 if dataset.val is None else len(dataset.val)
         self.sample = self.test
 
-    def test_share(self, index: int, members: int) -> tuple[list, Any]:
+    def test_share(self, index: int, members: int, split: str = "test") -> tuple[list, Any]:
         """What `ModelReplica.set_test_slice` takes for the member at `index` of `members`."""
+        if split == "val":
+            return [self.val], eval_slices(self.val_rows, members)[index]
         return [self.test], eval_slices(self.test_rows, members)[index]
 
 
@@ -41,16 +46,17 @@ class StreamedData:
     def __init__(self, dataset: StreamedDataset) -> None:
         self.train: Any = dataset.train_plan
         self.rows = list(dataset.train_plan.rows)
-        self.test = dataset.test_plan
+        self.test, self.val = dataset.test_plan, dataset.val_plan
         if self.train.items is not None:  # a torch Dataset: the dataset and its index lists put once
             from orchestrator.torch_data import place_items
 
-            self.train, self.test = place_items(self.train, self.test)
-        self.test_rows = dataset.test_rows
+            self.train, self.test, self.val = place_items(self.train, self.test, self.val)
+        self.test_rows, self.val_rows = dataset.test_rows, dataset.val_rows
         self.sample = ray.put({"x": dataset.sample.x, "y": dataset.sample.y})
 
-    def test_share(self, index: int, members: int) -> tuple[list, Any]:
-        return [self.test], eval_shares(self.test, members)[index]
+    def test_share(self, index: int, members: int, split: str = "test") -> tuple[list, Any]:
+        plan = self.val if split == "val" else self.test
+        return [plan], eval_shares(plan, members)[index]
 
 
 def place_data(dataset: Union[Dataset, StreamedDataset], parts: int, seed: int) -> Union[StoredData, StreamedData]:

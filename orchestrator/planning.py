@@ -54,6 +54,11 @@ class StreamedDataset:
     test_plan: StreamPlan
     sample: Split  # the source's first rows, decoded on the driver
     num_classes: int  # integer single-column targets: max id + 1 (Parquet statistics, else the sample); else 0
+    val_plan: Optional[StreamPlan] = None  # data.val_fraction's rows, cut into evaluation pieces
+
+    @property
+    def val_rows(self) -> int:
+        return sum(self.val_plan.rows) if self.val_plan is not None else 0
 
     @property
     def train_rows(self) -> int:
@@ -189,18 +194,35 @@ def plan_file_dataset(data_cfg: Any, task: Any, replicas: int) -> StreamedDatase
                               f"{_shapes(test_sample.x)}, the train data's {_shapes(sample.x)}")
     else:
         test, test_size = dataclasses.replace(train, keep="test"), size
+    val = None
+    if data_cfg.val_source:
+        val, _, val_size = plan_source(data_cfg.val_source, "data.val_source", data_cfg, task, keep="all")
+        val_sample = sample_of(val, 2)
+        if _shapes(val_sample.x) != _shapes(sample.x):
+            raise ConfigError(f"config error: data.val_source: {data_cfg.val_source} rows decode to inputs of shape "
+                              f"{_shapes(val_sample.x)}, the train data's {_shapes(sample.x)}")
+        val = piece_ranges(val, val_size)
+    elif data_cfg.val_fraction > 0:  # held out of the train rows by a hash of their own
+        train = dataclasses.replace(train, keep="train", split_test=not data_cfg.test_source,
+                                    val_fraction=data_cfg.val_fraction)
+        val = dataclasses.replace(train, keep="val")
     train_rows = count_kept(train, 0, train.total)
     test_rows = count_kept(test, 0, test.total)
     if train_rows < 1 or test_rows < 1:
         raise ConfigError(f"config error: data.test_fraction: {data_cfg.test_fraction} of {train.total} rows "
                           "leaves an empty train or test split")
+    if val is not None and data_cfg.val_fraction > 0:
+        val = piece_ranges(val, size)
+        if sum(val.rows) < 1:
+            raise ConfigError(f"config error: data.val_fraction: {data_cfg.val_fraction} of {train_rows} train rows "
+                              "leaves an empty validation split")
     parts = data_cfg.partitions or default_partitions(replicas, train_rows, train.total, size)
     if parts > train_rows:
         raise ConfigError(f"config error: data.partitions: {parts} partitions for {train_rows} train rows")
     ranges, rows = cut_ranges(train, parts)
     train = dataclasses.replace(train, ranges=tuple(ranges), rows=tuple(rows))
     name = os.path.basename(source.rstrip("/")) or source
-    return StreamedDataset(name, train, piece_ranges(test, test_size), sample, classes_of(train, metas, sample))
+    return StreamedDataset(name, train, piece_ranges(test, test_size), sample, classes_of(train, metas, sample), val)
 
 
 def _shapes(tree: Any) -> Any:

@@ -43,7 +43,11 @@ class TrainResult:
 
     def headline(self, metric: str) -> str:
         """Why the run stopped and its headline `metric`: the first line of every summary."""
-        return f"done: {self.stop_reason}; {metric} {self.final.get(metric, float('nan')):.4f}"
+        line = f"done: {self.stop_reason}; {metric} {self.final.get(metric, float('nan')):.4f}"
+        test = "test_" + metric.removeprefix("val_")  # a run judged on a validation split: its one test figure too
+        if metric.startswith("val_") and test in self.final:
+            line += f"; {test} {self.final[test]:.4f}"
+        return line
 
     def final_line(self, metric: str) -> str:
         """The one line `--no-progress` prints: the headline and the MLflow run."""

@@ -92,13 +92,14 @@ def check_guard(ctl: "Controller", epoch: int, metrics: dict[str, float]) -> Non
     if g is None:
         return
     g.checks -= 1
-    loss = metrics.get("test_loss")
+    name = ctl.loss_metric
+    loss = metrics.get(name)
     if loss is not None and margin is not None and (not math.isfinite(loss) or loss > g.loss * (1 + margin)):
         ctl.guard = None
         ctl.switching_off = True
         ctl.switch_policy.current = g.phase
-        numbers = {"test_loss_at_switch": round(g.loss, 4), "test_loss_now": round(loss, 4), "margin": margin}
-        reason = (f"test_loss {loss:.4f} in {ctl.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
+        numbers = {f"{name}_at_switch": round(g.loss, 4), f"{name}_now": round(loss, 4), "margin": margin}
+        reason = (f"{name} {loss:.4f} in {ctl.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
                   f"switch: back to {g.mode} with the model from before it; no further switch this run")
         ctl.pending_switch = SwitchPlan(Switch(g.phase, g.mode, "rollback", reason, numbers), time.time(),
                                         time.perf_counter(), False, rollback=g.state)
@@ -142,9 +143,9 @@ class Switching(Change):
         before = evaluate(ctl)
         self.before = ctl.headline_value(before)
         rollback, margin = self.plan.rollback, ctl.cfg.strategy.rollback_margin
-        if rollback is None and margin is not None and "test_loss" in before:  # this switch goes on probation
+        if rollback is None and margin is not None and ctl.loss_metric in before:  # this switch goes on probation
             self.guard = Guard(ctl.phases[-1]["phase"], self.old_mode, group.call([ranks[0]], "state", what="state")[0],
-                               before["test_loss"], checks=2 if seg.begun else 1)
+                               before[ctl.loss_metric], checks=2 if seg.begun else 1)
         if self.new_spec.sharded and rollback is None:  # a rollback seeds the shards from the state it loads
             clocks = {r: step for r, step in zip(ranks, group.call(ranks, "current_step", what="steps"))}
             if self.old_spec.sharded:

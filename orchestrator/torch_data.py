@@ -81,9 +81,11 @@ def check_fields(data_cfg: Any, torch_source: bool) -> None:
         if _changed(data_cfg, name):
             raise ConfigError(f"config error: data.{name}: applies to a torch Dataset source only (data.source: "
                               "'module:function', or ElasticTrainer(config, data=dataset); remove it)")
-    if is_function_source(data_cfg.test_source):
-        raise ConfigError(f"config error: data.test_source: {data_cfg.test_source} is a 'module:function' test set, "
-                          "which goes with a torch Dataset train set (data.source: 'module:function')")
+    for name in ("test_source", "val_source"):
+        spec = getattr(data_cfg, name)
+        if is_function_source(spec):
+            raise ConfigError(f"config error: data.{name}: {spec} is a 'module:function' {name[:-7]} set, which goes "
+                              "with a torch Dataset train set (data.source: 'module:function')")
 
 
 def call_source(spec: str, field: str) -> Any:
@@ -263,6 +265,24 @@ def load_torch_dataset(data_cfg: Any, in_memory: Any = None, task: Any = None, r
         if test is not train:
             check_picklable(test, test_field, test_name)
         train_idx, test_idx = rng.permutation(n).astype(np.int64), np.arange(n_test, dtype=np.int64)
+    val_idx = val_set = None
+    if data_cfg.val_source is not None:
+        if not is_function_source(data_cfg.val_source):
+            raise ConfigError(f"config error: data.val_source: {data_cfg.val_source!r}: with a torch Dataset, the "
+                              "validation set is a 'module:function' returning a map-style Dataset too")
+        val_set = call_source(data_cfg.val_source, "data.val_source")
+        n_val = check_map_style(val_set, "data.val_source", f"{data_cfg.val_source}()")
+        check_picklable(val_set, "data.val_source", f"{data_cfg.val_source}()")
+        val_idx = np.arange(n_val, dtype=np.int64)
+    elif data_cfg.val_fraction > 0:  # a seeded share of the train indices, drawn apart from the test split
+        from orchestrator.data import VAL_SEED
+
+        n_val = int(round(len(train_idx) * data_cfg.val_fraction))
+        if n_val < 1 or n_val >= len(train_idx):
+            raise ConfigError(f"config error: data.val_fraction: {data_cfg.val_fraction} of {len(train_idx)} train rows "
+                              "leaves an empty train or validation split")
+        pick = np.random.default_rng(data_cfg.seed + VAL_SEED).permutation(len(train_idx))
+        val_idx, train_idx = np.sort(train_idx[pick[:n_val]]), train_idx[np.sort(pick[n_val:])]
     labels = [data_cfg.label_column] if isinstance(data_cfg.label_column, str) else list(data_cfg.label_column)
     spec = DecodeSpec(tuple(labels), not isinstance(data_cfg.label_column, str), (), None, None,
                       getattr(task, "input_dtype", "float32"), getattr(task, "target_dtype", "int64"))
@@ -288,15 +308,24 @@ def load_torch_dataset(data_cfg: Any, in_memory: Any = None, task: Any = None, r
     ranges, rows = cut_ranges(train_plan, parts)
     train_plan = dataclasses.replace(train_plan, ranges=tuple(ranges), rows=tuple(rows))
     test_plan = piece_ranges(test_plan, int(per_row * n_test))
+    val_plan = None
+    if val_idx is not None:
+        val_plan = (plan_of(train, val_idx, name, field) if val_set is None else
+                    plan_of(val_set, val_idx, f"{data_cfg.val_source}()", "data.val_source"))
+        if val_set is not None and _tree_shapes(_sample(val_plan, 2).x) != _tree_shapes(sample.x):
+            raise ConfigError(f"config error: data.val_source: {data_cfg.val_source}() items collate to inputs of shape "
+                              f"{_tree_shapes(_sample(val_plan, 2).x)}, the train set's to {_tree_shapes(sample.x)}")
+        val_plan = piece_ranges(val_plan, int(per_row * len(val_idx)))
     y = sample.y
     classes = int(y.max()) + 1 if isinstance(y, np.ndarray) and y.ndim == 1 and y.dtype.kind in "iu" else 0
     label = data_cfg.source if in_memory is None else type(train).__name__
-    return StreamedDataset(label, train_plan, test_plan, sample, classes)
+    return StreamedDataset(label, train_plan, test_plan, sample, classes, val_plan)
 
 
-def place_items(train: StreamPlan, test: StreamPlan) -> tuple[StreamPlan, StreamPlan]:
+def place_items(*plans: Optional[StreamPlan]) -> tuple[Optional[StreamPlan], ...]:
     """The plans with their datasets and index lists in the object store: each dataset put once
-    (a split's train and test plans share theirs), so read tasks and replicas get refs."""
+    (a split's train, validation and test plans share theirs), so read tasks and replicas get
+    refs. None stays None."""
     import ray
 
     refs: dict[int, Any] = {}
@@ -308,4 +337,4 @@ def place_items(train: StreamPlan, test: StreamPlan) -> tuple[StreamPlan, Stream
         items = dataclasses.replace(items, dataset=refs[id(items.dataset)], indices=ray.put(items.indices))
         return dataclasses.replace(plan, items=items)
 
-    return placed(train), placed(test)
+    return tuple(None if plan is None else placed(plan) for plan in plans)

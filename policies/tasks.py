@@ -193,6 +193,13 @@ def load_task(name: str, kwargs: Optional[dict[str, Any]] = None) -> Task:
     return task
 
 
+def split_metric(name: str, split: str) -> str:
+    """A task metric's name when it was measured on `split`: the task's own name ("test_...")
+    on the test split; "val_" + the rest on the validation split (test_accuracy -> val_accuracy,
+    a custom task's "bleu" -> "val_bleu")."""
+    return name if split == "test" else "val_" + name.removeprefix("test_")
+
+
 def primary_metric(task: Any) -> str:
     """The metric a run of `task` is summarised by when no target names one."""
     return getattr(task, "primary", None) or tuple(task.metrics)[0]

@@ -18,6 +18,8 @@ from orchestrator.config.sections import (CheckpointConfig, DataConfig, ModelCon
                                           StopConfig, TaskConfig, TrackingConfig)
 from orchestrator.config.fleet import FaultsConfig, FaultToleranceConfig, ScalingConfig
 from orchestrator.config.strategy import UNTIL_COUNTS, StrategyConfig
+from policies.stop import Target
+from policies.tasks import primary_metric, split_metric
 
 
 class JobConfig(Section):
@@ -52,18 +54,26 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _one_validation_split(self) -> "JobConfig":
+        if self.data.val_fraction > 0 and self.data.val_source is not None:
+            raise ValueError("data.val_source: a validation set is given, so data.val_fraction must stay 0 (choose one)")
+        return self
+
+    @model_validator(mode="after")
     def _metrics_known(self) -> "JobConfig":
         """stop.target's metric and each phase's `until` metric are ones the task produces."""
         try:
             task = self.task.build()
         except ValueError as exc:
             raise ValueError(f"task.name: {exc}") from None
-        known = {**dict(task.goals), "train_loss": "min"}
+        known = self.judged_goals(task)
         names = ", ".join(known)
-        target = self.stop.the_target()
+        target = self.target()
         if target is not None and target.metric not in known:
-            raise ValueError(f"stop.target.metric: the {self.task.name} task has no metric {target.metric!r}; "
-                             f"choose one of {names}")
+            held = (f" (with data.val_fraction the run is judged on the validation split: "
+                    f"{split_metric(target.metric, 'val')})") if self.validated and target.metric in task.goals else ""
+            raise ValueError(f"stop.target.metric: the {self.task.name} task has no metric {target.metric!r} to judge "
+                             f"during the run{held}; choose one of {names}")
         for i, phase in enumerate(self.strategy.phases or []):
             key = next(iter(phase.until or {}), None)
             if key is not None and key not in UNTIL_COUNTS and key not in known:
@@ -71,17 +81,42 @@ class JobConfig(Section):
                                  f"{', '.join(UNTIL_COUNTS)} or a metric of the {self.task.name} task ({names})")
         return self
 
+    @property
+    def validated(self) -> bool:
+        """A validation split is held out (data.val_fraction) or given (data.val_source): the
+        run is judged on it."""
+        return self.data.val_fraction > 0 or self.data.val_source is not None
+
+    @property
+    def eval_split(self) -> str:
+        """The split every evaluation during the run is on: "val" or "test"."""
+        return "val" if self.validated else "test"
+
+    def judged_goals(self, task: Any = None) -> dict[str, str]:
+        """The metrics a run is judged by while it trains (targets, until, early stopping, the
+        best checkpoint, sweeps), with their goals: the task's on the evaluated split, and
+        train_loss."""
+        task = task or self.task.build()
+        return {**{split_metric(k, self.eval_split): g for k, g in dict(task.goals).items()}, "train_loss": "min"}
+
     def metric_goals(self) -> dict[str, str]:
-        """Every metric name a run of this job produces, with its goal (the task's and train_loss)."""
-        return {**dict(self.task.build().goals), "train_loss": "min"}
+        """Every metric name a run of this job produces, with its goal: the judged ones, and with
+        a validation split the test split's too (evaluated once, at the end)."""
+        task = self.task.build()
+        return {**self.judged_goals(task), **(dict(task.goals) if self.validated else {})}
+
+    def target(self) -> Optional[Target]:
+        """stop.target, with stop.target_accuracy's shorthand on the evaluated split."""
+        target = self.stop.the_target()
+        if target is not None and self.stop.target_accuracy is not None:
+            return Target(split_metric(target.metric, self.eval_split), target.goal, target.value)
+        return target
 
     def headline_metric(self) -> str:
-        """The metric the run is judged by: stop.target's, else the task's primary metric
-        (classification: test_accuracy)."""
-        from policies.tasks import primary_metric
-
-        target = self.stop.the_target()
-        return target.metric if target is not None else primary_metric(self.task.build())
+        """The metric the run is judged by: stop.target's, else the task's primary metric on the
+        evaluated split (classification: test_accuracy, or val_accuracy with data.val_fraction)."""
+        target = self.target()
+        return target.metric if target is not None else split_metric(primary_metric(self.task.build()), self.eval_split)
 
     @model_validator(mode="after")
     def _optimizer_fits(self) -> "JobConfig":

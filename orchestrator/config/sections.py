@@ -97,6 +97,17 @@ class DataConfig(Section):
     )
     test_source: Optional[str] = Field(None, description="A separate test set (same format rules; with a torch "
                                        "Dataset source, a 'module:function' returning one); overrides test_fraction.")
+    val_fraction: float = Field(
+        0.0, ge=0, lt=1, description="Share of the train rows held out for validation (0 = none). With one, every "
+        "evaluation during the run is on it and its metrics are val_* (val_accuracy, val_loss, ...): targets, until, "
+        "early stopping, the best checkpoint and sweeps judge on them, and the test split is evaluated once, on the "
+        "final model (`final` holds both). File sources hold out each train row whose position hashes (with seed, "
+        "independently of the test hash) below it; in-memory data, builtins and torch Datasets a seeded random share."
+    )
+    val_source: Optional[str] = Field(
+        None, description="A separate validation set instead of val_fraction (same format rules as test_source; with "
+        "a torch Dataset source, a 'module:function' returning one): the run is judged on it as with val_fraction."
+    )
     batch_size: int = Field(64, gt=0, description="Samples per step per replica (per micro-batch with accumulate > "
                             "1); the last batch of each partition is shorter when the partition's rows are not a "
                             "multiple.")

@@ -93,10 +93,11 @@ class SweepConfig(Section):
         "{loguniform: [low, high]}; e.g. strategy.mode: {grid: [allreduce, easgd]}.")
     num_samples: int = Field(1, ge=1, description="Samples per grid point (random keys drawn afresh each); trials = "
                              "num_samples x the product of the grid sizes.")
-    metric: str = Field(
-        "test_accuracy", min_length=1, description="The metric that ranks trials (and that the scheduler judges): one "
-        "the base config's task produces (e.g. test_accuracy, test_r2, test_perplexity, your own task's) or train_loss; "
-        "each trial reports every metric after every epoch.")
+    metric: Optional[str] = Field(
+        None, min_length=1, description="The metric that ranks trials (and that the scheduler judges): one the base "
+        "config's task produces on the split it evaluates during the run (e.g. test_accuracy, test_r2, test_perplexity, "
+        "your own task's; val_accuracy etc. with data.val_fraction) or train_loss; default: the base config's headline "
+        "metric (its stop.target's, else the task's primary). Each trial reports every metric after every epoch.")
     goal: Optional[Literal["max", "min"]] = Field(
         None, description="max or min; default: the metric's own goal in the task (max for test_accuracy and test_r2, "
         "min for losses).")
@@ -125,12 +126,16 @@ class SweepConfig(Section):
             raise ValueError("give at least one key to search over")
         return v
 
-    def check_metric(self, goals: dict[str, str], task: str) -> None:
-        """`metric` is one the base config's task produces (`goals`: name -> max|min), and `goal`
-        agrees with it (unset: taken from it). ConfigError otherwise."""
+    def check_metric(self, goals: dict[str, str], task: str, headline: Optional[str] = None) -> None:
+        """`metric` (unset: `headline`) is one the base config's runs are judged by (`goals`:
+        name -> max|min), and `goal` agrees with it (unset: taken from it). ConfigError otherwise."""
+        if self.metric is None:
+            self.metric = headline or "test_accuracy"
         if self.metric not in goals:
-            raise ConfigError(f"sweep error: metric: the {task} task has no metric {self.metric!r}; choose one of "
-                              f"{', '.join(goals)}")
+            val = "val_" + self.metric.removeprefix("test_")
+            hint = f" (the base config holds out a validation split: {val})" if val in goals else ""
+            raise ConfigError(f"sweep error: metric: the {task} task has no metric {self.metric!r} to judge trials "
+                              f"by{hint}; choose one of {', '.join(goals)}")
         natural = goals[self.metric]
         if self.goal is None:
             self.goal = natural
@@ -180,7 +185,7 @@ def plan_sweep(sweep: SweepConfig, overrides: Sequence[str] = (), relative_to: O
         _check_key(key, "set")
     base_raw = apply_overrides(with_values(base_raw, sweep.set), list(overrides))
     base = JobConfig.from_dict(base_raw)  # the base alone is valid (its error names the field)
-    sweep.check_metric(base.metric_goals(), base.task.name)
+    sweep.check_metric(base.judged_goals(), base.task.name, base.headline_metric())
     if base.run.name or "run.name" in sweep.search:
         raise ConfigError("sweep error: run.name: trials are not named runs (they would share one checkpoint "
                           "directory and go on from each other's checkpoints); leave run.name unset in a sweep")

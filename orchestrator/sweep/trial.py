@@ -52,7 +52,7 @@ class _TuneReport:
 def ends_the_run(config: JobConfig, epoch_end: dict[str, Any]) -> bool:
     """Whether the run stops after this epoch_end event: its epoch limit, or the target reached
     with stop.at_target (a stop by stop.max_wall_s is not known in advance)."""
-    stop, target = config.stop, config.stop.the_target()
+    stop, target = config.stop, config.target()
     return epoch_end["epoch"] >= stop.epochs or (stop.at_target and target is not None and target.reached(epoch_end))
 
 

@@ -1,7 +1,8 @@
-"""checkpoint.keep_best and stop.early_stopping on real Ray actors and a real MLflow store: when
-later epochs are worse than an earlier one (the rate jumps x30 half-way), the run stops early,
-best.pt holds the best epoch, and `mlflow.pytorch.load_model` gives the model with the best
-metric, not the last epoch's."""
+"""checkpoint.keep_best, stop.early_stopping and data.val_fraction on real Ray actors and a real
+MLflow store: when later epochs are worse than an earlier one (the rate jumps x30 half-way), the
+run stops early, judged on the validation split; best.pt holds the best epoch, and
+`mlflow.pytorch.load_model` gives the model with the best validation metric, not the last
+epoch's; the test split is evaluated once, on the final model."""
 from __future__ import annotations
 
 import os
@@ -19,15 +20,20 @@ pytestmark = pytest.mark.ray
 
 def test_the_logged_model_is_the_best_epochs_and_the_run_stops_early(ray_cluster, tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = job_config(optimizer={"lr": 0.05, "schedule": {"name": "tests.factories:lr_spike"}},
+    cfg = job_config(data={"val_fraction": 0.2}, optimizer={"lr": 0.05, "schedule": {"name": "tests.factories:lr_spike"}},
                      stop={"epochs": 8, "early_stopping": {"patience": 2}},
                      checkpoint={"storage": str(tmp_path / "ck"), "keep_best": True},
                      tracking={"tracking_uri": uri}, run={"name": "best"})
     trainer = ElasticTrainer(cfg, show_progress=False)
     result = trainer.fit()
     client = MlflowClient(uri)
-    history = [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, "test_accuracy"),
+    history = [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, "val_accuracy"),
                                        key=lambda m: m.step)]
+    epochs = [e for e in result.events if e["kind"] == "epoch_end"]
+    assert all("val_accuracy" in e and "test_accuracy" not in e for e in epochs)  # judged on validation only
+    [tested] = [e for e in result.events if e["kind"] == "test_evaluated"]  # the test split: once, at the end
+    assert tested["epoch"] == len(epochs) and result.final["test_accuracy"] == pytest.approx(tested["test_accuracy"], abs=1e-6)
+    assert result.final["val_accuracy"] == pytest.approx(history[-1])
     best_epoch = max(range(len(history)), key=lambda i: history[i]) + 1
     assert best_epoch < len(history), history  # the scenario: a later epoch is worse than the best
     assert result.stop_reason.startswith("early stopping"), result.stop_reason
@@ -43,10 +49,15 @@ def test_the_logged_model_is_the_best_epochs_and_the_run_stops_early(ray_cluster
         model = mlflow.pytorch.load_model(f"runs:/{result.mlflow_run_id}/model", dst_path=str(tmp_path / "dl"))
     finally:
         mlflow.set_tracking_uri(None)
-    test = trainer.controller.dataset.test
-    with torch.no_grad():
-        accuracy = float((model(torch.as_tensor(test.x)).argmax(1) == torch.as_tensor(test.y)).float().mean())
-    assert accuracy == pytest.approx(history[best_epoch - 1], abs=1e-6)
+    data = trainer.controller.dataset
+    rows = len(data.val) + len(data.train)  # the validation split: a fifth of the train rows, apart from the rest
+    assert len(data.val) == round(0.2 * rows) and not set(data.val.ids) & set(data.train.ids)
+
+    def accuracy(net, split):
+        with torch.no_grad():
+            return float((net(torch.as_tensor(split.x)).argmax(1) == torch.as_tensor(split.y)).float().mean())
+
+    assert accuracy(model, data.val) == pytest.approx(history[best_epoch - 1], abs=1e-6)
     from orchestrator.checkpoint import load_checkpoint
 
     best_state = load_checkpoint(str(tmp_path / "ck" / "best" / "best.pt"))["model"]
@@ -54,3 +65,5 @@ def test_the_logged_model_is_the_best_epochs_and_the_run_stops_early(ray_cluster
     loaded = model.state_dict()
     assert all(torch.equal(loaded[k], best_state[k]) for k in best_state)
     assert not all(torch.equal(final_state[k], best_state[k]) for k in best_state)  # not the last epoch's
+    model.load_state_dict(final_state)  # the test figure is the final model's
+    assert accuracy(model, data.test) == pytest.approx(result.final["test_accuracy"], abs=1e-6)
