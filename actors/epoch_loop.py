@@ -52,6 +52,7 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
     send_every = float(self.cfg["tracking"]["progress_interval_s"])
     lock_step = self.worker.lock_step
     straggles_inside = getattr(self.worker, "straggles_inside", False)  # backups: the delay is the step's own
+    eval_every = (self.cfg.get("eval") or {}).get("every_steps")  # eval.every_steps: between epoch ends too
     while True:
         if cur["pending"] is _FETCH:  # after a pause: ask the server again
             cur["pending"] = next(cur["batches"], None)
@@ -111,6 +112,12 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
             announce = False
             yield {"kind": "stepping", "rank": self.rank, "t_wall": time.time(), "step": self.step,
                    "mode": self.spec.name}
+        if eval_every and self.step % eval_every == 0:
+            t_eval = time.perf_counter()
+            yield interval_evaluation(self, epoch)
+            t_eval = time.perf_counter() - t_eval  # not training time: out of this window's speed and the epoch's
+            t_window += t_eval
+            t_epoch += t_eval
         if real:
             trained = len(y) if result.dropped is None else 0  # backups: a late replica's rows were not trained on
             samples += trained
@@ -160,6 +167,16 @@ def run_epoch(self: "ModelReplica", epoch: int, log_every: int, trace_ids: bool 
     yield segment_end(self, "epoch", epoch, steps, samples, train_s, comm_s, consumed, loss, rows,
                             eval=evaluation, mode=mode_stats, partitions=list(self.reader.read),
                             unreported=self.reader.unreported)
+
+def interval_evaluation(self: "ModelReplica", epoch: int) -> dict[str, Any]:
+    """eval.every_steps: the evaluation sums of the mode's reference model (this replica's own
+    in allreduce and local SGD; the server copy or center in sharded modes) on this replica's
+    slice of the evaluated split, at this step; the controller adds every member's for the
+    step and finishes them into metrics."""
+    sums = self.evaluate_reference()
+    self.model.train()
+    return {"kind": "evaluation", "rank": self.rank, "epoch": epoch, "step": self.step, "sums": sums}
+
 
 def follow_share(self: "ModelReplica", base_batch: int) -> None:
     """Cut the next batches at the worker's share of the global batch (load-balanced

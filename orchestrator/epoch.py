@@ -95,11 +95,7 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
     if ctl.trace_ids:
         ctl.consumed.append(seg.consumed())
     elapsed = time.perf_counter() - ctl.t0
-    target = ctl.target
-    if target is not None and tot.time_to_target_s is None and target.reached(judged):
-        tot.time_to_target_s = elapsed
-        ctl.report.event("target_reached", epoch=epoch, metric=target.metric, value=judged[target.metric],
-                          target=target.value, goal=target.goal, **{target.metric: judged[target.metric]})
+    note_target(ctl, epoch, judged, elapsed)
 
     rows_out = [(key, p[name], p["step"]) for p in seg.progress
                 for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"), ("lr", "lr"),
@@ -169,6 +165,36 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
     # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
     # it carries on timing a recovery whose newcomer had nothing left to do in this one
     return Running(EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False))
+
+
+def note_target(ctl: "Controller", epoch: int, judged: dict[str, float], elapsed: float, **where) -> None:
+    """The first evaluation that reaches stop.target: time_to_target_s and a `target_reached`
+    event (`where`: the step of an eval.every_steps evaluation)."""
+    target, tot = ctl.target, ctl.totals
+    if target is not None and tot.time_to_target_s is None and target.reached(judged):
+        tot.time_to_target_s = elapsed
+        ctl.report.event("target_reached", epoch=epoch, metric=target.metric, value=judged[target.metric],
+                          target=target.value, goal=target.goal, **where, **{target.metric: judged[target.metric]})
+
+
+def interval_evaluation(ctl: "Controller", seg: EpochSegment, rank: int, item: dict) -> None:
+    """eval.every_steps: a member's evaluation sums at a step; once every member has sent its
+    own for that step, the metrics: MLflow at that step, an `evaluation` event, a target
+    reached. A step some member never reports (it left the group, or joined past it) is
+    dropped at the epoch's end: a partial sum would be another split's figure."""
+    pending = seg.evaluations.setdefault(item["step"], {})
+    pending[rank] = item["sums"]
+    members = sorted(ctl.group.members)
+    if not set(members) <= set(pending):
+        return
+    del seg.evaluations[item["step"]]
+    step = item["step"]
+    metrics = ctl.finish_evaluation([pending[r] for r in members])
+    ctl.report.metrics([(k, v, step) for k, v in metrics.items()])
+    ctl.report.event("evaluation", epoch=seg.epoch, step=step, **{k: round(v, 6) for k, v in metrics.items()})
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != ctl.metric))
+    ctl.report.say(f"step {step} (epoch {seg.epoch}): {shown}")
+    note_target(ctl, seg.epoch, metrics, time.perf_counter() - ctl.t0, step=step)
 
 
 LR_POINTS = 200  # at most this many (step, lr) points per epoch_end event

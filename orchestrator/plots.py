@@ -45,7 +45,8 @@ def headline(events: list[dict[str, Any]]) -> str:
 
 def training_plot(events: list[dict[str, Any]], path: str, metric: Optional[str] = None) -> dict[str, list[float]]:
     """Draw the run's `events` to the PNG file `path`: the headline `metric` (default: the one
-    the `started` event names; left axis) and train loss (right axis) at each epoch's end, one
+    the `started` event names; left axis; at each epoch's end and each `evaluation` of
+    eval.every_steps) and train loss (right axis) at each epoch's end, one
     vertical line per failure, replacement, drop, mode switch and resize. Returns the marks
     drawn (kind -> seconds)."""
     import matplotlib
@@ -63,7 +64,10 @@ def training_plot(events: list[dict[str, Any]], path: str, metric: Optional[str]
     loss_ax = acc_ax.twinx()
     metric = metric or headline(events)
     label = metric.replace("_", " ")
-    acc_ax.plot(t, [e.get(metric, float("nan")) for e in epochs], "o-", color="tab:blue", label=label)
+    judged = sorted((e for e in events if e.get("kind") in ("epoch_end", "evaluation") and e.get("t") is not None),
+                    key=lambda e: float(e["t"]))  # eval.every_steps: the evaluations between epoch ends too
+    acc_ax.plot([float(e["t"]) for e in judged], [e.get(metric, float("nan")) for e in judged], "o-", color="tab:blue",
+                label=label)
     loss_ax.plot(t, [e.get("train_loss", float("nan")) for e in epochs], "s-", color="tab:orange",
                  label="train loss")
     acc_ax.set_xlabel("seconds since the run started")

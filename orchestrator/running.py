@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from orchestrator import switching
-from orchestrator.epoch import close_pass, watch_servers
+from orchestrator.epoch import close_pass, interval_evaluation, watch_servers
 from orchestrator.errors import INTERRUPTED, MemberLost, TrainingError
 from orchestrator.recovery import decide
 from orchestrator.states import EpochSegment, Errored, Finishing, GrowPlan, Plan, Reconfiguring, Running, State
@@ -105,6 +105,9 @@ def read_item(ctl: "Controller", seg: EpochSegment, rank: int, stream: Any) -> N
     kind = item["kind"]
     if kind == "stepping":
         stepped(ctl, seg, rank, item["t_wall"])
+        return
+    if kind == "evaluation":
+        interval_evaluation(ctl, seg, rank, item)
         return
     if kind == "paused" and not ctl.pause.closed:
         # a stale pause: the replica's grant request was answered while the last switch was

@@ -63,6 +63,7 @@ class EpochSegment:
     passes: int = 1
     begun: bool = True  # False: the epoch's streams are opened when Running next runs
     fresh_signals: bool = False  # progress rows arrived since the switch policy last looked
+    evaluations: dict[int, dict[int, Any]] = field(default_factory=dict)  # eval.every_steps: step -> rank -> sums
 
     def merged(self) -> list[dict[str, Any]]:
         """One totals row per rank (a rank runs several segments when the epoch was interrupted

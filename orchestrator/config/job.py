@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from orchestrator.errors import ConfigError
 
-from orchestrator.config.sections import (CheckpointConfig, DataConfig, ModelConfig, OptimizerConfig, RunConfig, Section,
+from orchestrator.config.sections import (CheckpointConfig, DataConfig, EvalConfig, ModelConfig, OptimizerConfig, RunConfig, Section,
                                           StopConfig, TaskConfig, TrackingConfig)
 from orchestrator.config.fleet import FaultsConfig, FaultToleranceConfig, ScalingConfig
 from orchestrator.config.strategy import UNTIL_COUNTS, StrategyConfig
@@ -31,6 +31,7 @@ class JobConfig(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="How to step.")
     strategy: StrategyConfig = Field(default_factory=StrategyConfig, description="How replicas synchronize.")
     scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="How many replicas, how big.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="When to evaluate besides each epoch's end.")
     stop: StopConfig = Field(default_factory=StopConfig, description="When to stop.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     run: RunConfig = Field(default_factory=RunConfig, description="The run's name (resume by name).")

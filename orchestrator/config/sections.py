@@ -266,6 +266,16 @@ class OptimizerConfig(Section):
         return v
 
 
+class EvalConfig(Section):
+    every_steps: Optional[int] = Field(
+        None, gt=0, description="Also evaluate every this many optimizer steps of each replica's clock (the "
+        "schedule's), not only at each epoch's end (none: at each epoch's end only). Each evaluation is on the "
+        "evaluated split (val_* with a validation split, else test_*): logged to MLflow at its step, an `evaluation` "
+        "event, a point of training.png, and a target reached there counts (time_to_target_s); early stopping, the "
+        "best checkpoint, `until` and the stop decision stay at epoch ends."
+    )
+
+
 class EarlyStoppingConfig(Section):
     patience: int = Field(3, ge=1, description="Epochs without a gain on the best before the run stops.")
     min_delta: float = Field(0.0, ge=0, description="A gain is more than this in the metric's direction.")

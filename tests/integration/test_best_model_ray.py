@@ -2,7 +2,8 @@
 MLflow store: when later epochs are worse than an earlier one (the rate jumps x30 half-way), the
 run stops early, judged on the validation split; best.pt holds the best epoch, and
 `mlflow.pytorch.load_model` gives the model with the best validation metric, not the last
-epoch's; the test split is evaluated once, on the final model."""
+epoch's; the test split is evaluated once, on the final model; eval.every_steps evaluates
+between epoch ends too, and a target reached there counts."""
 from __future__ import annotations
 
 import os
@@ -16,21 +17,30 @@ from orchestrator.trainer import ElasticTrainer
 from tests.conftest import job_config
 
 pytestmark = pytest.mark.ray
+EVERY = 7  # eval.every_steps
 
 
 def test_the_logged_model_is_the_best_epochs_and_the_run_stops_early(ray_cluster, tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = job_config(data={"val_fraction": 0.2}, optimizer={"lr": 0.05, "schedule": {"name": "tests.factories:lr_spike"}},
-                     stop={"epochs": 8, "early_stopping": {"patience": 2}},
+                     stop={"epochs": 8, "early_stopping": {"patience": 2}, "at_target": False,
+                           "target": {"metric": "val_accuracy", "goal": "max", "value": 0.0}},
+                     eval={"every_steps": EVERY},
                      checkpoint={"storage": str(tmp_path / "ck"), "keep_best": True},
                      tracking={"tracking_uri": uri}, run={"name": "best"})
     trainer = ElasticTrainer(cfg, show_progress=False)
     result = trainer.fit()
     client = MlflowClient(uri)
-    history = [m.value for m in sorted(client.get_metric_history(result.mlflow_run_id, "val_accuracy"),
-                                       key=lambda m: m.step)]
     epochs = [e for e in result.events if e["kind"] == "epoch_end"]
+    history = [e["val_accuracy"] for e in epochs]
     assert all("val_accuracy" in e and "test_accuracy" not in e for e in epochs)  # judged on validation only
+    # eval.every_steps: evaluations between epoch ends, at multiples of EVERY, in MLflow at their steps
+    evals = [e for e in result.events if e["kind"] == "evaluation"]
+    assert [e["step"] for e in evals] == list(range(EVERY, EVERY * len(evals) + 1, EVERY)) and len(evals) > len(epochs)
+    logged = {m.step: m.value for m in client.get_metric_history(result.mlflow_run_id, "val_accuracy")}
+    assert all(logged[e["step"]] == pytest.approx(e["val_accuracy"]) for e in evals)
+    [reached] = [e for e in result.events if e["kind"] == "target_reached"]  # the first evaluation counts
+    assert reached["step"] == EVERY and reached["epoch"] == 1
     [tested] = [e for e in result.events if e["kind"] == "test_evaluated"]  # the test split: once, at the end
     assert tested["epoch"] == len(epochs) and result.final["test_accuracy"] == pytest.approx(tested["test_accuracy"], abs=1e-6)
     assert result.final["val_accuracy"] == pytest.approx(history[-1])
