@@ -39,7 +39,11 @@ HANG_GRACE_S = 5.0
 
 
 def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
-    """Read the epoch's streams until the epoch ends or a failure needs a decision."""
+    """Read the epoch's streams until the epoch ends or a failure needs a decision. Every
+    replica's hang clock starts again on entry: while another state worked (a repair, its
+    restart backoff, a switch) nobody read the survivors' streams, and what they sent meanwhile
+    waits unread; silence is measured from now."""
+    restart_hang_clocks(seg)
     if not seg.begun:
         if seg.failures:  # a replica died between epochs (e.g. during a switch): repaired first
             return judge(ctl, seg)
@@ -66,7 +70,7 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
             return nxt
         if INTERRUPTED.is_set():  # a SIGTERM whose KeyboardInterrupt was swallowed where it landed
             raise KeyboardInterrupt
-        ready, _ = ray.wait(list(seg.streams.values()), num_returns=1, timeout=TICK_S)
+        ready = ready_streams(list(seg.streams.values()))
         for rank, stream in list(seg.streams.items()):
             if stream in ready:
                 read_item(ctl, seg, rank, stream)
@@ -83,15 +87,29 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
             ctl.shard_group.abort_rounds()  # again each tick: a survivor may reach the round after an abort
 
 
+def ready_streams(streams: list) -> set:
+    """Every stream with an item waiting: the first within TICK_S, then all others already
+    ready (not one per tick: a stream read later than another is not a quieter replica)."""
+    first, rest = ray.wait(streams, num_returns=1, timeout=TICK_S)
+    if first and rest:
+        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+        first += more
+    return set(first)
+
+
 def read_item(ctl: "Controller", seg: EpochSegment, rank: int, stream: Any) -> None:
     try:
         item = ray.get(next(stream), timeout=ctl.cfg.strategy.timeout_s)
     except StopIteration:
         del seg.streams[rank]
         return
-    except ray.exceptions.RayActorError as exc:
+    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:  # its process, or its item's, gone
         fail(ctl, seg, ReplicaFailure(rank, "died", f"{type(exc).__name__}: the replica's process is gone",
                                       replacement=rank in ctl.group.replacements))
+        return
+    except ray.exceptions.GetTimeoutError:
+        fail(ctl, seg, ReplicaFailure(rank, "hung", f"its next item did not arrive within strategy.timeout_s "
+                                      f"({ctl.cfg.strategy.timeout_s:g}s)", replacement=rank in ctl.group.replacements))
         return
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc

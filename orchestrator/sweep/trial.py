@@ -21,8 +21,14 @@ class _TuneReport:
         self.trainer = trainer
         self.stopped = False
         self.last: Optional[dict[str, Any]] = None  # the last epoch's row, reported once the run is finished
+        self.previous: Optional[dict[str, Any]] = None  # the last row reported
 
     def on_event(self, event: dict[str, Any]) -> None:
+        if event.get("kind") == "test_evaluated":  # a validation split: the test figures join the last row
+            base = self.last or self.previous
+            if base is not None:
+                self.last = {**base, **{k: event[k] for k in self.trainer.config.metric_goals() if k in event}}
+            return
         if event.get("kind") != "epoch_end":
             return
         from ray import tune
@@ -33,6 +39,7 @@ class _TuneReport:
         if ends_the_run(self.trainer.config, event):
             self.last = row
             return
+        self.previous = row
         try:
             tune.report(row)
         except SystemExit:

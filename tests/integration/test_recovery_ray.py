@@ -60,6 +60,22 @@ def test_allreduce_survives_a_middle_rank_kill_without_the_collective_timeout(ra
     assert result.final.test_accuracy > 0.9
 
 
+def test_one_kill_with_a_long_backoff_is_one_failure_not_a_cascade_of_hangs(ray_cluster, tmp_path):
+    """downpour, 3 replicas, no spares, hang_timeout_s 5 and restart_backoff_s 8 (the replacement
+    waits 8 s, longer than the hang timeout, while the survivors go on training): the one SIGKILL
+    is the one failure. The survivors' progress waiting unread while the driver repaired is no
+    hang, and neither is a stream the driver read later than another."""
+    cfg = job_config(strategy={"mode": "downpour", "timeout_s": 30}, scaling={"replicas": 3, "cpus_per_replica": 0.5},
+                     stop={"epochs": 3}, data={"batch_size": 8}, tracking={"progress_interval_s": 0, "log_every_steps": 1},
+                     fault_tolerance={"hang_timeout_s": 5, "restart_backoff_s": 8},
+                     checkpoint={"storage": str(tmp_path / "ck")})
+    result, inj, ids, _ = fit_with(cfg, [Fault("kill_replica", 1, at_step=30)])
+    assert inj.fired and result.epochs == 3
+    assert [(f["rank"], f["cause"]) for f in events(result, "replica_failed")] == [(1, "died")]
+    [replaced] = events(result, "replica_replaced")
+    assert replaced["ranks"] == [1] and replaced["survivors_kept"] == [0, 2]
+
+
 def test_allreduce_replicas_stay_identical_after_a_replacement_and_keep_their_actors(ray_cluster, tmp_path):
     from orchestrator.controller import Controller
     import time
