@@ -60,6 +60,7 @@ def test_allreduce_survives_a_middle_rank_kill_without_the_collective_timeout(ra
     assert result.final.test_accuracy > 0.9
 
 
+@pytest.mark.full  # ~45 s: the backoff itself is 8 s
 def test_one_kill_with_a_long_backoff_is_one_failure_not_a_cascade_of_hangs(ray_cluster, tmp_path):
     """downpour, 3 replicas, no spares, hang_timeout_s 5 and restart_backoff_s 8 (the replacement
     waits 8 s, longer than the hang timeout, while the survivors go on training): the one SIGKILL
