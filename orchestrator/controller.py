@@ -40,11 +40,12 @@ from orchestrator import reconfigure, recovery, running, starting, switching
 from orchestrator.elastic import Elasticity, Grow
 from orchestrator.epoch import report_shard_events, watch_servers
 from orchestrator.errors import MemberLost, TrainingError, issued_whole
+from orchestrator.checks import one_line
 from orchestrator.group import ReplicaGroup
 from orchestrator.progress import ProgressDisplay
 from orchestrator.pause import PauseGate
 from orchestrator.reporting import Reporter
-from orchestrator.run_state import Checkpointer, Position, RunTotals
+from orchestrator.run_state import UNSAVED, Checkpointer, PartUnsaved, Position, RunTotals
 from orchestrator.states import (TERMINAL, EpochSegment, Errored, Finished, Finishing, Plan, Reconfiguring, Running,
                                   Starting, State, SwitchPlan)
 from orchestrator.tracking import Tracker
@@ -156,8 +157,8 @@ class Controller:
                 return None
             try:
                 return self.shard_group.optimizer_states(min(self.cfg.strategy.timeout_s, SHARD_STATE_TIMEOUT_S))
-            except Exception:  # a shard down (rebuilt at the next poll): a resume starts its optimizer afresh
-                return None
+            except Exception as exc:  # a shard down (rebuilt at the next poll): this checkpoint goes without
+                raise PartUnsaved(f"the shards' optimizer states: {type(exc).__name__}: {one_line(exc)[:200]}") from None
 
         def load_shards(saved: Optional[list]) -> None:
             if saved is not None and self.shard_group is not None:
@@ -427,6 +428,8 @@ class Controller:
         started again from it). Returns the named copy's path if there is one, else the store's."""
         t = time.perf_counter()
         ranks = self.group.ranks
+        if not ranks:
+            raise TrainingError(f"checkpoint {tag}: no replica left to take the model from")
         for i, rank in enumerate(ranks):  # a member that does not answer (hung, dying): the next one's copy
             try:
                 state = self.group.call([rank], "state", what=f"checkpoint {tag}", timeout_s=timeout_s)[0]
@@ -438,12 +441,17 @@ class Controller:
         if not self.tracker.flush(CHECKPOINT_FLUSH_S):  # a run resumed from it finds every metric it covers
             self.report.say(f"checkpoint {tag}: MLflow has not stored the run's metrics within {CHECKPOINT_FLUSH_S:g}s; "
                             "the checkpoint is written anyway and they follow in the background")
+        run = self.position.save()
+        unsaved = Position.unsaved(run)
         state.update(epoch=self.totals.epochs, mlflow_run_id=self.tracker.run_id,
-                     config=self.cfg.model_dump(mode="json"), run=self.position.save(), finished=tag == "final")
+                     config=self.cfg.model_dump(mode="json"), run=run, finished=tag == "final")
         path, stored = self.checkpoints.write(state, tag, self.totals.steps, self.totals.epochs, self.tracker.run_id,
                                               named)
         self.report.event("checkpoint", path=path, epoch=self.totals.epochs, step=self.totals.steps,
-                          seconds=round(self.checkpoints.last_s - t, 4), **({"stored": stored} if named else {}))
+                          seconds=round(self.checkpoints.last_s - t, 4), **({"stored": stored} if named else {}),
+                          **({UNSAVED: unsaved} if unsaved else {}))
+        for name, why in unsaved.items():
+            self.report.say(f"checkpoint {tag} written without its {name} part: {why}")
         return path
 
     def _watch(self) -> bool:

@@ -44,6 +44,14 @@ class RunTotals:
     replica_restarts: int = 0
 
 
+class PartUnsaved(Exception):
+    """A checkpoint part's owner cannot give its state now (e.g. a shard that does not answer):
+    the checkpoint is written without it and says why, instead of a part silently empty."""
+
+
+UNSAVED = "unsaved_parts"  # the position's record of the parts a checkpoint lacks: {name: why}
+
+
 class Position:
     """The run's position as named parts, each with the owner's save and load."""
 
@@ -51,16 +59,28 @@ class Position:
         self._parts: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
 
     def register(self, name: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
-        if name in self._parts:
+        if name in self._parts or name == UNSAVED:
             raise ValueError(f"checkpoint part {name!r} is registered twice")
         self._parts[name] = (save, load)
 
     def save(self) -> dict[str, Any]:
-        return {name: save() for name, (save, _) in self._parts.items()}
+        """Every part's state; a part whose owner raised PartUnsaved is left out and named, with
+        the reason, under UNSAVED."""
+        out: dict[str, Any] = {}
+        unsaved: dict[str, str] = {}
+        for name, (save, _) in self._parts.items():
+            try:
+                out[name] = save()
+            except PartUnsaved as exc:
+                unsaved[name] = str(exc)
+        if unsaved:
+            out[UNSAVED] = unsaved
+        return out
 
     def load(self, saved: dict[str, Any]) -> list[str]:
         """Each part `saved` holds back to its owner, in registration order; the names of the
-        parts it lacks (they keep their fresh state)."""
+        parts it lacks (they keep their fresh state: an older checkpoint's, or one written
+        while the part's owner could not answer, `unsaved(saved)` says why)."""
         missing = []
         for name, (_, load) in self._parts.items():
             if name in saved:
@@ -68,6 +88,11 @@ class Position:
             else:
                 missing.append(name)
         return missing
+
+    @staticmethod
+    def unsaved(saved: dict[str, Any]) -> dict[str, str]:
+        """The parts a saved position was written without, and why."""
+        return dict(saved.get(UNSAVED) or {})
 
 
 class Checkpointer:

@@ -84,7 +84,7 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
             seg.fresh_signals = False
             switching.consider(ctl, seg)
         if seg.failures and ctl.lock_step and ctl.shard_group is not None:
-            ctl.shard_group.abort_rounds()  # again each tick: a survivor may reach the round after an abort
+            ctl.shard_group.abort_rounds(timeout_s=TICK_S)  # each tick: a survivor may reach the round after an abort
 
 
 def ready_streams(streams: list) -> set:

@@ -267,13 +267,18 @@ class ShardGroup:
 
     # ---- control calls -------------------------------------------------------------------
     def _all(self, method: str, *args, timeout_s: float = 10.0) -> list:
-        """Call every live shard; a shard dying meanwhile is left to poll() (None in its place)."""
+        """Call every live shard, waiting at most `timeout_s` in all (not per shard); a shard that
+        died or does not answer in time (stopped, its node gone) is a value, None in its place,
+        left to poll() to find and rebuild: never an error of the caller's."""
         refs = [getattr(s.handle, method).remote(*args) if s.state == "up" else None for s in self._slots]
+        live = [ref for ref in refs if ref is not None]
+        if live:
+            ray.wait(live, num_returns=len(live), timeout=timeout_s)
         out = []
         for ref in refs:
             try:
-                out.append(None if ref is None else ray.get(ref, timeout=timeout_s))
-            except RayActorError:
+                out.append(None if ref is None else ray.get(ref, timeout=0))
+            except (RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ObjectLostError):
                 out.append(None)
         return out
 

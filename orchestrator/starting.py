@@ -14,6 +14,7 @@ import ray
 from orchestrator import switching
 from orchestrator.cluster import beside_driver
 from orchestrator.placement import place_data
+from orchestrator.run_state import UNSAVED, Position
 from orchestrator.states import EpochSegment
 from policies.leases import MAX_GRANT
 from policies.registry import mode_spec
@@ -96,9 +97,12 @@ def restore(ctl: "Controller", state: dict[str, Any]) -> None:
             ctl.group.call(ranks, "sync_from_shards", step, what="state from the shards", peers=False)
     ctl.progress = {r: step for r in ranks}
     missing = ctl.position.load(state["run"])
+    unsaved = Position.unsaved(state["run"])  # parts the checkpoint was written without, and why
     if "failure" in missing:  # a checkpoint from before the budget was kept: the count
         ctl.failure_policy.restore({"restarts": ctl.totals.replica_restarts, "in_a_row": 0})
     ctl.report.event("resumed", epoch=ctl.totals.epochs, step=ctl.totals.steps, replica_step=step,
                       phase=ctl.switch_policy.current, mode=ctl.spec.name,
-                      **({"parts_missing": missing} if missing else {}))
+                      **({"parts_missing": missing} if missing else {}), **({UNSAVED: unsaved} if unsaved else {}))
+    for name, why in unsaved.items():
+        ctl.report.say(f"resumed without the checkpoint's {name} part (not saved: {why}); it starts afresh")
     ctl.report.say(f"resumed after epoch {ctl.totals.epochs} (step {ctl.totals.steps}) in {ctl.spec.name}")

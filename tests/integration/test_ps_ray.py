@@ -3,6 +3,7 @@ a replica killed under a staleness bound, buffers carried with the reference mod
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import numpy as np
@@ -264,3 +265,56 @@ def test_simulate_times_the_shards_exchanges_on_real_shards_and_removes_them(ray
     assert cal.shard_beta_s_per_byte > 0 and f"{mode}'s exchanges with 2 real shards here" in cal.source
     assert ray.is_initialized()  # the session's Ray was used, not stopped
     wait_gone(lambda: alive_run_actors() - before, "calibration shards")
+
+
+@pytest.mark.full  # ~25 s: the stopped shard is waited for 10 s
+def test_a_checkpoint_written_while_a_shard_is_stopped_says_what_it_lacks(ray_cluster, tmp_path, monkeypatch):
+    """A shard SIGSTOPped while the epoch-1 checkpoint asks the shards for their optimizer states:
+    the checkpoint is written without that part and says why (its event and its run position),
+    instead of a part silently empty that a resume would take as "nothing to restore"; the shard
+    is let go on and the run finishes with a whole final checkpoint."""
+    import signal
+
+    from orchestrator.chaos import kill_process
+    from orchestrator.shard_group import ShardGroup
+
+    original, stopped = ShardGroup.optimizer_states, {}
+
+    def optimizer_states(self, timeout_s=30.0):
+        if stopped:
+            return original(self, timeout_s)
+        stopped["pid"] = kill_process(self._slots[0].handle, signal.SIGSTOP)
+        try:
+            return original(self, timeout_s)
+        finally:
+            os.kill(stopped["pid"], signal.SIGCONT)
+
+    monkeypatch.setattr(ShardGroup, "optimizer_states", optimizer_states)
+    result = fit(tmp_path, strategy={"mode": "downpour"}, scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 1},
+                 stop={"epochs": 2})
+    checkpoints = [e for e in result.events if e["kind"] == "checkpoint"]
+    first, last = checkpoints[0], checkpoints[-1]
+    assert stopped and first["epoch"] == 1 and "GetTimeoutError" in first["unsaved_parts"]["shards"], first
+    run = load_checkpoint(first["path"])["run"]
+    assert "shards" not in run and "GetTimeoutError" in run["unsaved_parts"]["shards"]
+    assert "unsaved_parts" not in last and len(load_checkpoint(last["path"])["run"]["shards"]) == 1
+    assert result.epochs == 2
+
+
+@pytest.mark.full  # ~40 s
+def test_a_replica_killed_while_a_shard_is_stopped_is_repaired_and_the_shard_rebuilt(ray_cluster, tmp_path):
+    """Two faults at once in downpour: shard 0 SIGSTOPped, then replica 1 SIGKILLed. Telling the
+    shards to forget the dead replica meets the stopped shard's silence: that is a value (the
+    shard is left to the health check, which rebuilds it), not an error that ends the run."""
+    cfg = job_config(strategy={"mode": "downpour", "timeout_s": 30}, stop={"epochs": 2}, data={"batch_size": 8},
+                     scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 2},
+                     tracking={"progress_interval_s": 0, "log_every_steps": 1},
+                     fault_tolerance={"hang_timeout_s": 6}, checkpoint={"storage": str(tmp_path / "ck")})
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    faults = [Fault("hang_shard", 0, at_step=20), Fault("kill_replica", 1, at_step=20)]
+    with FaultInjector(lambda: trainer.controller, faults) as inj:
+        result = trainer.fit()
+    assert [f["kind"] for f in inj.fired] == ["hang_shard", "kill_replica"]
+    kinds = [e["kind"] for e in result.events]
+    assert "replica_replaced" in kinds and "shard_rebuilt" in kinds, kinds
+    assert result.epochs == 2 and math.isfinite(result.final.test_loss)

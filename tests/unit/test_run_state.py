@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from orchestrator.run_state import Position
+from orchestrator.run_state import UNSAVED, PartUnsaved, Position
 from policies.lr_scaling import LrSchedule
 from policies.sharding import ShardState
 
@@ -22,6 +22,23 @@ def test_each_part_goes_back_to_its_owner_and_a_missing_one_is_named():
     assert pos.load({"a": 5}) == ["b"] and owner == {"a": 5, "b": [2]}  # b keeps what it has
     with pytest.raises(ValueError, match="registered twice"):
         pos.register("a", lambda: 0, lambda v: None)
+
+
+def test_a_part_its_owner_cannot_give_is_named_with_why_not_left_empty():
+    pos, loaded = Position(), {}
+
+    def shards():
+        raise PartUnsaved("the shards' optimizer states: GetTimeoutError: shard 0 did not answer")
+
+    pos.register("totals", lambda: {"epochs": 2}, lambda v: loaded.update(totals=v))
+    pos.register("shards", shards, lambda v: loaded.update(shards=v))
+    saved = pos.save()
+    assert "shards" not in saved and saved["totals"] == {"epochs": 2}
+    assert Position.unsaved(saved) == {"shards": "the shards' optimizer states: GetTimeoutError: shard 0 did not answer"}
+    assert pos.load(saved) == ["shards"] and loaded == {"totals": {"epochs": 2}}  # named missing, not loaded as None
+    assert Position.unsaved({"totals": {}}) == {}  # a checkpoint with every part
+    with pytest.raises(ValueError):
+        pos.register(UNSAVED, dict, print)
 
 
 def test_the_learning_rate_schedule_comes_back_with_every_resize():
