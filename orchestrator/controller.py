@@ -28,17 +28,15 @@ generations; the PartitionServer is the one ledger of what each epoch served; th
 """
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from typing import Any, Optional
 
 
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
-from orchestrator import reconfigure, recovery, running, starting, switching
+from orchestrator import finishing, reconfigure, recovery, running, starting, switching
 from orchestrator.elastic import Elasticity, Grow
-from orchestrator.epoch import report_shard_events, watch_servers
+from orchestrator.epoch import watch_servers
 from orchestrator.errors import MemberLost, TrainingError, issued_whole
 from orchestrator.checks import one_line
 from orchestrator.group import ReplicaGroup
@@ -262,7 +260,7 @@ class Controller:
             elif isinstance(state, Reconfiguring):
                 nxt = self._reconfigure(state.plan, state.segment)
             elif isinstance(state, Finishing):
-                self._finish()
+                finishing.finish(self)
                 nxt = Finished()
             else:
                 return state
@@ -369,57 +367,6 @@ class Controller:
         if not status["complete"]:
             raise TrainingError(f"epoch {status['epoch']}: {status['remaining']} partitions were never served")
         return status
-
-    # ---- Finishing: final checkpoint and artifacts -----------------------------------------
-    def _finish(self) -> None:
-        if self.phases:
-            self.phases[-1].update(end_step=max(self.progress.values(), default=0),
-                                   end_s=round(time.perf_counter() - self.train_started, 3),
-                                   ended_by="stop", **{f"{self.metric}_at_end": round(self.headline_value(self.totals.metrics), 4)})
-        if self.shard_group is not None:  # a rebuild still waiting for replay is reported as it stands
-            report_shard_events(self, self.shard_group.settle_all(), self.totals.epochs)
-        self.finish_epochs()
-        if self.cfg.validated:
-            self.evaluate_test()
-        self.totals.checkpoint = self.checkpoint("final", self.cfg.strategy.timeout_s, named="model.pt")
-        with tempfile.TemporaryDirectory() as tmp:
-            import torch
-
-            path = os.path.join(tmp, "model.pt")
-            torch.save(self.last_state["model"], path)
-            self.report.tracker.log_file(path)
-        from orchestrator.final_model import log_trained_model
-
-        model, which = self.last_state["model"], "final"
-        if self.cfg.checkpoint.keep_best and self.best.best is not None:
-            model, which = self.best_state_model(), f"best (epoch {self.best.best_epoch})"
-        seconds = log_trained_model(self.report.tracker, self.cfg, self.dataset, model)
-        if seconds is not None:
-            self.report.event("model_logged", name="model", seconds=round(seconds, 3), model=which)
-
-    def evaluate_test(self) -> None:
-        """data.val_fraction: the test split, evaluated once, on the final model (the mode's
-        reference in sharded modes); its test_* metrics join the last validation figures in
-        `final`, go to MLflow at the last step and in a `test_evaluated` event."""
-        self.reslice_tests("test")
-        method = "evaluate_reference" if self.spec.sharded else "evaluate"
-        evals = self.group.call(self.group.ranks, method, what="test evaluation", timeout_s=self.cfg.strategy.timeout_s)
-        test = self.finish_evaluation(evals, "test")
-        self.totals.metrics = {**self.totals.metrics, **test}
-        self.report.metrics([(k, v, self.totals.steps) for k, v in test.items()])
-        self.report.event("test_evaluated", epoch=self.totals.epochs, step=self.totals.steps,
-                          **{k: round(v, 6) for k, v in test.items()})
-        self.report.say("test split: " + "  ".join(f"{k} {v:.4f}" for k, v in test.items()))
-
-    def best_state_model(self) -> dict[str, Any]:
-        """checkpoint.keep_best: the best epoch's model, held since it was checkpointed, or (a
-        resumed run) read back from best.pt."""
-        if self.best_model is None:
-            from orchestrator.checkpoint import load_checkpoint
-
-            directory = self.cfg.run.name or self.tracker.run_id
-            self.best_model = load_checkpoint(f"{self.cfg.checkpoint.storage.rstrip('/')}/{directory}/best.pt")["model"]
-        return self.best_model
 
     def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None) -> str:
         """The lowest answering rank's model and optimizer state (all replicas hold the same

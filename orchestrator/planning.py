@@ -187,21 +187,12 @@ def plan_file_dataset(data_cfg: Any, task: Any, replicas: int) -> StreamedDatase
     train, metas, size = plan_source(source, "data.source", data_cfg, task, keep="all" if data_cfg.test_source else "train")
     sample = sample_of(train)
     if data_cfg.test_source:
-        test, _, test_size = plan_source(data_cfg.test_source, "data.test_source", data_cfg, task, keep="all")
-        test_sample = sample_of(test, 2)
-        if _shapes(test_sample.x) != _shapes(sample.x):
-            raise ConfigError(f"config error: data.test_source: {data_cfg.test_source} rows decode to inputs of shape "
-                              f"{_shapes(test_sample.x)}, the train data's {_shapes(sample.x)}")
+        test, test_size = separate_source(data_cfg, task, "test_source", sample)
     else:
         test, test_size = dataclasses.replace(train, keep="test"), size
     val = None
     if data_cfg.val_source:
-        val, _, val_size = plan_source(data_cfg.val_source, "data.val_source", data_cfg, task, keep="all")
-        val_sample = sample_of(val, 2)
-        if _shapes(val_sample.x) != _shapes(sample.x):
-            raise ConfigError(f"config error: data.val_source: {data_cfg.val_source} rows decode to inputs of shape "
-                              f"{_shapes(val_sample.x)}, the train data's {_shapes(sample.x)}")
-        val = piece_ranges(val, val_size)
+        val = piece_ranges(*separate_source(data_cfg, task, "val_source", sample))
     elif data_cfg.val_fraction > 0:  # held out of the train rows by a hash of their own
         train = dataclasses.replace(train, keep="train", split_test=not data_cfg.test_source,
                                     val_fraction=data_cfg.val_fraction)
@@ -223,6 +214,18 @@ def plan_file_dataset(data_cfg: Any, task: Any, replicas: int) -> StreamedDatase
     train = dataclasses.replace(train, ranges=tuple(ranges), rows=tuple(rows))
     name = os.path.basename(source.rstrip("/")) or source
     return StreamedDataset(name, train, piece_ranges(test, test_size), sample, classes_of(train, metas, sample), val)
+
+
+def separate_source(data_cfg: Any, task: Any, name: str, sample: Split) -> tuple[StreamPlan, int]:
+    """data.test_source or data.val_source: its whole plan and estimated bytes, its rows
+    checked to decode to the train data's input shapes."""
+    spec = getattr(data_cfg, name)
+    plan, _, size = plan_source(spec, f"data.{name}", data_cfg, task, keep="all")
+    got = sample_of(plan, 2)
+    if _shapes(got.x) != _shapes(sample.x):
+        raise ConfigError(f"config error: data.{name}: {spec} rows decode to inputs of shape "
+                          f"{_shapes(got.x)}, the train data's {_shapes(sample.x)}")
+    return plan, size
 
 
 def _shapes(tree: Any) -> Any:

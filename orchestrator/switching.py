@@ -74,12 +74,13 @@ def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = F
         ctl.pause.close("switch")
 
 
-def evaluate(ctl: "Controller") -> dict[str, float]:
+def evaluate(ctl: "Controller", split: Optional[str] = None) -> dict[str, float]:
     """The task's metrics (e.g. test accuracy and loss) of the current mode's reference model
-    now (every replica its slice)."""
+    now (every replica its slice of the split it holds; named for `split`, default the run's)."""
     method = "evaluate_reference" if ctl.spec.sharded else "evaluate"
-    evals = ctl.group.call(ctl.group.ranks, method, what="evaluation", timeout_s=ctl.cfg.strategy.timeout_s)
-    return ctl.finish_evaluation(evals)
+    evals = ctl.group.call(ctl.group.ranks, method, what=f"{split} evaluation" if split else "evaluation",
+                           timeout_s=ctl.cfg.strategy.timeout_s)
+    return ctl.finish_evaluation(evals, split)
 
 
 def check_guard(ctl: "Controller", epoch: int, metrics: dict[str, float]) -> None:
