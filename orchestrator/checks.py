@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import queue
 import threading
 from typing import Any, Callable, Optional
 
@@ -28,6 +29,47 @@ def bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
     if "error" in box:
         raise box["error"]
     return box.get("value")
+
+
+class Lane:
+    """A call made again and again with a timeout (the scaling policy's look at the cluster on
+    every poll): one daemon thread runs them one at a time, instead of a new thread per call.
+    A call past its timeout is left to finish on that thread; until it does, the next call
+    fails at once (TimeoutError saying so) rather than queueing behind it or starting another
+    thread: a stuck dependency costs one thread, however often it is asked."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: "queue.Queue[tuple[Callable[[], Any], dict[str, Any], threading.Event]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._busy: Optional[threading.Event] = None  # the last call's done flag
+        self._busy_what = ""
+
+    def call(self, fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+        if self._busy is not None and not self._busy.is_set():
+            raise TimeoutError(f"{what}: the previous call ({self._busy_what}) has not returned yet")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=f"lane: {self.name}", daemon=True)
+            self._thread.start()
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        self._busy, self._busy_what = done, what
+        self._jobs.put((fn, box, done))
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"{what}: no answer within {timeout_s:g}s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def _serve(self) -> None:
+        while True:
+            fn, box, done = self._jobs.get()
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller
+                box["error"] = exc
+            finally:
+                done.set()
 
 
 def one_line(exc: BaseException) -> str:

@@ -29,15 +29,15 @@ generations; the PartitionServer is the one ledger of what each epoch served; th
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 
 from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
-from orchestrator import finishing, reconfigure, recovery, running, starting, switching
+from orchestrator import failures, finishing, reconfigure, recovery, running, starting, switching
 from orchestrator.elastic import Elasticity, Grow
 from orchestrator.epoch import watch_servers
-from orchestrator.errors import MemberLost, TrainingError, issued_whole
+from orchestrator.errors import Interrupts, MemberLost, TrainingError
 from orchestrator.checks import one_line
 from orchestrator.group import ReplicaGroup
 from orchestrator.progress import ProgressDisplay
@@ -60,13 +60,21 @@ SHARD_STATE_TIMEOUT_S = 10.0  # the shards' optimizer states for a checkpoint
 CHECKPOINT_FLUSH_S = 10.0  # the MLflow writes asked for before a checkpoint, stored before it is written
 
 
+class Written(NamedTuple):
+    """A checkpoint written: where, and the members found lost while taking it."""
+    path: str
+    lost: list[MemberLost]
+
+
 class Controller:
     def __init__(self, config: JobConfig, dataset: Dataset, tracker: Optional[Tracker], t0: float,
                  display: Optional[ProgressDisplay] = None, trace_ids: bool = False,
-                 resume: Optional[dict[str, Any]] = None) -> None:
+                 resume: Optional[dict[str, Any]] = None, interrupts: Optional[Interrupts] = None) -> None:
         """`resume`: a checkpoint's state to go on from (orchestrator/resume.py): the run starts
-        at the epoch after the one it was taken at, in the phase it was in."""
+        at the epoch after the one it was taken at, in the phase it was in. `interrupts`: the
+        run's interrupt state (the trainer routes the process's signals to it)."""
         self.cfg = config
+        self.interrupts = interrupts or Interrupts()
         self.dataset = dataset
         self.t0 = t0
         self.trace_ids = trace_ids
@@ -100,7 +108,7 @@ class Controller:
         self.report = Reporter(tracker, display, t0)
         self.elastic = Elasticity(self)  # growing and shrinking with the cluster (orchestrator/elastic.py)
         self.state: State = Starting()
-        self.group = ReplicaGroup(config, strategy=self.strategy)
+        self.group = ReplicaGroup(config, strategy=self.strategy, interrupts=self.interrupts)
         # optimizer.schedule's clock: the optimizer steps the run plans (policies/recipe.py planned_steps)
         self.group.raw["schedule_steps"] = planned_steps(dataset.train_rows, config.data.batch_size,
                                                          config.data.accumulate, config.scaling.replicas,
@@ -256,7 +264,7 @@ class Controller:
                 try:
                     nxt = running.run_segment(self, state.segment)
                 except MemberLost as lost:
-                    nxt = running.lost_meanwhile(self, state.segment, lost)
+                    nxt = failures.lost_meanwhile(self, state.segment, lost)
             elif isinstance(state, Reconfiguring):
                 nxt = self._reconfigure(state.plan, state.segment)
             elif isinstance(state, Finishing):
@@ -287,7 +295,7 @@ class Controller:
         except MemberLost as lost:
             if isinstance(plan, SwitchPlan):
                 self.pending_switch = plan
-            return running.lost_meanwhile(self, seg, lost)
+            return failures.lost_meanwhile(self, seg, lost)
 
     def run(self) -> RunTotals:
         while not isinstance(self.step(), TERMINAL):
@@ -345,7 +353,7 @@ class Controller:
         self.pinned = self.spec.leases_pinned(self.strategy, self.batch_shares)
         self.lease_plan = (rows, n, seed, self.pinned, shuffle)  # leasing follows the mode of the phase (and the split)
         first = first_grant_messages(*self.lease_plan, epoch, ranks, self.max_grant)
-        with issued_whole():
+        with self.interrupts.whole():
             for rank in ranks:
                 self.open_stream(seg, rank, first_grant=first.get(rank), announce=rank in announce)
             seg.started = self.server.send("start_epoch", epoch, ranks, self.unreported, self.pinned)
@@ -368,23 +376,27 @@ class Controller:
             raise TrainingError(f"epoch {status['epoch']}: {status['remaining']} partitions were never served")
         return status
 
-    def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None) -> str:
+    def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None) -> "Written":
         """The lowest answering rank's model and optimizer state (all replicas hold the same
         parameters at an epoch's end, or the mode's reference) plus the run's position, written by the Checkpointer
         (orchestrator/run_state.py). The final one says the run finished (a named run is not
-        started again from it). Returns the named copy's path if there is one, else the store's."""
+        started again from it). Returns the named copy's path if there is one, else the store's, and
+        the members found lost on the way (MemberLost each: the caller hands them to the failure
+        policy, never drops them)."""
         t = time.perf_counter()
         ranks = self.group.ranks
         if not ranks:
             raise TrainingError(f"checkpoint {tag}: no replica left to take the model from")
+        lost = []
         for i, rank in enumerate(ranks):  # a member that does not answer (hung, dying): the next one's copy
             try:
                 state = self.group.call([rank], "state", what=f"checkpoint {tag}", timeout_s=timeout_s)[0]
                 break
-            except MemberLost as lost:
+            except MemberLost as exc:
                 if i == len(ranks) - 1:
                     raise
-                self.report.say(f"checkpoint {tag}: {lost}; taking replica {ranks[i + 1]}'s copy")
+                lost.append(exc)  # the caller hands it to the failure policy
+                self.report.say(f"checkpoint {tag}: {exc}; taking replica {ranks[i + 1]}'s copy")
         if not self.tracker.flush(CHECKPOINT_FLUSH_S):  # a run resumed from it finds every metric it covers
             self.report.say(f"checkpoint {tag}: MLflow has not stored the run's metrics within {CHECKPOINT_FLUSH_S:g}s; "
                             "the checkpoint is written anyway and they follow in the background")
@@ -399,7 +411,7 @@ class Controller:
                           **({UNSAVED: unsaved} if unsaved else {}))
         for name, why in unsaved.items():
             self.report.say(f"checkpoint {tag} written without its {name} part: {why}")
-        return path
+        return Written(path, lost)
 
     def _watch(self) -> bool:
         """While the driver waits on replicas (a repair, a switch, an evaluation): a dead shard
@@ -426,6 +438,3 @@ class Controller:
             self.server.shutdown()
         self.server = None
 
-    # ---- helpers ---------------------------------------------------------------------------
-    def get(self, refs, what: str, timeout: Optional[float] = None):
-        return self.group._get(refs, what, self.cfg.strategy.timeout_s if timeout is None else timeout)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import ray
 
-from orchestrator.checks import bounded
+from orchestrator.checks import Lane
 from orchestrator.reconfigure import Change
 from orchestrator.states import EpochSegment, GrowPlan
 from policies.failure import ReplicaFailure
@@ -76,6 +76,7 @@ class Elasticity:
     _next_poll: float = 0.0
     _room_since: Optional[float] = None
     _look_failed: bool = False
+    lane: Lane = field(default_factory=lambda: Lane("the cluster"))  # every look and request, one thread
 
     def __post_init__(self) -> None:
         s = self.ctl.cfg.scaling
@@ -90,7 +91,7 @@ class Elasticity:
         def look():
             return ray.nodes(), available_resources_per_node()
 
-        nodes, free = bounded(look, LOOK_TIMEOUT_S, "the Ray cluster's resources")
+        nodes, free = self.lane.call(look, LOOK_TIMEOUT_S, "the Ray cluster's resources")
         alive = [n for n in nodes if n.get("Alive") and n["NodeID"] not in self.lost_nodes]
         total = {k: sum(n.get("Resources", {}).get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
         available = {k: sum(free.get(n["NodeID"], {}).get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
@@ -103,7 +104,7 @@ class Elasticity:
             return False
         if node_id in self.lost_nodes:
             return True
-        node = next((n for n in bounded(ray.nodes, LOOK_TIMEOUT_S, "the Ray nodes") if n["NodeID"] == node_id), None)
+        node = next((n for n in self.lane.call(ray.nodes, LOOK_TIMEOUT_S, "the Ray nodes") if n["NodeID"] == node_id), None)
         lost = node is None or not node.get("Alive")
         if not lost:
             try:
@@ -141,7 +142,7 @@ class Elasticity:
             return
         from ray.autoscaler.sdk import request_resources
 
-        bounded(lambda: request_resources(bundles=bundles), LOOK_TIMEOUT_S, "the autoscaler request")
+        self.lane.call(lambda: request_resources(bundles=bundles), LOOK_TIMEOUT_S, "the autoscaler request")
         self.requested = list(bundles)
         self.ctl.report.event("autoscaler_request", bundles=len(bundles), bundle=bundles[0] if bundles else None,
                               withdrawn=not bundles, why=why, read_back=len(read_request()))
@@ -245,10 +246,11 @@ class Elasticity:
         self.joining = None
         self.stop_pausing()
         group = self.ctl.group
-        try:
-            joined = group.finish_joining(dict(j.ready))
-        except Exception as exc:  # they died as well: nothing to go on with
-            self.abandon(j, f"{type(exc).__name__}: {exc}")
+        joined, failed = group.admit(dict(j.ready))
+        if failed:
+            self.ctl.report.event("resize_abandoned", ranks=sorted(failed), reason="died while starting",
+                                  outcomes={str(r): why for r, why in failed.items()})
+        if not joined:
             return []
         self.ctl.report.say(f"replicas {joined}, started for a grow, go on in place of the lost ones")
         return sorted(joined)
@@ -329,42 +331,48 @@ class Grow(Change):
         self.paused: list[int] = []
 
     def membership(self, ctl: "Controller", seg: EpochSegment) -> None:
-        """The ready ones join (the rest later); a newcomer that died while starting gives this
-        grow up (the policy polls again)."""
+        """Who may join: the started replicas that are ready (the rest later). They become
+        members in the state step, once they hold the state (a grow's membership is committed
+        last)."""
         self.paused = seg.paused_ranks()
         j, group = self.j, ctl.group
+        self.ready: list[int] = []
         if j is None:
             return
         done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
-        ready = [r for r, ref in j.ready.items() if ref in done]
-        if not ready:
+        self.ready = [r for r, ref in j.ready.items() if ref in done]
+        self.old = list(group.ranks)
+        self.step = max((ctl.progress.get(r, 0) for r in self.old), default=0)
+
+    def hand_off(self, ctl: "Controller", seg: EpochSegment) -> None:
+        """The ready ones take the state (allreduce: a member's, every member being the same at an
+        epoch boundary and after a lock-step pause; else the shards' reference) and only then
+        join. A newcomer that died starting or failed to load is stopped and said (the others
+        join); the donor lost meanwhile is a failure (MemberLost) and the newcomers stay
+        started for the next try."""
+        j, group = self.j, ctl.group
+        if j is None or not self.ready:
             return
-        try:
-            joined = group.finish_joining({r: j.ready[r] for r in ready})
-        except Exception as exc:  # a newcomer died while starting
-            self.elastic.abandon(j, f"{type(exc).__name__}: {exc}")
-            return
-        for r in ready:
-            j.ready.pop(r)
+        refs = {r: j.ready[r] for r in self.ready}
+        if ctl.spec.sharded:
+            joined, failed = group.admit(refs, "sync_from_shards", self.step, what="state from the shards")
+        else:
+            donor = group.members[self.old[0]]
+            joined, failed = group.admit(refs, "load_state", donor.export_state.remote(),
+                                         what=f"state from replica {self.old[0]}")
+        if failed:  # newcomers that died while starting or loading are stopped and said; the others join
+            ctl.report.event("resize_abandoned", ranks=sorted(failed), reason="died or failed while joining",
+                             outcomes={str(r): why for r, why in failed.items()})
+        for r in self.ready:
+            j.ready.pop(r, None)
         if not j.ready:
             self.elastic.joining = None
         self.newcomers = joined  # [] if their ranks were taken by replacements meanwhile
         self.resized = bool(joined)
-        self.old = [r for r in group.ranks if r not in joined]
-        self.step = max((ctl.progress.get(r, 0) for r in self.old), default=0)
         for r in joined:
             ctl.progress[r] = self.step
-
-    def hand_off(self, ctl: "Controller", seg: EpochSegment) -> None:
-        if not self.newcomers:
-            return
-        group = ctl.group
-        if ctl.spec.sharded:
-            group.call(self.newcomers, "sync_from_shards", self.step, what="state from the shards", peers=False)
-            for r in self.newcomers:
+            if ctl.spec.sharded:
                 ctl.shard_group.welcome_replica(r, self.step)
-        else:
-            group.transfer_state(self.old[0], self.newcomers)
 
     def regroup(self, ctl: "Controller") -> bool:
         return bool(self.newcomers)

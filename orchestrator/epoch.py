@@ -8,7 +8,8 @@ import time
 from typing import TYPE_CHECKING
 
 from orchestrator import switching
-from orchestrator.errors import TrainingError
+from orchestrator.errors import MemberLost, TrainingError
+from orchestrator.failures import lost_meanwhile
 from orchestrator.states import EpochSegment, Finishing, Running
 from policies.checkpointing import due as checkpoint_due
 from policies.stop import EpochSnapshot
@@ -133,6 +134,7 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
 
     switching.check_guard(ctl, epoch, metrics)  # a switch that hurt: rolled back before anything keeps this model
     rolling_back = ctl.pending_switch is not None and ctl.pending_switch.rollback is not None
+    lost: list[MemberLost] = []
     if not rolling_back:
         loss = metrics.get(ctl.loss_metric)
         why = ctl.chance.observe(loss) if ctl.chance is not None and loss is not None else None
@@ -143,12 +145,13 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
         if best or checkpoint_due(epoch, time.perf_counter(), max(ctl.checkpoints.last_s, ctl.train_started),
                                   ck.every_epochs, ck.every_s):
             try:
-                tot.checkpoint = ctl.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s,
-                                                named="best.pt" if best else None)
+                written = ctl.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s, named="best.pt" if best else None)
+                tot.checkpoint, lost = written.path, written.lost
                 if best:
                     ctl.best_model = ctl.last_state["model"]
                     ctl.report.event("best_checkpoint", epoch=epoch, metric=ctl.metric, value=judged[ctl.metric])
-            except TrainingError as exc:  # a replica stopped or died meanwhile: the next epoch sees to it
+            except TrainingError as exc:  # every member stopped or died meanwhile, or the store failed
+                lost = [exc] if isinstance(exc, MemberLost) else []
                 ctl.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
                 ctl.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
     decision = ctl.stop_policy.decide(EpochSnapshot(epoch, judged, time.perf_counter() - ctl.train_started))
@@ -163,8 +166,12 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
     else:
         switching.consider(ctl, None, epoch_end=True, metrics=judged)
     # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
-    # it carries on timing a recovery whose newcomer had nothing left to do in this one
-    return Running(EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False))
+    # it carries on timing a recovery whose newcomer had nothing left to do in this one. Members
+    # lost while the checkpoint was taken are its failures: repaired before it opens
+    nxt = EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False)
+    for exc in lost:
+        lost_meanwhile(ctl, nxt, exc)
+    return Running(nxt)
 
 
 def note_target(ctl: "Controller", epoch: int, judged: dict[str, float], elapsed: float, **where) -> None:

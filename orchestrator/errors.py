@@ -14,42 +14,51 @@ class MemberLost(TrainingError):
     a switch or a grow). Not the end of the run: the controller hands each to the failure
     policy as a failure, like a death seen on an epoch stream."""
 
-    def __init__(self, ranks: list[int], what: str, cause: str = "died") -> None:
-        self.ranks, self.what, self.cause = sorted(ranks), what, cause  # cause: died | hung (no answer in time)
-        super().__init__(f"{what}: replica(s) {self.ranks} {cause}")
+    def __init__(self, ranks: list[int], what: str, cause: str = "died", causes: dict[int, str] | None = None) -> None:
+        self.ranks, self.what = sorted(ranks), what
+        self.causes = {r: (causes or {}).get(r, cause) for r in self.ranks}  # rank -> died | hung (no answer in time)
+        self.cause = self.causes[self.ranks[0]] if self.ranks else cause
+        said = ", ".join(f"{r} {c}" for r, c in self.causes.items())
+        super().__init__(f"{what}: replica(s) {said}")
 
 
 import contextlib as _contextlib
 import threading as _threading
 
-# Set by the interrupt handler: the controller's loop raises KeyboardInterrupt when it sees it,
-# so a signal whose exception landed in code that swallows it (a finalizer) still ends the run.
-INTERRUPTED = _threading.Event()
-_held = {"depth": 0, "pending": False}  # inside issued_whole(): an interrupt waits for the way out
 
+class Interrupts:
+    """One run's interrupt state. The trainer that runs in the main thread routes SIGINT and
+    SIGTERM to its own (`handler`); its controller's loop raises KeyboardInterrupt when it sees
+    `seen` set, so a signal whose exception landed in code that swallows it (a finalizer) still
+    ends the run. Each trainer has its own: two in one process never see each other's."""
 
-def raise_interrupt(signum=None, frame=None) -> None:
-    """The driver's SIGINT/SIGTERM handler: KeyboardInterrupt where the main thread is, unless
-    it is issuing a fan-out of calls (issued_whole), which then raises it on its way out."""
-    INTERRUPTED.set()
-    if _held["depth"]:
-        _held["pending"] = True
-        return
-    raise KeyboardInterrupt
+    def __init__(self) -> None:
+        self.seen = _threading.Event()
+        self._depth = 0  # inside whole(): an interrupt waits for the way out
+        self._pending = False
 
+    def handler(self, signum=None, frame=None) -> None:
+        """The driver's SIGINT/SIGTERM handler: KeyboardInterrupt where the main thread is,
+        unless it is issuing a fan-out of calls (`whole`), which then raises it on its way out."""
+        self.seen.set()
+        if self._depth:
+            self._pending = True
+            return
+        raise KeyboardInterrupt
 
-@_contextlib.contextmanager
-def issued_whole():
-    """Calls sent to several actors that only make sense together (every member's epoch stream
-    and the server's start of the epoch; a group call) go out all or none: an interrupt landing
-    between two of them would leave the ones sent waiting on peers that were never asked (an
-    allreduce replica alone in its collective), and the interrupted run's checkpoint could not
-    be taken from them. The interrupt is raised once the last call is sent."""
-    _held["depth"] += 1
-    try:
-        yield
-    finally:
-        _held["depth"] -= 1
-        if not _held["depth"] and _held["pending"]:
-            _held["pending"] = False
-            raise KeyboardInterrupt
+    @_contextlib.contextmanager
+    def whole(self):
+        """Calls sent to several actors that only make sense together (every member's epoch
+        stream and the server's start of the epoch; a group call) go out all or none: an
+        interrupt landing between two of them would leave the ones sent waiting on peers that
+        were never asked (an allreduce replica alone in its collective), and the interrupted
+        run's checkpoint could not be taken from them. The interrupt is raised once the last
+        call is sent."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if not self._depth and self._pending:
+                self._pending = False
+                raise KeyboardInterrupt

@@ -26,7 +26,7 @@ def finish(ctl: "Controller") -> None:
     ctl.finish_epochs()
     if ctl.cfg.validated:
         evaluate_test(ctl)
-    ctl.totals.checkpoint = ctl.checkpoint("final", ctl.cfg.strategy.timeout_s, named="model.pt")
+    ctl.totals.checkpoint = ctl.checkpoint("final", ctl.cfg.strategy.timeout_s, named="model.pt").path
     with tempfile.TemporaryDirectory() as tmp:
         import torch
 

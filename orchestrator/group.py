@@ -16,7 +16,8 @@ from typing import Any, Callable, Optional
 import ray
 
 from orchestrator.config import JobConfig
-from orchestrator.errors import MemberLost, TrainingError, issued_whole
+from orchestrator.errors import Interrupts, MemberLost, TrainingError
+from orchestrator.outcomes import DIED, HUNG, OK, RAISED, Outcome
 from policies.registry import mode_spec
 
 READY_TIMEOUT_S = 120.0  # a new actor imports torch and builds the model
@@ -26,8 +27,10 @@ SPARE_PING_S = 2.0  # how often idle spares are asked whether they are alive
 
 
 class ReplicaGroup:
-    def __init__(self, config: JobConfig, shards: Any = None, strategy: Optional[dict[str, Any]] = None) -> None:
+    def __init__(self, config: JobConfig, shards: Any = None, strategy: Optional[dict[str, Any]] = None,
+                 interrupts: Optional[Interrupts] = None) -> None:
         self.cfg = config
+        self.interrupts = interrupts or Interrupts()  # the run's: a fan-out of calls goes out whole
         self.raw = config.model_dump()
         self.raw["multi_phase"] = len(config.strategy.plan()) > 1
         self.set_strategy(strategy or config.strategy.plan()[0])
@@ -104,12 +107,12 @@ class ReplicaGroup:
 
     def wait_ready(self) -> None:
         ranks = sorted(self.members)
-        pids = self._get([self.members[r].pid.remote() for r in ranks], "replicas starting", READY_TIMEOUT_S)
+        pids = self._get([self.members[r].pid.remote() for r in ranks], "replicas starting", READY_TIMEOUT_S, ranks)
         self.pids = dict(zip(ranks, pids))
         self._locate(ranks)
 
     def _locate(self, ranks: list[int]) -> None:
-        nodes = self._get([self.members[r].node_id.remote() for r in ranks], "replica nodes", self.timeout_s)
+        nodes = self._get([self.members[r].node_id.remote() for r in ranks], "replica nodes", self.timeout_s, ranks)
         self.nodes.update(zip(ranks, nodes))
 
     # ---- a grow: replicas started now, members at the next epoch boundary -------------------
@@ -120,22 +123,41 @@ class ReplicaGroup:
             self.joining[rank] = self._actor(rank)
         return {rank: self.joining[rank].pid.remote() for rank in ranks}
 
-    def finish_joining(self, ready: dict[int, Any]) -> list[int]:
-        """The started replicas of `ready` (rank -> its resolved pid() call from start_joining)
-        become members; returns their ranks. One whose rank was filled meanwhile (a replacement
-        took it) is stopped instead: a member is never overwritten and orphaned."""
+    def admit(self, ready: dict[int, Any], method: Optional[str] = None, *args: Any,
+              what: str = "state for new replicas") -> tuple[list[int], dict[int, str]]:
+        """Replicas started for a grow become members, last: each that answered its pid() call
+        (`ready`: rank -> that call) is first given its state by `method(*args)` (load_state of a
+        member's export, sync_from_shards; none: the caller gives it after) and only those that
+        took it join. Returns (the ranks that joined, {rank: what happened} for newcomers that
+        died, hung or failed: stopped and forgotten, each on its own; the members are not looked
+        at). A member whose death left the state unavailable (the donor of `args`) is MemberLost,
+        and the newcomers stay started, not members, for the grow to be carried out again. One
+        whose rank was filled meanwhile (a replacement took it) is stopped: a member is never
+        overwritten and orphaned."""
+        for rank in [r for r in ready if r in self.joining and r in self.members]:
+            _kill(self.joining.pop(rank))
         ranks = [r for r in ready if r in self.joining]
-        pids = self._get([ready[r] for r in ranks], "new replicas", self.timeout_s)
-        joined = []
-        for rank, pid in zip(ranks, pids):
-            if rank in self.members:
-                _kill(self.joining.pop(rank))
-                continue
+        actors = {r: self.joining[r] for r in ranks}
+        started = self._outcomes({r: ready[r] for r in ranks}, actors, "new replicas", self.timeout_s)
+        failed = {r: _said(o) for r, o in started.items() if not o.ok}
+        alive = [r for r in ranks if started[r].ok]
+        if method is not None and alive:
+            with self.interrupts.whole():
+                refs = {r: getattr(actors[r], method).remote(*args) for r in alive}
+            given = self._outcomes(refs, {r: actors[r] for r in alive}, what, self.timeout_s)
+            if any(o.actor_error and o.status == RAISED for o in given.values()):
+                dead = self.dead_members()  # the donor: the newcomers wait for the next try
+                if dead:
+                    raise MemberLost(dead, what)
+            failed.update({r: _said(o) for r, o in given.items() if not o.ok})
+            alive = [r for r in alive if given[r].ok]
+        for rank in failed:
+            _kill(self.joining.pop(rank))
+        for rank in alive:
             self.members[rank] = self.joining.pop(rank)
-            self.pids[rank] = pid
-            joined.append(rank)
-        self._locate(joined)
-        return joined
+            self.pids[rank] = started[rank].value
+        self._locate(alive)
+        return alive, failed
 
     def abandon_joining(self, ranks: list[int]) -> None:
         for rank in ranks:
@@ -174,7 +196,7 @@ class ReplicaGroup:
                 _kill(spare)
         if actor is None:
             actor = self.members[rank] = self._actor(rank)  # a member already: its death is a MemberLost
-            self.pids[rank] = self._get(actor.pid.remote(), f"replacement for replica {rank}", READY_TIMEOUT_S)
+            self.pids[rank] = self._get(actor.pid.remote(), f"replacement for replica {rank}", READY_TIMEOUT_S, [rank])
         self.members[rank] = actor
         self.replacements.add(rank)
         self._locate([rank])
@@ -189,12 +211,12 @@ class ReplicaGroup:
         ranks, world = self.ranks, len(self.members)
         if self.spec.process_group:
             head = self.members[ranks[0]]
-            addr, port = self._get(head.rendezvous_address.remote(), "rendezvous", self.timeout_s)
+            addr, port = self._get(head.rendezvous_address.remote(), "rendezvous", self.timeout_s, ranks[:1])
             timeout = self.cfg.fault_tolerance.hang_timeout_s
-            with issued_whole():  # a rendezvous every member must reach
+            with self.interrupts.whole():  # a rendezvous every member must reach
                 refs = [self.members[r].join_group.remote(addr, port, i, world, self.generation, timeout)
                         for i, r in enumerate(ranks)]
-            self._get(refs, f"process group generation {self.generation}", self.timeout_s + 60)
+            self._get(refs, f"process group generation {self.generation}", self.timeout_s + 60, ranks)
         else:
             self.call(ranks, "regroup", world, self.generation, what="regroup")
         return self.generation
@@ -209,26 +231,74 @@ class ReplicaGroup:
 
     def call(self, ranks: list[int], method: str, *args: Any, what: str = "", timeout_s: Optional[float] = None,
              per_rank: Optional[Callable[[int], tuple]] = None, peers: bool = True) -> list[Any]:
-        """Call `method` on the replicas of `ranks` (arguments per rank from `per_rank`).
-        Every member does the same work, so with `peers` (the default) a member still silent
-        fault_tolerance.hang_timeout_s after the first answer is hung, whatever is left of the
-        call's timeout (a replica stopped at an epoch's end surfaces in seconds, not after
-        strategy.timeout_s). `peers=False` for members that may still be starting (newcomers:
-        one may boot later than another)."""
-        with issued_whole():
-            refs = [getattr(self.members[r], method).remote(*(per_rank(r) if per_rank else args)) for r in ranks]
+        """Call `method` on the replicas of `ranks` (arguments per rank from `per_rank`); their
+        answers in rank order, or MemberLost naming every member that died or stayed silent
+        (`outcomes` says what each came to). Every member does the same work, so with `peers`
+        (the default) a member still silent fault_tolerance.hang_timeout_s after the first answer
+        is hung, whatever is left of the call's timeout (a replica stopped at an epoch's end
+        surfaces in seconds, not after strategy.timeout_s). `peers=False` for members that may
+        still be starting (newcomers: one may boot later than another)."""
+        outs = self.outcomes(ranks, method, *args, what=what, timeout_s=timeout_s, per_rank=per_rank, peers=peers)
+        return self.settle(outs, what or method)
+
+    def outcomes(self, ranks: list[int], method: str, *args: Any, what: str = "", timeout_s: Optional[float] = None,
+                 per_rank: Optional[Callable[[int], tuple]] = None, peers: bool = True) -> dict[int, Outcome]:
+        """`call` without a verdict: what the call came to on each rank."""
+        with self.interrupts.whole():
+            refs = {r: getattr(self.members[r], method).remote(*(per_rank(r) if per_rank else args)) for r in ranks}
         timeout = timeout_s or self.timeout_s
         after_first = self.cfg.fault_tolerance.hang_timeout_s if peers and len(refs) > 1 else None
+        return self._outcomes(refs, {r: self.members[r] for r in ranks}, what or method, timeout, after_first)
+
+    def _outcomes(self, refs: dict[Any, Any], actors: dict[Any, Any], what: str, timeout: float,
+                  after_first: Optional[float] = None) -> dict[Any, Outcome]:
+        """Wait for every ref of `refs` (key -> the call's ref; `actors`: key -> the actor asked)
+        and say what each came to: ok(value), died (its actor is gone: checked, not guessed from
+        the error), hung (no answer in time), raised (the call failed, or an input it was given
+        came from an actor that died)."""
+        silence = ""
         try:
-            return self._get(refs, what or method, timeout, after_first)
-        except MemberLost:
-            raise
-        except TrainingError as exc:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            silent = [r for r, ref in zip(ranks, refs) if ref not in ready]
-            if silent:  # stopped or stuck (SIGSTOP, a livelock): hung, for the failure policy
-                raise MemberLost(silent, str(exc), cause="hung") from None
-            raise
+            self._wait_all(list(refs.values()), timeout, after_first)
+        except ray.exceptions.GetTimeoutError as exc:
+            silence = str(exc)
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)
+        ready = set(ready)
+        outs: dict[Any, Outcome] = {}
+        suspects = []
+        for key, ref in refs.items():
+            if ref not in ready:
+                outs[key] = Outcome(HUNG, detail=silence)
+                continue
+            try:
+                outs[key] = Outcome(OK, ray.get(ref, timeout=0))
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
+                # ObjectLostError: the answer was made but its node went away before it was read
+                outs[key] = Outcome(RAISED, detail=f"{type(exc).__name__}: {str(exc).splitlines()[0]}", actor_error=True)
+                suspects.append(key)
+            except ray.exceptions.RayTaskError as exc:
+                outs[key] = Outcome(RAISED, detail=str(exc.cause if hasattr(exc, "cause") else exc))
+        for key in self._gone({k: actors[k] for k in suspects if k in actors}):
+            outs[key] = Outcome(DIED, detail=outs[key].detail)
+        return outs
+
+    def settle(self, outs: dict[int, Outcome], what: str) -> list[Any]:
+        """Members' outcomes as answers in rank order, or the failure they came to: MemberLost
+        for every member that died or hung (the failure policy sees each one); else, when one
+        raised because an actor it depended on died (a state donor), that member's loss; else a
+        TrainingError with the first error raised."""
+        lost = {r: o.status for r, o in outs.items() if o.status in (DIED, HUNG)}
+        if lost:
+            detail = next((outs[r].detail for r in sorted(lost) if outs[r].detail), "")
+            raise MemberLost(list(lost), what + (f" ({detail})" if detail else ""), causes=lost)
+        failed = {r: o for r, o in outs.items() if o.status == RAISED}
+        if not failed:
+            return [outs[r].value for r in sorted(outs)]
+        if any(o.actor_error for o in failed.values()):
+            dead = self.dead_members()
+            if dead:
+                raise MemberLost(dead, what)
+        r = min(failed)
+        raise TrainingError(f"{what}: replica {r}: {failed[r].detail}")
 
     def _wait_all(self, refs, timeout: float, after_first: Optional[float] = None) -> None:
         """Wait for `refs` in slices, calling `on_wait` between them (the driver's shard watch: a
@@ -257,39 +327,52 @@ class ReplicaGroup:
 
     def dead_members(self, timeout_s: float = LIVENESS_TIMEOUT_S) -> list[int]:
         """The members whose actors are gone (a call to them fails with RayActorError)."""
-        ranks = self.ranks
-        refs = {r: self.members[r].pid.remote() for r in ranks}
+        return self._gone(dict(self.members), timeout_s)
+
+    @staticmethod
+    def _gone(actors: dict[Any, Any], timeout_s: float = LIVENESS_TIMEOUT_S) -> list[Any]:
+        """The keys of `actors` whose actor is gone (a fresh call to it fails with RayActorError);
+        one that does not answer in time (busy, stopped) is not known to be dead."""
+        if not actors:
+            return []
+        refs = {k: a.pid.remote() for k, a in actors.items()}
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         dead = []
-        for rank, ref in refs.items():
+        for key, ref in refs.items():
             try:
                 ray.get(ref, timeout=0)
             except ray.exceptions.RayActorError:
-                dead.append(rank)
+                dead.append(key)
             except Exception:  # not answered yet (busy or stopped): not known to be dead
                 pass
-        return dead
+        return sorted(dead)
 
     def shutdown(self) -> None:
         for actor in list(self.members.values()) + self.spares + list(self.joining.values()):
             _kill(actor)
         self.members, self.spares, self.joining = {}, [], {}
 
-    def _get(self, refs, what: str, timeout: float, after_first: Optional[float] = None):
-        try:
-            self._wait_all(refs, timeout, after_first)
-            return ray.get(refs, timeout=timeout)
-        except ray.exceptions.GetTimeoutError as exc:
-            raise TrainingError(f"{what}: {exc}") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
-            # ObjectLostError: the answer was made but its node went away before it was read
-            # (a node removed between the reply and the get); the member there is gone too
-            dead = self.dead_members()
-            if dead:  # a value for the failure policy, not the end of the run
-                raise MemberLost(dead, what) from None
-            raise TrainingError(f"{what}: the process answering it died ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
-        except ray.exceptions.RayTaskError as exc:
-            raise TrainingError(f"{what}: {exc.cause if hasattr(exc, 'cause') else exc}") from None
+    def _get(self, refs, what: str, timeout: float, ranks: Optional[list[int]] = None):
+        """Wait for `refs` (one ref or a list): their values, or the failure they came to. With
+        `ranks` (the members asked, in the refs' order) a member that died or hung is MemberLost;
+        without (a spare, a newcomer: not members) any failure is a TrainingError: it says
+        nothing about the members."""
+        single = not isinstance(refs, (list, tuple))
+        refs = [refs] if single else list(refs)
+        if ranks is not None:
+            values = self.settle(self._outcomes(dict(zip(ranks, refs)), {r: self.members[r] for r in ranks},
+                                                what, timeout), what)
+        else:
+            outs = self._outcomes(dict(enumerate(refs)), {}, what, timeout)
+            bad = next((o for o in outs.values() if o.status != OK), None)
+            if bad is not None:
+                raise TrainingError(f"{what}: {bad.status}" + (f" ({bad.detail})" if bad.detail else ""))
+            values = [outs[i].value for i in range(len(refs))]
+        return values[0] if single else values
+
+
+def _said(out: Outcome) -> str:
+    return out.status + (f" ({out.detail})" if out.detail else "")
 
 
 def replica_resources(cpus_per_replica: float, gpus_per_replica: float, spare: bool) -> dict[str, float]:

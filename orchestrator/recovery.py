@@ -58,12 +58,13 @@ def replan(ctl: "Controller", plan: Plan, seg: EpochSegment, lost: MemberLost) -
     now = time.time()
     new = []
     for rank in lost.ranks:
-        failure = ReplicaFailure(rank, lost.cause, f"{lost.cause} during a repair ({lost.what})",
+        cause = lost.causes[rank]
+        failure = ReplicaFailure(rank, cause, f"{cause} during a repair ({lost.what})",
                                  replacement=rank in ctl.group.replacements)
-        ctl.report.event("replica_failed", rank=rank, epoch=seg.epoch, cause=lost.cause,
-                         detected_by=DETECTED_BY[lost.cause], detail=failure.detail, t_wall=round(now, 3),
+        ctl.report.event("replica_failed", rank=rank, epoch=seg.epoch, cause=cause,
+                         detected_by=DETECTED_BY[cause], detail=failure.detail, t_wall=round(now, 3),
                          during="repair")
-        ctl.report.say(f"replica {rank} {lost.cause} during the repair ({lost.what})")
+        ctl.report.say(f"replica {rank} {cause} during the repair ({lost.what})")
         new.append(failure)
     kept = [d for d in plan.decisions if d.rank not in lost.ranks]
     decisions = decide(ctl, new, set(lost.ranks) | {f.rank for f in plan.failures}, kept)

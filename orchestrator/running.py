@@ -25,10 +25,11 @@ import ray
 
 from orchestrator import switching
 from orchestrator.epoch import close_pass, interval_evaluation, watch_servers
-from orchestrator.errors import INTERRUPTED, MemberLost, TrainingError
+from orchestrator.errors import TrainingError
+from orchestrator.failures import fail
 from orchestrator.recovery import decide
-from orchestrator.states import EpochSegment, Errored, Finishing, GrowPlan, Plan, Reconfiguring, Running, State
-from policies.failure import DETECTED_BY, Fail, ReplicaFailure, error_detail
+from orchestrator.states import EpochSegment, Errored, Finishing, GrowPlan, Plan, Reconfiguring, State
+from policies.failure import Fail, ReplicaFailure, error_detail
 from policies.modes import Diverged
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ def run_segment(ctl: "Controller", seg: EpochSegment) -> "State":
             if nxt is None:
                 continue  # a further pass of the epoch started
             return nxt
-        if INTERRUPTED.is_set():  # a SIGTERM whose KeyboardInterrupt was swallowed where it landed
+        if ctl.interrupts.seen.is_set():  # a SIGTERM whose KeyboardInterrupt was swallowed where it landed
             raise KeyboardInterrupt
         ready = ready_streams(list(seg.streams.values()))
         for rank, stream in list(seg.streams.items()):
@@ -149,30 +150,6 @@ def read_item(ctl: "Controller", seg: EpochSegment, rank: int, stream: Any) -> N
         ctl.report.steps(seg.epoch, last["step_in_epoch"], last["loss"], ctl.steps_per_epoch)
 
 
-def fail(ctl: "Controller", seg: EpochSegment, failure: ReplicaFailure) -> None:
-    """A failure seen: stop reading the replica, record it, and make sure nobody waits for it."""
-    seg.streams.pop(failure.rank, None)
-    seg.heard.pop(failure.rank, None)
-    now = time.time()
-    if seg.t_first_failure is None:
-        seg.t_first_failure = now
-    seg.failures.append(failure)
-    seg.had_failure = True
-    for rec in seg.recoveries:
-        rec.waiting.discard(failure.rank)
-    ctl.report.event("replica_failed", rank=failure.rank, epoch=seg.epoch, cause=failure.cause,
-                     detected_by=DETECTED_BY[failure.cause], detail=failure.detail, t_wall=round(now, 3),
-                     **({"traceback": failure.traceback} if failure.traceback else {}))
-    ctl.report.say(f"replica {failure.rank} {failure.cause} in epoch {seg.epoch}: {failure.detail}")
-    if failure.cause != "died":  # a hung or raising replica's process is stopped now (its sockets close)
-        ctl.group.remove(failure.rank)
-    sg = ctl.shard_group
-    if sg is not None:
-        sg.forget_replica(failure.rank)  # the survivors' slowest-replica clock (SSP) must not wait for it
-        if ctl.lock_step:
-            sg.abort_rounds()  # synchronous EASGD: the survivors' pending round ends now
-
-
 def restart_hang_clocks(seg: EpochSegment) -> None:
     """Every replica's hang clock starts again now (a replica blocked on the partition server or
     a shard makes no progress while it is rebuilt)."""
@@ -218,20 +195,6 @@ def judge(ctl: "Controller", seg: EpochSegment) -> "State":
     plan = Plan(failures, decisions, seg.t_first_failure or time.time(), steps)
     seg.t_first_failure = None
     return Reconfiguring(plan, seg)
-
-
-def lost_meanwhile(ctl: "Controller", seg: EpochSegment, lost: MemberLost) -> "State":
-    """Replicas that died while the driver waited on them outside a repair (a switch, the
-    epoch's evaluation, a checkpoint): failures of the segment, judged like any other."""
-
-    now = time.time()
-    for rank in lost.ranks:
-        if rank in seg.streams or any(f.rank == rank for f in seg.failures):
-            continue  # its stream will say so, or it is already known
-        fail(ctl, seg, ReplicaFailure(rank, lost.cause, f"{lost.cause} while the driver waited on it ({lost.what})",
-                                      replacement=rank in ctl.group.replacements))
-    seg.t_first_failure = seg.t_first_failure or now
-    return Running(seg)
 
 
 def note_balance(ctl: "Controller", seg: EpochSegment) -> None:

@@ -109,12 +109,16 @@ class EpochSegment:
 
 @dataclass
 class SwitchPlan:
-    """What Reconfiguring carries out for a phase switch (decided in orchestrator/switching.py)."""
+    """What Reconfiguring carries out for a phase switch (decided in orchestrator/switching.py):
+    from which phase to which. The from-phase is recorded when the switch is decided, so a
+    switch carried out again after a replica was lost in its middle (the controller already in
+    the new phase by then) still knows where it came from."""
 
     switch: Switch
     t_decide_wall: float
     t_decide: float
     mid_epoch: bool
+    from_strategy: dict[str, Any] = field(default_factory=dict)  # the phase running when it was decided
     rollback: Optional[dict[str, Any]] = None  # a rollback: the state from before the switch it undoes
 
 

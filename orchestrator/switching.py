@@ -67,7 +67,7 @@ def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = F
     if sw is None:
         return
     mid = not epoch_end and seg is not None and seg.begun
-    ctl.pending_switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid)
+    ctl.pending_switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid, from_strategy=ctl.strategy)
     to = f"{sw.mode} (phase {sw.phase})" if sw.mode == ctl.strategy["mode"] else sw.mode  # e.g. allreduce with backups
     ctl.report.say(f"switch to {to} decided ({sw.rule}): {sw.reason}")
     if mid:
@@ -103,7 +103,7 @@ def check_guard(ctl: "Controller", epoch: int, metrics: dict[str, float]) -> Non
         reason = (f"{name} {loss:.4f} in {ctl.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
                   f"switch: back to {g.mode} with the model from before it; no further switch this run")
         ctl.pending_switch = SwitchPlan(Switch(g.phase, g.mode, "rollback", reason, numbers), time.time(),
-                                        time.perf_counter(), False, rollback=g.state)
+                                        time.perf_counter(), False, from_strategy=ctl.strategy, rollback=g.state)
         ctl.report.event("switch_rolled_back", epoch=epoch, mode=ctl.spec.name, back_to=g.mode, **numbers)
         ctl.report.say(f"rolling the switch back: {reason}")
     elif g.checks <= 0:
@@ -131,8 +131,11 @@ class Switching(Change):
         self.guard: Optional[Guard] = None
 
     def membership(self, ctl: "Controller", seg: EpochSegment) -> None:
-        """Unchanged; who paused for it (they go on after it) is noted before the passes are reported."""
-        self.old_spec, self.old_mode = ctl.spec, ctl.strategy["mode"]
+        """Unchanged; who paused for it (they go on after it) is noted before the passes are reported.
+        The old phase is the plan's, not the controller's: carried out again after a loss in its
+        middle, the controller may be in the new phase already."""
+        old = self.plan.from_strategy or ctl.strategy
+        self.old_spec, self.old_mode = mode_spec(old["mode"]), old["mode"]
         self.new_strategy = ctl.switch_policy.plan[self.plan.switch.phase]
         self.new_spec = mode_spec(self.new_strategy["mode"])
         self.paused = seg.paused_ranks()
@@ -159,6 +162,11 @@ class Switching(Change):
         self.translated = ctl.phase_optimizer(self.new_strategy)[1] if self.new_spec.sharded else None
         if self.translated:
             ctl.report.say(f"entering {self.new_spec.name}: {self.translated}")
+        # the commit point: from here the replicas run the new rule, so the controller does too (a
+        # replica lost in the call is replaced in the new phase; the switch is carried out again,
+        # each step idempotent: set_mode on a replica in the new phase rebuilds the same worker)
+        group.set_strategy(self.new_strategy)
+        ctl.set_strategy(self.new_strategy)
         self.carried = group.call(ranks, "set_mode", self.new_strategy, self.old_spec.sharded, what="set mode")
         if self.new_spec.process_group and any(c["local_optimizer"] == "carried" for c in self.carried):
             # into allreduce: every replica must take the same step, so the momentum each kept
@@ -170,8 +178,6 @@ class Switching(Change):
                         for key in kept[0]}
                 group.call(ranks, "set_momentum", mean, what="momentum")
                 self.carried = [{**c, "local_optimizer": "carried, averaged"} for c in self.carried]
-        group.set_strategy(self.new_strategy)
-        ctl.set_strategy(self.new_strategy)
         if rollback is not None:  # the model from before the switch it undoes, at each replica's own step
             steps = dict(zip(ranks, group.call(ranks, "current_step", what="steps")))
             group.call(ranks, "load_state", what="the state from before the switch",

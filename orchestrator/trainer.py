@@ -11,7 +11,7 @@ from orchestrator.config import JobConfig
 from orchestrator.data import Dataset
 from orchestrator.planning import StreamedDataset
 from orchestrator.loading import load_dataset
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, Interrupts
 from orchestrator.factory import build_model
 from orchestrator.result import FinalMetrics, TrainResult
 
@@ -161,13 +161,11 @@ class ElasticTrainer:
             if connected_here:  # leave nothing behind: stop the cluster we started, or leave the one we joined
                 ray.shutdown()
             raise
-        from orchestrator.errors import INTERRUPTED
-
-        INTERRUPTED.clear()
-        previous_handlers = _interrupts_handled()  # after ray.init, which installs its own
+        interrupts = Interrupts()  # this run's own: another trainer in the process never sees it
+        previous_handlers = _interrupts_handled(interrupts)  # after ray.init, which installs its own
         display = ProgressDisplay(cfg.stop.epochs, enabled=self.show_progress)
         self.controller = ctl = Controller(cfg, dataset, None, t0, display, trace_ids=self._trace_ids,
-                                           resume=self.resume)
+                                           resume=self.resume, interrupts=interrupts)
         ctl.report.callbacks.extend(self.callbacks)
         tracker, status = None, "FAILED"
         try:
@@ -194,7 +192,6 @@ class ElasticTrainer:
                 ray.shutdown()
             for sig, handler in (previous_handlers or {}).items():
                 signal.signal(sig, handler)
-            INTERRUPTED.clear()  # handled (the KeyboardInterrupt is on its way out): not this process's next run's
         result = _result(cfg, totals, tracker, time.perf_counter() - t0, ctl.phases)
         tracker.event("finished", t0, wall_s=round(result.wall_s, 3))
         tracker.log_metrics([("wall_s", result.wall_s, totals.steps),
@@ -215,16 +212,14 @@ INTERRUPT_CHECKPOINT_TIMEOUT_S = 15.0
 FAILED_PLOT_TIMEOUT_S = 10.0  # a failed run's training.png: the store may be what failed
 
 
-def _interrupts_handled():
+def _interrupts_handled(interrupts: "Interrupts"):
     """SIGTERM (`ray job stop`, a scheduler) ends the run like Ctrl-C (SIGINT): MLflow KILLED,
-    then a checkpoint if time allows; both go through errors.raise_interrupt, which holds an
+    then a checkpoint if time allows; both go to the run's `Interrupts.handler`, which holds an
     interrupt back while a fan-out of calls is being sent. Only the main thread can set
     handlers; returns the previous handlers to restore."""
-    from orchestrator.errors import raise_interrupt
-
     if threading.current_thread() is not threading.main_thread():
         return None
-    return {sig: signal.signal(sig, raise_interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    return {sig: signal.signal(sig, interrupts.handler) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
 def _end_on_interrupt(ctl, tracker, display, t0: float) -> None:
@@ -242,7 +237,7 @@ def _end_on_interrupt(ctl, tracker, display, t0: float) -> None:
         return
     try:
         ctl.halt(INTERRUPT_RECORD_TIMEOUT_S)
-        path = ctl.checkpoint("interrupted", INTERRUPT_CHECKPOINT_TIMEOUT_S, named="interrupted.pt")  # and an event
+        path = ctl.checkpoint("interrupted", INTERRUPT_CHECKPOINT_TIMEOUT_S, named="interrupted.pt").path  # and an event
         display.line(f"interrupted: checkpoint written to {path}")
     except Exception as exc:  # the run is ending either way; say why nothing was saved
         display.line(f"interrupted: no checkpoint ({exc})")

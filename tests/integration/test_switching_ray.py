@@ -297,3 +297,37 @@ def test_adaptive_backups_drop_a_stragglers_gradients_and_probe_it_again(ray_clu
     assert drops and by_rank.get(1, 0) >= 0.9 * sum(by_rank.values()), by_rank
     assert sum(e["dropped_rows"] for e in drops) > 0
     assert result.final.test_accuracy > 0.9
+
+
+@pytest.mark.full
+def test_a_replica_lost_in_a_switchs_middle_restarts_it_from_the_phase_it_left(ray_cluster, tmp_path, monkeypatch):
+    """allreduce -> downpour at epoch 1's end; replica 1 is SIGKILLed as the driver evaluates the
+    new mode's reference (the replicas and the controller are in downpour by then). The loss is
+    a failure, the replica is replaced in downpour, and the switch is carried out again from the
+    phase the plan recorded: one mode_switch, allreduce -> downpour, the shards seeded once more
+    and every replica loading the reference it gives (before, the retry took the controller's
+    phase for the old one: "downpour -> downpour")."""
+    from orchestrator.chaos import kill_process
+    from orchestrator.group import ReplicaGroup
+
+    original, seen = ReplicaGroup.call, {}
+
+    def call(self, ranks, method, *args, **kwargs):
+        if method == "set_mode":
+            seen["set_mode"] = seen.get("set_mode", 0) + 1
+        if method == "evaluate_reference" and seen.get("set_mode") == 1 and "killed" not in seen:
+            seen["killed"] = kill_process(self.members[ranks[-1]])
+        return original(self, ranks, method, *args, **kwargs)
+
+    monkeypatch.setattr(ReplicaGroup, "call", call)
+    cfg = job_config(strategy={"phases": [{"mode": "allreduce", "until": {"epochs": 1}}, {"mode": "downpour"}]},
+                     stop={"epochs": 2}, checkpoint={"storage": str(tmp_path / "ck")}, **SMALL)
+    result, _, _, _ = fit_with(cfg, [])
+    assert "killed" in seen and seen["set_mode"] == 2, seen  # carried out twice: once cut short, once whole
+    [failed] = events(result, "replica_failed")
+    assert failed["rank"] == 1 and failed["cause"] == "died"
+    assert events(result, "replica_replaced")[0]["ranks"] == [1]
+    [switch] = events(result, "mode_switch")
+    assert (switch["from"], switch["to"]) == ("allreduce", "downpour"), switch
+    assert [p["mode"] for p in result.phases] == ["allreduce", "downpour"]
+    assert result.epochs == 2 and result.final.test_accuracy > 0.8
