@@ -96,7 +96,7 @@ def reconfiguring(ctl: Any) -> Optional[str]:
 
 
 class FaultInjector:
-    """Fires `faults` in order against the controller `controller()` returns (a Controller, or a
+    """Fires `faults` in order against the controller `controller()` returns (the run's controller, or a
     callable: an ElasticTrainer's controller exists only once fit() runs). `cluster`: the
     `ray.cluster_utils.Cluster` that `drop_node` removes nodes from."""
 

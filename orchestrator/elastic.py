@@ -47,7 +47,7 @@ from policies.lr_scaling import LrSchedule
 from policies.scaling import ClusterView, ScaleDecision, make_scaling_policy
 
 if TYPE_CHECKING:
-    from orchestrator.controller import Controller
+    from orchestrator.context import RunContext
 
 LOOK_TIMEOUT_S = 10.0  # one look at the cluster's resources
 RAYLET_PROBE_TIMEOUT_S = 1.0  # a node whose raylet does not accept a connection within this is lost
@@ -69,7 +69,7 @@ class Joining:
 
 @dataclass
 class Elasticity:
-    ctl: "Controller"
+    run: "RunContext"
     lost_nodes: set[str] = field(default_factory=set)
     requested: list[dict[str, float]] = field(default_factory=list)  # the bundles this run asked for last
     joining: Optional[Joining] = None
@@ -79,7 +79,7 @@ class Elasticity:
     lane: Lane = field(default_factory=lambda: Lane("the cluster"))  # every look and request, one thread
 
     def __post_init__(self) -> None:
-        s = self.ctl.cfg.scaling
+        s = self.run.cfg.scaling
         self.policy = make_scaling_policy(s)
         self.lr = LrSchedule(1.0, s.replicas, s.lr_scaling, s.lr_warmup_steps)  # a factor over optimizer.lr
 
@@ -120,7 +120,7 @@ class Elasticity:
         """For each failure whose replica died with its node: whether a replacement fits in what
         the other nodes have free (each one placed takes its room), and what was seen. Failures on
         nodes that are still there are not listed: their own resources are there for a replacement."""
-        group = self.ctl.group
+        group = self.run.fleet.group
         on_lost = {f.rank: group.nodes.get(f.rank) for f in failures if f.cause == "died"}
         on_lost = {r: n for r, n in on_lost.items() if self.node_lost(n)}
         if not on_lost:
@@ -144,7 +144,7 @@ class Elasticity:
 
         self.lane.call(lambda: request_resources(bundles=bundles), LOOK_TIMEOUT_S, "the autoscaler request")
         self.requested = list(bundles)
-        self.ctl.report.event("autoscaler_request", bundles=len(bundles), bundle=bundles[0] if bundles else None,
+        self.run.report.event("autoscaler_request", bundles=len(bundles), bundle=bundles[0] if bundles else None,
                               withdrawn=not bundles, why=why, read_back=len(read_request()))
 
     def withdraw(self) -> None:
@@ -170,15 +170,15 @@ class Elasticity:
         except Exception as exc:
             if not self._look_failed:
                 self._look_failed = True
-                self.ctl.report.event("scaling_poll_failed", error=f"{type(exc).__name__}: {exc}")
+                self.run.report.event("scaling_poll_failed", error=f"{type(exc).__name__}: {exc}")
 
     def poll(self) -> None:
         """Every scaling.poll_s: ask the policy; act on a grow (shrinks come as failures)."""
         now = time.perf_counter()
         if now < self._next_poll or self.joining is not None:
             return
-        self._next_poll = now + self.ctl.cfg.scaling.poll_s
-        current = len(self.ctl.group.members)
+        self._next_poll = now + self.run.cfg.scaling.poll_s
+        current = len(self.run.fleet.group.members)
         view = self.view()
         decision = self.policy.decide(current, view)
         if self.policy.grow_streak == 1 or (decision.kind == "grow" and self._room_since is None):
@@ -192,7 +192,7 @@ class Elasticity:
     def start_grow(self, decision: ScaleDecision, current: int) -> None:
         """Start the new replicas now (they boot while the epoch runs); they join at the next
         epoch boundary or, mid-epoch, once paused (`Grow`)."""
-        group = self.ctl.group
+        group = self.run.fleet.group
         ranks, r = [], 0
         while len(ranks) < decision.target - current:
             if r not in group.members:
@@ -202,18 +202,18 @@ class Elasticity:
         self.joining = Joining(ranks, ready, decision, current, time.time(), time.perf_counter(),
                                self._room_since or time.time())
         self._room_since = None
-        self.ctl.report.say(f"growing {current} -> {decision.target}: {decision.reason}")
+        self.run.report.say(f"growing {current} -> {decision.target}: {decision.reason}")
 
     def pause_for_ready(self, seg: EpochSegment) -> None:
         """Mid-epoch, once a started replica is ready: the partition server pauses the replicas at
         their next partition boundary (allreduce: all after the same step), where it joins
         (Running -> Reconfiguring(GrowPlan): `Grow`). Not while a phase switch or a failure is being handled."""
         j = self.joining
-        if j is None or self.ctl.pause.closed or not seg.begun or self.ctl.pending_switch is not None or seg.failures:
+        if j is None or self.run.fleet.pause.closed or not seg.begun or self.run.phase.pending_switch is not None or seg.failures:
             return
         done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
         if done:
-            self.ctl.pause.close("grow")
+            self.run.fleet.pause.close("grow")
 
     def ready_to_join(self) -> bool:
         """Whether replicas started for a grow are ready to join (none ready within
@@ -230,10 +230,10 @@ class Elasticity:
 
     def abandon(self, j: Joining, reason: str, **fields: Any) -> None:
         """Give a grow up: its started replicas are stopped (the policy polls again)."""
-        self.ctl.group.abandon_joining(j.ranks)
+        self.run.fleet.group.abandon_joining(j.ranks)
         if self.joining is j:
             self.joining = None
-        self.ctl.report.event("resize_abandoned", ranks=j.ranks, reason=reason, **fields)
+        self.run.report.event("resize_abandoned", ranks=j.ranks, reason=reason, **fields)
 
     def promote_joining(self) -> list[int]:
         """Every member is gone (a repair with nobody left) while replicas started for a grow are
@@ -245,21 +245,21 @@ class Elasticity:
             return []
         self.joining = None
         self.stop_pausing()
-        group = self.ctl.group
+        group = self.run.fleet.group
         joined, failed = group.admit(dict(j.ready))
         if failed:
-            self.ctl.report.event("resize_abandoned", ranks=sorted(failed), reason="died while starting",
+            self.run.report.event("resize_abandoned", ranks=sorted(failed), reason="died while starting",
                                   outcomes={str(r): why for r, why in failed.items()})
         if not joined:
             return []
-        self.ctl.report.say(f"replicas {joined}, started for a grow, go on in place of the lost ones")
+        self.run.report.say(f"replicas {joined}, started for a grow, go on in place of the lost ones")
         return sorted(joined)
 
     def stop_pausing(self) -> None:
         """An epoch boundary: a grow's pause nobody reached (every replica held its last
         partitions) is lifted; the ready replicas join before the next epoch opens."""
-        if self.ctl.pause.reason == "grow":
-            self.ctl.pause.open()
+        if self.run.fleet.pause.reason == "grow":
+            self.run.fleet.pause.open()
 
     # ---- the learning rate ---------------------------------------------------------------------
     def follow(self, step: int, replicas: int, ranks: Optional[list[int]] = None) -> dict[str, Any]:
@@ -270,17 +270,17 @@ class Elasticity:
         self.lr.resize(step, replicas)
         self.send_lr(ranks)
         seg = self.lr.segments[-1]
-        base = self.ctl.shard_optimizer(self.ctl.strategy)[1]
+        base = self.run.shard_optimizer(self.run.phase.strategy)[1]
         return {"lr_rule": self.lr.rule, "lr_before": round(base * before, 6), "lr_target": round(base * seg.target_lr, 6),
-                "lr_warmup_steps": seg.ramp_steps, "lr_applies": self.ctl.spec.global_batch}
+                "lr_warmup_steps": seg.ramp_steps, "lr_applies": self.run.phase.spec.global_batch}
 
     def restore_lr(self, segments: list[list]) -> None:
         """A resumed run: the schedule as the checkpoint kept it, moved to the replica count the
         run starts again with, and sent to the replicas."""
         self.lr.restore(segments)
-        members = len(self.ctl.group.ranks)
+        members = len(self.run.fleet.group.ranks)
         if self.lr.replicas != members:
-            step = max(self.ctl.progress.values(), default=0)
+            step = max(self.run.ledger.progress.values(), default=0)
             self.lr.resize(max(step, self.lr.segments[-1].from_step), members)
         self.send_lr()
 
@@ -290,7 +290,7 @@ class Elasticity:
             return  # never resized: every replica steps at optimizer.lr
         seg = self.lr.segments[-1]
         ramp = {"from_step": seg.from_step, "start": seg.start_lr, "target": seg.target_lr, "steps": seg.ramp_steps}
-        group = self.ctl.group
+        group = self.run.fleet.group
         group.call(ranks or group.ranks, "set_lr_scale", ramp, what="learning rate")
 
 
@@ -330,38 +330,38 @@ class Grow(Change):
         super().__init__(self.j.t_decide_wall if self.j is not None else time.time())
         self.paused: list[int] = []
 
-    def membership(self, ctl: "Controller", seg: EpochSegment) -> None:
+    def membership(self, run: "RunContext", seg: EpochSegment) -> None:
         """Who may join: the started replicas that are ready (the rest later). They become
         members in the state step, once they hold the state (a grow's membership is committed
         last)."""
         self.paused = seg.paused_ranks()
-        j, group = self.j, ctl.group
+        j, group = self.j, run.fleet.group
         self.ready: list[int] = []
         if j is None:
             return
         done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
         self.ready = [r for r, ref in j.ready.items() if ref in done]
         self.old = list(group.ranks)
-        self.step = max((ctl.progress.get(r, 0) for r in self.old), default=0)
+        self.step = max((run.ledger.progress.get(r, 0) for r in self.old), default=0)
 
-    def hand_off(self, ctl: "Controller", seg: EpochSegment) -> None:
+    def hand_off(self, run: "RunContext", seg: EpochSegment) -> None:
         """The ready ones take the state (allreduce: a member's, every member being the same at an
         epoch boundary and after a lock-step pause; else the shards' reference) and only then
         join. A newcomer that died starting or failed to load is stopped and said (the others
         join); the donor lost meanwhile is a failure (MemberLost) and the newcomers stay
         started for the next try."""
-        j, group = self.j, ctl.group
+        j, group = self.j, run.fleet.group
         if j is None or not self.ready:
             return
         refs = {r: j.ready[r] for r in self.ready}
-        if ctl.spec.sharded:
+        if run.phase.spec.sharded:
             joined, failed = group.admit(refs, "sync_from_shards", self.step, what="state from the shards")
         else:
             donor = group.members[self.old[0]]
             joined, failed = group.admit(refs, "load_state", donor.export_state.remote(),
                                          what=f"state from replica {self.old[0]}")
         if failed:  # newcomers that died while starting or loading are stopped and said; the others join
-            ctl.report.event("resize_abandoned", ranks=sorted(failed), reason="died or failed while joining",
+            run.report.event("resize_abandoned", ranks=sorted(failed), reason="died or failed while joining",
                              outcomes={str(r): why for r, why in failed.items()})
         for r in self.ready:
             j.ready.pop(r, None)
@@ -370,30 +370,30 @@ class Grow(Change):
         self.newcomers = joined  # [] if their ranks were taken by replacements meanwhile
         self.resized = bool(joined)
         for r in joined:
-            ctl.progress[r] = self.step
-            if ctl.spec.sharded:
-                ctl.shard_group.welcome_replica(r, self.step)
+            run.ledger.progress[r] = self.step
+            if run.phase.spec.sharded:
+                run.fleet.shard_group.welcome_replica(r, self.step)
 
-    def regroup(self, ctl: "Controller") -> bool:
+    def regroup(self, run: "RunContext") -> bool:
         return bool(self.newcomers)
 
-    def learning_rate(self, ctl: "Controller") -> dict[str, Any]:
-        return self.elastic.follow(self.step, len(ctl.group.ranks)) if self.newcomers else {}
+    def learning_rate(self, run: "RunContext") -> dict[str, Any]:
+        return self.elastic.follow(self.step, len(run.fleet.group.ranks)) if self.newcomers else {}
 
-    def reopen(self, ctl: "Controller", seg: EpochSegment) -> list[int]:
-        return ctl.group.ranks if ctl.lock_step else self.paused + self.newcomers
+    def reopen(self, run: "RunContext", seg: EpochSegment) -> list[int]:
+        return run.fleet.group.ranks if run.phase.lock_step else self.paused + self.newcomers
 
-    def waiting(self, ctl: "Controller", seg: EpochSegment, reopened: list[int]) -> list[int]:
-        return reopened if seg.begun else ctl.group.ranks  # between epochs: they step when the next one opens
+    def waiting(self, run: "RunContext", seg: EpochSegment, reopened: list[int]) -> list[int]:
+        return reopened if seg.begun else run.fleet.group.ranks  # between epochs: they step when the next one opens
 
-    def event(self, ctl: "Controller", seg: EpochSegment, lr: dict[str, Any],
+    def event(self, run: "RunContext", seg: EpochSegment, lr: dict[str, Any],
               reopened: list[int]) -> Optional[dict[str, Any]]:
         if not self.newcomers:
             return None
-        members, ready, j = ctl.group.ranks, self.newcomers, self.j
-        ctl.report.metrics([("replicas_alive", len(members), ctl.totals.steps)])
-        ctl.report.say(f"grew to {len(members)} replicas (ranks {ready} joined at step {self.step})")
+        members, ready, j = run.fleet.group.ranks, self.newcomers, self.j
+        run.report.metrics([("replicas_alive", len(members), run.ledger.totals.steps)])
+        run.report.say(f"grew to {len(members)} replicas (ranks {ready} joined at step {self.step})")
         return {"kind": "resize", "direction": "grow", "epoch": seg.epoch, "reason": j.decision.reason,
-                "old_size": len(self.old), "new_size": len(members), "ranks": ready, "generation": ctl.group.generation,
+                "old_size": len(self.old), "new_size": len(members), "ranks": ready, "generation": run.fleet.group.generation,
                 "at_step": self.step, "mid_epoch": self.plan.mid_epoch,
                 "since_room_seen_s": round(time.time() - j.room_seen_wall, 3), **lr}

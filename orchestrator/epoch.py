@@ -15,74 +15,74 @@ from policies.checkpointing import due as checkpoint_due
 from policies.stop import EpochSnapshot
 
 if TYPE_CHECKING:
-    from orchestrator.controller import Controller
+    from orchestrator.context import RunContext
 
 MAX_PASSES = 8  # further passes over an epoch's unserved partitions before the run gives up
 
 
-def watch_servers(ctl: "Controller", epoch: int) -> bool:
+def watch_servers(run: "RunContext", epoch: int) -> bool:
     """The shards and the partition server: a dead (or stopped) one is rebuilt, whatever else
     the driver is doing (never waits on a shard; a server's rebuild is waited for). True when
     one was rebuilt or a shard is being rebuilt: a replica may have waited on it."""
     repaired = False
-    if ctl.server is not None:
-        for event in ctl.server.poll():
+    if run.fleet.server is not None:
+        for event in run.fleet.server.poll():
             repaired = True
-            ctl.report.event(event.pop("kind"), **event)
-            ctl.report.say(f"partition server died ({event['detected_by']}); rebuilt from its journal in "
+            run.report.event(event.pop("kind"), **event)
+            run.report.say(f"partition server died ({event['detected_by']}); rebuilt from its journal in "
                            f"{event['recovery_s']:.2f}s, epoch {event['epoch']} with {event['partitions_done']} "
                            f"partitions served kept")
-    if ctl.shard_group is not None:
-        report_shard_events(ctl, ctl.shard_group.poll(), epoch)
-        repaired = repaired or ctl.shard_group.repairing
+    if run.fleet.shard_group is not None:
+        report_shard_events(run, run.fleet.shard_group.poll(), epoch)
+        repaired = repaired or run.fleet.shard_group.repairing
     return repaired
 
 
-def report_shard_events(ctl: "Controller", events: list[dict], epoch: int) -> None:
+def report_shard_events(run: "RunContext", events: list[dict], epoch: int) -> None:
     for event in events:
         kind = event.pop("kind", "shard_rebuilt")
-        ctl.report.event(kind, epoch=epoch, **event)
-        ctl.report.say(f"shard {event.get('shard')} died and was rebuilt from its snapshot "
+        run.report.event(kind, epoch=epoch, **event)
+        run.report.say(f"shard {event.get('shard')} died and was rebuilt from its snapshot "
                        f"({event.get('lost_updates')} acknowledged updates lost)")
 
 
-def close_pass(ctl: "Controller", seg: EpochSegment):
+def close_pass(run: "RunContext", seg: EpochSegment):
     """Every stream ended with no failure pending. An undisturbed epoch ends here (its last
     completions are reported with the next start_epoch); else ask the server's ledger whether
     every partition was served, and start a further pass over what is left if not."""
     if seg.started is not None:
-        ctl.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
+        run.fleet.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
         seg.started = None
     completed = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch"}
     if not seg.disturbed:
-        ctl.unreported = completed
-        return end_epoch(ctl, seg)
-    status = ctl.server.call("finish", completed)
+        run.ledger.unreported = completed
+        return end_epoch(run, seg)
+    status = run.fleet.server.call("finish", completed)
     seg.ended = {}
     if status["complete"]:
-        ctl.redone += status["redone"]
-        return end_epoch(ctl, seg)
+        run.ledger.redone += status["redone"]
+        return end_epoch(run, seg)
     seg.passes += 1
     if seg.passes > MAX_PASSES:
         raise TrainingError(f"epoch {seg.epoch}: {status['remaining']} partitions were never served")
-    for rank in ctl.group.ranks:  # a further pass: every member asks the server for what is left
-        ctl.open_stream(seg, rank, announce=rank in seg.awaiting_steps())
+    for rank in run.fleet.group.ranks:  # a further pass: every member asks the server for what is left
+        run.open_stream(seg, rank, announce=rank in seg.awaiting_steps())
     return None
 
 
-def end_epoch(ctl: "Controller", seg: EpochSegment):
+def end_epoch(run: "RunContext", seg: EpochSegment):
     """The epoch's bookkeeping: evaluation, totals, metrics, events, checkpoint, the stop
     decision. Running(next epoch) or Finishing."""
-    cfg, tot = ctl.cfg, ctl.totals
+    cfg, tot = run.cfg, run.ledger.totals
     epoch = seg.epoch
     stats = seg.merged()
     finals = [s for s in stats if s["eval"] is not None or s["mode"] is not None]
-    if ctl.spec.sharded:  # evaluate the reference (server copy / center) once all are done
-        evals = ctl.group.call(ctl.group.ranks, "evaluate_reference", what="evaluation",
+    if run.phase.spec.sharded:  # evaluate the reference (server copy / center) once all are done
+        evals = run.fleet.group.call(run.fleet.group.ranks, "evaluate_reference", what="evaluation",
                                 timeout_s=cfg.strategy.timeout_s)
     else:
         evals = [s["eval"] for s in finals]
-    metrics = ctl.finish_evaluation(evals)
+    metrics = run.finish_evaluation(evals)
 
     tot.epochs = epoch
     tot.steps += max(s["steps"] for s in stats)
@@ -93,10 +93,10 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
     tot.train_loss = finals[0]["loss"] if finals else stats[0]["loss"]
     tot.metrics = metrics
     judged = {**metrics, "train_loss": tot.train_loss}
-    if ctl.trace_ids:
-        ctl.consumed.append(seg.consumed())
-    elapsed = time.perf_counter() - ctl.t0
-    note_target(ctl, epoch, judged, elapsed)
+    if run.trace_ids:
+        run.ledger.consumed.append(seg.consumed())
+    elapsed = time.perf_counter() - run.ledger.t0
+    note_target(run, epoch, judged, elapsed)
 
     rows_out = [(key, p[name], p["step"]) for p in seg.progress
                 for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"), ("lr", "lr"),
@@ -110,98 +110,98 @@ def end_epoch(ctl: "Controller", seg: EpochSegment):
     rows_out += [(k, v, tot.steps) for k, v in metrics.items()]
     rows_out += [("epoch", epoch, tot.steps),
                  ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
-    mine = [s for s in finals if s["mode"] is not None and s.get("mode_name") == ctl.spec.name]
-    extra = ctl.spec.metrics(mine) if mine else {}  # a rank that ended the epoch before a switch: not its figures
-    if ctl.shard_group is not None:
-        extra.update(ctl.spec.shard_metrics(ctl.shard_group))
+    mine = [s for s in finals if s["mode"] is not None and s.get("mode_name") == run.phase.spec.name]
+    extra = run.phase.spec.metrics(mine) if mine else {}  # a rank that ended the epoch before a switch: not its figures
+    if run.fleet.shard_group is not None:
+        extra.update(run.phase.spec.shard_metrics(run.fleet.shard_group))
     rows_out += [(k, v, tot.steps) for k, v in extra.items()]
-    for event in ctl.spec.epoch_events(mine) if mine else []:
-        ctl.report.event(event.pop("kind"), epoch=epoch, **event)
+    for event in run.phase.spec.epoch_events(mine) if mine else []:
+        run.report.event(event.pop("kind"), epoch=epoch, **event)
     rows_out += [("epoch_rows", tot.rows_per_epoch[-1], tot.steps),
-                 ("replicas_alive", len(ctl.group.members), tot.steps),
+                 ("replicas_alive", len(run.fleet.group.members), tot.steps),
                  ("replica_restarts", tot.replica_restarts, tot.steps)]
-    ctl.report.metrics(rows_out)
+    run.report.metrics(rows_out)
     tot.epoch_wall_s += time.perf_counter() - seg.t_start
-    ctl.report.event("epoch_end", epoch=epoch, step=tot.steps, **{k: round(v, 6) for k, v in metrics.items()},
+    run.report.event("epoch_end", epoch=epoch, step=tot.steps, **{k: round(v, 6) for k, v in metrics.items()},
                       train_loss=round(tot.train_loss, 4),
                       train_s_by_rank=[round(s["train_s"], 3) for s in stats],
                       steps_by_rank=[s["steps"] for s in stats], rows=tot.rows_per_epoch[-1],
-                      replicas=len(ctl.group.members), **{k: round(v, 4) for k, v in extra.items()}, **figures)
-    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != ctl.metric))
-    ctl.report.say(f"epoch {epoch}: {shown}  train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
+                      replicas=len(run.fleet.group.members), **{k: round(v, 4) for k, v in extra.items()}, **figures)
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != run.metric))
+    run.report.say(f"epoch {epoch}: {shown}  train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
     if not seg.had_failure:
-        ctl.failure_policy.epoch_without_failure()
+        run.policies.failure.epoch_without_failure()
 
-    switching.check_guard(ctl, epoch, metrics)  # a switch that hurt: rolled back before anything keeps this model
-    rolling_back = ctl.pending_switch is not None and ctl.pending_switch.rollback is not None
+    switching.check_guard(run, epoch, metrics)  # a switch that hurt: rolled back before anything keeps this model
+    rolling_back = run.phase.pending_switch is not None and run.phase.pending_switch.rollback is not None
     lost: list[MemberLost] = []
     if not rolling_back:
-        loss = metrics.get(ctl.loss_metric)
-        why = ctl.chance.observe(loss) if ctl.chance is not None and loss is not None else None
+        loss = metrics.get(run.loss_metric)
+        why = run.policies.chance.observe(loss) if run.policies.chance is not None and loss is not None else None
         if why is not None:
             raise TrainingError(f"epoch {epoch}: training diverged: {why}; the last checkpoint is kept")
         ck = cfg.checkpoint
-        best = ctl.best.observe(epoch, judged) and ck.keep_best  # the best epoch so far: kept as best.pt
-        if best or checkpoint_due(epoch, time.perf_counter(), max(ctl.checkpoints.last_s, ctl.train_started),
+        best = run.policies.best.observe(epoch, judged) and ck.keep_best  # the best epoch so far: kept as best.pt
+        if best or checkpoint_due(epoch, time.perf_counter(), max(run.checkpoints.last_s, run.ledger.train_started),
                                   ck.every_epochs, ck.every_s):
             try:
-                written = ctl.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s, named="best.pt" if best else None)
+                written = run.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s, named="best.pt" if best else None)
                 tot.checkpoint, lost = written.path, written.lost
                 if best:
-                    ctl.best_model = ctl.last_state["model"]
-                    ctl.report.event("best_checkpoint", epoch=epoch, metric=ctl.metric, value=judged[ctl.metric])
+                    run.ledger.best_model = run.last_state["model"]
+                    run.report.event("best_checkpoint", epoch=epoch, metric=run.metric, value=judged[run.metric])
             except TrainingError as exc:  # every member stopped or died meanwhile, or the store failed
                 lost = [exc] if isinstance(exc, MemberLost) else []
-                ctl.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
-                ctl.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
-    decision = ctl.stop_policy.decide(EpochSnapshot(epoch, judged, time.perf_counter() - ctl.train_started))
+                run.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
+                run.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
+    decision = run.policies.stop.decide(EpochSnapshot(epoch, judged, time.perf_counter() - run.ledger.train_started))
     if not decision.stop and not rolling_back:
-        decision = ctl.best.stop() or decision  # stop.early_stopping
+        decision = run.policies.best.stop() or decision  # stop.early_stopping
     if decision.stop:
         tot.stop_reason = decision.reason
-        ctl.report.event("stop", reason=decision.reason)
+        run.report.event("stop", reason=decision.reason)
         if not rolling_back:
             return Finishing()
-        ctl.stopping = True  # the model from before the switch first (Running carries the rollback out), then the end
+        run.ledger.stopping = True  # the model from before the switch first (Running carries the rollback out), then the end
     else:
-        switching.consider(ctl, None, epoch_end=True, metrics=judged)
+        switching.consider(run, None, epoch_end=True, metrics=judged)
     # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
     # it carries on timing a recovery whose newcomer had nothing left to do in this one. Members
     # lost while the checkpoint was taken are its failures: repaired before it opens
     nxt = EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False)
     for exc in lost:
-        lost_meanwhile(ctl, nxt, exc)
+        lost_meanwhile(run, nxt, exc)
     return Running(nxt)
 
 
-def note_target(ctl: "Controller", epoch: int, judged: dict[str, float], elapsed: float, **where) -> None:
+def note_target(run: "RunContext", epoch: int, judged: dict[str, float], elapsed: float, **where) -> None:
     """The first evaluation that reaches stop.target: time_to_target_s and a `target_reached`
     event (`where`: the step of an eval.every_steps evaluation)."""
-    target, tot = ctl.target, ctl.totals
+    target, tot = run.target, run.ledger.totals
     if target is not None and tot.time_to_target_s is None and target.reached(judged):
         tot.time_to_target_s = elapsed
-        ctl.report.event("target_reached", epoch=epoch, metric=target.metric, value=judged[target.metric],
+        run.report.event("target_reached", epoch=epoch, metric=target.metric, value=judged[target.metric],
                           target=target.value, goal=target.goal, **where, **{target.metric: judged[target.metric]})
 
 
-def interval_evaluation(ctl: "Controller", seg: EpochSegment, rank: int, item: dict) -> None:
+def interval_evaluation(run: "RunContext", seg: EpochSegment, rank: int, item: dict) -> None:
     """eval.every_steps: a member's evaluation sums at a step; once every member has sent its
     own for that step, the metrics: MLflow at that step, an `evaluation` event, a target
     reached. A step some member never reports (it left the group, or joined past it) is
     dropped at the epoch's end: a partial sum would be another split's figure."""
     pending = seg.evaluations.setdefault(item["step"], {})
     pending[rank] = item["sums"]
-    members = sorted(ctl.group.members)
+    members = sorted(run.fleet.group.members)
     if not set(members) <= set(pending):
         return
     del seg.evaluations[item["step"]]
     step = item["step"]
-    metrics = ctl.finish_evaluation([pending[r] for r in members])
-    ctl.report.metrics([(k, v, step) for k, v in metrics.items()])
-    ctl.report.event("evaluation", epoch=seg.epoch, step=step, **{k: round(v, 6) for k, v in metrics.items()})
-    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != ctl.metric))
-    ctl.report.say(f"step {step} (epoch {seg.epoch}): {shown}")
-    note_target(ctl, seg.epoch, metrics, time.perf_counter() - ctl.t0, step=step)
+    metrics = run.finish_evaluation([pending[r] for r in members])
+    run.report.metrics([(k, v, step) for k, v in metrics.items()])
+    run.report.event("evaluation", epoch=seg.epoch, step=step, **{k: round(v, 6) for k, v in metrics.items()})
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != run.metric))
+    run.report.say(f"step {step} (epoch {seg.epoch}): {shown}")
+    note_target(run, seg.epoch, metrics, time.perf_counter() - run.ledger.t0, step=step)
 
 
 LR_POINTS = 200  # at most this many (step, lr) points per epoch_end event

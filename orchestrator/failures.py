@@ -12,10 +12,10 @@ from orchestrator.states import EpochSegment, Running, State
 from policies.failure import DETECTED_BY, ReplicaFailure
 
 if TYPE_CHECKING:
-    from orchestrator.controller import Controller
+    from orchestrator.context import RunContext
 
 
-def fail(ctl: "Controller", seg: EpochSegment, failure: ReplicaFailure) -> None:
+def fail(run: "RunContext", seg: EpochSegment, failure: ReplicaFailure) -> None:
     """A failure seen: stop reading the replica, record it, and make sure nobody waits for it."""
     seg.streams.pop(failure.rank, None)
     seg.heard.pop(failure.rank, None)
@@ -26,20 +26,20 @@ def fail(ctl: "Controller", seg: EpochSegment, failure: ReplicaFailure) -> None:
     seg.had_failure = True
     for rec in seg.recoveries:
         rec.waiting.discard(failure.rank)
-    ctl.report.event("replica_failed", rank=failure.rank, epoch=seg.epoch, cause=failure.cause,
+    run.report.event("replica_failed", rank=failure.rank, epoch=seg.epoch, cause=failure.cause,
                      detected_by=DETECTED_BY[failure.cause], detail=failure.detail, t_wall=round(now, 3),
                      **({"traceback": failure.traceback} if failure.traceback else {}))
-    ctl.report.say(f"replica {failure.rank} {failure.cause} in epoch {seg.epoch}: {failure.detail}")
+    run.report.say(f"replica {failure.rank} {failure.cause} in epoch {seg.epoch}: {failure.detail}")
     if failure.cause != "died":  # a hung or raising replica's process is stopped now (its sockets close)
-        ctl.group.remove(failure.rank)
-    sg = ctl.shard_group
+        run.fleet.group.remove(failure.rank)
+    sg = run.fleet.shard_group
     if sg is not None:
         sg.forget_replica(failure.rank)  # the survivors' slowest-replica clock (SSP) must not wait for it
-        if ctl.lock_step:
+        if run.phase.lock_step:
             sg.abort_rounds()  # synchronous EASGD: the survivors' pending round ends now
 
 
-def lost_meanwhile(ctl: "Controller", seg: EpochSegment, lost: MemberLost) -> "State":
+def lost_meanwhile(run: "RunContext", seg: EpochSegment, lost: MemberLost) -> "State":
     """Replicas that died while the driver waited on them outside a repair (a switch, the
     epoch's evaluation, a checkpoint): failures of the segment, judged like any other."""
 
@@ -48,7 +48,7 @@ def lost_meanwhile(ctl: "Controller", seg: EpochSegment, lost: MemberLost) -> "S
         if rank in seg.streams or any(f.rank == rank for f in seg.failures):
             continue  # its stream will say so, or it is already known
         cause = lost.causes[rank]
-        fail(ctl, seg, ReplicaFailure(rank, cause, f"{cause} while the driver waited on it ({lost.what})",
-                                      replacement=rank in ctl.group.replacements))
+        fail(run, seg, ReplicaFailure(rank, cause, f"{cause} while the driver waited on it ({lost.what})",
+                                      replacement=rank in run.fleet.group.replacements))
     seg.t_first_failure = seg.t_first_failure or now
     return Running(seg)

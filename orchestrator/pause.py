@@ -3,7 +3,7 @@ their next partition boundary (allreduce: all after the same step), and the gate
 
     open  --close("switch")--> a mid-epoch phase switch is waited for     (orchestrator/switching.py)
           --close("grow")-->   ready newcomers join the running epoch     (orchestrator/elastic.py)
-          --close("halt")-->   an interrupted run stops for its checkpoint (Controller.halt)
+          --close("halt")-->   an interrupted run stops for its checkpoint (RunContext.halt)
 
 Only one reason holds the gate at a time: a switch is not decided while a grow holds it, and a
 grow does not close it while a switch is pending. `open()` lets the replicas go on; given

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from orchestrator.states import EpochSegment, Recovery
 
 if TYPE_CHECKING:
-    from orchestrator.controller import Controller
+    from orchestrator.context import RunContext
 
 STEPS = ("membership", "passes", "ledger", "state", "regroup", "data", "lr", "verify", "gate", "reopen")
 
@@ -52,22 +52,22 @@ class Change:
         self.failed: set[int] = set()  # ranks whose ended passes are not reported
         self.resized = False  # the member count changed
 
-    def membership(self, ctl: "Controller", seg: EpochSegment) -> None: ...
-    def ledger(self, ctl: "Controller", seg: EpochSegment) -> None: ...
-    def hand_off(self, ctl: "Controller", seg: EpochSegment) -> None: ...
-    def regroup(self, ctl: "Controller") -> bool: return False
-    def learning_rate(self, ctl: "Controller") -> dict[str, Any]: return {}
-    def verify(self, ctl: "Controller", seg: EpochSegment) -> None: ...
+    def membership(self, run: "RunContext", seg: EpochSegment) -> None: ...
+    def ledger(self, run: "RunContext", seg: EpochSegment) -> None: ...
+    def hand_off(self, run: "RunContext", seg: EpochSegment) -> None: ...
+    def regroup(self, run: "RunContext") -> bool: return False
+    def learning_rate(self, run: "RunContext") -> dict[str, Any]: return {}
+    def verify(self, run: "RunContext", seg: EpochSegment) -> None: ...
     def share(self, seg: EpochSegment) -> Optional[bool]: return None  # how the rest of the epoch is leased
-    def reopen(self, ctl: "Controller", seg: EpochSegment) -> list[int]: return []
-    def waiting(self, ctl: "Controller", seg: EpochSegment, reopened: list[int]) -> list[int]: return reopened
+    def reopen(self, run: "RunContext", seg: EpochSegment) -> list[int]: return []
+    def waiting(self, run: "RunContext", seg: EpochSegment, reopened: list[int]) -> list[int]: return reopened
 
-    def event(self, ctl: "Controller", seg: EpochSegment, lr: dict[str, Any],
+    def event(self, run: "RunContext", seg: EpochSegment, lr: dict[str, Any],
               reopened: list[int]) -> Optional[dict[str, Any]]:
         return None
 
 
-def carry_out(ctl: "Controller", change: Change, seg: EpochSegment) -> EpochSegment:
+def carry_out(run: "RunContext", change: Change, seg: EpochSegment) -> EpochSegment:
     """Carry `change` out, step by step (module doc); the same epoch goes on."""
     t0 = time.perf_counter()
     parts: dict[str, float] = {}
@@ -79,57 +79,57 @@ def carry_out(ctl: "Controller", change: Change, seg: EpochSegment) -> EpochSegm
         finally:
             parts[name] = parts.get(name, 0.0) + time.perf_counter() - t
 
-    timed("membership", change.membership, ctl, seg)
+    timed("membership", change.membership, run, seg)
     if seg.begun or change.passes_between_epochs:
-        timed("passes", report_finished_passes, ctl, seg, change.failed)
-    timed("ledger", change.ledger, ctl, seg)
-    timed("state", change.hand_off, ctl, seg)
-    if change.regroup(ctl):
-        timed("regroup", ctl.group.form)
-    timed("data", give_data, ctl, change)
-    lr = timed("lr", change.learning_rate, ctl)
-    timed("verify", change.verify, ctl, seg)
+        timed("passes", report_finished_passes, run, seg, change.failed)
+    timed("ledger", change.ledger, run, seg)
+    timed("state", change.hand_off, run, seg)
+    if change.regroup(run):
+        timed("regroup", run.fleet.group.form)
+    timed("data", give_data, run, change)
+    lr = timed("lr", change.learning_rate, run)
+    timed("verify", change.verify, run, seg)
     share = change.share(seg)
-    if share is not None or (change.pause_reason is not None and ctl.pause.reason == change.pause_reason):
-        timed("gate", ctl.pause.open, share)
-    reopened = change.reopen(ctl, seg) if seg.begun else []
+    if share is not None or (change.pause_reason is not None and run.fleet.pause.reason == change.pause_reason):
+        timed("gate", run.fleet.pause.open, share)
+    reopened = change.reopen(run, seg) if seg.begun else []
     t = time.perf_counter()
     for rank in reopened:
-        ctl.open_stream(seg, rank, resume=rank not in change.newcomers, announce=True)
+        run.open_stream(seg, rank, resume=rank not in change.newcomers, announce=True)
     if seg.begun:
         seg.disturbed = True  # the end of the epoch asks the server's ledger whether it was served whole
     parts["reopen"] = time.perf_counter() - t
-    event = change.event(ctl, seg, lr, reopened)
+    event = change.event(run, seg, lr, reopened)
     if event is None:
         return seg
     event.update(reconfigure_s=round(time.perf_counter() - t0, 3),
                  reconfigure_parts_s={k: round(parts[k], 3) for k in STEPS if k in parts})
-    waiting = change.waiting(ctl, seg, reopened)
+    waiting = change.waiting(run, seg, reopened)
     if waiting:
         seg.recoveries.append(Recovery(event, change.t_wall, set(waiting), duration_key=change.duration_key))
     else:
-        ctl.report.event(event.pop("kind"), **event)
+        run.report.event(event.pop("kind"), **event)
     return seg
 
 
-def give_data(ctl: "Controller", change: Change) -> None:
+def give_data(run: "RunContext", change: Change) -> None:
     if change.newcomers:
-        ctl.give_data(change.newcomers)
+        run.give_data(change.newcomers)
     if change.resized:
-        ctl.reslice_tests()
+        run.reslice_tests()
 
 
-def report_finished_passes(ctl: "Controller", seg: EpochSegment, failed: set[int]) -> None:
+def report_finished_passes(run: "RunContext", seg: EpochSegment, failed: set[int]) -> None:
     """Survivors that had ended their pass before the failure: their last completions go to the
     ledger now (their next stream starts a new pass and would overwrite them)."""
     if seg.started is not None:
-        ctl.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
+        run.fleet.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
         seg.started = None
     done = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch" and r not in failed}
     # a failure seen after the pass closed (at the epoch's end): the completions it kept for the
     # next epoch's start go now, once (the same lists as the ended items': reported once)
-    done.update(ctl.unreported)
-    ctl.unreported = {}
+    done.update(run.ledger.unreported)
+    run.ledger.unreported = {}
     if done:
-        ctl.server.call("finish", done)
+        run.fleet.server.call("finish", done)
     seg.ended = {}

@@ -42,76 +42,76 @@ from policies.registry import mode_spec
 from policies.switching import Observation, Switch
 
 if TYPE_CHECKING:
-    from orchestrator.controller import Controller
+    from orchestrator.context import RunContext
 
 MODE_CODES = {"allreduce": 0, "downpour": 1, "easgd": 2, "local_sgd": 3}  # the MLflow `mode` metric
 
 
-def observe(ctl: "Controller", epoch_end: bool, metrics: Optional[dict[str, float]] = None) -> Observation:
-    rows = {r: row for r, row in ctl.signals.items() if r in ctl.group.members}
+def observe(run: "RunContext", epoch_end: bool, metrics: Optional[dict[str, float]] = None) -> Observation:
+    rows = {r: row for r, row in run.ledger.signals.items() if r in run.fleet.group.members}
     compute = {r: row["compute_s"] for r, row in rows.items() if row.get("compute_s")}
     shares = [row["comm_share"] for row in rows.values() if row.get("comm_share") is not None]
     batch = {r: row["batch_rows"] for r, row in rows.items() if row.get("batch_rows")}
-    return Observation(epoch_end, ctl.totals.epochs, max(ctl.progress.values(), default=0),
-                       time.perf_counter() - ctl.train_started, metrics or {}, compute,
-                       sum(shares) / len(shares) if shares else None, batch, len(ctl.group.members))
+    return Observation(epoch_end, run.ledger.totals.epochs, max(run.ledger.progress.values(), default=0),
+                       time.perf_counter() - run.ledger.train_started, metrics or {}, compute,
+                       sum(shares) / len(shares) if shares else None, batch, len(run.fleet.group.members))
 
 
-def consider(ctl: "Controller", seg: Optional[EpochSegment], epoch_end: bool = False,
+def consider(run: "RunContext", seg: Optional[EpochSegment], epoch_end: bool = False,
              metrics: Optional[dict[str, float]] = None) -> None:
     """Ask the policy; a switch it decides is recorded as pending (and, mid-epoch, the partition
     server starts pausing the replicas)."""
-    if ctl.pending_switch is not None or len(ctl.switch_policy.plan) < 2 or ctl.pause.closed or ctl.switching_off:
+    if run.phase.pending_switch is not None or len(run.policies.switch.plan) < 2 or run.fleet.pause.closed or run.phase.switching_off:
         return
-    sw = ctl.switch_policy.decide(observe(ctl, epoch_end, metrics))
+    sw = run.policies.switch.decide(observe(run, epoch_end, metrics))
     if sw is None:
         return
     mid = not epoch_end and seg is not None and seg.begun
-    ctl.pending_switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid, from_strategy=ctl.strategy)
-    to = f"{sw.mode} (phase {sw.phase})" if sw.mode == ctl.strategy["mode"] else sw.mode  # e.g. allreduce with backups
-    ctl.report.say(f"switch to {to} decided ({sw.rule}): {sw.reason}")
+    run.phase.pending_switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid, from_strategy=run.phase.strategy)
+    to = f"{sw.mode} (phase {sw.phase})" if sw.mode == run.phase.strategy["mode"] else sw.mode  # e.g. allreduce with backups
+    run.report.say(f"switch to {to} decided ({sw.rule}): {sw.reason}")
     if mid:
-        ctl.pause.close("switch")
+        run.fleet.pause.close("switch")
 
 
-def evaluate(ctl: "Controller", split: Optional[str] = None) -> dict[str, float]:
+def evaluate(run: "RunContext", split: Optional[str] = None) -> dict[str, float]:
     """The task's metrics (e.g. test accuracy and loss) of the current mode's reference model
     now (every replica its slice of the split it holds; named for `split`, default the run's)."""
-    method = "evaluate_reference" if ctl.spec.sharded else "evaluate"
-    evals = ctl.group.call(ctl.group.ranks, method, what=f"{split} evaluation" if split else "evaluation",
-                           timeout_s=ctl.cfg.strategy.timeout_s)
-    return ctl.finish_evaluation(evals, split)
+    method = "evaluate_reference" if run.phase.spec.sharded else "evaluate"
+    evals = run.fleet.group.call(run.fleet.group.ranks, method, what=f"{split} evaluation" if split else "evaluation",
+                           timeout_s=run.cfg.strategy.timeout_s)
+    return run.finish_evaluation(evals, split)
 
 
-def check_guard(ctl: "Controller", epoch: int, metrics: dict[str, float]) -> None:
+def check_guard(run: "RunContext", epoch: int, metrics: dict[str, float]) -> None:
     """At an epoch's end after a switch (the first full epoch after it, and the rest of a
     mid-epoch switch's own epoch): a test loss above the loss at the switch by more than
     strategy.rollback_margin (relative), or not finite, rolls the switch back: the phase and mode
     from before it and the model from before it (a `switch_rolled_back` event, then the
     rollback's own `mode_switch`), and no further switch this run."""
-    g, margin = ctl.guard, ctl.cfg.strategy.rollback_margin
+    g, margin = run.phase.guard, run.cfg.strategy.rollback_margin
     if g is None:
         return
     g.checks -= 1
-    name = ctl.loss_metric
+    name = run.loss_metric
     loss = metrics.get(name)
     if loss is not None and margin is not None and (not math.isfinite(loss) or loss > g.loss * (1 + margin)):
-        ctl.guard = None
-        ctl.switching_off = True
-        ctl.switch_policy.current = g.phase
+        run.phase.guard = None
+        run.phase.switching_off = True
+        run.policies.switch.current = g.phase
         numbers = {f"{name}_at_switch": round(g.loss, 4), f"{name}_now": round(loss, 4), "margin": margin}
-        reason = (f"{name} {loss:.4f} in {ctl.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
+        reason = (f"{name} {loss:.4f} in {run.phase.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
                   f"switch: back to {g.mode} with the model from before it; no further switch this run")
-        ctl.pending_switch = SwitchPlan(Switch(g.phase, g.mode, "rollback", reason, numbers), time.time(),
-                                        time.perf_counter(), False, from_strategy=ctl.strategy, rollback=g.state)
-        ctl.report.event("switch_rolled_back", epoch=epoch, mode=ctl.spec.name, back_to=g.mode, **numbers)
-        ctl.report.say(f"rolling the switch back: {reason}")
+        run.phase.pending_switch = SwitchPlan(Switch(g.phase, g.mode, "rollback", reason, numbers), time.time(),
+                                        time.perf_counter(), False, from_strategy=run.phase.strategy, rollback=g.state)
+        run.report.event("switch_rolled_back", epoch=epoch, mode=run.phase.spec.name, back_to=g.mode, **numbers)
+        run.report.say(f"rolling the switch back: {reason}")
     elif g.checks <= 0:
-        ctl.guard = None
+        run.phase.guard = None
 
 
-def carry_out(ctl: "Controller", plan: SwitchPlan, seg: EpochSegment) -> EpochSegment:
-    return reconfigure.carry_out(ctl, Switching(plan), seg)
+def carry_out(run: "RunContext", plan: SwitchPlan, seg: EpochSegment) -> EpochSegment:
+    return reconfigure.carry_out(run, Switching(plan), seg)
 
 
 class Switching(Change):
@@ -130,43 +130,43 @@ class Switching(Change):
         self.shards_did = "none"
         self.guard: Optional[Guard] = None
 
-    def membership(self, ctl: "Controller", seg: EpochSegment) -> None:
+    def membership(self, run: "RunContext", seg: EpochSegment) -> None:
         """Unchanged; who paused for it (they go on after it) is noted before the passes are reported.
         The old phase is the plan's, not the controller's: carried out again after a loss in its
         middle, the controller may be in the new phase already."""
-        old = self.plan.from_strategy or ctl.strategy
+        old = self.plan.from_strategy or run.phase.strategy
         self.old_spec, self.old_mode = mode_spec(old["mode"]), old["mode"]
-        self.new_strategy = ctl.switch_policy.plan[self.plan.switch.phase]
+        self.new_strategy = run.policies.switch.plan[self.plan.switch.phase]
         self.new_spec = mode_spec(self.new_strategy["mode"])
         self.paused = seg.paused_ranks()
 
-    def hand_off(self, ctl: "Controller", seg: EpochSegment) -> None:
+    def hand_off(self, run: "RunContext", seg: EpochSegment) -> None:
         """The metric before; the shards seeded from the replicas or carried over; every replica's
         rule changed in place."""
-        group, ranks, timeout_s = ctl.group, ctl.group.ranks, ctl.cfg.strategy.timeout_s
-        before = evaluate(ctl)
-        self.before = ctl.headline_value(before)
-        rollback, margin = self.plan.rollback, ctl.cfg.strategy.rollback_margin
-        if rollback is None and margin is not None and ctl.loss_metric in before:  # this switch goes on probation
-            self.guard = Guard(ctl.phases[-1]["phase"], self.old_mode, group.call([ranks[0]], "state", what="state")[0],
-                               before[ctl.loss_metric], checks=2 if seg.begun else 1)
+        group, ranks, timeout_s = run.fleet.group, run.fleet.group.ranks, run.cfg.strategy.timeout_s
+        before = evaluate(run)
+        self.before = run.headline_value(before)
+        rollback, margin = self.plan.rollback, run.cfg.strategy.rollback_margin
+        if rollback is None and margin is not None and run.loss_metric in before:  # this switch goes on probation
+            self.guard = Guard(run.phase.phases[-1]["phase"], self.old_mode, group.call([ranks[0]], "state", what="state")[0],
+                               before[run.loss_metric], checks=2 if seg.begun else 1)
         if self.new_spec.sharded and rollback is None:  # a rollback seeds the shards from the state it loads
             clocks = {r: step for r, step in zip(ranks, group.call(ranks, "current_step", what="steps"))}
             if self.old_spec.sharded:
-                ctl.shard_group.reseed(None, ctl.shard_optimizer(self.new_strategy), clocks, timeout_s=timeout_s)
+                run.fleet.shard_group.reseed(None, run.shard_optimizer(self.new_strategy), clocks, timeout_s=timeout_s)
                 self.shards_did = "contents carried over; server optimizer state reset"
             else:
                 values = group.call([ranks[0]], "flat_parameters", what="parameters")[0]
-                ctl.shard_group.reseed(values, ctl.shard_optimizer(self.new_strategy), clocks, timeout_s=timeout_s)
+                run.fleet.shard_group.reseed(values, run.shard_optimizer(self.new_strategy), clocks, timeout_s=timeout_s)
                 self.shards_did = "seeded from the replicas' parameters; server optimizer state reset"
-        self.translated = ctl.phase_optimizer(self.new_strategy)[1] if self.new_spec.sharded else None
+        self.translated = run.phase_optimizer(self.new_strategy)[1] if self.new_spec.sharded else None
         if self.translated:
-            ctl.report.say(f"entering {self.new_spec.name}: {self.translated}")
+            run.report.say(f"entering {self.new_spec.name}: {self.translated}")
         # the commit point: from here the replicas run the new rule, so the controller does too (a
         # replica lost in the call is replaced in the new phase; the switch is carried out again,
         # each step idempotent: set_mode on a replica in the new phase rebuilds the same worker)
         group.set_strategy(self.new_strategy)
-        ctl.set_strategy(self.new_strategy)
+        run.phase.set(self.new_strategy)
         self.carried = group.call(ranks, "set_mode", self.new_strategy, self.old_spec.sharded, what="set mode")
         if self.new_spec.process_group and any(c["local_optimizer"] == "carried" for c in self.carried):
             # into allreduce: every replica must take the same step, so the momentum each kept
@@ -184,48 +184,48 @@ class Switching(Change):
                        per_rank=lambda r: ({**rollback, "step": steps[r]},))
             if self.new_spec.sharded:
                 values = group.call([ranks[0]], "flat_parameters", what="parameters")[0]
-                ctl.shard_group.reseed(values, ctl.shard_optimizer(self.new_strategy), steps, timeout_s=timeout_s)
+                run.fleet.shard_group.reseed(values, run.shard_optimizer(self.new_strategy), steps, timeout_s=timeout_s)
                 self.shards_did = "seeded from the state before the switch; server optimizer state reset"
 
-    def regroup(self, ctl: "Controller") -> bool:
+    def regroup(self, run: "RunContext") -> bool:
         return self.new_spec.process_group or self.new_spec.lock_step(self.new_strategy)
 
-    def verify(self, ctl: "Controller", seg: EpochSegment) -> None:
-        after = evaluate(ctl)
-        self.after = ctl.headline_value(after)
+    def verify(self, run: "RunContext", seg: EpochSegment) -> None:
+        after = evaluate(run)
+        self.after = run.headline_value(after)
         if self.plan.rollback is not None:  # the run's latest metrics are those of the model it holds again
-            ctl.totals.metrics = after
+            run.ledger.totals.metrics = after
 
     def share(self, seg: EpochSegment) -> Optional[bool]:
         """An asynchronous mode entered mid-epoch leases the rest of the epoch from one shared queue."""
         return seg.begun and not self.new_spec.leases_pinned(self.new_strategy)
 
-    def reopen(self, ctl: "Controller", seg: EpochSegment) -> list[int]:
+    def reopen(self, run: "RunContext", seg: EpochSegment) -> list[int]:
         """Lock-step modes need every member; else those that paused go on."""
-        return ctl.group.ranks if ctl.lock_step else self.paused
+        return run.fleet.group.ranks if run.phase.lock_step else self.paused
 
-    def waiting(self, ctl: "Controller", seg: EpochSegment, reopened: list[int]) -> list[int]:
-        if ctl.stopping:  # a rollback before the run ends: nobody steps again, the event is logged now
+    def waiting(self, run: "RunContext", seg: EpochSegment, reopened: list[int]) -> list[int]:
+        if run.ledger.stopping:  # a rollback before the run ends: nobody steps again, the event is logged now
             return []
-        return reopened if seg.begun else ctl.group.ranks  # between epochs: they step when the next one opens
+        return reopened if seg.begun else run.fleet.group.ranks  # between epochs: they step when the next one opens
 
-    def event(self, ctl: "Controller", seg: EpochSegment, lr: dict[str, Any],
+    def event(self, run: "RunContext", seg: EpochSegment, lr: dict[str, Any],
               reopened: list[int]) -> dict[str, Any]:
         sw, before, after = self.plan.switch, self.before, self.after
-        step = max(ctl.progress.values(), default=0)
-        ctl.record_phase(sw, step, before, after)
-        ctl.pending_switch = None
-        ctl.guard = self.guard
-        ctl.report.metrics([("mode", MODE_CODES[self.old_mode], max(step - 1, 0)),
+        step = max(run.ledger.progress.values(), default=0)
+        run.record_phase(sw, step, before, after)
+        run.phase.pending_switch = None
+        run.phase.guard = self.guard
+        run.report.metrics([("mode", MODE_CODES[self.old_mode], max(step - 1, 0)),
                             ("mode", MODE_CODES[self.new_spec.name], step)])
-        phases = (f" (phase {ctl.phases[-2]['phase']} -> {sw.phase})"
-                  if self.old_mode == self.new_spec.name and len(ctl.phases) > 1 else "")  # e.g. allreduce -> allreduce with backups
-        ctl.report.say(f"switched {self.old_mode} -> {self.new_spec.name}{phases} at step {step}: {ctl.metric} "
+        phases = (f" (phase {run.phase.phases[-2]['phase']} -> {sw.phase})"
+                  if self.old_mode == self.new_spec.name and len(run.phase.phases) > 1 else "")  # e.g. allreduce -> allreduce with backups
+        run.report.say(f"switched {self.old_mode} -> {self.new_spec.name}{phases} at step {step}: {run.metric} "
                        f"{before:.4f} before, {after:.4f} after")
         return {"kind": "mode_switch", "epoch": seg.epoch, "from": self.old_mode, "to": self.new_spec.name,
                 "phase": sw.phase, "rule": sw.rule, "reason": sw.reason, "numbers": sw.numbers, "at_step": step,
-                "mid_epoch": bool(seg.begun), "metric": ctl.metric, f"{ctl.metric}_before": round(before, 4),
-                f"{ctl.metric}_after": round(after, 4), "shards": self.shards_did,
+                "mid_epoch": bool(seg.begun), "metric": run.metric, f"{run.metric}_before": round(before, 4),
+                f"{run.metric}_after": round(after, 4), "shards": self.shards_did,
                 "local_optimizer": sorted({c["local_optimizer"] for c in self.carried}),
                 **({"optimizer_translated": self.translated} if self.translated else {}),
                 **({"rollback": True} if self.plan.rollback is not None else {})}
