@@ -4,7 +4,7 @@ emulated slower network, against the cost model's prediction.
 Workload: the main example's CNN (421,642 parameters: 1.69 MB of float32 gradients a step) on
 mnist5k, 2 replicas, batch 64 each, sgd lr 0.05 momentum 0.9, through ElasticTrainer(cfg).fit()
 on real Ray actors and gloo groups, until 97% test accuracy (at most 15 epochs). The link:
-`faults.link_gbps` (actors/reducer.py EmulatedLink): each collective of N bytes takes at least
+`faults.link_gbps` (actors/replica/reducer.py EmulatedLink): each collective of N bytes takes at least
 2 (p - 1) / p x N x 8 / link bits on each replica, queued one after another on the link, the
 gloo transfer itself included. Links: the machine's own loopback (none), 1 and 0.1 Gbit/s.
 
@@ -16,7 +16,7 @@ Sides (each the main example with):
   local_sgd   strategy.mode=local_sgd, strategy.period=8 (the model once per 8 steps)
 Figures per run: steady samples/s (the result's steady_samples_per_s: samples over the slowest
 replica's step-loop seconds), train seconds to 97% (time_to_target_s - startup_s) and the
-epochs it took. Predicted samples/s: policies/cost_model.py with this machine's calibration
+epochs it took. Predicted samples/s: policies/decisions/cost_model.py with this machine's calibration
 (`orchestrator simulate`'s: 30 steps of one replica's compute, a gloo ring between two
 processes) and, for a set link, beta = 8 / link bits per second (alpha 0); the model counts no
 overlap of communication with the backward pass.
@@ -67,8 +67,8 @@ def predicted(links: dict[str, Optional[float]]) -> dict[str, dict[str, float]]:
     from dataclasses import replace
 
     from orchestrator import JobConfig
-    from orchestrator.simulate import allreduce_bytes_per_param, calibration
-    from policies.cost_model import ModeShape, predict
+    from orchestrator.cli.simulate import allreduce_bytes_per_param, calibration
+    from policies.decisions.cost_model import ModeShape, predict
 
     cfg = JobConfig.from_yaml(os.path.join(REPO, "examples", "mnist_allreduce.yaml"))
     here = calibration(cfg, cores=float(os.cpu_count() or 1))

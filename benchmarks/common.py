@@ -91,7 +91,7 @@ def ray_train_worker(partitions: int, seed: int, lr: float, momentum: float, log
     from ray.train.torch import prepare_model
 
     from examples.models import mnist_cnn
-    from orchestrator.data import eval_slices, load_source, partition
+    from orchestrator.data.in_memory import eval_slices, load_source, partition
 
     torch.set_num_threads(1)
     ctx = ray.train.get_context()

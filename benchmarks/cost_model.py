@@ -1,4 +1,4 @@
-"""The cost model (policies/cost_model.py) against measured samples/s on this machine.
+"""The cost model (policies/decisions/cost_model.py) against measured samples/s on this machine.
 
 The main example's CNN on mnist5k runs for a few epochs in allreduce, downpour and easgd (the
 examples' settings) at 1, 2 and 4 replicas (cpus_per_replica 0.5, as many replicas fit as the
@@ -75,8 +75,8 @@ def main(nodes: int = 1) -> None:
     from dataclasses import asdict
 
     from orchestrator import JobConfig
-    from orchestrator.simulate import calibration, from_run
-    from policies.cost_model import Calibration, ModeShape, predict
+    from orchestrator.cli.simulate import calibration, from_run
+    from policies.decisions.cost_model import Calibration, ModeShape, predict
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     epochs = 2 if args.quick else 4

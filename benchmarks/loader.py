@@ -27,8 +27,8 @@ In memory (the rows are read once, outside the timing):
 
 Streaming (every epoch reads every row from the files again; nothing is kept across epochs):
 - streaming: the product's file-source path. The driver plans the directory from its metadata
-  as the controller does (`orchestrator.sources.load_dataset` -> `orchestrator/planning.py`,
-  then `orchestrator.placement.place_data`: a StreamedData whose `train` is the plan; the
+  as the controller does (`orchestrator.data.sources.load_dataset` -> `orchestrator/data/planning.py`,
+  then `orchestrator.data.placement.place_data`: a StreamedData whose `train` is the plan; the
   driver reads the footers and a 64-row sample, no partition's rows). `data.test_source` is a
   separate 1,000-row file (planned, never read here), so no row of the directory is held out by
   the row hash: the train plan is all its rows, 8 contiguous row ranges (of 7,500 with --quick)
@@ -94,14 +94,14 @@ def consumer_class():
             self.readers: dict = {}
 
         def warm_up(self) -> None:
-            import actors.partition_reader  # noqa: F401  (torch and ray imports, outside the timing)
+            import actors.partitions.reader  # noqa: F401  (torch and ray imports, outside the timing)
 
         def set_data(self, side: str, server, refs: list, rank: int, read_ahead: int = 2) -> None:
             """As ModelReplica.set_data: one PartitionReader per run, given once the partitions'
             refs (in memory) or the file source's plan (streamed), wrapped in a list."""
             import torch
 
-            from actors.partition_reader import PartitionReader
+            from actors.partitions.reader import PartitionReader
 
             self.readers[side] = PartitionReader(server, refs[0], rank, BATCH, True, torch.device("cpu"), 120,
                                                  read_ahead)
@@ -155,8 +155,8 @@ class OursSide:
     def __init__(self, name: str, consumers: list, refs, rows: list[int], pinned: bool, read_ahead: int = 2):
         import ray
 
-        from actors.partition_server import PartitionServer
-        from policies.leases import first_grant_messages
+        from actors.partitions.server import PartitionServer
+        from policies.decisions.leases import first_grant_messages
 
         self.first_grants = first_grant_messages  # imported here, outside the timed epochs
         self.name, self.consumers, self.unreported = name, consumers, {}
@@ -205,12 +205,12 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     import ray
 
-    from actors.decoding import DecodeSpec
+    from actors.partitions.decoding import DecodeSpec
     from orchestrator.config import DataConfig
-    from orchestrator.data import partition
-    from orchestrator.placement import StreamedData, place_data
-    from orchestrator.loading import load_dataset
-    from orchestrator.sources import read_table, table_to_split
+    from orchestrator.data.in_memory import partition
+    from orchestrator.data.placement import StreamedData, place_data
+    from orchestrator.data.loading import load_dataset
+    from orchestrator.data.sources import read_table, table_to_split
 
     rows, epochs = (60_000, 30) if args.quick else (120_000, 60)
     stream_epochs = STREAM_EPOCHS[args.quick]
@@ -255,7 +255,7 @@ def main() -> None:
                      for i, c in enumerate(consumers)])
 
             # streaming: the same files planned from metadata as the controller plans a file
-            # source (orchestrator/planning.py via load_dataset, orchestrator/placement.py); the
+            # source (orchestrator/data/planning.py via load_dataset, orchestrator/data/placement.py); the
             # test split is a separate small file (data.test_source), so nothing of the train
             # directory is held out: the train rows are all its rows, as on the other sides
             t0 = time.perf_counter()

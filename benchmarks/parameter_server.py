@@ -60,9 +60,9 @@ def push_pull_gbps(numel: int, shards: int, reps: int) -> tuple[float, float]:
     import ray
     import torch
 
-    from actors.shard import create_shards
-    from actors.shard_client import RayShardClient
-    from policies.sharding import shard_bounds
+    from actors.shards.parameter_shard import create_shards
+    from actors.shards.client import RayShardClient
+    from policies.rules.sharding import shard_bounds
 
     bounds = shard_bounds(numel, shards)
     shard_actors = create_shards(np.zeros(numel, np.float32), bounds, "sgd", 1e-3, 0.0, 0.0, replicas=1)

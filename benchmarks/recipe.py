@@ -5,7 +5,7 @@ the stdlib's pydoc topics as rows of 65 bytes, written by examples.datasets.writ
 temp directory; test rows: those whose position hashes below data.test_fraction with
 data.seed, 8 train partitions) and its recipe, read from the YAML by every side: AdamW (lr,
 weight_decay, kwargs betas and eps), warm-up then cosine decay to min_factor over the planned
-steps (policies.recipe.planned_steps: epochs x ceil(train rows / (batch_size x accumulate x
+steps (policies.rules.recipe.planned_steps: epochs x ceil(train rows / (batch_size x accumulate x
 2))), the gradient's global norm clipped at clip_grad_norm, data.accumulate micro-batches of
 data.batch_size rows per step and replica, forward and loss under torch.autocast(bf16) on CPU,
 parameters and optimizer in fp32, evaluation without autocast. 2 replicas / workers of 1 thread;
@@ -22,15 +22,15 @@ Sides:
         downpour and easgd are evaluated on their reference model (the shards' copy, the center).
   single
         one PyTorch process, 2 threads, no Ray: the same model and initial parameters
-        (policies.factory.build_model with data.seed), the same partitions read by the same
-        reader (actors.reading.read_range on the driver's plan), each step the union of the 2
+        (policies.rules.factory.build_model with data.seed), the same partitions read by the same
+        reader (actors.partitions.reading.read_range on the driver's plan), each step the union of the 2
         allreduce replicas' batches of that step (rank r's pinned partitions in the PartitionLedger's
         order, each in its lease's shuffled order, cut into batches of batch_size x accumulate
         rows, the last of each partition short; a rank with no batch left adds nothing), as
         `accumulate` micro-batches (the j-th micro-batch: every rank's j-th, concatenated),
         each loss weighted by its share of the step's rows: the mean gradient over the step's
         rows, as allreduce computes it. torch.optim.AdamW with the YAML's kwargs, its rate set
-        before every step to lr x policies.recipe.Schedule(schedule, planned_steps).factor(step),
+        before every step to lr x policies.rules.recipe.Schedule(schedule, planned_steps).factor(step),
         clip_grad_norm_, bf16 autocast. The step count is allreduce's clock (one per global
         batch). The reference of what the data and recipe allow with no distribution at all.
   ray_train
@@ -118,8 +118,8 @@ def job_config(raw: dict, source: str, tmp: str, epochs: int, target: float, ext
 
 def plan(cfg) -> Any:
     """The file source planned as our driver plans it (train partitions, test pieces)."""
-    from orchestrator.planning import plan_file_dataset
-    from policies.tasks import load_task
+    from orchestrator.data.planning import plan_file_dataset
+    from policies.rules.tasks import load_task
 
     return plan_file_dataset(cfg.data, load_task(cfg.task.name), WORKERS)
 
@@ -131,7 +131,7 @@ def epoch_batches(rows: list[int], rank: int, epoch: int, seed: int, batch: int)
     import numpy as np
     import torch
 
-    from policies.leases import PartitionLedger
+    from policies.decisions.leases import PartitionLedger
 
     ledger = PartitionLedger(len(rows), WORKERS, seed, pinned=True)
     ledger.start_epoch(epoch)
@@ -143,7 +143,7 @@ def epoch_batches(rows: list[int], rank: int, epoch: int, seed: int, batch: int)
 
 
 def micro(idx, k: int) -> list:
-    """`idx` as k near-equal chunks, as policies.recipe.Recipe.micro_batches cuts a batch."""
+    """`idx` as k near-equal chunks, as policies.rules.recipe.Recipe.micro_batches cuts a batch."""
     n = len(idx)
     k = min(k, n)
     edges = [round(i * n / k) for i in range(k + 1)]
@@ -171,7 +171,7 @@ def read_rows(plan_, ranges) -> tuple[Any, Any]:
     """The decoded rows of a plan's position ranges as (x, y) tensors."""
     import torch
 
-    from actors.reading import read_range
+    from actors.partitions.reading import read_range
 
     parts = [read_range(plan_, lo, hi) for lo, hi in ranges]
     return (torch.cat([torch.from_numpy(p["x"]) for p in parts]), torch.cat([torch.from_numpy(p["y"]) for p in parts]))
@@ -208,8 +208,8 @@ def single(raw: dict, source: str, tmp: str, epochs: int, target: float, threads
     import torch
     import torch.nn.functional as F
 
-    from policies.factory import build_model
-    from policies.recipe import Schedule, planned_steps
+    from policies.rules.factory import build_model
+    from policies.rules.recipe import Schedule, planned_steps
 
     cfg = job_config(raw, source, tmp, epochs, target, [])
     d = plan(cfg)
@@ -277,9 +277,9 @@ def ray_train_loop(config: dict) -> None:
     import torch.nn.functional as F
     from ray.train.torch import prepare_model
 
-    from orchestrator.data import eval_slices
-    from policies.factory import build_model
-    from policies.recipe import Schedule
+    from orchestrator.data.in_memory import eval_slices
+    from policies.rules.factory import build_model
+    from policies.rules.recipe import Schedule
 
     t_start = time.time()
     torch.set_num_threads(1)
@@ -338,7 +338,7 @@ def ray_train(raw: dict, source: str, tmp: str, epochs: int, target: float) -> d
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from policies.recipe import planned_steps
+    from policies.rules.recipe import planned_steps
 
     cfg = job_config(raw, source, tmp, epochs, target, [])
     d = plan(cfg)

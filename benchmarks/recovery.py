@@ -26,7 +26,7 @@ A. Ray Train: `TorchTrainer` (2 workers, DDP through prepare_model), FailureConf
    steps_lost = highest step logged before the kill - the step the restarted group resumed
    from. The results show the restart: new pids for both ranks, attempts = 2.
 B. Ours: ElasticTrainer(cfg).fit() on examples/mnist_<mode>.yaml with fault_tolerance.spares 0|1,
-   the kill by orchestrator.chaos.FaultInjector (Fault kill_replica, target 1, at_step KILL_STEP;
+   the kill by orchestrator.testing.chaos.FaultInjector (Fault kill_replica, target 1, at_step KILL_STEP;
    it fires at the first progress row at or past that step, rows come every
    tracking.log_every_steps steps, so a few steps later). recovery_s = the replica_replaced
    event's stepping_at - the fault's t_wall; steps_lost = that event's steps_lost. Any way a
@@ -246,9 +246,9 @@ def ours_case(mode: str, spares: int, epochs: int, storage: str) -> dict:
     """One fit() of examples/mnist_<mode>.yaml with `spares` spare replicas, rank 1 killed at
     KILL_STEP by the project's chaos helper."""
     try:
-        from orchestrator.chaos import Fault, FaultInjector
+        from orchestrator.testing.chaos import Fault, FaultInjector
     except ImportError as exc:
-        return {"error": f"orchestrator.chaos is missing ({exc}): case not run"}
+        return {"error": f"orchestrator.testing.chaos is missing ({exc}): case not run"}
     from orchestrator.config import JobConfig
     from orchestrator.trainer import ElasticTrainer
 

@@ -40,7 +40,7 @@ def epoch_batches(sizes: list[int], rank: int, epoch: int, world: int = WORKERS,
     import numpy as np
     import torch
 
-    from policies.leases import PartitionLedger
+    from policies.decisions.leases import PartitionLedger
 
     ledger = PartitionLedger(len(sizes), world, seed, pinned=True)
     ledger.start_epoch(epoch)
@@ -73,7 +73,7 @@ def single_process_steady(steps: int) -> float:
     import torch.nn.functional as F
 
     from examples.models import mnist_cnn
-    from orchestrator.data import load_source
+    from orchestrator.data.in_memory import load_source
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -107,7 +107,7 @@ def single_process_to_target(threads: int, epochs: int, world: int = WORKERS, pa
     import torch.nn.functional as F
 
     from examples.models import mnist_cnn
-    from orchestrator.data import load_source, partition
+    from orchestrator.data.in_memory import load_source, partition
 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -177,7 +177,7 @@ def ray_train_loop(config: dict) -> None:
     from ray.train.torch import prepare_model
 
     from examples.models import mnist_cnn
-    from orchestrator.data import eval_slices, load_source, partition
+    from orchestrator.data.in_memory import eval_slices, load_source, partition
 
     t_start = time.time()
     torch.set_num_threads(1)

@@ -26,7 +26,7 @@ os.environ.pop("RAY_ADDRESS", None)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from orchestrator.config import JobConfig  # noqa: E402
-from orchestrator.local_autoscaler import LocalAutoscalingCluster  # noqa: E402
+from orchestrator.testing.local_autoscaler import LocalAutoscalingCluster  # noqa: E402
 from orchestrator.trainer import ElasticTrainer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -4,7 +4,7 @@ modes, a parameter shard) are killed, then print what happened.
     python examples/chaos.py                       # allreduce, two SIGKILLs of replica 1
     python examples/chaos.py --mode easgd --spares 1 --hang
 
-Uses the public API (ElasticTrainer) and the project's fault injector (orchestrator.chaos);
+Uses the public API (ElasticTrainer) and the project's fault injector (orchestrator.testing.chaos);
 tracks to MLflow in ./mlruns-chaos (sqlite) unless --tracking-uri is given.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from orchestrator.chaos import Fault, FaultInjector  # noqa: E402
+from orchestrator.testing.chaos import Fault, FaultInjector  # noqa: E402
 from orchestrator.config import JobConfig  # noqa: E402
 from orchestrator.trainer import ElasticTrainer  # noqa: E402
 

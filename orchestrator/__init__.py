@@ -1,8 +1,8 @@
 """Elastic Orchestrator: elastic training of PyTorch models on Ray actors."""
 from orchestrator.config import JobConfig
 from orchestrator.errors import ConfigError, TrainingError
-from orchestrator.result import TrainResult
+from orchestrator.reporting.result import TrainResult
 from orchestrator.trainer import ElasticTrainer
-from policies.tasks import Task
+from policies.rules.tasks import Task
 
 __all__ = ["ElasticTrainer", "JobConfig", "TrainResult", "ConfigError", "TrainingError", "Task"]

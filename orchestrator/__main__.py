@@ -1,3 +1,3 @@
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 
 raise SystemExit(main())

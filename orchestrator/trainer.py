@@ -8,12 +8,12 @@ import time
 from typing import Any, Optional, Sequence, Union
 
 from orchestrator.config import JobConfig
-from orchestrator.data import Dataset
-from orchestrator.planning import StreamedDataset
-from orchestrator.loading import load_dataset
+from orchestrator.data.in_memory import Dataset
+from orchestrator.data.planning import StreamedDataset
+from orchestrator.data.loading import load_dataset
 from orchestrator.errors import ConfigError, Interrupts
-from orchestrator.factory import build_model
-from orchestrator.result import FinalMetrics, TrainResult
+from orchestrator.models import build_model
+from orchestrator.reporting.result import FinalMetrics, TrainResult
 
 
 def check_inputs(config: JobConfig, data: Any = None) -> Union[Dataset, StreamedDataset]:
@@ -22,9 +22,9 @@ def check_inputs(config: JobConfig, data: Any = None) -> Union[Dataset, Streamed
     parameter per shard), the data loads (a file source: is planned and its first rows decode),
     the model accepts the data's shape. ConfigError
     otherwise; nothing is written."""
-    from orchestrator.checkpoint import check_storage
-    from orchestrator.tracking import check_store
-    from policies.registry import mode_spec
+    from orchestrator.persistence.checkpoint import check_storage
+    from orchestrator.reporting.tracking import check_store
+    from policies.rules.registry import mode_spec
 
     check_storage(config.checkpoint.storage)
     check_store(config.tracking.tracking_uri)
@@ -33,7 +33,7 @@ def check_inputs(config: JobConfig, data: Any = None) -> Union[Dataset, Streamed
     if any(mode_spec(m).sharded for m in config.strategy.modes()) and config.scaling.shards > n_params:
         raise ConfigError(f"config error: scaling.shards: {config.scaling.shards} shards for the {n_params} "
                           f"parameters of {config.model.factory}; at most one shard per parameter")
-    from policies.recipe import RecipeError, make_optimizer
+    from policies.rules.recipe import RecipeError, make_optimizer
 
     try:  # the optimizer's class takes the model's parameters and optimizer.kwargs
         make_optimizer(config.optimizer.model_dump(), model.parameters())
@@ -63,8 +63,8 @@ def check_model_and_task(config: JobConfig, model: Any, x: Any, y: Any, num_clas
     against the targets `y` (loss and evaluation); ConfigError naming the field otherwise."""
     import torch
 
-    from policies.batches import as_tensors, forward, shape_of
-    from policies.tasks import Classification
+    from policies.rules.batches import as_tensors, forward, shape_of
+    from policies.rules.tasks import Classification
 
     task = config.task.build()
     x, y = as_tensors(x), as_tensors(y)
@@ -98,8 +98,8 @@ class ElasticTrainer:
         """`data`: optional in-memory training data instead of `config.data.source`: (x, y) numpy
         arrays, a dict of columns, a pandas DataFrame or a pyarrow Table, or a map-style
         torch.utils.data.Dataset (or a (train, test) pair of them), see docs/data.md.
-        `resume`: a checkpoint's state (`orchestrator.resume.find_checkpoint`): the run goes on
-        from it, in the same MLflow run. `callbacks`: reporting callbacks (orchestrator/reporting.py),
+        `resume`: a checkpoint's state (`orchestrator.persistence.resume.find_checkpoint`): the run goes on
+        from it, in the same MLflow run. `callbacks`: reporting callbacks (orchestrator/reporting/reporter.py),
         e.g. a sweep's trial reporting each epoch to Ray Tune. `run_tags`: extra tags on the MLflow
         run (a sweep's trial: `mlflow.parentRunId`)."""
         self.config = config
@@ -121,7 +121,7 @@ class ElasticTrainer:
         if self._dataset is None:
             self._dataset = check_inputs(self.config, self.data)
             if self.resume is None and self.config.run.name:
-                from orchestrator.resume import named_checkpoint
+                from orchestrator.persistence.resume import named_checkpoint
 
                 self.resumed_from, self.resume, self.skipped = named_checkpoint(self.config)
         return self._dataset
@@ -140,9 +140,9 @@ class ElasticTrainer:
     def fit(self) -> TrainResult:
         import ray
 
-        from orchestrator import cluster
-        from orchestrator.controller import Controller
-        from orchestrator.progress import ProgressDisplay
+        from orchestrator.fleet import cluster
+        from orchestrator.control.controller import Controller
+        from orchestrator.reporting.progress import ProgressDisplay
 
         t0 = time.perf_counter()
         cfg = self.config
@@ -246,23 +246,23 @@ def _end_on_interrupt(ctl, tracker, display, t0: float) -> None:
 
 
 def _log_plot(tracker, timeout_s: Optional[float] = None) -> None:
-    """training.png (orchestrator/plots.py) into the run, waiting up to timeout_s (default: the
+    """training.png (orchestrator/reporting/plots.py) into the run, waiting up to timeout_s (default: the
     tracker's file timeout); a failure to draw it is said on stderr."""
-    from orchestrator.plots import log_training_plot
+    from orchestrator.reporting.plots import log_training_plot
 
     log_training_plot(tracker, warn=lambda line: print(f"orchestrator: {line}", file=sys.stderr, flush=True),
                       timeout_s=timeout_s)
 
 
 def _open_tracking(cfg: JobConfig, run_id: Optional[str] = None):
-    from orchestrator.tracking import Tracker
+    from orchestrator.reporting.tracking import Tracker
 
     return Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.tracking.run_name or cfg.run.name,
                    run_id=run_id)
 
 
 def _describe_run(tracker, cfg: JobConfig) -> None:
-    from orchestrator.tracking import environment_tags
+    from orchestrator.reporting.tracking import environment_tags
 
     if not tracker.resumed:  # a resumed run has them (MLflow refuses a param logged twice with another value)
         tracker.log_params(cfg.flat())

@@ -105,9 +105,9 @@ def job_config(**sections):
 
 
 def assert_carried(event: dict, *steps: str) -> None:
-    """The reconfiguration event came through the one carrier (orchestrator/reconfigure.py):
+    """The reconfiguration event came through the one carrier (orchestrator/control/reconfig/carrier.py):
     timed steps are the carrier's, in its order, and include `steps`."""
-    from orchestrator.reconfigure import STEPS
+    from orchestrator.control.reconfig.carrier import STEPS
 
     parts = list(event["reconfigure_parts_s"])
     assert parts == [s for s in STEPS if s in parts], parts

@@ -11,7 +11,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from orchestrator.local_autoscaler import free_port, wait_for_head
+from orchestrator.testing.local_autoscaler import free_port, wait_for_head
 
 STOP_GRACE_S = 5.0  # SIGTERM, then this long before the process group is SIGKILLed
 

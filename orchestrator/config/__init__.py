@@ -5,7 +5,7 @@
 the replicas as a fleet: scaling, fault tolerance, injected faults (orchestrator/config/fleet.py).
 `JobConfig.from_yaml(path, overrides)` is the one way in from the outside world; it raises
 `ConfigError` with a single line naming the field or file on bad input. docs/config.md is
-written from these models by orchestrator/config_docs.py.
+written from these models by orchestrator/cli/config_docs.py.
 """
 from orchestrator.config.job import (MAX_YAML_VALUES, JobConfig, apply_overrides, describe_validation_error,
                                      yaml_shape_problem)

@@ -1,6 +1,6 @@
 """The job config: typed, validated, documented; YAML is a view of these models.
 
-Every field carries a one-line description (docs/config.md, written by orchestrator/config_docs.py). Unknown keys are errors.
+Every field carries a one-line description (docs/config.md, written by orchestrator/cli/config_docs.py). Unknown keys are errors.
 `JobConfig.from_yaml(path, overrides)` is the one way in from the outside world; it raises
 `ConfigError` with a single line naming the field or file on bad input.
 """
@@ -18,8 +18,8 @@ from orchestrator.config.sections import (CheckpointConfig, DataConfig, EvalConf
                                           StopConfig, TaskConfig, TrackingConfig)
 from orchestrator.config.fleet import FaultsConfig, FaultToleranceConfig, ScalingConfig
 from orchestrator.config.strategy import UNTIL_COUNTS, StrategyConfig
-from policies.stop import Target
-from policies.tasks import primary_metric, split_metric
+from policies.decisions.stop import Target
+from policies.rules.tasks import primary_metric, split_metric
 
 
 class JobConfig(Section):
@@ -43,7 +43,7 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _mode_fits(self) -> "JobConfig":
-        from policies.recipe import shardable
+        from policies.rules.recipe import shardable
 
         why = shardable(self.optimizer.name)
         if self.optimizer.name == "lbfgs":

@@ -7,12 +7,12 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from policies.stop import Target
+from policies.decisions.stop import Target
 
 
 class Section(BaseModel):
     """A config section: unknown keys are errors; every field has a description (docs/config.md,
-    orchestrator/config_docs.py)."""
+    orchestrator/cli/config_docs.py)."""
 
     # inf and nan (also `1e400`, which overflows to inf) are rejected in every float field
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -134,7 +134,7 @@ class DataConfig(Section):
     @field_validator("source")
     @classmethod
     def _known_source(cls, v: str) -> str:
-        from orchestrator.data import BUILTIN_SOURCES
+        from orchestrator.data.in_memory import BUILTIN_SOURCES
 
         if v.startswith("builtin:") and v.removeprefix("builtin:") not in BUILTIN_SOURCES:
             names = ", ".join(f"builtin:{n}" for n in BUILTIN_SOURCES)
@@ -167,7 +167,7 @@ class DataConfig(Section):
 
 
 class TaskConfig(Section):
-    """What is learned and how it is judged (policies/tasks.py, docs/tasks.md)."""
+    """What is learned and how it is judged (policies/rules/tasks.py, docs/tasks.md)."""
 
     name: str = Field(
         "classification", min_length=1, description="classification (cross-entropy; test_loss, test_accuracy), "
@@ -177,8 +177,8 @@ class TaskConfig(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the task's constructor.")
 
     def build(self) -> Any:
-        """The task object (policies.tasks.load_task); ValueError on a task that cannot be loaded."""
-        from policies.tasks import load_task
+        """The task object (policies.rules.tasks.load_task); ValueError on a task that cannot be loaded."""
+        from policies.rules.tasks import load_task
 
         return load_task(self.name, self.kwargs)
 
@@ -192,7 +192,7 @@ class TargetConfig(Section):
 
 
 class ScheduleConfig(Section):
-    """A factor on optimizer.lr by optimizer step (policies/recipe.py Schedule, docs/training.md)."""
+    """A factor on optimizer.lr by optimizer step (policies/rules/recipe.py Schedule, docs/training.md)."""
 
     name: str = Field(
         "constant", min_length=1, description="constant, linear, cosine, step or exponential; any "
@@ -213,7 +213,7 @@ class ScheduleConfig(Section):
 
     @model_validator(mode="after")
     def _known(self) -> "ScheduleConfig":
-        from policies.recipe import RecipeError, Schedule
+        from policies.rules.recipe import RecipeError, Schedule
 
         try:
             schedule = Schedule(self.model_dump(), 1000)
@@ -257,7 +257,7 @@ class OptimizerConfig(Section):
     @field_validator("name")
     @classmethod
     def _resolvable(cls, v: str) -> str:
-        from policies.recipe import RecipeError, optimizer_class
+        from policies.rules.recipe import RecipeError, optimizer_class
 
         try:
             optimizer_class(v)

@@ -85,7 +85,7 @@ class PhaseConfig(Section):
 
 class AdaptiveConfig(Section):
     """strategy.switch adaptive: from the step times the replicas report, go asynchronous while a
-    replica straggles and come back when it recovers (policies/switching.py)."""
+    replica straggles and come back when it recovers (policies/decisions/switching.py)."""
 
     sync_mode: Literal["allreduce", "local_sgd"] = Field(
         "allreduce", description="The mode while no replica straggles: allreduce, or local_sgd (the models averaged "

@@ -31,8 +31,8 @@ def run_sweep(sweep: SweepConfig | SweepPlan | str | os.PathLike, overrides: Seq
     TrainingError when no trial finished."""
     import ray
 
-    from orchestrator import cluster
-    from orchestrator.tracking import Tracker, check_store
+    from orchestrator.fleet import cluster
+    from orchestrator.reporting.tracking import Tracker, check_store
 
     t0 = time.perf_counter()
     plan = sweep if isinstance(sweep, SweepPlan) else (
@@ -101,7 +101,7 @@ def _check_fits(needs: list[dict[str, float]]) -> None:
     import ray
 
     from orchestrator.checks import bounded
-    from orchestrator.cluster import RESOURCES_TIMEOUT_S, check_fits
+    from orchestrator.fleet.cluster import RESOURCES_TIMEOUT_S, check_fits
 
     try:
         total = bounded(ray.cluster_resources, RESOURCES_TIMEOUT_S, "the Ray cluster's resources")
@@ -120,7 +120,7 @@ def _check_fits(needs: list[dict[str, float]]) -> None:
 
 
 def _describe_parent(tracker: Any, plan: SweepPlan, base_raw: dict[str, Any]) -> None:
-    from orchestrator.tracking import environment_tags
+    from orchestrator.reporting.tracking import environment_tags
 
     spec = plan.sweep
     tracker.log_params({"base": plan.base_path, "metric": spec.metric, "goal": spec.goal,
@@ -225,7 +225,7 @@ def _absolute_paths(raw: dict[str, Any]) -> dict[str, Any]:
     storage = ck.get("storage", JobConfig().checkpoint.storage)
     if "://" not in storage:
         ck["storage"] = os.path.abspath(storage)
-    from orchestrator.torch_data import is_function_source
+    from orchestrator.data.torch_data import is_function_source
 
     data = out.get("data") or {}
     for key in ("source", "test_source"):

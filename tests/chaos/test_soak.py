@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from orchestrator.chaos import FaultInjector, random_schedule
+from orchestrator.testing.chaos import FaultInjector, random_schedule
 from orchestrator.config import JobConfig
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import REPO

@@ -1,4 +1,4 @@
-"""End to end on Ray's own autoscaler (orchestrator/local_autoscaler.py: the fake multi-node
+"""End to end on Ray's own autoscaler (orchestrator/testing/local_autoscaler.py: the fake multi-node
 provider, whose nodes are raylets on this machine that the autoscaler launches and terminates).
 A 0-CPU head and no worker node at the start; worker type `cpu_node` has 1 CPU, 0 to 2 of them.
 The CLI joins it with 1 replica and room for up to 2: it finds no room, asks the autoscaler and
@@ -32,7 +32,7 @@ RELEASE_TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def autoscaling_cluster():
-    from orchestrator.local_autoscaler import LocalAutoscalingCluster
+    from orchestrator.testing.local_autoscaler import LocalAutoscalingCluster
 
     cluster = LocalAutoscalingCluster({"CPU": 0}, {"cpu_node": dict(CPU_NODE)},
                                       idle_timeout_minutes=IDLE_TIMEOUT_MIN, max_workers=2)

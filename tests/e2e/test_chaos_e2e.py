@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrator.chaos import Fault, FaultInjector
+from orchestrator.testing.chaos import Fault, FaultInjector
 from orchestrator.config import JobConfig
 from orchestrator.trainer import ElasticTrainer
 

@@ -45,7 +45,7 @@ def test_cli_run_joins_ray_address_and_tracks_to_server(ray_head, mlflow_server,
     assert not os.path.exists(tmp_path / "mlflow.db")  # tracked to the server, not a local store
 
     from orchestrator.config import JobConfig
-    from orchestrator.loading import load_dataset
+    from orchestrator.data.loading import load_dataset
 
     cfg = JobConfig.from_yaml(example, overrides)
     accuracy = accuracy_of_logged_model(mlflow_server, result["mlflow_run_id"], load_dataset(cfg.data),
@@ -189,7 +189,7 @@ def test_sigterm_marks_the_run_killed_and_keeps_a_checkpoint(ray_head, tmp_path)
     assert (ck / "interrupted.pt").exists()
     [epoch2] = ck.glob("ckpt-*-epoch_0002.pt")
     assert (ck / f"{epoch2.name}.json").exists()  # its sidecar: length and sha256
-    from orchestrator.checkpoint import CheckpointStore
+    from orchestrator.persistence.checkpoint import CheckpointStore
 
     path, state = CheckpointStore(str(tmp_path / "ck"), run.info.run_id, keep=100).latest_good()
     assert path.endswith("-interrupted.pt") and state["mlflow_run_id"] == run.info.run_id

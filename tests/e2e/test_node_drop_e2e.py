@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from orchestrator.chaos import Fault, FaultInjector
+from orchestrator.testing.chaos import Fault, FaultInjector
 from orchestrator.config import JobConfig
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import REPO

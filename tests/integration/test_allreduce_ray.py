@@ -9,12 +9,12 @@ import ray
 import torch
 import torch.nn.functional as F
 
-from orchestrator.controller import Controller
-from orchestrator.states import Running
-from orchestrator.data import load_source
+from orchestrator.control.controller import Controller
+from orchestrator.control.states import Running
+from orchestrator.data.in_memory import load_source
 from orchestrator.errors import TrainingError
-from orchestrator.factory import build_model
-from orchestrator.tracking import Tracker
+from orchestrator.models import build_model
+from orchestrator.reporting.tracking import Tracker
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import job_config
 
@@ -116,7 +116,7 @@ def test_fit_uses_the_callers_cluster_and_tracks_everything(ray_cluster, tmp_pat
     artifacts = {a.path for a in client.list_artifacts(result.mlflow_run_id)}
     assert {"config.yaml", "result.json", "events.jsonl", "model.pt"} <= artifacts
 
-    from orchestrator.checkpoint import load_checkpoint
+    from orchestrator.persistence.checkpoint import load_checkpoint
 
     state = load_checkpoint(result.checkpoint)
     assert state["epoch"] == 3 and state["mlflow_run_id"] == result.mlflow_run_id

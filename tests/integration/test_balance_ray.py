@@ -12,11 +12,11 @@ import ray
 import torch
 import torch.nn.functional as F
 
-from orchestrator.controller import Controller
-from orchestrator.data import load_source
-from orchestrator.factory import build_model
-from orchestrator.states import Running
-from orchestrator.tracking import Tracker
+from orchestrator.control.controller import Controller
+from orchestrator.data.in_memory import load_source
+from orchestrator.models import build_model
+from orchestrator.control.states import Running
+from orchestrator.reporting.tracking import Tracker
 from tests.conftest import job_config
 
 pytestmark = pytest.mark.ray
@@ -105,7 +105,7 @@ def test_a_killed_replica_in_a_balanced_run_is_replaced_and_the_epochs_complete(
     """SIGKILL of the fast replica (the one holding most of the rows) while the split is uneven:
     it is replaced, the run completes its epochs, the next epoch trains every row once, and the
     run goes on balancing."""
-    from orchestrator.chaos import Fault
+    from orchestrator.testing.chaos import Fault
     from orchestrator.trainer import ElasticTrainer
     from tests.integration.test_recovery_ray import events, fit_with
 

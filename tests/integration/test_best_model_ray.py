@@ -68,7 +68,7 @@ def test_the_logged_model_is_the_best_epochs_and_the_run_stops_early(ray_cluster
             return float((net(torch.as_tensor(split.x)).argmax(1) == torch.as_tensor(split.y)).float().mean())
 
     assert accuracy(model, data.val) == pytest.approx(history[best_epoch - 1], abs=1e-6)
-    from orchestrator.checkpoint import load_checkpoint
+    from orchestrator.persistence.checkpoint import load_checkpoint
 
     best_state = load_checkpoint(str(tmp_path / "ck" / "best" / "best.pt"))["model"]
     final_state = load_checkpoint(str(tmp_path / "ck" / "best" / "model.pt"))["model"]

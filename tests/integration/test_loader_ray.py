@@ -10,12 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from orchestrator.chaos import Fault, FaultInjector
-from orchestrator.controller import Controller
-from orchestrator.states import Errored
-from actors.reading import read_partition
-from orchestrator.loading import load_dataset
-from orchestrator.tracking import Tracker
+from orchestrator.testing.chaos import Fault, FaultInjector
+from orchestrator.control.controller import Controller
+from orchestrator.control.states import Errored
+from actors.partitions.reading import read_partition
+from orchestrator.data.loading import load_dataset
+from orchestrator.reporting.tracking import Tracker
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import job_config
 from tests.integration.test_allreduce_ray import StepWatch
@@ -47,7 +47,7 @@ def blob_job(source, **sections):
 def expected_ids(directory, cfg):
     """The train and test row ids of a Parquet directory planned with cfg.data, worked out here
     from the files (sorted paths, rows in order: the global position) and the row hash alone."""
-    from actors.reading import held_out_mask
+    from actors.partitions.reading import held_out_mask
 
     ids = np.concatenate([pq.read_table(p, columns=[cfg.data.id_column]).column(0).to_numpy()
                           for p in sorted(directory.glob("*.parquet"))])
@@ -142,9 +142,9 @@ def test_readers_see_every_partition_once_and_an_unreported_epoch_cannot_be_foll
     is refused (naming what is left) when an epoch's last completions never arrive."""
     import torch
 
-    from actors.partition_reader import PartitionReader
-    from actors.partition_server import PartitionServer
-    from policies.leases import first_grant_messages
+    from actors.partitions.reader import PartitionReader
+    from actors.partitions.server import PartitionServer
+    from policies.decisions.leases import first_grant_messages
 
     parts, rows = 9, 10
     refs = [ray.put({"x": np.full((rows, 2), p, np.float32), "y": np.zeros(rows, np.int64),

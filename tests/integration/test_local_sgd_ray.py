@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import ray
 
-from orchestrator.chaos import Fault, FaultInjector
+from orchestrator.testing.chaos import Fault, FaultInjector
 from tests.conftest import assert_carried
 from tests.integration.test_recovery_ray import actor_ids
 from tests.integration.test_switching_ray import controller, replica_flats

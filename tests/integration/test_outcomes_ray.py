@@ -11,9 +11,9 @@ import time
 import pytest
 import ray
 
-from orchestrator.chaos import kill_process
+from orchestrator.testing.chaos import kill_process
 from orchestrator.errors import MemberLost
-from orchestrator.group import ReplicaGroup
+from orchestrator.fleet.replica_group import ReplicaGroup
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import job_config
 

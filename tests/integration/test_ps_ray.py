@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import ray
 
-from orchestrator.checkpoint import load_checkpoint
-from orchestrator.chaos import Fault, FaultInjector
-from orchestrator.controller import Controller
-from orchestrator.data import load_source
-from orchestrator.tracking import Tracker
+from orchestrator.persistence.checkpoint import load_checkpoint
+from orchestrator.testing.chaos import Fault, FaultInjector
+from orchestrator.control.controller import Controller
+from orchestrator.data.in_memory import load_source
+from orchestrator.reporting.tracking import Tracker
 from orchestrator.trainer import ElasticTrainer
-from policies.leases import MAX_GRANT
+from policies.decisions.leases import MAX_GRANT
 from tests.conftest import job_config
 
 pytestmark = pytest.mark.ray
@@ -218,7 +218,7 @@ def test_a_resumed_downpour_run_gives_the_shards_back_their_server_optimizer_sta
     has, before it trains again, the server-optimizer state the shards had then."""
     import torch
 
-    from orchestrator.checkpoint import CheckpointStore
+    from orchestrator.persistence.checkpoint import CheckpointStore
 
     sections = dict(strategy={"mode": "downpour", "n_fetch": 2, "n_push": 2}, data={"batch_size": 16},
                     optimizer={"lr": 0.05, "momentum": 0.9}, checkpoint={"storage": str(tmp_path / "ck")},
@@ -254,7 +254,7 @@ def test_a_resumed_downpour_run_gives_the_shards_back_their_server_optimizer_sta
 def test_simulate_times_the_shards_exchanges_on_real_shards_and_removes_them(ray_cluster, mode):
     """`simulate --shard-path here`: the mode's exchanges with scaling.shards real shards give the
     shards' path (an exchange costs more than the latency alone); the shards are gone after."""
-    from orchestrator.simulate import calibrate_shard_path, calibration
+    from orchestrator.cli.simulate import calibrate_shard_path, calibration
     from tests.integration.test_shutdown_ray import alive_run_actors, wait_gone
 
     cfg = job_config(strategy={"mode": mode, "timeout_s": 30}, scaling={"replicas": 2, "shards": 2})
@@ -275,8 +275,8 @@ def test_a_checkpoint_written_while_a_shard_is_stopped_says_what_it_lacks(ray_cl
     is let go on and the run finishes with a whole final checkpoint."""
     import signal
 
-    from orchestrator.chaos import kill_process
-    from orchestrator.shard_group import ShardGroup
+    from orchestrator.testing.chaos import kill_process
+    from orchestrator.fleet.shard_group import ShardGroup
 
     original, stopped = ShardGroup.optimizer_states, {}
 

@@ -9,8 +9,8 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrator.chaos import Fault
-from policies.recipe import Schedule, planned_steps
+from orchestrator.testing.chaos import Fault
+from policies.rules.recipe import Schedule, planned_steps
 from tests.conftest import job_config
 from tests.integration.test_recovery_ray import events, fit_with
 
@@ -63,7 +63,7 @@ def test_a_transformer_with_the_recipe_switches_survives_a_kill_resumes_and_logs
     checkpoint going on with the schedule where it was, and the logged MLflow model the best
     epoch's."""
     from examples.datasets import write_text
-    from orchestrator.checkpoint import CheckpointStore
+    from orchestrator.persistence.checkpoint import CheckpointStore
     from orchestrator.trainer import ElasticTrainer
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"

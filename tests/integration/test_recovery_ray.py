@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import ray
 
-from orchestrator.chaos import Fault, FaultInjector
+from orchestrator.testing.chaos import Fault, FaultInjector
 from orchestrator.errors import TrainingError
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import assert_carried, job_config
@@ -78,11 +78,11 @@ def test_one_kill_with_a_long_backoff_is_one_failure_not_a_cascade_of_hangs(ray_
 
 
 def test_allreduce_replicas_stay_identical_after_a_replacement_and_keep_their_actors(ray_cluster, tmp_path):
-    from orchestrator.controller import Controller
+    from orchestrator.control.controller import Controller
     import time
 
-    from orchestrator.data import load_source
-    from orchestrator.tracking import Tracker
+    from orchestrator.data.in_memory import load_source
+    from orchestrator.reporting.tracking import Tracker
 
     cfg = job_config(scaling={"replicas": 3, "cpus_per_replica": 0.5}, stop={"epochs": 2}, data={"batch_size": 8},
                      tracking={"progress_interval_s": 0, "log_every_steps": 1}, fault_tolerance={"spares": 1})
@@ -124,8 +124,8 @@ def test_a_replica_stopped_at_an_epochs_end_is_hung_after_the_hang_timeout_not_t
     """easgd evaluates the center on every replica at each epoch's end, one call to all: a replica
     SIGSTOPped just before that call is found hung fault_tolerance.hang_timeout_s after its peer
     answered (3 s here), not after strategy.timeout_s (120 s), and replaced; the run goes on."""
-    from orchestrator.chaos import kill_process
-    from orchestrator.group import ReplicaGroup
+    from orchestrator.testing.chaos import kill_process
+    from orchestrator.fleet.replica_group import ReplicaGroup
 
     original, stopped = ReplicaGroup.call, {}
 

@@ -62,7 +62,7 @@ def test_the_room_a_hung_replica_leaves_is_its_replacements_not_a_grows(ray_clus
     started in that window took the same rank, and the replacement made next was overwritten
     by the grow's replica and orphaned. Now no grow starts while failures wait: one replacement,
     no resize, the original rank set at the end."""
-    from orchestrator.chaos import Fault
+    from orchestrator.testing.chaos import Fault
     from tests.integration.test_recovery_ray import events, fit_with
 
     cfg = job_config(strategy={"mode": "allreduce", "timeout_s": 30},

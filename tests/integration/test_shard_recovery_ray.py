@@ -12,11 +12,11 @@ import pytest
 import ray
 import torch
 
-from actors.shard_client import RayShardClient
-from orchestrator.shard_group import ShardGroup
-from orchestrator.chaos import kill_process
-from policies.modes import Interrupted
-from policies.sharding import ShardState, shard_bounds
+from actors.shards.client import RayShardClient
+from orchestrator.fleet.shard_group import ShardGroup
+from orchestrator.testing.chaos import kill_process
+from policies.rules.modes import Interrupted
+from policies.rules.sharding import ShardState, shard_bounds
 
 pytestmark = pytest.mark.ray
 

@@ -19,11 +19,11 @@ import pytest
 import ray
 from mlflow.tracking import MlflowClient
 
-from orchestrator.shard_group import ShardGroup
-from orchestrator import running
-from orchestrator.chaos import Fault, FaultInjector
-from orchestrator.checkpoint import CheckpointStore
-from orchestrator.group import ReplicaGroup
+from orchestrator.fleet.shard_group import ShardGroup
+from orchestrator.control import running
+from orchestrator.testing.chaos import Fault, FaultInjector
+from orchestrator.persistence.checkpoint import CheckpointStore
+from orchestrator.fleet.replica_group import ReplicaGroup
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import job_config
 

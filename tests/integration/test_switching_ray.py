@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import ray
 
-from orchestrator.chaos import Fault
-from orchestrator.controller import Controller
-from orchestrator.data import load_source
-from orchestrator.states import Reconfiguring, Running, SwitchPlan
-from orchestrator.tracking import Tracker
+from orchestrator.testing.chaos import Fault
+from orchestrator.control.controller import Controller
+from orchestrator.data.in_memory import load_source
+from orchestrator.control.states import Reconfiguring, Running, SwitchPlan
+from orchestrator.reporting.tracking import Tracker
 from tests.conftest import assert_carried, job_config
 from tests.integration.test_recovery_ray import events, fit_with
 
@@ -307,8 +307,8 @@ def test_a_replica_lost_in_a_switchs_middle_restarts_it_from_the_phase_it_left(r
     phase the plan recorded: one mode_switch, allreduce -> downpour, the shards seeded once more
     and every replica loading the reference it gives (before, the retry took the controller's
     phase for the old one: "downpour -> downpour")."""
-    from orchestrator.chaos import kill_process
-    from orchestrator.group import ReplicaGroup
+    from orchestrator.testing.chaos import kill_process
+    from orchestrator.fleet.replica_group import ReplicaGroup
 
     original, seen = ReplicaGroup.call, {}
 

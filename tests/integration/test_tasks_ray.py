@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrator.chaos import Fault
+from orchestrator.testing.chaos import Fault
 from tests.conftest import job_config
 from tests.integration.test_recovery_ray import events, fit_with
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from policies.sharding import ShardState, shard_bounds
+from policies.rules.sharding import ShardState, shard_bounds
 
 
 class LocalShardClient:
@@ -60,6 +60,6 @@ class LocalShardClient:
         self.states[0].buffers[rank] = buffers
 
     def buffers(self):
-        from policies.sharding import average_buffers
+        from policies.rules.sharding import average_buffers
 
         return average_buffers(self.states[0].buffers)

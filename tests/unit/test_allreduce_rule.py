@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from examples.models import tiny_mlp
-from policies.allreduce import AllReduceWorker, GradientBuckets
-from policies.backup import LocalArrivals
+from policies.rules.allreduce import AllReduceWorker, GradientBuckets
+from policies.rules.backup import LocalArrivals
 
 
 class ThreadSum:

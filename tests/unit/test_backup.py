@@ -1,4 +1,4 @@
-"""Backup replicas (policies/backup.py) against a one-process reference, without Ray: threads
+"""Backup replicas (policies/rules/backup.py) against a one-process reference, without Ray: threads
 stand in for replicas (tests/unit/test_allreduce_rule.py's ThreadSum), a straggler's delay
 waits until the step has its gradients, and each step must equal one process training on the
 batches of the replicas that were in time."""
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from policies.backup import BackupGate, LocalArrivals, quorum
+from policies.rules.backup import BackupGate, LocalArrivals, quorum
 from tests.unit.test_allreduce_rule import flat, lock_step_replicas, reference_training
 
 
@@ -118,7 +118,7 @@ def test_a_new_generation_of_the_group_counts_in_its_own_store():
     """A regroup (a new process group, its own store) at the same ranks and size: every member
     starts a gate in the new store, so the step after it is decided there."""
     from tests.unit.test_allreduce_rule import ThreadSum, make, run_replicas
-    from policies.allreduce import AllReduceWorker
+    from policies.rules.allreduce import AllReduceWorker
 
     rng = np.random.default_rng(7)
     data = [[batch(rng, 4) for _ in range(4)] for _ in range(3)]
@@ -148,7 +148,7 @@ def test_a_new_generation_of_the_group_counts_in_its_own_store():
 
 
 def test_drops_of_a_segment_paused_for_a_grow_count_in_the_epoch():
-    from orchestrator.states import EpochSegment
+    from orchestrator.control.states import EpochSegment
 
     def seg(kind, mode, drops):
         return {"kind": kind, "rank": 1, "epoch": 3, "steps": 5, "samples": 40, "train_s": 1.0, "comm_s": 0.1,

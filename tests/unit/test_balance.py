@@ -1,5 +1,5 @@
-"""Load-balanced allreduce (policies/balance.py) and the per-step figures that ride in the
-all-reduce (policies/allreduce.py StepFigures), without Ray: threads stand in for replicas."""
+"""Load-balanced allreduce (policies/rules/balance.py) and the per-step figures that ride in the
+all-reduce (policies/rules/allreduce.py StepFigures), without Ray: threads stand in for replicas."""
 import threading
 import time
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from policies.allreduce import AllReduceWorker
-from policies.balance import BatchBalancer, split, step_time
+from policies.rules.allreduce import AllReduceWorker
+from policies.rules.balance import BatchBalancer, split, step_time
 from tests.unit.test_allreduce_rule import ThreadSum, flat, make, reference_training, run_replicas
 
 
@@ -169,7 +169,7 @@ def test_at_an_uneven_splits_tail_the_replica_left_takes_the_global_batch():
 
 
 class ThreadClocks:
-    """policies.allreduce's clock with seconds added per thread: a replica given `delay(s)` is
+    """policies.rules.allreduce's clock with seconds added per thread: a replica given `delay(s)` is
     busy s seconds longer that step by its own clock, whatever the host's load does to the
     threads (no sleep, no race between a sleep and a stall of the other thread)."""
 
@@ -188,7 +188,7 @@ def test_the_figures_report_waiting_and_gradient_diversity(monkeypatch):
     for nobody. Diversity is sum_i |g_i|^2 / |sum_i g_i|^2 of the step before, checked against
     gradients computed directly."""
     clocks = ThreadClocks()
-    monkeypatch.setattr("policies.allreduce.time", clocks)
+    monkeypatch.setattr("policies.rules.allreduce.time", clocks)
     torch.manual_seed(5)
     batches = [[(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(2)] for _ in range(4)]
     models = [make() for _ in range(2)]
@@ -253,7 +253,7 @@ def test_near_even_keeps_the_even_split_unless_the_uneven_one_saves_more_than_th
     """Local SGD's period of 8 steps, 16 a round: speeds 1.15x apart (noise on a shared host)
     split 9 / 7, which saves 2% of the even round at those speeds and costs 12.5% if they are in
     fact equal: kept even. 1.5x apart (10 / 6) saves 17%: taken."""
-    from policies.balance import near_even, split, step_time
+    from policies.rules.balance import near_even, split, step_time
 
     mild = [1.15, 1.0]
     assert split(8, mild) == [9, 7] and near_even([9, 7], 8, mild) == [8, 8]
@@ -264,7 +264,7 @@ def test_near_even_keeps_the_even_split_unless_the_uneven_one_saves_more_than_th
 
 
 def test_track_speed_halves_noise_and_follows_a_change_at_once():
-    from policies.balance import JUMP, track_speed
+    from policies.rules.balance import JUMP, track_speed
 
     assert track_speed(0.0, 7.0) == 7.0  # no figure yet
     assert track_speed(10.0, 12.0) == 11.0  # 1.2x: noise, halved

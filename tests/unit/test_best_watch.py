@@ -1,5 +1,5 @@
-"""The best epoch and early stopping (policies/stop.py BestWatch), without Ray."""
-from policies.stop import BestWatch
+"""The best epoch and early stopping (policies/decisions/stop.py BestWatch), without Ray."""
+from policies.decisions.stop import BestWatch
 
 
 def test_the_best_epoch_by_the_metrics_direction_and_min_delta():

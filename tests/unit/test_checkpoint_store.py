@@ -1,13 +1,13 @@
-"""The checkpoint store (orchestrator/checkpoint.py) on a local path and a file:// URI, and
-when an epoch end checkpoints (policies/checkpointing.py). No Ray."""
+"""The checkpoint store (orchestrator/persistence/checkpoint.py) on a local path and a file:// URI, and
+when an epoch end checkpoints (policies/decisions/checkpointing.py). No Ray."""
 import json
 import os
 
 import pytest
 import torch
 
-from orchestrator.checkpoint import CheckpointStore, load_checkpoint
-from policies.checkpointing import due
+from orchestrator.persistence.checkpoint import CheckpointStore, load_checkpoint
+from policies.decisions.checkpointing import due
 
 
 def state(step):

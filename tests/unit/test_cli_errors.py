@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOOD = {"model": {"factory": "examples.models:tiny_mlp"}, "data": {"source": "builtin:synthetic"}}
@@ -63,7 +63,8 @@ def no_run(monkeypatch):
     """Nothing trains, sweeps, calibrates or starts Ray: each raises Reached instead, so a test
     whose command returns 2 shows it stopped before Ray started."""
     import orchestrator.sweep
-    from orchestrator import cluster, simulate
+    from orchestrator.fleet import cluster
+    from orchestrator.cli import simulate
     from orchestrator.trainer import ElasticTrainer
 
     def reached(*args, **kwargs):
@@ -123,7 +124,7 @@ def test_checkpoint_storage_where_nothing_can_be_written(tmp_path, capsys, monke
 
 
 def test_storage_check_leaves_no_probe_file(tmp_path):
-    from orchestrator.checkpoint import check_storage
+    from orchestrator.persistence.checkpoint import check_storage
 
     (tmp_path / "ok").mkdir()
     check_storage(str(tmp_path / "ok" / "new" / "ck"))
@@ -321,7 +322,7 @@ def test_simulate_from_run_reads_an_existing_store_quietly(tmp_path, capfd):
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.simulate import from_run
+    from orchestrator.cli.simulate import from_run
 
     uri = f"sqlite:///{tmp_path}/store.db"
     client = MlflowClient(uri)
@@ -394,7 +395,7 @@ def test_local_cluster_bound(monkeypatch, cpus, started):
     """At most 4 logical CPUs per core on a local cluster started here (2 cores: 8)."""
     import ray
 
-    from orchestrator import cluster
+    from orchestrator.fleet import cluster
     from orchestrator.errors import ConfigError
 
     calls = []
@@ -413,7 +414,7 @@ def test_local_cluster_bound(monkeypatch, cpus, started):
 # ---- --no-progress: only the final line ------------------------------------------------------------
 
 def test_no_progress_prints_only_the_final_line(tmp_path, capsys, monkeypatch):
-    from orchestrator.result import FinalMetrics, TrainResult
+    from orchestrator.reporting.result import FinalMetrics, TrainResult
     from orchestrator.trainer import ElasticTrainer
 
     result = TrainResult(mlflow_run_id="0123abcd", mode="allreduce", replicas=2, epochs=1, steps=10, samples=640,

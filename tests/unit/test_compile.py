@@ -1,12 +1,12 @@
 """model.compile: the replica compiles its model's forward (torch.compile) once, before a mode's
-worker may move the parameters into flat buffers (policies/sharding.py FlatParams); the compiled
+worker may move the parameters into flat buffers (policies/rules/sharding.py FlatParams); the compiled
 forward must then train exactly as the eager one does, whatever the parameters' storage."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from examples.models import tiny_mlp
-from policies.sharding import FlatParams
+from policies.rules.sharding import FlatParams
 
 pytestmark = pytest.mark.full  # ~20 s of compiling on CPU
 

@@ -81,7 +81,7 @@ def test_malformed_override_and_missing_file(tmp_path):
 def test_docs_config_reference_is_current():
     import os
 
-    from orchestrator.config_docs import reference_markdown
+    from orchestrator.cli.config_docs import reference_markdown
 
     path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "config.md")
     with open(path) as f:
@@ -130,7 +130,7 @@ def test_a_phase_takes_only_its_own_modes_options():
 def test_group_backend_nccl_only_for_a_gpu_of_its_own():
     import torch
 
-    from actors.reducer import group_backend
+    from actors.replica.reducer import group_backend
 
     assert group_backend(torch.device("cpu"), 0) == "gloo"
     assert group_backend(torch.device("cuda"), 1) == "nccl"

@@ -1,10 +1,10 @@
-"""The cost model's maths (policies/cost_model.py), against straightforward references."""
+"""The cost model's maths (policies/decisions/cost_model.py), against straightforward references."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from policies.cost_model import (Calibration, ModeShape, Stragglers, fit_link, max_compute, predict,
+from policies.decisions.cost_model import (Calibration, ModeShape, Stragglers, fit_link, max_compute, predict,
                                  ring_allreduce_s, table)
 
 CAL = Calibration(params=100_000, batch=64, compute_s=0.01, alpha_s=50e-6, beta_s_per_byte=1e-9)
@@ -98,7 +98,7 @@ def test_bad_stragglers_and_modes_are_refused():
 def test_half_precision_halves_the_ring_all_reduce_bandwidth_term():
     from dataclasses import replace
 
-    from policies.cost_model import Calibration, ring_allreduce_s
+    from policies.decisions.cost_model import Calibration, ring_allreduce_s
 
     cal = Calibration(params=1_000_000, batch=64, compute_s=0.01, alpha_s=0.0, beta_s_per_byte=1e-9)
     assert ring_allreduce_s(replace(cal, allreduce_bytes_per_param=2), 4) == pytest.approx(ring_allreduce_s(cal, 4) / 2)
@@ -108,7 +108,7 @@ def test_a_run_of_several_replicas_calibrates_the_cores_its_hosts_gave_them():
     """--from-run with a 2-replica run: the step stays the one timed here alone, and the cores
     are what sharing the hosts did to it, so the model gives the run's own step back at 2."""
     from orchestrator.config import JobConfig
-    from orchestrator.simulate import calibration
+    from orchestrator.cli.simulate import calibration
 
     cfg = JobConfig.from_dict({"model": {"factory": "examples.models:tiny_mlp"},
                                "data": {"source": "builtin:synthetic", "batch_size": 32}})
@@ -163,7 +163,7 @@ def test_a_runs_all_reduce_faster_than_the_latency_fitted_here_still_sets_the_li
     host's loopback showed when calibrating (a loaded machine): the link scales to the run's
     time, so the model gives the run's own step back at 2 instead of a latency floor."""
     from orchestrator.config import JobConfig
-    from orchestrator.simulate import calibration
+    from orchestrator.cli.simulate import calibration
 
     cfg = JobConfig.from_dict({"model": {"factory": "examples.models:tiny_mlp"},
                                "data": {"source": "builtin:synthetic", "batch_size": 32}})
@@ -185,7 +185,7 @@ def test_on_shared_cores_communication_slows_as_compute_does():
     all-reduce and the shards' exchanges stretch by n / cores as compute does."""
     from dataclasses import replace
 
-    from policies.cost_model import Calibration, ring_allreduce_s
+    from policies.decisions.cost_model import Calibration, ring_allreduce_s
 
     own = Calibration(params=100_000, batch=64, compute_s=0.01, alpha_s=1e-4, beta_s_per_byte=1e-9)
     shared = replace(own, cores=2.0)
@@ -199,7 +199,7 @@ def test_a_half_precision_run_calibrates_the_link_with_the_bytes_it_sent():
     """--from-run of an fp16 allreduce run: the link is fitted to the bytes the prediction counts
     (2 per parameter), so the model gives the run's own communication back at its n."""
     from orchestrator.config import JobConfig
-    from orchestrator.simulate import simulate
+    from orchestrator.cli.simulate import simulate
 
     cfg = JobConfig.from_dict({"model": {"factory": "examples.models:tiny_mlp"},
                                "data": {"source": "builtin:synthetic", "batch_size": 32},
@@ -216,7 +216,7 @@ def test_the_shard_path_option_refuses_an_unknown_value_and_a_modelled_link():
     refused before anything is timed or any Ray is started."""
     from orchestrator.config import JobConfig
     from orchestrator.errors import ConfigError
-    from orchestrator.simulate import calibration
+    from orchestrator.cli.simulate import calibration
 
     cfg = JobConfig.from_dict({"model": {"factory": "examples.models:tiny_mlp"},
                                "data": {"source": "builtin:synthetic", "batch_size": 32}})

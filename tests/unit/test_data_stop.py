@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from orchestrator.data import eval_slices, load_source, partition
-from policies.stop import EpochSnapshot, StopPolicy, Target
+from orchestrator.data.in_memory import eval_slices, load_source, partition
+from policies.decisions.stop import EpochSnapshot, StopPolicy, Target
 
 
 def test_mnist5k_fixed_stratified_split():

@@ -151,7 +151,7 @@ def synopsis(words: list[str]) -> list[str]:
 
 
 def cli_parser() -> argparse.ArgumentParser:
-    from orchestrator import cli
+    from orchestrator.cli import main as cli
 
     for name in ("_parser", "parser", "build_parser", "make_parser"):
         fn = getattr(cli, name, None)
@@ -159,7 +159,7 @@ def cli_parser() -> argparse.ArgumentParser:
             p = fn()
             if isinstance(p, argparse.ArgumentParser):
                 return p
-    raise AssertionError("orchestrator/cli.py has no function that returns its argparse parser")
+    raise AssertionError("orchestrator/cli/main.py has no function that returns its argparse parser")
 
 
 def check_orchestrator(args: list[str], where: str) -> list[str]:
@@ -344,7 +344,7 @@ def test_readme_code_block(block):
 def test_the_checks_find_what_they_should():
     """The checker itself: each kind of false claim is caught."""
     bad = [
-        Block("x.md", 1, "python", "from orchestrator.sources import no_such_name\n"),
+        Block("x.md", 1, "python", "from orchestrator.data.sources import no_such_name\n"),
         Block("x.md", 1, "python", "def f(:\n"),
         Block("x.md", 1, "yaml", "strategy: {mode: no_such_mode}\n"),
         Block("x.md", 1, "yaml", "model: [unclosed\n"),
@@ -525,14 +525,14 @@ def test_paths_named_in_the_docs_exist(path):
 
 
 def test_config_reference_has_every_nested_model():
-    """docs/config.md (orchestrator/config_docs.py) has a row for every field of every model
+    """docs/config.md (orchestrator/cli/config_docs.py) has a row for every field of every model
     reachable from JobConfig and the sweep file, at any depth (PhaseOptimizer included)."""
     import typing
 
     from pydantic import BaseModel
 
     from orchestrator.config import JobConfig
-    from orchestrator.config_docs import reference_markdown
+    from orchestrator.cli.config_docs import reference_markdown
     from orchestrator.sweep import SweepConfig
 
     def models(model: type, seen: set) -> set:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from actors.reducer import EmulatedLink, ProcessGroupReducer
+from actors.replica.reducer import EmulatedLink, ProcessGroupReducer
 
 
 def test_a_transfer_takes_the_ring_traffic_over_the_bandwidth_and_queues_behind_the_last():

@@ -1,7 +1,7 @@
 """The failure policy, as a plain object (no Ray)."""
 import pytest
 
-from policies.failure import Drop, Fail, FailurePolicy, Replace, ReplicaFailure, error_detail
+from policies.decisions.failure import Drop, Fail, FailurePolicy, Replace, ReplicaFailure, error_detail
 
 
 def died(rank=1, replacement=False):
@@ -81,7 +81,7 @@ def test_a_resumed_policy_has_the_budget_it_had_left():
 def test_a_loss_stuck_at_chance_after_learning_is_divergence():
     import math
 
-    from policies.stop import ChanceWatch
+    from policies.decisions.stop import ChanceWatch
 
     w = ChanceWatch(10)
     chance = math.log(10)

@@ -1,4 +1,4 @@
-"""actors/heap.py: with the thresholds fixed, memory a step frees is reused by the next step
+"""actors/replica/heap.py: with the thresholds fixed, memory a step frees is reused by the next step
 instead of being given back and faulted in again. Each case runs in a fresh process (the
 thresholds are process-wide), allocating and freeing a step's worth of 8 MB arrays 20 times
 (numpy takes them straight from malloc; the effect on a replica's steps is measured by
@@ -16,7 +16,7 @@ from tests.conftest import REPO
 STEPS = """
 import json, resource, sys
 import numpy as np
-from actors.heap import keep_heap
+from actors.replica.heap import keep_heap
 kept = keep_heap() if sys.argv[1] == "keep" else None
 def step():
     xs = [np.ones(2 * 2**20, dtype=np.float32) for _ in range(5)]  # 5 x 8 MB, as a forward pass's activations

@@ -35,7 +35,7 @@ import yaml
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from orchestrator.config import JobConfig
 from orchestrator.errors import ConfigError
 
@@ -62,7 +62,7 @@ class Reached(BaseException):
 @pytest.fixture
 def harness(monkeypatch, capfd):
     """No training, no Ray: fit() and cluster.connect raise Reached. Yields a Harness."""
-    from orchestrator import cluster
+    from orchestrator.fleet import cluster
     from orchestrator.trainer import ElasticTrainer
 
     def reached(*args, **kwargs):
@@ -680,7 +680,7 @@ def test_resume_checkpoints(harness, case):
     code, err = harness.main(["resume", *argv, "--no-progress"], d)
     event("valid" if code is Reached else "bad")
     if code is Reached:  # a good checkpoint: its config is valid and checks
-        from orchestrator.resume import find_checkpoint
+        from orchestrator.persistence.resume import find_checkpoint
 
         with harness.empty_cwd(d):
             _, state, _ = find_checkpoint(argv[0])
@@ -703,7 +703,7 @@ def test_resume_reports_skipped_checkpoints_only_when_it_goes_on(harness):
     line, not a 'skipped checkpoint' line before it (regression: two lines)."""
     import torch
 
-    from orchestrator.checkpoint import CheckpointStore
+    from orchestrator.persistence.checkpoint import CheckpointStore
 
     d = harness.inputs()
     store = CheckpointStore(os.path.join(d, "store"), "0123abcd", keep=5)

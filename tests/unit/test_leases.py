@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.leases import MAX_GRANT, PartitionLedger, first_grants, grant_size
+from policies.decisions.leases import MAX_GRANT, PartitionLedger, first_grants, grant_size
 
 
 def run_epoch(ledger, epoch, speeds):

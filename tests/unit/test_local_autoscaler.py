@@ -1,4 +1,4 @@
-"""orchestrator/local_autoscaler.py without starting anything: the cluster config it writes for
+"""orchestrator/testing/local_autoscaler.py without starting anything: the cluster config it writes for
 Ray's autoscaler (the fake multi-node provider's base config, which Ray's wheel does not ship)
 passes Ray's own config schema, and a broken copy does not."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 from ray.autoscaler._private.util import validate_config
 
-from orchestrator.local_autoscaler import HEAD_NODE_TYPE, LocalAutoscalingCluster
+from orchestrator.testing.local_autoscaler import HEAD_NODE_TYPE, LocalAutoscalingCluster
 
 CPU_NODE = {"resources": {"CPU": 1}, "node_config": {}, "min_workers": 0, "max_workers": 2}
 

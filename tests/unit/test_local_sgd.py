@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from examples.models import tiny_mlp
-from policies.local_sgd import LocalSgdWorker, outer_step
-from policies.modes import Interrupted
+from policies.rules.local_sgd import LocalSgdWorker, outer_step
+from policies.rules.modes import Interrupted
 from tests.unit.test_allreduce_rule import ThreadSum, run_replicas
 
 
@@ -276,7 +276,7 @@ def test_balanced_periods_stay_even_for_speeds_a_little_apart():
 def test_balanced_local_sgd_leases_pinned_while_the_periods_are_even():
     """With no straggler balanced local SGD leases as plain local SGD (the same data on the same
     replica); uneven periods share one queue, the faster replica reading more partitions."""
-    from policies.registry import mode_spec
+    from policies.rules.registry import mode_spec
 
     spec = mode_spec("local_sgd")
     balanced = {"mode": "local_sgd", "period": 8, "balance": True}

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from policies.easgd import default_alpha
-from policies.lr_scaling import (LrSchedule, corrected_momentum_scale, easgd_alpha, linear_scaled_lr,
+from policies.rules.easgd import default_alpha
+from policies.decisions.lr_scaling import (LrSchedule, corrected_momentum_scale, easgd_alpha, linear_scaled_lr,
                                  warmup_lr)
 
 

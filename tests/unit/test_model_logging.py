@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from mlflow.tracking import MlflowClient
 
-from orchestrator.final_model import input_example, trained_model
-from orchestrator.tracking import Tracker
+from orchestrator.persistence.final_model import input_example, trained_model
+from orchestrator.reporting.tracking import Tracker
 from tests.conftest import job_config
 
 
@@ -23,7 +23,7 @@ def test_the_logged_model_loads_predicts_and_registers(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", caller_uri)
     uri = f"sqlite:///{tmp_path}/runs.db"
     cfg = job_config(tracking={"register_as": "tiny"})
-    from orchestrator.loading import load_dataset
+    from orchestrator.data.loading import load_dataset
 
     dataset = load_dataset(cfg.data)
     state = {k: v + 0.01 for k, v in _fresh(cfg).state_dict().items()}  # not the factory's initial values
@@ -62,7 +62,7 @@ def test_the_logged_model_loads_predicts_and_registers(tmp_path, monkeypatch):
 
 
 def _fresh(cfg):
-    from orchestrator.factory import build_model
+    from orchestrator.models import build_model
 
     return build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed)
 
@@ -84,7 +84,7 @@ def test_a_store_that_fails_the_model_is_reported_and_the_run_goes_on(tmp_path, 
     tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "failing", None, warn=warnings.append)
     tracker.client = FailingClient(tracker.client)
     cfg = job_config()
-    from orchestrator.loading import load_dataset
+    from orchestrator.data.loading import load_dataset
 
     dataset = load_dataset(cfg.data)
     assert tracker.log_model(_fresh(cfg), input_example(dataset)) is False  # not logged; does not raise

@@ -1,8 +1,8 @@
-"""A phase switch carries the local optimizer's state (policies/factory.py)."""
+"""A phase switch carries the local optimizer's state (policies/rules/factory.py)."""
 import torch
 
 from examples.models import tiny_mlp
-from policies.factory import carry_optimizer_state, momentum_buffers, set_momentum_buffers
+from policies.rules.factory import carry_optimizer_state, momentum_buffers, set_momentum_buffers
 
 
 def trained(momentum=0.9):

@@ -1,7 +1,7 @@
 """The pause gate without Ray: one reason at a time, each close and open sent to the server once."""
 import pytest
 
-from orchestrator.pause import PauseGate
+from orchestrator.fleet.pause import PauseGate
 
 
 class Server:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import matplotlib.image
 
-from orchestrator.plots import log_training_plot, mark_times, training_plot
+from orchestrator.reporting.plots import log_training_plot, mark_times, training_plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

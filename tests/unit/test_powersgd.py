@@ -3,8 +3,8 @@ the rank suffices; replicas in threads meeting at a summing barrier (no Ray)."""
 import torch
 import torch.nn.functional as F
 
-from policies.allreduce import AllReduceWorker
-from policies.powersgd import PowerSgd, compressible, floats_sent
+from policies.rules.allreduce import AllReduceWorker
+from policies.rules.powersgd import PowerSgd, compressible, floats_sent
 from tests.unit.test_allreduce_rule import ThreadSum, flat, make, reference_training, run_replicas
 
 

@@ -12,7 +12,7 @@ import sys
 from tests.conftest import REPO
 
 SCRIPT = """
-from orchestrator.progress import ProgressDisplay
+from orchestrator.reporting.progress import ProgressDisplay
 d = ProgressDisplay(total_epochs=2)
 print("live" if d.live else "plain", flush=True)
 for step in range(5):

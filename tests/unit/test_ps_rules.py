@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from examples.models import mnist_cnn, tiny_mlp
-from policies.downpour import DownpourWorker
-from policies.easgd import EasgdWorker, default_alpha
-from policies.sharding import FlatParams, ShardState, shard_bounds
+from policies.rules.downpour import DownpourWorker
+from policies.rules.easgd import EasgdWorker, default_alpha
+from policies.rules.sharding import FlatParams, ShardState, shard_bounds
 from tests.unit.local_shards import LocalShardClient
 
 
@@ -216,7 +216,7 @@ def test_sync_easgd_is_lock_step_with_uneven_data():
 def test_average_buffers_means_floats_and_keeps_the_largest_count():
     import numpy as np
 
-    from policies.sharding import average_buffers
+    from policies.rules.sharding import average_buffers
 
     out = average_buffers({0: {"m": np.array([1.0, 3.0], np.float32), "n": np.array(4)},
                            1: {"m": np.array([3.0, 5.0], np.float32), "n": np.array(6)}})

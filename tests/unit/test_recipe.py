@@ -1,4 +1,4 @@
-"""The step a user would write (policies/recipe.py) against a plain single-process loop, without
+"""The step a user would write (policies/rules/recipe.py) against a plain single-process loop, without
 Ray: any torch.optim optimizer, learning-rate schedules, clipping, accumulation and mixed
 precision, in allreduce (threads as replicas), on a shard's slice and in the local modes."""
 import math
@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from examples.models import tiny_mlp
-from policies.allreduce import AllReduceWorker
-from policies.recipe import Recipe, RecipeError, Schedule, make_optimizer, optimizer_class, planned_steps, shardable
-from policies.sharding import ShardState
+from policies.rules.allreduce import AllReduceWorker
+from policies.rules.recipe import Recipe, RecipeError, Schedule, make_optimizer, optimizer_class, planned_steps, shardable
+from policies.rules.sharding import ShardState
 from tests.unit.test_allreduce_rule import ThreadSum, run_replicas
 
 ADAMW = {"name": "adamw", "lr": 3e-3, "momentum": 0.9, "weight_decay": 0.1, "kwargs": {"betas": [0.9, 0.95], "eps": 1e-8}}

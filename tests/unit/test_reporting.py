@@ -2,7 +2,7 @@
 never the run."""
 import time
 
-from orchestrator.reporting import Reporter
+from orchestrator.reporting.reporter import Reporter
 
 
 class Recorder:

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from orchestrator.checkpoint import CheckpointStore
+from orchestrator.persistence.checkpoint import CheckpointStore
 from orchestrator.config import JobConfig
 from orchestrator.errors import ConfigError
-from orchestrator.resume import find_checkpoint
+from orchestrator.persistence.resume import find_checkpoint
 
 
 def state(step, config):
@@ -41,7 +41,7 @@ def named(tmp_path, name="nightly", *overrides):
 
 
 def test_a_named_run_without_checkpoints_starts_and_one_with_them_goes_on_from_the_newest(tmp_path):
-    from orchestrator.resume import named_checkpoint
+    from orchestrator.persistence.resume import named_checkpoint
 
     config = named(tmp_path)
     assert named_checkpoint(config) == (None, None, [])  # a new name: a fresh run
@@ -57,7 +57,7 @@ def test_a_named_run_without_checkpoints_starts_and_one_with_them_goes_on_from_t
 
 
 def test_a_named_run_refuses_a_finished_run_and_a_changed_config_naming_the_keys(tmp_path):
-    from orchestrator.resume import named_checkpoint
+    from orchestrator.persistence.resume import named_checkpoint
 
     config = named(tmp_path)
     store = CheckpointStore(str(tmp_path), "nightly", keep=5)

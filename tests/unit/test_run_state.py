@@ -6,9 +6,9 @@ import io
 import pytest
 import torch
 
-from orchestrator.run_state import UNSAVED, PartUnsaved, Position
-from policies.lr_scaling import LrSchedule
-from policies.sharding import ShardState
+from orchestrator.persistence.run_state import UNSAVED, PartUnsaved, Position
+from policies.decisions.lr_scaling import LrSchedule
+from policies.rules.sharding import ShardState
 
 
 def test_each_part_goes_back_to_its_owner_and_a_missing_one_is_named():

@@ -3,7 +3,7 @@ import pytest
 
 from orchestrator.config import JobConfig
 from orchestrator.errors import ConfigError
-from policies.scaling import ClusterView, ScaleDecision, ScalingPolicy, make_scaling_policy
+from policies.decisions.scaling import ClusterView, ScaleDecision, ScalingPolicy, make_scaling_policy
 
 ONE_CPU = {"CPU": 1.0}
 
@@ -157,7 +157,7 @@ def test_bad_scaling_options_are_one_line_config_errors(overrides, message):
 def test_a_spare_reserves_no_cpu_but_its_gpu():
     """A spare in a GPU run reserves the GPU it builds its model on (without it Ray hides every
     GPU from the process and the spare dies at start); no CPU either way."""
-    from orchestrator.group import replica_resources
+    from orchestrator.fleet.replica_group import replica_resources
 
     assert replica_resources(1.0, 0.0, spare=True) == {"num_cpus": 0, "num_gpus": 0.0}
     assert replica_resources(1.0, 0.5, spare=True) == {"num_cpus": 0, "num_gpus": 0.5}

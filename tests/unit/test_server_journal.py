@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from actors.partition_server import PartitionServer
+from actors.partitions.server import PartitionServer
 
 Server = PartitionServer.__ray_actor_class__  # the class itself: its methods run in this process
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from policies.sharding import ShardState
+from policies.rules.sharding import ShardState
 
 OPTIMIZERS = [
     {"optimizer": "sgd", "lr": 0.1, "momentum": 0.0},

@@ -7,9 +7,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from orchestrator.config import DataConfig
-from orchestrator.loading import load_dataset
+from orchestrator.data.loading import load_dataset
 
 
 def blobs(n=200, dim=4, seed=0):
@@ -24,7 +24,7 @@ def blobs(n=200, dim=4, seed=0):
 def read_all(ds):
     """A planned file source read whole, as its readers read it: (train rows, test rows), each
     {"x", "y", "ids"} concatenated (tests only: small data)."""
-    from actors.reading import eval_shares, read_partition, read_range, eval_pieces
+    from actors.partitions.reading import eval_shares, read_partition, read_range, eval_pieces
 
     def join(parts):
         return {k: np.concatenate([p[k] for p in parts]) for k in ("x", "y", "ids")}

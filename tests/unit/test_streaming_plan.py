@@ -8,15 +8,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from actors import reading
-from actors.decoding import DecodeError, DecodeSpec, check_decoded, decode
-from actors.reading import (SourceReadError, count_kept, cut_ranges, eval_shares, overlapping, read_partition,
+from actors.partitions import reading
+from actors.partitions.decoding import DecodeError, DecodeSpec, check_decoded, decode
+from actors.partitions.reading import (SourceReadError, count_kept, cut_ranges, eval_shares, overlapping, read_partition,
                             read_range, held_out_mask, eval_pieces)
 from orchestrator.config import DataConfig
 from orchestrator.errors import ConfigError
-from orchestrator.planning import default_partitions
-from orchestrator.loading import load_dataset
-from policies.tasks import load_task
+from orchestrator.data.planning import default_partitions
+from orchestrator.data.loading import load_dataset
+from policies.rules.tasks import load_task
 
 
 def write_dir(d, files=3, rows=250, row_group=40, dim=5, seed=0):

@@ -5,7 +5,7 @@ import os
 import pytest
 import yaml
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from orchestrator.errors import ConfigError
 from orchestrator.sweep import comparison_csv, comparison_markdown, load_sweep, plot_metric, trial_resources
 

@@ -2,7 +2,7 @@
 import pytest
 
 from orchestrator.config import JobConfig
-from policies.switching import AdaptivePolicy, Observation, SchedulePolicy, make_switch_policy
+from policies.decisions.switching import AdaptivePolicy, Observation, SchedulePolicy, make_switch_policy
 
 
 def obs(epoch_end=False, epochs=0, step=0, elapsed_s=0.0, metrics=None, compute_s=None, rows=None, members=None):
@@ -111,7 +111,7 @@ def test_adaptive_needs_two_replicas_reporting_and_uses_the_median_of_the_others
 
 
 def test_entering_downpour_lowers_the_momentum_by_what_the_asynchrony_adds():
-    from policies.switching import entering_optimizer
+    from policies.decisions.switching import entering_optimizer
 
     job = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}
     opt, note = entering_optimizer("downpour", job, None, replicas=2, in_phases=True)

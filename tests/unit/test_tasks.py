@@ -1,4 +1,4 @@
-"""Tasks (policies/tasks.py): each builtin's evaluation summed over pieces (batches, replicas)
+"""Tasks (policies/rules/tasks.py): each builtin's evaluation summed over pieces (batches, replicas)
 equals one process evaluating everything at once, against a straightforward reference; the
 allreduce rule with a regression task equals single-process SGD; user tasks load or fail in one
 line; targets and metric names are checked before anything starts."""
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from orchestrator.config import JobConfig
 from orchestrator.errors import ConfigError
-from policies.allreduce import AllReduceWorker
-from policies.tasks import Classification, LanguageModel, Regression, load_task, sum_stats
+from policies.rules.allreduce import AllReduceWorker
+from policies.rules.tasks import Classification, LanguageModel, Regression, load_task, sum_stats
 from tests.unit.test_allreduce_rule import ThreadSum, flat, run_replicas
 
 

@@ -1,5 +1,5 @@
-"""A map-style torch Dataset as a data source, without Ray (orchestrator/torch_data.py,
-actors/items.py): the seeded split and the partitions cover every index exactly once, items
+"""A map-style torch Dataset as a data source, without Ray (orchestrator/data/torch_data.py,
+actors/partitions/items.py): the seeded split and the partitions cover every index exactly once, items
 collate into the task's dtypes (pairs and dicts), a collate of one's own is used, threads give
 the same rows as none, and bad datasets are one ConfigError line naming the problem."""
 from __future__ import annotations
@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from actors.partition_reader import PartitionReader
-from actors.reading import SourceReadError, eval_pieces, eval_shares, read_partition, read_range
+from actors.partitions.reader import PartitionReader
+from actors.partitions.reading import SourceReadError, eval_pieces, eval_shares, read_partition, read_range
 from orchestrator.config import DataConfig
 from orchestrator.errors import ConfigError
-from orchestrator.loading import load_dataset
-from orchestrator.torch_data import is_function_source
+from orchestrator.data.loading import load_dataset
+from orchestrator.data.torch_data import is_function_source
 from orchestrator.trainer import ElasticTrainer
-from policies.tasks import load_task
+from policies.rules.tasks import load_task
 from tests import torch_datasets as tds
 from tests.conftest import job_config
 
@@ -221,7 +221,7 @@ def test_a_dataset_of_files_ships_pickled_and_reads_them_where_it_lands(tmp_path
 def test_the_dataset_is_put_into_the_object_store_once(monkeypatch):
     import ray
 
-    from orchestrator.placement import place_data
+    from orchestrator.data.placement import place_data
 
     put = []
     monkeypatch.setattr(ray, "put", lambda obj: put.append(obj) or obj)

@@ -6,7 +6,7 @@ import time
 
 from mlflow.tracking import MlflowClient
 
-from orchestrator.tracking import Tracker
+from orchestrator.reporting.tracking import Tracker
 
 
 def events_in_run(uri, run_id, tmp_path):
@@ -83,7 +83,7 @@ def test_a_sqlite_stores_artifacts_go_beside_it(tmp_path):
     """A new experiment in a sqlite store keeps its artifacts in mlruns/ beside the database,
     not in the working directory (MLflow's default), so a store in a temporary directory leaves
     nothing behind elsewhere."""
-    from orchestrator.tracking import Tracker, artifacts_beside
+    from orchestrator.reporting.tracking import Tracker, artifacts_beside
 
     assert artifacts_beside(f"sqlite:///{tmp_path}/m.db", "my exp") == (tmp_path / "mlruns" / "my_exp").as_uri()
     assert artifacts_beside("http://127.0.0.1:5000", "x") is None

@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from actors.reading import eval_pieces, eval_shares, read_partition, read_range
+from actors.partitions.reading import eval_pieces, eval_shares, read_partition, read_range
 from orchestrator.config import DataConfig, JobConfig
 from orchestrator.errors import ConfigError
-from orchestrator.loading import load_dataset
-from orchestrator.result import FinalMetrics, TrainResult
+from orchestrator.data.loading import load_dataset
+from orchestrator.reporting.result import FinalMetrics, TrainResult
 from orchestrator.sweep.schema import SweepConfig
-from policies.tasks import load_task, split_metric
+from policies.rules.tasks import load_task, split_metric
 from tests import torch_datasets as tds
 from tests.unit.test_streaming_plan import write_dir
 

@@ -1,0 +1,1 @@
+"""Parameter shards: the ParameterShard actor and a replica's client to them."""

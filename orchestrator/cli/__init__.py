@@ -1,0 +1,1 @@
+"""`python -m orchestrator`: the command line, the config reference it generates, the cost-model simulator."""

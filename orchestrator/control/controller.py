@@ -1,0 +1,171 @@
+"""The controller: a state machine whose states carry their payloads. Policies decide, the
+controller acts, actors hold state and move tensors.
+
+    Starting -> Running(segment) -> ... -> Finishing -> Finished
+                   |        ^
+                   v        |                  any state -> Errored(error)
+              Reconfiguring(plan, segment)
+
+`step()` runs the current state once and returns the next:
+- Starting: actors, data into the object store, process group, first epoch's segment;
+- Running(segment): reads the replicas' epoch streams (orchestrator/control/running.py) until the epoch
+  ends (-> the epoch's bookkeeping, then Running(next epoch) or Finishing) or a failure needs a
+  decision. A failure (a replica died, hung, or its user code raised) is a value: the failure
+  policy (policies/decisions/failure.py) judges it; Fail -> Errored;
+- Reconfiguring(plan, segment): one carrier (orchestrator/control/reconfig/carrier.py) takes the same steps
+  for every kind: pause -> membership -> passes -> ledger -> state -> regroup -> data -> lr ->
+  reopen. A repair plan (orchestrator/control/reconfig/repair.py: failed replicas replaced or dropped, their
+  partitions back to the pool, state to the newcomers; a shrink when the cluster has no room), a
+  switch plan (orchestrator/control/reconfig/phase_switch.py: state consolidated, every replica's update rule
+  changed in place) or a grow plan (orchestrator/control/reconfig/elastic.py: ready replicas join);
+  -> Running(same segment): the epoch goes on where it was;
+- Finishing: final checkpoint and artifacts.
+
+The controller owns the state and the loop, nothing else: every handler takes the run's
+contexts (orchestrator/control/context.py: RunContext with its Fleet, Phase, Ledger and Policies),
+never the controller. Who owns what: the replica group (orchestrator/fleet/replica_group.py) owns the actors, ranks and
+generations; the PartitionServer is the one ledger of what each epoch served; the reporter
+(orchestrator/reporting/reporter.py) owns MLflow, events and the display; the mode registry
+(policies/rules/registry.py) says what differs between modes.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from orchestrator.control import failures
+
+from orchestrator.control import finishing
+
+from orchestrator.control.reconfig import carrier
+
+from orchestrator.control.reconfig import repair
+
+from orchestrator.control import running
+
+from orchestrator.control import starting
+
+from orchestrator.control.reconfig import phase_switch
+from orchestrator.control.context import RunContext, Written
+from orchestrator.data.in_memory import Dataset
+from orchestrator.config import JobConfig
+from orchestrator.control.reconfig.elastic import Elasticity, Grow
+from orchestrator.control.epoch_end import watch_servers
+from orchestrator.errors import Interrupts, MemberLost
+from orchestrator.reporting.progress import ProgressDisplay
+from orchestrator.persistence.run_state import RunTotals
+from orchestrator.control.states import (TERMINAL, EpochSegment, Errored, Finished, Finishing, Plan, Reconfiguring, Running,
+                                  Starting, State, SwitchPlan)
+from orchestrator.reporting.tracking import Tracker
+
+__all__ = ["Controller", "Written"]
+
+# what callers between steps (the trainer, tests, tools) read through the controller: name ->
+# where it lives in the run's contexts (orchestrator/control/context.py)
+VIEW = {
+    "group": "fleet.group", "shard_group": "fleet.shard_group", "server": "fleet.server", "pause": "fleet.pause",
+    "elastic": "fleet.elastic", "spec": "phase.spec", "strategy": "phase.strategy", "phases": "phase.phases",
+    "pending_switch": "phase.pending_switch", "totals": "ledger.totals", "consumed": "ledger.consumed",
+    "redone": "ledger.redone", "steps_per_epoch": "ledger.steps_per_epoch", "progress": "ledger.progress",
+    "stop_policy": "policies.stop", "failure_policy": "policies.failure", "switch_policy": "policies.switch",
+    "cfg": "cfg", "dataset": "dataset", "report": "report", "metric": "metric", "tracker": "tracker",
+    "replicas": "replicas", "shards": "shards", "last_state": "last_state",
+    "checkpoint": "checkpoint", "finish_epochs": "finish_epochs", "halt": "halt",
+    "shutdown": "shutdown",
+}
+SETTABLE = {"tracker", "stop_policy"}
+
+
+class Controller:
+    def __init__(self, config: JobConfig, dataset: Dataset, tracker: Optional[Tracker], t0: float,
+                 display: Optional[ProgressDisplay] = None, trace_ids: bool = False,
+                 resume: Optional[dict[str, Any]] = None, interrupts: Optional[Interrupts] = None) -> None:
+        """`resume`: a checkpoint's state to go on from (orchestrator/persistence/resume.py): the run starts
+        at the epoch after the one it was taken at, in the phase it was in. `interrupts`: the
+        run's interrupt state (the trainer routes the process's signals to it)."""
+        self.context = ctx = RunContext(config, dataset, tracker, t0, display, trace_ids, resume, interrupts)
+        ctx.fleet.elastic = Elasticity(ctx)  # growing and shrinking with the cluster
+        # while the driver waits on replicas (a repair, a switch, an evaluation): a dead shard or
+        # partition server is still noticed and rebuilt, so a replica waiting for one is not left
+        # waiting; True when one was (a replica that waited on it was not hung meanwhile)
+        ctx.fleet.group.on_wait = lambda: watch_servers(ctx, ctx.ledger.totals.epochs + 1)
+        self.state: State = Starting()
+
+    def launch(self) -> None:
+        """Ask Ray for the actors the mode needs and return at once (orchestrator/control/starting.py)."""
+        starting.launch(self.context)
+
+    # ---- the state machine ---------------------------------------------------------------
+    def step(self) -> State:
+        """Run the current state once; the next state."""
+        state = self.state
+        try:
+            if isinstance(state, Starting):
+                nxt = Running(starting.start(self.context))
+            elif isinstance(state, Running):
+                try:
+                    nxt = running.run_segment(self.context, state.segment)
+                except MemberLost as lost:
+                    nxt = failures.lost_meanwhile(self.context, state.segment, lost)
+            elif isinstance(state, Reconfiguring):
+                nxt = self._reconfigure(state.plan, state.segment)
+            elif isinstance(state, Finishing):
+                finishing.finish(self.context)
+                nxt = Finished()
+            else:
+                return state
+        except BaseException as exc:
+            self.state = Errored(exc)
+            self.context.report.state(state, self.state)
+            raise
+        self.state = nxt
+        self.context.report.state(state, nxt)
+        if isinstance(nxt, Errored):
+            raise nxt.error
+        return nxt
+
+    def _reconfigure(self, plan: Any, seg: EpochSegment) -> State:
+        """Reconfiguring: the plan as the one carrier's steps (orchestrator/control/reconfig/carrier.py). A
+        replica lost meanwhile is a failure of the segment: a repair folds it into its plan
+        (`repair.reconfigure`); a switch is carried out after that repair; a grow's newcomers
+        are members by then and the repair sees to the lost one."""
+        if isinstance(plan, Plan):
+            return Running(repair.reconfigure(self.context, plan, seg))
+        change = phase_switch.Switching(plan) if isinstance(plan, SwitchPlan) else Grow(plan, self.context.fleet.elastic)
+        try:
+            return Running(carrier.carry_out(self.context, change, seg))
+        except MemberLost as lost:
+            if isinstance(plan, SwitchPlan):
+                self.context.phase.pending_switch = plan
+            return failures.lost_meanwhile(self.context, seg, lost)
+
+    def run(self) -> RunTotals:
+        while not isinstance(self.step(), TERMINAL):
+            pass
+        return self.context.ledger.totals
+
+    def run_epoch(self) -> State:
+        """Step until one more epoch is done (or the run ends): the tests' and tools' unit."""
+        target = self.context.ledger.totals.epochs + 1
+        while not isinstance(self.step(), TERMINAL) and self.context.ledger.totals.epochs < target:
+            pass
+        return self.state
+
+    # ---- the view for callers between steps -------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        where = VIEW.get(name)
+        if where is None:
+            raise AttributeError(f"Controller has no {name!r}")
+        obj = self.__dict__["context"]
+        for part in where.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in SETTABLE:
+            head, _, last = VIEW[name].rpartition(".")
+            obj = self.context
+            for part in filter(None, head.split(".")):
+                obj = getattr(obj, part)
+            setattr(obj, last, value)
+        else:
+            object.__setattr__(self, name, value)

@@ -1,0 +1,244 @@
+"""One epoch's bookkeeping: closing a pass over the partitions (a further pass over what a
+disturbed epoch left unserved), the epoch's end (evaluation, totals, metrics, events, the
+periodic checkpoint, the stop decision: `end_epoch`), and noticing a rebuilt partition server or
+shard whatever else the driver is doing."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from orchestrator.control.reconfig import phase_switch
+from orchestrator.errors import MemberLost, TrainingError
+from orchestrator.control.failures import lost_meanwhile
+from orchestrator.control.states import EpochSegment, Finishing, Running
+from policies.decisions.checkpointing import due as checkpoint_due
+from policies.decisions.stop import EpochSnapshot
+
+if TYPE_CHECKING:
+    from orchestrator.control.context import RunContext
+
+MAX_PASSES = 8  # further passes over an epoch's unserved partitions before the run gives up
+
+
+def watch_servers(run: "RunContext", epoch: int) -> bool:
+    """The shards and the partition server: a dead (or stopped) one is rebuilt, whatever else
+    the driver is doing (never waits on a shard; a server's rebuild is waited for). True when
+    one was rebuilt or a shard is being rebuilt: a replica may have waited on it."""
+    repaired = False
+    if run.fleet.server is not None:
+        for event in run.fleet.server.poll():
+            repaired = True
+            run.report.event(event.pop("kind"), **event)
+            run.report.say(f"partition server died ({event['detected_by']}); rebuilt from its journal in "
+                           f"{event['recovery_s']:.2f}s, epoch {event['epoch']} with {event['partitions_done']} "
+                           f"partitions served kept")
+    if run.fleet.shard_group is not None:
+        report_shard_events(run, run.fleet.shard_group.poll(), epoch)
+        repaired = repaired or run.fleet.shard_group.repairing
+    return repaired
+
+
+def report_shard_events(run: "RunContext", events: list[dict], epoch: int) -> None:
+    for event in events:
+        kind = event.pop("kind", "shard_rebuilt")
+        run.report.event(kind, epoch=epoch, **event)
+        run.report.say(f"shard {event.get('shard')} died and was rebuilt from its snapshot "
+                       f"({event.get('lost_updates')} acknowledged updates lost)")
+
+
+def close_pass(run: "RunContext", seg: EpochSegment):
+    """Every stream ended with no failure pending. An undisturbed epoch ends here (its last
+    completions are reported with the next start_epoch); else ask the server's ledger whether
+    every partition was served, and start a further pass over what is left if not."""
+    if seg.started is not None:
+        run.fleet.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
+        seg.started = None
+    completed = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch"}
+    if not seg.disturbed:
+        run.ledger.unreported = completed
+        return end_epoch(run, seg)
+    status = run.fleet.server.call("finish", completed)
+    seg.ended = {}
+    if status["complete"]:
+        run.ledger.redone += status["redone"]
+        return end_epoch(run, seg)
+    seg.passes += 1
+    if seg.passes > MAX_PASSES:
+        raise TrainingError(f"epoch {seg.epoch}: {status['remaining']} partitions were never served")
+    for rank in run.fleet.group.ranks:  # a further pass: every member asks the server for what is left
+        run.open_stream(seg, rank, announce=rank in seg.awaiting_steps())
+    return None
+
+
+def end_epoch(run: "RunContext", seg: EpochSegment):
+    """The epoch's bookkeeping: evaluation, totals, metrics, events, checkpoint, the stop
+    decision. Running(next epoch) or Finishing."""
+    cfg, tot = run.cfg, run.ledger.totals
+    epoch = seg.epoch
+    stats = seg.merged()
+    finals = [s for s in stats if s["eval"] is not None or s["mode"] is not None]
+    if run.phase.spec.sharded:  # evaluate the reference (server copy / center) once all are done
+        evals = run.fleet.group.call(run.fleet.group.ranks, "evaluate_reference", what="evaluation",
+                                timeout_s=cfg.strategy.timeout_s)
+    else:
+        evals = [s["eval"] for s in finals]
+    metrics = run.finish_evaluation(evals)
+
+    tot.epochs = epoch
+    tot.steps += max(s["steps"] for s in stats)
+    tot.samples += sum(s["samples"] for s in stats)
+    tot.rows_per_epoch.append(sum(s["samples"] for s in stats))
+    tot.train_s += max(s["train_s"] for s in stats)
+    tot.comm_s += max(s["comm_s"] for s in stats)
+    tot.train_loss = finals[0]["loss"] if finals else stats[0]["loss"]
+    tot.metrics = metrics
+    judged = {**metrics, "train_loss": tot.train_loss}
+    if run.trace_ids:
+        run.ledger.consumed.append(seg.consumed())
+    elapsed = time.perf_counter() - run.ledger.t0
+    note_target(run, epoch, judged, elapsed)
+
+    rows_out = [(key, p[name], p["step"]) for p in seg.progress
+                for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"), ("lr", "lr"),
+                                  ("grad_norm", "grad_norm"), ("skipped_steps", "skipped_steps"))
+                if p.get(name) is not None]
+    rows_out += step_metric_rows(seg.all_progress)
+    figures = step_figures(seg.all_progress)
+    if cfg.optimizer.schedule is not None:  # the rate by step for training.png (MLflow's `lr` holds every row)
+        rates = [[p["step"], p["lr"]] for p in seg.progress if p.get("lr") is not None]
+        figures["lr_by_step"] = rates[:: max(1, len(rates) // LR_POINTS)]
+    rows_out += [(k, v, tot.steps) for k, v in metrics.items()]
+    rows_out += [("epoch", epoch, tot.steps),
+                 ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
+    mine = [s for s in finals if s["mode"] is not None and s.get("mode_name") == run.phase.spec.name]
+    extra = run.phase.spec.metrics(mine) if mine else {}  # a rank that ended the epoch before a switch: not its figures
+    if run.fleet.shard_group is not None:
+        extra.update(run.phase.spec.shard_metrics(run.fleet.shard_group))
+    rows_out += [(k, v, tot.steps) for k, v in extra.items()]
+    for event in run.phase.spec.epoch_events(mine) if mine else []:
+        run.report.event(event.pop("kind"), epoch=epoch, **event)
+    rows_out += [("epoch_rows", tot.rows_per_epoch[-1], tot.steps),
+                 ("replicas_alive", len(run.fleet.group.members), tot.steps),
+                 ("replica_restarts", tot.replica_restarts, tot.steps)]
+    run.report.metrics(rows_out)
+    tot.epoch_wall_s += time.perf_counter() - seg.t_start
+    run.report.event("epoch_end", epoch=epoch, step=tot.steps, **{k: round(v, 6) for k, v in metrics.items()},
+                      train_loss=round(tot.train_loss, 4),
+                      train_s_by_rank=[round(s["train_s"], 3) for s in stats],
+                      steps_by_rank=[s["steps"] for s in stats], rows=tot.rows_per_epoch[-1],
+                      replicas=len(run.fleet.group.members), **{k: round(v, 4) for k, v in extra.items()}, **figures)
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != run.metric))
+    run.report.say(f"epoch {epoch}: {shown}  train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
+    if not seg.had_failure:
+        run.policies.failure.epoch_without_failure()
+
+    phase_switch.check_guard(run, epoch, metrics)  # a switch that hurt: rolled back before anything keeps this model
+    rolling_back = run.phase.pending_switch is not None and run.phase.pending_switch.rollback is not None
+    lost: list[MemberLost] = []
+    if not rolling_back:
+        loss = metrics.get(run.loss_metric)
+        why = run.policies.chance.observe(loss) if run.policies.chance is not None and loss is not None else None
+        if why is not None:
+            raise TrainingError(f"epoch {epoch}: training diverged: {why}; the last checkpoint is kept")
+        ck = cfg.checkpoint
+        best = run.policies.best.observe(epoch, judged) and ck.keep_best  # the best epoch so far: kept as best.pt
+        if best or checkpoint_due(epoch, time.perf_counter(), max(run.checkpoints.last_s, run.ledger.train_started),
+                                  ck.every_epochs, ck.every_s):
+            try:
+                written = run.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s, named="best.pt" if best else None)
+                tot.checkpoint, lost = written.path, written.lost
+                if best:
+                    run.ledger.best_model = run.last_state["model"]
+                    run.report.event("best_checkpoint", epoch=epoch, metric=run.metric, value=judged[run.metric])
+            except TrainingError as exc:  # every member stopped or died meanwhile, or the store failed
+                lost = [exc] if isinstance(exc, MemberLost) else []
+                run.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
+                run.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
+    decision = run.policies.stop.decide(EpochSnapshot(epoch, judged, time.perf_counter() - run.ledger.train_started))
+    if not decision.stop and not rolling_back:
+        decision = run.policies.best.stop() or decision  # stop.early_stopping
+    if decision.stop:
+        tot.stop_reason = decision.reason
+        run.report.event("stop", reason=decision.reason)
+        if not rolling_back:
+            return Finishing()
+        run.ledger.stopping = True  # the model from before the switch first (Running carries the rollback out), then the end
+    else:
+        phase_switch.consider(run, None, epoch_end=True, metrics=judged)
+    # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
+    # it carries on timing a recovery whose newcomer had nothing left to do in this one. Members
+    # lost while the checkpoint was taken are its failures: repaired before it opens
+    nxt = EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False)
+    for exc in lost:
+        lost_meanwhile(run, nxt, exc)
+    return Running(nxt)
+
+
+def note_target(run: "RunContext", epoch: int, judged: dict[str, float], elapsed: float, **where) -> None:
+    """The first evaluation that reaches stop.target: time_to_target_s and a `target_reached`
+    event (`where`: the step of an eval.every_steps evaluation)."""
+    target, tot = run.target, run.ledger.totals
+    if target is not None and tot.time_to_target_s is None and target.reached(judged):
+        tot.time_to_target_s = elapsed
+        run.report.event("target_reached", epoch=epoch, metric=target.metric, value=judged[target.metric],
+                          target=target.value, goal=target.goal, **where, **{target.metric: judged[target.metric]})
+
+
+def interval_evaluation(run: "RunContext", seg: EpochSegment, rank: int, item: dict) -> None:
+    """eval.every_steps: a member's evaluation sums at a step; once every member has sent its
+    own for that step, the metrics: MLflow at that step, an `evaluation` event, a target
+    reached. A step some member never reports (it left the group, or joined past it) is
+    dropped at the epoch's end: a partial sum would be another split's figure."""
+    pending = seg.evaluations.setdefault(item["step"], {})
+    pending[rank] = item["sums"]
+    members = sorted(run.fleet.group.members)
+    if not set(members) <= set(pending):
+        return
+    del seg.evaluations[item["step"]]
+    step = item["step"]
+    metrics = run.finish_evaluation([pending[r] for r in members])
+    run.report.metrics([(k, v, step) for k, v in metrics.items()])
+    run.report.event("evaluation", epoch=seg.epoch, step=step, **{k: round(v, 6) for k, v in metrics.items()})
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != run.metric))
+    run.report.say(f"step {step} (epoch {seg.epoch}): {shown}")
+    note_target(run, seg.epoch, metrics, time.perf_counter() - run.ledger.t0, step=step)
+
+
+LR_POINTS = 200  # at most this many (step, lr) points per epoch_end event
+STEP_FIGURES = ("compute_s", "comm_s", "wait_s", "batch_rows")  # per replica, from its progress rows
+
+
+def step_metric_rows(progress: list[dict]) -> list[tuple[str, float, int]]:
+    """MLflow rows of the per-step measurements in the replicas' progress rows: each replica's
+    `replica<r>/<figure>` (compute, communication and waiting seconds per step, its batch
+    rows), and `gradient_diversity` and `busy_spread` (the same on every replica: rank 0's)."""
+    out = [(f"replica{p['rank']}/{k}", p[k], p["step"]) for p in progress for k in STEP_FIGURES
+           if p.get(k) is not None]
+    ranks = sorted({p["rank"] for p in progress})
+    out += [(k, p[k], p["step"]) for p in progress if ranks and p["rank"] == ranks[0]
+            for k in ("gradient_diversity", "busy_spread") if p.get(k) is not None]
+    return out
+
+
+def step_figures(progress: list[dict]) -> dict:
+    """The epoch's per-step measurements for its `epoch_end` event: `step_figures` {rank: mean
+    compute_s, comm_s, wait_s, batch_rows per step}, and the mean `gradient_diversity` and
+    `busy_spread`; {} when the rows have none."""
+    by_rank: dict[int, dict[str, list[float]]] = {}
+    shared: dict[str, list[float]] = {"gradient_diversity": [], "busy_spread": []}
+    ranks = sorted({p["rank"] for p in progress})
+    for p in progress:
+        mine = by_rank.setdefault(p["rank"], {k: [] for k in STEP_FIGURES})
+        for k in STEP_FIGURES:
+            if p.get(k) is not None:
+                mine[k].append(float(p[k]))
+        if p["rank"] == ranks[0]:
+            for k in shared:
+                if p.get(k) is not None:
+                    shared[k].append(float(p[k]))
+    mean = lambda v: round(sum(v) / len(v), 6) if v else None  # noqa: E731
+    figures = {str(r): {k: mean(v) for k, v in f.items() if v} for r, f in sorted(by_rank.items())}
+    figures = {r: f for r, f in figures.items() if f}
+    out: dict = {"step_figures": figures} if figures else {}
+    out.update({k: mean(v) for k, v in shared.items() if v})
+    return out

@@ -1,0 +1,1 @@
+"""Reconfiguring: the one carrier and its kinds (a repair, a phase switch, a grow)."""

@@ -1,0 +1,399 @@
+"""Elasticity: the controller's side of growing and shrinking with the cluster. The scaling
+policy (policies/decisions/scaling.py) decides how many replicas the cluster can hold; this module looks
+at the cluster for it and carries the decisions out.
+
+- Looking: every `scaling.poll_s` (from the Running loop's tick, no thread, no busy loop) a
+  `ClusterView` of the alive nodes' CPUs and GPUs, total and free, leaving out nodes this run
+  has seen die (`lost`: Ray's own health checks take 15-55 s to declare a node dead, the
+  replicas' connections fail at once).
+- Asking: while below `scaling.max_replicas` the policy's bundles go to
+  `ray.autoscaler.sdk.request_resources`, sent only when they change (the request is one value
+  for the whole cluster, last writer wins: re-sending an unchanged request would overwrite
+  another job's for nothing); an empty request withdraws it once met, and when the run ends.
+- Growing: a "grow" decision starts the new replicas at once (they boot while the epoch runs);
+  once one is ready the partition server pauses the replicas at their next partition boundary
+  (the phase-switch pause: allreduce replicas all stop after the same step) and the ready ones
+  join: they take the state of a live replica (allreduce) or the shards' reference (downpour,
+  easgd), the process group is re-formed over everyone, the test slices are re-cut, and the
+  epoch goes on (a newcomer in allreduce steps without data until the epoch's end, its
+  partitions having been dealt already; in the asynchronous modes it leases from the shared
+  queue); the next epoch's partitions are spread over all. If the epoch ends before anyone
+  paused, they join at the epoch boundary.
+- Shrinking: a replica that died with its node (the node's raylet no longer answers) is
+  replaced only if the cluster has room elsewhere; otherwise the failure policy drops it and
+  the survivors go on (`placeable`), through the same reconfiguration as any failure.
+- The learning rate follows the replica count (`scaling.lr_scaling`, policies/decisions/lr_scaling.py):
+  every resize moves the LrSchedule (a factor over optimizer.lr), which every replica applies
+  step by step in modes with a global batch (allreduce); EASGD's alpha follows beta / p in
+  each replica's regroup.
+Each resize is a `resize` event (direction, reason, old and new size, the learning-rate factor,
+and `resize_s`: from the decision until every replica has stepped at the new size).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import ray
+
+from orchestrator.checks import Lane
+from orchestrator.control.reconfig.carrier import Change
+from orchestrator.control.states import EpochSegment, GrowPlan
+from policies.decisions.failure import ReplicaFailure
+from policies.decisions.lr_scaling import LrSchedule
+from policies.decisions.scaling import ClusterView, ScaleDecision, make_scaling_policy
+
+if TYPE_CHECKING:
+    from orchestrator.control.context import RunContext
+
+LOOK_TIMEOUT_S = 10.0  # one look at the cluster's resources
+RAYLET_PROBE_TIMEOUT_S = 1.0  # a node whose raylet does not accept a connection within this is lost
+JOIN_TIMEOUT_S = 120.0  # new replicas not started by then are given up (their resources never came)
+
+
+@dataclass
+class Joining:
+    """Replicas started for a grow, not yet members."""
+
+    ranks: list[int]
+    ready: dict[int, Any]  # rank -> its pid() call
+    decision: ScaleDecision
+    old_size: int
+    t_decide_wall: float
+    t_decide: float
+    room_seen_wall: float  # the first poll of the streak that saw room
+
+
+@dataclass
+class Elasticity:
+    run: "RunContext"
+    lost_nodes: set[str] = field(default_factory=set)
+    requested: list[dict[str, float]] = field(default_factory=list)  # the bundles this run asked for last
+    joining: Optional[Joining] = None
+    _next_poll: float = 0.0
+    _room_since: Optional[float] = None
+    _look_failed: bool = False
+    lane: Lane = field(default_factory=lambda: Lane("the cluster"))  # every look and request, one thread
+
+    def __post_init__(self) -> None:
+        s = self.run.cfg.scaling
+        self.policy = make_scaling_policy(s)
+        self.lr = LrSchedule(1.0, s.replicas, s.lr_scaling, s.lr_warmup_steps)  # a factor over optimizer.lr
+
+    # ---- looking at the cluster ----------------------------------------------------------
+    def view(self) -> ClusterView:
+        """The alive nodes' resources, total and free, without the nodes this run saw die."""
+        from ray._private.state import available_resources_per_node
+
+        def look():
+            return ray.nodes(), available_resources_per_node()
+
+        nodes, free = self.lane.call(look, LOOK_TIMEOUT_S, "the Ray cluster's resources")
+        alive = [n for n in nodes if n.get("Alive") and n["NodeID"] not in self.lost_nodes]
+        total = {k: sum(n.get("Resources", {}).get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
+        available = {k: sum(free.get(n["NodeID"], {}).get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
+        return ClusterView.from_resources(total, available, len(alive))
+
+    def node_lost(self, node_id: Optional[str]) -> bool:
+        """The node is gone: Ray says it is dead, or its raylet no longer accepts a connection
+        (a node that just died: Ray has not noticed yet)."""
+        if not node_id:
+            return False
+        if node_id in self.lost_nodes:
+            return True
+        node = next((n for n in self.lane.call(ray.nodes, LOOK_TIMEOUT_S, "the Ray nodes") if n["NodeID"] == node_id), None)
+        lost = node is None or not node.get("Alive")
+        if not lost:
+            try:
+                socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]),
+                                         timeout=RAYLET_PROBE_TIMEOUT_S).close()
+            except OSError:
+                lost = True
+        if lost:
+            self.lost_nodes.add(node_id)
+        return lost
+
+    def placeable(self, failures: list[ReplicaFailure]) -> dict[int, tuple[bool, str]]:
+        """For each failure whose replica died with its node: whether a replacement fits in what
+        the other nodes have free (each one placed takes its room), and what was seen. Failures on
+        nodes that are still there are not listed: their own resources are there for a replacement."""
+        group = self.run.fleet.group
+        on_lost = {f.rank: group.nodes.get(f.rank) for f in failures if f.cause == "died"}
+        on_lost = {r: n for r, n in on_lost.items() if self.node_lost(n)}
+        if not on_lost:
+            return {}
+        view = self.view()
+        room = self.policy.fits(view.available_cpus, view.available_gpus)
+        out = {}
+        for rank, node in sorted(on_lost.items()):
+            note = (f"its node {node[:8]} is gone; the other {view.alive_nodes} node(s) have "
+                    f"{view.available_cpus:g} CPU free (room for {room} replica(s))")
+            out[rank] = (room > 0, note)
+            room = max(0, room - 1)
+        return out
+
+    # ---- asking the autoscaler -------------------------------------------------------------
+    def request(self, bundles: list[dict[str, float]], why: str) -> None:
+        """Send `bundles` to the autoscaler if they differ from what this run asked for last."""
+        if bundles == self.requested:
+            return
+        from ray.autoscaler.sdk import request_resources
+
+        self.lane.call(lambda: request_resources(bundles=bundles), LOOK_TIMEOUT_S, "the autoscaler request")
+        self.requested = list(bundles)
+        self.run.report.event("autoscaler_request", bundles=len(bundles), bundle=bundles[0] if bundles else None,
+                              withdrawn=not bundles, why=why, read_back=len(read_request()))
+
+    def withdraw(self) -> None:
+        """The run ends: take back any request this run made."""
+        if self.requested:
+            try:
+                self.request([], "the run ended")
+            except Exception:  # the cluster may be gone already; nothing to take back then
+                pass
+
+    # ---- growing -----------------------------------------------------------------------------
+    def tick(self, seg: Optional[EpochSegment] = None) -> None:
+        """`poll` (and, with the epoch in flight, `pause_for_ready`), where a failed look at the
+        cluster is reported (once) and training goes on. Not while failures wait for the failure
+        policy: a hung or raising replica is already out of the group, and the room it left is
+        its replacement's, not a grow's."""
+        if seg is not None and seg.failures:
+            return
+        try:
+            self.poll()
+            if seg is not None:
+                self.pause_for_ready(seg)
+        except Exception as exc:
+            if not self._look_failed:
+                self._look_failed = True
+                self.run.report.event("scaling_poll_failed", error=f"{type(exc).__name__}: {exc}")
+
+    def poll(self) -> None:
+        """Every scaling.poll_s: ask the policy; act on a grow (shrinks come as failures)."""
+        now = time.perf_counter()
+        if now < self._next_poll or self.joining is not None:
+            return
+        self._next_poll = now + self.run.cfg.scaling.poll_s
+        current = len(self.run.fleet.group.members)
+        view = self.view()
+        decision = self.policy.decide(current, view)
+        if self.policy.grow_streak == 1 or (decision.kind == "grow" and self._room_since is None):
+            self._room_since = time.time()
+        elif decision.kind != "grow" and self.policy.grow_streak == 0:
+            self._room_since = None
+        self.request(decision.request_bundles, decision.reason)
+        if decision.kind == "grow":
+            self.start_grow(decision, current)
+
+    def start_grow(self, decision: ScaleDecision, current: int) -> None:
+        """Start the new replicas now (they boot while the epoch runs); they join at the next
+        epoch boundary or, mid-epoch, once paused (`Grow`)."""
+        group = self.run.fleet.group
+        ranks, r = [], 0
+        while len(ranks) < decision.target - current:
+            if r not in group.members:
+                ranks.append(r)
+            r += 1
+        ready = group.start_joining(ranks)
+        self.joining = Joining(ranks, ready, decision, current, time.time(), time.perf_counter(),
+                               self._room_since or time.time())
+        self._room_since = None
+        self.run.report.say(f"growing {current} -> {decision.target}: {decision.reason}")
+
+    def pause_for_ready(self, seg: EpochSegment) -> None:
+        """Mid-epoch, once a started replica is ready: the partition server pauses the replicas at
+        their next partition boundary (allreduce: all after the same step), where it joins
+        (Running -> Reconfiguring(GrowPlan): `Grow`). Not while a phase switch or a failure is being handled."""
+        j = self.joining
+        if j is None or self.run.fleet.pause.closed or not seg.begun or self.run.phase.pending_switch is not None or seg.failures:
+            return
+        done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
+        if done:
+            self.run.fleet.pause.close("grow")
+
+    def ready_to_join(self) -> bool:
+        """Whether replicas started for a grow are ready to join (none ready within
+        JOIN_TIMEOUT_S: the grow is given up)."""
+        j = self.joining
+        if j is None:
+            return False
+        done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
+        if done:
+            return True
+        if time.perf_counter() - j.t_decide > JOIN_TIMEOUT_S:
+            self.abandon(j, j.decision.reason, waited_s=round(time.perf_counter() - j.t_decide, 1))
+        return False
+
+    def abandon(self, j: Joining, reason: str, **fields: Any) -> None:
+        """Give a grow up: its started replicas are stopped (the policy polls again)."""
+        self.run.fleet.group.abandon_joining(j.ranks)
+        if self.joining is j:
+            self.joining = None
+        self.run.report.event("resize_abandoned", ranks=j.ranks, reason=reason, **fields)
+
+    def promote_joining(self) -> list[int]:
+        """Every member is gone (a repair with nobody left) while replicas started for a grow are
+        on their way: they become the members now (waited for, bounded by strategy.timeout_s);
+        the repair gives them state and data as it does replacements. Their ranks ([] if none,
+        or if they died too)."""
+        j = self.joining
+        if j is None or not j.ready:
+            return []
+        self.joining = None
+        self.stop_pausing()
+        group = self.run.fleet.group
+        joined, failed = group.admit(dict(j.ready))
+        if failed:
+            self.run.report.event("resize_abandoned", ranks=sorted(failed), reason="died while starting",
+                                  outcomes={str(r): why for r, why in failed.items()})
+        if not joined:
+            return []
+        self.run.report.say(f"replicas {joined}, started for a grow, go on in place of the lost ones")
+        return sorted(joined)
+
+    def stop_pausing(self) -> None:
+        """An epoch boundary: a grow's pause nobody reached (every replica held its last
+        partitions) is lifted; the ready replicas join before the next epoch opens."""
+        if self.run.fleet.pause.reason == "grow":
+            self.run.fleet.pause.open()
+
+    # ---- the learning rate ---------------------------------------------------------------------
+    def follow(self, step: int, replicas: int, ranks: Optional[list[int]] = None) -> dict[str, Any]:
+        """The replica count changed at `step`: move the schedule and tell the replicas (`ranks`,
+        default all). Returns the event's learning-rate fields."""
+        step = max(step, self.lr.segments[-1].from_step)  # asynchronous replicas' steps differ: never back
+        before = self.lr.lr_at(step)
+        self.lr.resize(step, replicas)
+        self.send_lr(ranks)
+        seg = self.lr.segments[-1]
+        base = self.run.shard_optimizer(self.run.phase.strategy)[1]
+        return {"lr_rule": self.lr.rule, "lr_before": round(base * before, 6), "lr_target": round(base * seg.target_lr, 6),
+                "lr_warmup_steps": seg.ramp_steps, "lr_applies": self.run.phase.spec.global_batch}
+
+    def restore_lr(self, segments: list[list]) -> None:
+        """A resumed run: the schedule as the checkpoint kept it, moved to the replica count the
+        run starts again with, and sent to the replicas."""
+        self.lr.restore(segments)
+        members = len(self.run.fleet.group.ranks)
+        if self.lr.replicas != members:
+            step = max(self.run.ledger.progress.values(), default=0)
+            self.lr.resize(max(step, self.lr.segments[-1].from_step), members)
+        self.send_lr()
+
+    def send_lr(self, ranks: Optional[list[int]] = None) -> None:
+        """The schedule's current ramp to the replicas (a replacement needs it too, once resized)."""
+        if len(self.lr.segments) < 2:
+            return  # never resized: every replica steps at optimizer.lr
+        seg = self.lr.segments[-1]
+        ramp = {"from_step": seg.from_step, "start": seg.start_lr, "target": seg.target_lr, "steps": seg.ramp_steps}
+        group = self.run.fleet.group
+        group.call(ranks or group.ranks, "set_lr_scale", ramp, what="learning rate")
+
+
+def read_request() -> list[dict[str, float]]:
+    """The autoscaler request the cluster holds now (whoever made it): a list of bundles."""
+    from ray.autoscaler.v2.utils import is_autoscaler_v2
+
+    if is_autoscaler_v2():
+        from ray._private.worker import global_worker
+        from ray.autoscaler.v2.sdk import get_cluster_resource_state
+
+        state = get_cluster_resource_state(global_worker.gcs_client)
+        return [dict(b.resources_bundle) for c in state.cluster_resource_constraints
+                for r in c.resource_requests for b in [r.request] for _ in range(r.count)]
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return json.loads(raw) if raw else []
+
+
+class Grow(Change):
+    """A grow as the carrier's steps (orchestrator/control/reconfig/carrier.py): the started replicas that
+    are ready become members and take the state of a member (allreduce: every member is the same
+    at an epoch boundary and after a lock-step pause) or the shards' reference; the process
+    group is re-formed over everyone, the test slices are re-cut, the learning rate follows.
+    Mid-epoch, the paused replicas go on (allreduce: every member, the newcomer stepping without
+    data until the epoch's end, the epoch's partitions having been dealt already; asynchronous
+    modes: the newcomers lease from the shared queue)."""
+
+    kind = "grow"
+    pause_reason = "grow"
+    duration_key = "resize_s"
+
+    def __init__(self, plan: GrowPlan, elastic: Elasticity) -> None:
+        self.elastic, self.plan, self.j = elastic, plan, elastic.joining
+        super().__init__(self.j.t_decide_wall if self.j is not None else time.time())
+        self.paused: list[int] = []
+
+    def membership(self, run: "RunContext", seg: EpochSegment) -> None:
+        """Who may join: the started replicas that are ready (the rest later). They become
+        members in the state step, once they hold the state (a grow's membership is committed
+        last)."""
+        self.paused = seg.paused_ranks()
+        j, group = self.j, run.fleet.group
+        self.ready: list[int] = []
+        if j is None:
+            return
+        done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
+        self.ready = [r for r, ref in j.ready.items() if ref in done]
+        self.old = list(group.ranks)
+        self.step = max((run.ledger.progress.get(r, 0) for r in self.old), default=0)
+
+    def hand_off(self, run: "RunContext", seg: EpochSegment) -> None:
+        """The ready ones take the state (allreduce: a member's, every member being the same at an
+        epoch boundary and after a lock-step pause; else the shards' reference) and only then
+        join. A newcomer that died starting or failed to load is stopped and said (the others
+        join); the donor lost meanwhile is a failure (MemberLost) and the newcomers stay
+        started for the next try."""
+        j, group = self.j, run.fleet.group
+        if j is None or not self.ready:
+            return
+        refs = {r: j.ready[r] for r in self.ready}
+        if run.phase.spec.sharded:
+            joined, failed = group.admit(refs, "sync_from_shards", self.step, what="state from the shards")
+        else:
+            donor = group.members[self.old[0]]
+            joined, failed = group.admit(refs, "load_state", donor.export_state.remote(),
+                                         what=f"state from replica {self.old[0]}")
+        if failed:  # newcomers that died while starting or loading are stopped and said; the others join
+            run.report.event("resize_abandoned", ranks=sorted(failed), reason="died or failed while joining",
+                             outcomes={str(r): why for r, why in failed.items()})
+        for r in self.ready:
+            j.ready.pop(r, None)
+        if not j.ready:
+            self.elastic.joining = None
+        self.newcomers = joined  # [] if their ranks were taken by replacements meanwhile
+        self.resized = bool(joined)
+        for r in joined:
+            run.ledger.progress[r] = self.step
+            if run.phase.spec.sharded:
+                run.fleet.shard_group.welcome_replica(r, self.step)
+
+    def regroup(self, run: "RunContext") -> bool:
+        return bool(self.newcomers)
+
+    def learning_rate(self, run: "RunContext") -> dict[str, Any]:
+        return self.elastic.follow(self.step, len(run.fleet.group.ranks)) if self.newcomers else {}
+
+    def reopen(self, run: "RunContext", seg: EpochSegment) -> list[int]:
+        return run.fleet.group.ranks if run.phase.lock_step else self.paused + self.newcomers
+
+    def waiting(self, run: "RunContext", seg: EpochSegment, reopened: list[int]) -> list[int]:
+        return reopened if seg.begun else run.fleet.group.ranks  # between epochs: they step when the next one opens
+
+    def event(self, run: "RunContext", seg: EpochSegment, lr: dict[str, Any],
+              reopened: list[int]) -> Optional[dict[str, Any]]:
+        if not self.newcomers:
+            return None
+        members, ready, j = run.fleet.group.ranks, self.newcomers, self.j
+        run.report.metrics([("replicas_alive", len(members), run.ledger.totals.steps)])
+        run.report.say(f"grew to {len(members)} replicas (ranks {ready} joined at step {self.step})")
+        return {"kind": "resize", "direction": "grow", "epoch": seg.epoch, "reason": j.decision.reason,
+                "old_size": len(self.old), "new_size": len(members), "ranks": ready, "generation": run.fleet.group.generation,
+                "at_step": self.step, "mid_epoch": self.plan.mid_epoch,
+                "since_room_seen_s": round(time.time() - j.room_seen_wall, 3), **lr}

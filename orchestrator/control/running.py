@@ -1,0 +1,230 @@
+"""Running: one epoch read from the replicas' streams until it ends (the epoch's bookkeeping,
+orchestrator/control/epoch_end.py: end_epoch), or a reconfiguration is due (the next state:
+Reconfiguring, carried out by orchestrator/control/reconfig/carrier.py): a failure needing a decision (the
+failure policy's decisions, orchestrator/control/reconfig/repair.py), a phase switch, or a grow whose replicas
+are ready.
+
+Failures are seen here, within seconds:
+- died: a stream's next item raises RayActorError (the process or its node is gone: ~0.05 s);
+- error: it raises RayTaskError (the user's model or data raised; the replica left its process
+  group first, so its peers fail at once);
+- hung: no item from a replica for fault_tolerance.hang_timeout_s (lock-step modes: plus
+  HANG_GRACE_S, since its peers wait for it in the collective until the same timeout and end
+  their segments "interrupted"; the one still silent is the hung one). It is killed.
+Each becomes a `ReplicaFailure` value; lock-step modes (allreduce, synchronous EASGD) first let
+every other member end its segment (their step fails: a broken collective, an aborted round),
+then the policy decides; in the asynchronous modes the survivors keep training while the
+replacement joins.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from orchestrator.control.reconfig import phase_switch
+from orchestrator.control.epoch_end import close_pass, interval_evaluation, watch_servers
+from orchestrator.errors import TrainingError
+from orchestrator.control.failures import fail
+from orchestrator.control.reconfig.repair import decide
+from orchestrator.control.states import EpochSegment, Errored, Finishing, GrowPlan, Plan, Reconfiguring, State
+from policies.decisions.failure import Fail, ReplicaFailure, error_detail
+from policies.rules.modes import Diverged
+
+if TYPE_CHECKING:
+    from orchestrator.control.context import RunContext
+
+TICK_S = 0.5  # the loop's longest wait: shard snapshots, hang checks
+HANG_GRACE_S = 5.0
+
+
+def run_segment(run: "RunContext", seg: EpochSegment) -> "State":
+    """Read the epoch's streams until the epoch ends or a failure needs a decision. Every
+    replica's hang clock starts again on entry: while another state worked (a repair, its
+    restart backoff, a switch) nobody read the survivors' streams, and what they sent meanwhile
+    waits unread; silence is measured from now."""
+    restart_hang_clocks(seg)
+    if not seg.begun:
+        if seg.failures:  # a replica died between epochs (e.g. during a switch): repaired first
+            return judge(run, seg)
+        if run.phase.pending_switch is not None:  # decided at the last epoch's end: switch before this one opens
+            return Reconfiguring(run.phase.pending_switch, seg)
+        if run.ledger.stopping:  # the run stopped at the last epoch's end; a rollback was carried out first
+            return Finishing()
+        run.fleet.elastic.stop_pausing()  # a grow's pause nobody reached
+        if run.fleet.elastic.ready_to_join():  # replicas started for a grow join at the epoch boundary
+            return Reconfiguring(GrowPlan(mid_epoch=False), seg)
+        run.open_epoch(seg, frozenset(seg.awaiting_steps()))
+    while True:
+        if seg.failures and (not run.phase.lock_step or not seg.streams):
+            return judge(run, seg)
+        if not seg.streams:
+            paused = bool(seg.paused_ranks())
+            if run.fleet.pause.reason == "switch" and paused:
+                return Reconfiguring(run.phase.pending_switch, seg)
+            if run.fleet.pause.reason == "grow" and paused:  # ready newcomers join; the epoch goes on
+                return Reconfiguring(GrowPlan(mid_epoch=True), seg)
+            nxt = close_pass(run, seg)
+            if nxt is None:
+                continue  # a further pass of the epoch started
+            return nxt
+        if run.fleet.interrupts.seen.is_set():  # a SIGTERM whose KeyboardInterrupt was swallowed where it landed
+            raise KeyboardInterrupt
+        ready = ready_streams(list(seg.streams.values()))
+        for rank, stream in list(seg.streams.items()):
+            if stream in ready:
+                read_item(run, seg, rank, stream)
+        if watch_servers(run, seg.epoch):  # time spent waiting on a server or shard being rebuilt is no hang
+            restart_hang_clocks(seg)
+        if run.fleet.group.check_spares():
+            run.report.event("spare_replaced", epoch=seg.epoch, spares=len(run.fleet.group.spares))
+        check_hangs(run, seg)
+        run.fleet.elastic.tick(seg)
+        if seg.fresh_signals or run.policies.switch.plan[run.policies.switch.current]["until"] is not None:
+            seg.fresh_signals = False
+            phase_switch.consider(run, seg)
+        if seg.failures and run.phase.lock_step and run.fleet.shard_group is not None:
+            run.fleet.shard_group.abort_rounds(timeout_s=TICK_S)  # each tick: a survivor may reach the round after an abort
+
+
+def ready_streams(streams: list) -> set:
+    """Every stream with an item waiting: the first within TICK_S, then all others already
+    ready (not one per tick: a stream read later than another is not a quieter replica)."""
+    first, rest = ray.wait(streams, num_returns=1, timeout=TICK_S)
+    if first and rest:
+        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+        first += more
+    return set(first)
+
+
+def read_item(run: "RunContext", seg: EpochSegment, rank: int, stream: Any) -> None:
+    try:
+        item = ray.get(next(stream), timeout=run.cfg.strategy.timeout_s)
+    except StopIteration:
+        del seg.streams[rank]
+        return
+    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:  # its process, or its item's, gone
+        fail(run, seg, ReplicaFailure(rank, "died", f"{type(exc).__name__}: the replica's process is gone",
+                                      replacement=rank in run.fleet.group.replacements))
+        return
+    except ray.exceptions.GetTimeoutError:
+        fail(run, seg, ReplicaFailure(rank, "hung", f"its next item did not arrive within strategy.timeout_s "
+                                      f"({run.cfg.strategy.timeout_s:g}s)", replacement=rank in run.fleet.group.replacements))
+        return
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+        if isinstance(cause, Diverged):  # not a fault of this replica: every replica would diverge
+            raise TrainingError(f"replica {rank} epoch {seg.epoch}: {cause}") from None
+        tb = str(exc)  # the replica's own traceback, as Ray carried it back
+        fail(run, seg, ReplicaFailure(rank, "error", error_detail(type(cause).__name__, str(cause)), tb,
+                                      replacement=rank in run.fleet.group.replacements))
+        return
+    seg.heard[rank] = time.perf_counter()
+    kind = item["kind"]
+    if kind == "stepping":
+        stepped(run, seg, rank, item["t_wall"])
+        return
+    if kind == "evaluation":
+        interval_evaluation(run, seg, rank, item)
+        return
+    if kind == "paused" and not run.fleet.pause.closed:
+        # a stale pause: the replica's grant request was answered while the last switch was
+        # being decided, and it heard it only after resuming: it goes on at once
+        seg.items.append(item)
+        run.open_stream(seg, rank, resume=True)
+    elif kind in ("epoch", "interrupted", "paused"):
+        seg.items.append(item)
+        seg.ended[rank] = item
+        run.ledger.progress[rank] = item["step"]
+    rows = item["progress"] if kind != "progress" else item["rows"]
+    if rows:
+        seg.all_progress += rows
+        run.ledger.progress[rank] = max(run.ledger.progress.get(rank, 0), rows[-1]["step"])
+        run.ledger.signals[rank] = rows[-1]
+        seg.fresh_signals = True
+        note_balance(run, seg)
+    if rank == min(run.fleet.group.members, default=rank) and rows:
+        seg.progress += rows
+        last = rows[-1]
+        run.report.steps(seg.epoch, last["step_in_epoch"], last["loss"], run.ledger.steps_per_epoch)
+
+
+def restart_hang_clocks(seg: EpochSegment) -> None:
+    """Every replica's hang clock starts again now (a replica blocked on the partition server or
+    a shard makes no progress while it is rebuilt)."""
+    now = time.perf_counter()
+    for rank in seg.heard:
+        seg.heard[rank] = now
+
+
+def check_hangs(run: "RunContext", seg: EpochSegment) -> None:
+    limit = run.cfg.fault_tolerance.hang_timeout_s + (HANG_GRACE_S if run.phase.lock_step else 0.0)
+    now = time.perf_counter()
+    for rank in [r for r, t in seg.heard.items() if now - t > limit and r in seg.streams]:
+        fail(run, seg, ReplicaFailure(rank, "hung", f"no progress for {now - seg.heard.get(rank, now):.0f}s",
+                                      replacement=rank in run.fleet.group.replacements))
+
+
+def stepped(run: "RunContext", seg: EpochSegment, rank: int, t_wall: float) -> None:
+    """A member took its first step after a reconfiguration; the recovery's event once all have."""
+    for rec in list(seg.recoveries):
+        if rank in rec.waiting:
+            rec.waiting.discard(rank)
+            rec.stepping_at = max(rec.stepping_at, t_wall)
+            if not rec.waiting:
+                seg.recoveries.remove(rec)
+                took = rec.stepping_at - rec.t_detect_wall
+                run.report.event(rec.event.pop("kind"), **rec.event, stepping_at=round(rec.stepping_at, 3),
+                                 **{rec.duration_key: round(took, 3)})
+                what = {"recovery_s": "the failure was seen", "switch_s": "the switch was decided",
+                        "resize_s": "the resize was decided"}[rec.duration_key]
+                run.report.say(f"every replica stepping {took:.2f}s after {what}")
+
+
+def judge(run: "RunContext", seg: EpochSegment) -> "State":
+    """The failure policy decides each failure; Fail ends the run, else Reconfiguring."""
+
+    failures, seg.failures = seg.failures, []
+    failed = {f.rank for f in failures}
+    decisions = decide(run, failures, failed)
+    if isinstance(decisions, Fail):
+        return Errored(TrainingError(f"epoch {seg.epoch}: {decisions.reason}"))
+    steps = {r: item["step"] for r, item in seg.ended.items()
+             if r not in failed and item["kind"] == "interrupted"}
+    plan = Plan(failures, decisions, seg.t_first_failure or time.time(), steps)
+    seg.t_first_failure = None
+    return Reconfiguring(plan, seg)
+
+
+def note_balance(run: "RunContext", seg: EpochSegment) -> None:
+    """strategy.balance: when the replicas' latest rows show a new split of the batch (every
+    member's share known, summing to the global batch: rows of the same window), or of local
+    SGD's round (every member's period, summing to members x strategy.period), a
+    `batch_rebalanced` event with the shares and the compute seconds per step behind them; an
+    uneven split during an epoch leased pinned leases the rest of it from one shared queue (the
+    next epochs too, while it stays uneven)."""
+    if not run.phase.strategy.get("balance"):
+        return
+    members = sorted(run.fleet.group.members)
+    rows = [run.ledger.signals.get(r) or {} for r in members]
+    # what is split: the batch (rows a step), or local SGD's periods (steps a round)
+    key = run.phase.spec.balanced_share
+    unit, even = ("steps", run.phase.strategy["period"]) if key == "period" else ("rows", run.cfg.data.batch_size)
+    shares = [row.get(key) for row in rows]
+    if len(members) < 2 or None in shares or sum(shares) != len(members) * even:
+        return
+    if shares == run.phase.batch_shares:
+        return
+    before = run.phase.batch_shares if run.phase.batch_shares and len(run.phase.batch_shares) == len(shares) else [even] * len(members)
+    run.phase.batch_shares = shares
+    if shares == before:
+        return
+    if run.phase.pinned and len(set(shares)) > 1 and seg.begun and not run.fleet.pause.closed:
+        run.fleet.server.call("pause", False, share=True)  # uneven shares: the rest of the epoch from one queue
+        run.phase.pinned = False
+    run.report.event("batch_rebalanced", epoch=seg.epoch, step=max(row.get("step", 0) for row in rows), unit=unit,
+                     shares={str(r): s for r, s in zip(members, shares)},
+                     shares_before={str(r): s for r, s in zip(members, before)},
+                     compute_s_by_rank={str(r): row.get("compute_s") for r, row in zip(members, rows)},
+                     wait_s_by_rank={str(r): row.get("wait_s") for r, row in zip(members, rows)})

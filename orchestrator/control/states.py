@@ -1,0 +1,177 @@
+"""The controller's states and what they carry: the epoch in flight (`EpochSegment`), a repair
+plan (`Plan`), a switch plan (`SwitchPlan`), a grow plan (`GrowPlan`), the reason a run errored. This module imports
+nothing of the orchestrator above it; orchestrator/control/controller.py maps each state to its handler.
+
+    Starting -> Running(segment) -> Reconfiguring(plan, segment) -> Running ... -> Finishing -> Finished
+    any state -> Errored(error)
+
+`EpochSegment` is the driver's view of one epoch while it runs: the replicas' open epoch
+streams, what each sent, failures seen and not yet judged, and recoveries waiting for every
+member to step again. It holds no copy of which partitions were served: the PartitionServer
+is the one ledger of that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from policies.decisions.failure import Decision, ReplicaFailure
+from policies.decisions.switching import Switch
+
+
+
+COUNTED = ("dropped_steps", "dropped_rows")  # mode figures that are counts: summed over an epoch's segments
+
+@dataclass
+class Recovery:
+    """A reconfiguration (a recovery or a phase switch) waiting for its members' first steps (to
+    time it)."""
+
+    event: dict[str, Any]  # the replica_replaced / replica_dropped event's fields so far
+    t_detect_wall: float  # when the first failure of the plan was seen
+    waiting: set[int]  # ranks that have not stepped since
+    stepping_at: float = 0.0
+    duration_key: str = "recovery_s"  # the event's name for the time until every member stepped
+
+
+@dataclass
+class Plan:
+    """What Reconfiguring carries out: the failures and the policy's decision for each."""
+
+    failures: list[ReplicaFailure]
+    decisions: list[Decision]
+    t_detect_wall: float
+    steps_at_interrupt: dict[int, int] = field(default_factory=dict)  # lock-step survivors' steps
+
+
+@dataclass
+class EpochSegment:
+    epoch: int
+    t_start: float
+    streams: dict[int, Any] = field(default_factory=dict)  # rank -> its open run_epoch stream
+    heard: dict[int, float] = field(default_factory=dict)  # rank -> perf_counter of its last item
+    items: list[dict[str, Any]] = field(default_factory=list)  # segment ends: "epoch" / "interrupted" / "paused"
+    ended: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its last segment end this pass
+    progress: list[dict[str, Any]] = field(default_factory=list)  # the lowest rank's progress rows
+    all_progress: list[dict[str, Any]] = field(default_factory=list)  # every rank's (per-replica step figures)
+    failures: list[ReplicaFailure] = field(default_factory=list)  # seen, not yet judged
+    t_first_failure: Optional[float] = None
+    recoveries: list[Recovery] = field(default_factory=list)
+    started: Any = None  # the server's start_epoch call, checked once the replicas are done
+    disturbed: bool = False  # the membership changed: the end of the epoch asks the server's ledger
+    had_failure: bool = False
+    passes: int = 1
+    begun: bool = True  # False: the epoch's streams are opened when Running next runs
+    fresh_signals: bool = False  # progress rows arrived since the switch policy last looked
+    evaluations: dict[int, dict[int, Any]] = field(default_factory=dict)  # eval.every_steps: step -> rank -> sums
+
+    def merged(self) -> list[dict[str, Any]]:
+        """One totals row per rank (a rank runs several segments when the epoch was interrupted
+        or needed a second pass); evaluation, loss and mode figures from its last epoch end,
+        the mode's counts (`COUNTED`: backup replicas' drops) summed over the segments of
+        that mode (a segment paused for a grow reported its own)."""
+        merged: dict[int, dict[str, Any]] = {}
+        counts: dict[int, dict[tuple[str, str], int]] = {}
+        for s in self.items:
+            for key in COUNTED:
+                if s["mode"] and key in s["mode"]:
+                    c = counts.setdefault(s["rank"], {})
+                    c[(s["mode_name"], key)] = c.get((s["mode_name"], key), 0) + s["mode"][key]
+            m = merged.get(s["rank"])
+            if m is None:
+                merged[s["rank"]] = dict(s)
+                continue
+            for key in ("steps", "samples", "train_s", "comm_s"):
+                m[key] += s[key]
+            m["consumed"] = m["consumed"] + s["consumed"]
+            m["partitions"] = m["partitions"] + s["partitions"]
+            if s["kind"] == "epoch":
+                m.update(eval=s["eval"], loss=s["loss"], mode=s["mode"], mode_name=s["mode_name"], kind="epoch")
+        for rank, m in merged.items():
+            mine = {key: v for (name, key), v in counts.get(rank, {}).items() if name == m["mode_name"]}
+            if m["mode"] is not None and mine:
+                m["mode"] = {**m["mode"], **mine}
+        return [merged[r] for r in sorted(merged)]
+
+    def consumed(self) -> dict[int, list[list[int]]]:
+        out: dict[int, list[list[int]]] = {}
+        for s in self.items:
+            out.setdefault(s["rank"], []).extend(s["consumed"])
+        return out
+
+    def paused_ranks(self) -> list[int]:
+        """The replicas whose segment ended paused (for a switch or a grow) this pass."""
+        return [r for r, item in self.ended.items() if item["kind"] == "paused"] if self.begun else []
+
+    def awaiting_steps(self) -> set[int]:
+        return set().union(*(r.waiting for r in self.recoveries)) if self.recoveries else set()
+
+
+@dataclass
+class SwitchPlan:
+    """What Reconfiguring carries out for a phase switch (decided in orchestrator/control/reconfig/phase_switch.py):
+    from which phase to which. The from-phase is recorded when the switch is decided, so a
+    switch carried out again after a replica was lost in its middle (the controller already in
+    the new phase by then) still knows where it came from."""
+
+    switch: Switch
+    t_decide_wall: float
+    t_decide: float
+    mid_epoch: bool
+    from_strategy: dict[str, Any] = field(default_factory=dict)  # the phase running when it was decided
+    rollback: Optional[dict[str, Any]] = None  # a rollback: the state from before the switch it undoes
+
+
+@dataclass
+class Guard:
+    """A switch on probation (orchestrator/control/reconfig/phase_switch.py: check_guard): the phase, mode and model
+    from before it, and the test loss at it."""
+
+    phase: int
+    mode: str
+    state: dict[str, Any]
+    loss: float
+    checks: int  # epoch ends left to look at
+
+
+@dataclass
+class GrowPlan:
+    """What Reconfiguring carries out for a grow: the replicas started for it that are ready join
+    (orchestrator/control/reconfig/elastic.py holds who they are)."""
+
+    mid_epoch: bool  # every replica paused for it mid-epoch; else at an epoch boundary
+
+
+@dataclass
+class Starting:
+    pass
+
+
+@dataclass
+class Running:
+    segment: EpochSegment
+
+
+@dataclass
+class Reconfiguring:
+    plan: Union[Plan, SwitchPlan, GrowPlan]  # failures to repair, a phase switch or a grow to carry out
+    segment: EpochSegment
+
+
+@dataclass
+class Finishing:
+    pass
+
+
+@dataclass
+class Finished:
+    pass
+
+
+@dataclass
+class Errored:
+    error: BaseException
+
+
+State = Union[Starting, Running, Reconfiguring, Finishing, Finished, Errored]
+TERMINAL = (Finished, Errored)

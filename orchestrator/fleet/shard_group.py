@@ -1,0 +1,361 @@
+"""ShardGroup: the driver's parameter shards (actors/shards/parameter_shard.py ParameterShard). It creates them,
+snapshots each every `snapshot_every_s`, and rebuilds a dead or stopped one from its latest
+snapshot under the next incarnation's name; the replicas' clients replay what the snapshot does
+not hold (the recovery protocol is described in actors/shards/parameter_shard.py)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import ray
+from ray.exceptions import RayActorError
+
+from actors.incarnation import incarnation_name
+from actors.shards.parameter_shard import ParameterShard
+from actors.shards.client import ShardDirectory
+
+
+@dataclass
+class _Slot:
+    """The driver's view of shard i."""
+
+    handle: Any
+    generation: int = 0
+    snapshot_ref: Any = None  # the latest completed snapshot (the driver owns the object)
+    snapshot_version: int = 0
+    pending_snapshot: Optional[tuple] = None  # (version ref, snapshot ref)
+    last_snapshot_at: float = 0.0
+    ping: Any = None
+    ping_at: float = 0.0  # when the outstanding ping was sent
+    known_version: Optional[int] = None  # the newest version the driver saw
+    state: str = "up"  # up | dead | starting
+    dead_at: float = 0.0
+    detected_by: str = ""
+    version_at_death: Optional[int] = None
+    rebuilt_from: int = 0
+    starting: Any = None  # status ref of a new incarnation
+    recovery_s: float = 0.0
+    settling: bool = False
+    settle_deadline: float = 0.0
+    info: Any = None  # pending recovery_info ref
+
+
+class ShardGroup:
+    """The driver's parameter shards: named actors `{name_prefix}-shard-{i}`, snapshotted every
+    `snapshot_every_s` and rebuilt from their latest snapshot when they die (see the module doc).
+
+    The controller calls `poll()` from its loop (it never blocks on a shard: tens of ms), hands
+    `directory()` to replicas, and logs the events `poll()` returns. `handles[i]` is always the
+    current incarnation of shard i."""
+
+    def __init__(self, handles: list, bounds: list[tuple[int, int]], names: list[str], namespace: str,
+                 shard_args: tuple, snapshot_every_s: float, settle_s: float, log_limit_bytes: int) -> None:
+        self.bounds, self.names, self.namespace = bounds, names, namespace
+        self._args = shard_args  # (optimizer, lr, momentum, weight_decay, replicas)
+        self.snapshot_every_s, self.settle_s, self.log_limit_bytes = snapshot_every_s, settle_s, log_limit_bytes
+        self._slots = [_Slot(h) for h in handles]
+        self._membership: dict[int, Optional[int]] = {}  # rank -> None (forgotten) | step it was welcomed at
+        self.rebuilds = 0
+        self.placement: Any = None  # the scheduling strategy shards (and their rebuilds) are started with
+        self.hang_s: Optional[float] = None  # a shard whose ping goes unanswered this long is killed and rebuilt
+
+    @classmethod
+    def create(cls, initial: np.ndarray, bounds: list[tuple[int, int]], optimizer: str, lr: float, momentum: float,
+               weight_decay: float, replicas: int, snapshot_every_s: float, name_prefix: str,
+               namespace: Optional[str] = None, settle_s: float = 10.0, log_limit_bytes: int = 512 * 2**20,
+               timeout_s: float = 60.0, placement: Any = None, hang_s: Optional[float] = None) -> "ShardGroup":
+        """One named ParameterShard per bound, each given its slice; returns once every shard
+        answered its first snapshot (snapshot 0: a rebuild never lacks one). `settle_s`: how
+        long after a rebuild poll() waits for clients to replay before reporting what is lost."""
+        namespace = namespace or ray.get_runtime_context().namespace
+        names = [f"{name_prefix}-shard-{i}" for i in range(len(bounds))]
+        args = (optimizer, lr, momentum, weight_decay, replicas)
+        handles = [ParameterShard.options(name=name, namespace=namespace, max_restarts=0,
+                                          scheduling_strategy=placement).remote(initial[lo:hi], *args)
+                   for name, (lo, hi) in zip(names, bounds)]
+        group = cls(handles, bounds, names, namespace, args, snapshot_every_s, settle_s, log_limit_bytes)
+        group.placement, group.hang_s = placement, hang_s
+        try:
+            group.snapshot_now(timeout_s)
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    @property
+    def handles(self) -> list:
+        return [s.handle for s in self._slots]
+
+    def directory(self) -> ShardDirectory:
+        """What replicas build their RayShardClient from (picklable; current handles as hints)."""
+        return ShardDirectory(list(self.names), self.namespace, list(self.bounds), self.handles,
+                              [s.generation for s in self._slots], self.log_limit_bytes)
+
+    # ---- snapshots -----------------------------------------------------------------------
+    def snapshot_now(self, timeout_s: float = 60.0) -> list[int]:
+        """Snapshot every live shard and wait for all; returns their versions."""
+        taken = []
+        for slot in self._slots:
+            if slot.state == "up":
+                version_ref, snap_ref = slot.handle.snapshot.remote()
+                taken.append((slot, version_ref, snap_ref))
+        versions = ray.get([v for _, v, _ in taken], timeout=timeout_s)
+        now = time.monotonic()
+        for (slot, _, snap_ref), version in zip(taken, versions):
+            self._keep_snapshot(slot, version, snap_ref, now)
+        return versions
+
+    def snapshot_soon(self) -> None:
+        """Start a snapshot of every live shard now, without waiting (poll() keeps it when it
+        completes); one already pending is superseded."""
+        now = time.monotonic()
+        for slot in self._slots:
+            if slot.state == "up":
+                slot.pending_snapshot, slot.last_snapshot_at = tuple(slot.handle.snapshot.remote()), now
+
+    def _keep_snapshot(self, slot: _Slot, version: int, snap_ref, now: float) -> None:
+        slot.snapshot_ref, slot.snapshot_version = snap_ref, version
+        slot.pending_snapshot, slot.last_snapshot_at = None, now
+        slot.known_version = max(version, slot.known_version or 0)
+        slot.handle.confirm_snapshot.remote(version)
+
+    # ---- the controller's loop -----------------------------------------------------------
+    def poll(self, now: Optional[float] = None) -> list[dict]:
+        """Snapshot shards that are due, notice dead ones, rebuild them, and report each rebuild
+        once a client has reconnected and nothing the clients saw is missing (or `settle_s`
+        passed): one event per rebuild,
+        {"kind": "shard_rebuilt", "shard", "generation", "detected_by", "snapshot_version",
+        "version_at_death", "replayed_updates", "resent_updates", "lost_updates", "recovery_s"}.
+        lost_updates = the newest version the driver or a reconnecting client saw - (snapshot
+        version + replayed), plus log entries clients had to drop; 0 when nothing acknowledged was
+        lost. Never waits on a shard."""
+        now = time.monotonic() if now is None else now
+        events = []
+        for i, slot in enumerate(self._slots):
+            if slot.state == "up":
+                self._check(i, slot, now)
+            if slot.state == "dead":
+                self._rebuild(i, slot, now)
+            if slot.state == "starting":
+                self._check_started(i, slot, now)
+            if slot.state == "up" and slot.settling:
+                event = self._check_settled(i, slot, now)
+                if event:
+                    events.append(event)
+        return events
+
+    @property
+    def repairing(self) -> bool:
+        """A shard is dead, starting again, or waiting for its clients' replay: a replica may be
+        waiting on it."""
+        return any(slot.state != "up" or slot.settling for slot in self._slots)
+
+    def settle_all(self, timeout_s: float = 5.0) -> list[dict]:
+        """The events of rebuilds still waiting for their clients' replay, as they stand now
+        (the run is ending: no more replay will come)."""
+        events = []
+        for i, slot in enumerate(self._slots):
+            if slot.state == "up" and slot.settling:
+                if slot.info is None:
+                    slot.info = slot.handle.recovery_info.remote()
+                ray.wait([slot.info], timeout=timeout_s)
+                event = self._check_settled(i, slot, float("inf"))
+                if event:
+                    events.append(event)
+        return events
+
+    def _check(self, i: int, slot: _Slot, now: float) -> None:
+        try:
+            if slot.pending_snapshot is not None:
+                version_ref, snap_ref = slot.pending_snapshot
+                if ray.wait([version_ref], timeout=0, fetch_local=False)[0]:
+                    self._keep_snapshot(slot, ray.get(version_ref), snap_ref, now)
+        except RayActorError:
+            return self._died(i, slot, "snapshot", now)
+        try:
+            if slot.ping is not None and ray.wait([slot.ping], timeout=0)[0]:
+                _, version, _ = ray.get(slot.ping)
+                slot.known_version = max(version, slot.known_version or 0)
+                slot.ping = None
+        except RayActorError:
+            return self._died(i, slot, "ping", now)
+        if slot.ping is not None and self.hang_s is not None and now - slot.ping_at > self.hang_s:
+            try:  # stopped (SIGSTOP), stuck: its clients would wait on it; a rebuild replaces it
+                ray.kill(slot.handle, no_restart=True)
+            except Exception:
+                pass
+            return self._died(i, slot, f"no answer to a ping for {self.hang_s:.0f}s", now)
+        if slot.ping is None:
+            slot.ping, slot.ping_at = slot.handle.status.remote(), now
+        if slot.pending_snapshot is None and now - slot.last_snapshot_at >= self.snapshot_every_s:
+            slot.pending_snapshot = tuple(slot.handle.snapshot.remote())
+            slot.last_snapshot_at = now
+
+    def _died(self, i: int, slot: _Slot, detected_by: str, now: float) -> None:
+        slot.state, slot.dead_at, slot.detected_by = "dead", time.monotonic(), detected_by
+        slot.version_at_death = slot.known_version
+        slot.ping = slot.pending_snapshot = slot.info = None
+        slot.settling = False
+        for other in self._slots:  # a synchronous round cannot close without this shard
+            if other is not slot and other.state == "up":
+                other.handle.abort_rounds.remote()
+
+    def _rebuild(self, i: int, slot: _Slot, now: float) -> None:
+        try:
+            handle = ParameterShard.options(name=incarnation_name(self.names[i], slot.generation + 1),
+                                            namespace=self.namespace, max_restarts=0,
+                                            scheduling_strategy=self.placement).remote(
+                None, *self._args, snapshot=slot.snapshot_ref, generation=slot.generation + 1)
+        except ValueError:  # the name is held (an incarnation left from an earlier driver): skip it
+            slot.generation += 1
+            return
+        slot.handle, slot.generation, slot.state = handle, slot.generation + 1, "starting"
+        slot.rebuilt_from = slot.known_version = slot.snapshot_version  # versions restart from the snapshot
+        for rank, step in self._membership.items():  # the snapshot may predate these
+            if step is None:
+                handle.forget_replica.remote(rank)
+            else:
+                handle.welcome_replica.remote(rank, step)
+        slot.starting = handle.status.remote()
+        self.rebuilds += 1
+
+    def _check_started(self, i: int, slot: _Slot, now: float) -> None:
+        if not ray.wait([slot.starting], timeout=0)[0]:
+            return
+        try:
+            ray.get(slot.starting)
+        except RayActorError:
+            slot.state = "dead"  # the new incarnation died too: try again (same snapshot)
+            return
+        slot.recovery_s = time.monotonic() - slot.dead_at
+        slot.state, slot.starting, slot.settling = "up", None, True
+        slot.settle_deadline = now + self.settle_s
+        slot.last_snapshot_at = now  # its restored state is the latest snapshot
+
+    def _check_settled(self, i: int, slot: _Slot, now: float) -> Optional[dict]:
+        if slot.info is None:
+            slot.info = slot.handle.recovery_info.remote()
+            return None
+        if not ray.wait([slot.info], timeout=0)[0]:
+            return None
+        try:
+            info = ray.get(slot.info)
+        except RayActorError:
+            return None  # died again: _check notices
+        slot.info = None
+        seen = max(slot.version_at_death or 0, info["seen"])
+        # an update the dead incarnation applied but never acknowledged (killed between the two)
+        # is re-sent and applied once in the new lineage: resent updates account for versions too
+        unreplayed = max(0, seen - (info["restored_from"] + info["replayed"] + info["resent"]))
+        lost = unreplayed + info["dropped"]
+        # until a client has reconnected, the newest version known is the driver's last ping,
+        # which can be as old as the snapshot: no client yet is no evidence that nothing is missing
+        if (lost or not info.get("clients")) and now < slot.settle_deadline:
+            return None
+        slot.settling = False
+        event = {"kind": "shard_rebuilt", "shard": i, "generation": slot.generation, "detected_by": slot.detected_by,
+                 "snapshot_version": slot.rebuilt_from, "version_at_death": seen if seen else slot.version_at_death,
+                 "replayed_updates": info["replayed"], "resent_updates": info["resent"], "lost_updates": lost,
+                 "recovery_s": round(slot.recovery_s, 3)}
+        if lost:
+            event["lost_causes"] = {k: v for k, v in (
+                ("dropped_from_full_log", info["dropped"]),
+                ("not_replayed_within_settle_s", unreplayed)) if v}
+        return event
+
+    # ---- control calls -------------------------------------------------------------------
+    def _all(self, method: str, *args, timeout_s: float = 10.0) -> list:
+        """Call every live shard, waiting at most `timeout_s` in all (not per shard); a shard that
+        died or does not answer in time (stopped, its node gone) is a value, None in its place,
+        left to poll() to find and rebuild: never an error of the caller's."""
+        refs = [getattr(s.handle, method).remote(*args) if s.state == "up" else None for s in self._slots]
+        live = [ref for ref in refs if ref is not None]
+        if live:
+            ray.wait(live, num_returns=len(live), timeout=timeout_s)
+        out = []
+        for ref in refs:
+            try:
+                out.append(None if ref is None else ray.get(ref, timeout=0))
+            except (RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ObjectLostError):
+                out.append(None)
+        return out
+
+    def forget_replica(self, rank: int, timeout_s: float = 10.0, wait: bool = True) -> None:
+        """A replica died: no shard's staleness clock waits for `rank` again (kept across rebuilds),
+        and every shard is snapshotted now. The replica's replay log died with it, so the updates
+        it had acknowledged since the last snapshot live only in the shards until the next one:
+        a shard dying in that window would lose them."""
+        self._membership[rank] = None
+        self.snapshot_soon()
+        if wait:
+            self._all("forget_replica", rank, timeout_s=timeout_s)
+        else:
+            for s in self._slots:
+                if s.state == "up":
+                    s.handle.forget_replica.remote(rank)
+
+    def welcome_replica(self, rank: int, step: int, timeout_s: float = 10.0) -> None:
+        """A replacement replica takes `rank` at clock `step` on every shard (kept across rebuilds)."""
+        self._membership[rank] = step
+        self._all("welcome_replica", rank, step, timeout_s=timeout_s)
+
+    def observed_max_lead(self, timeout_s: float = 10.0) -> int:
+        """The largest lead over the slowest replica shard 0 saw at a push (SSP check). Shard 0
+        only: its clocks are the ones max_staleness holds replicas to. Another shard can see one
+        step more, when a slow replica's push has reached shard 0 and not yet it (measured: 5
+        with max_staleness 3 and 2 shards)."""
+        slot = self._slots[0]
+        if slot.state != "up":
+            return 0
+        try:
+            return int(ray.get(slot.handle.observed_max_lead.remote(), timeout=timeout_s) or 0)
+        except RayActorError:
+            return 0
+
+    def abort_rounds(self, timeout_s: float = 10.0) -> int:
+        """Abort every open synchronous EASGD round on every shard (ParameterShard.abort_rounds)."""
+        return sum(v or 0 for v in self._all("abort_rounds", timeout_s=timeout_s))
+
+    def reseed(self, values: Optional[np.ndarray], optimizer: tuple, clocks: dict[int, int],
+               timeout_s: float = 60.0) -> None:
+        """A phase switch: every shard takes its slice of `values` (None: keeps its own), a fresh
+        server optimizer (name, lr, momentum, weight_decay) and the replicas' clocks; then a
+        snapshot, so a rebuild starts from the new contents."""
+        self._args = (*optimizer, self._args[-1])
+        refs = [s.handle.reseed.remote(None if values is None else values[lo:hi], optimizer, clocks)
+                for s, (lo, hi) in zip(self._slots, self.bounds)]
+        ray.get(refs, timeout=timeout_s)
+        for rank, step in clocks.items():
+            self._membership[rank] = step
+        self.snapshot_now(timeout_s)
+
+    def optimizer_states(self, timeout_s: float = 30.0) -> list[dict]:
+        """Each shard's server-optimizer state (a checkpoint's `shards` part)."""
+        return ray.get([s.handle.optimizer_state.remote() for s in self._slots], timeout=timeout_s)
+
+    def load_optimizer_states(self, states: list[dict], timeout_s: float = 60.0) -> None:
+        """A resumed run: each shard goes on with the server-optimizer state a checkpoint kept,
+        then a snapshot, so a rebuild keeps it too."""
+        if len(states) != len(self._slots):
+            raise ValueError(f"the checkpoint holds {len(states)} shards' optimizer states, the run has "
+                             f"{len(self._slots)} shards")
+        ray.get([s.handle.load_optimizer_state.remote(st) for s, st in zip(self._slots, states)], timeout=timeout_s)
+        self.snapshot_now(timeout_s)
+
+    def values(self, timeout_s: float = 30.0) -> np.ndarray:
+        """The reference parameters, concatenated (raises if a shard is down)."""
+        return np.concatenate(ray.get([s.handle.values.remote() for s in self._slots], timeout=timeout_s))
+
+    def buffers(self, timeout_s: float = 30.0) -> dict:
+        return ray.get(self._slots[0].handle.buffers.remote(), timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        """Kill every shard (their snapshots go with the group)."""
+        for slot in self._slots:
+            try:
+                ray.kill(slot.handle, no_restart=True)
+            except Exception:
+                pass
+            slot.snapshot_ref = slot.pending_snapshot = slot.ping = slot.info = slot.starting = None

@@ -1,0 +1,120 @@
+"""What a checkpoint holds and where it goes.
+
+A checkpoint is the lowest live rank's `state()` (the mode's reference model, its optimizer
+state and step) plus the run's position: named parts, each saved and loaded by the owner of
+that state, registered on a `Position` when the controller is built:
+
+    totals           RunTotals (epochs, steps, samples, timings, restarts)   the controller
+    policy           the switch policy's place (policies/decisions/switching.py)
+    failure          the failure policy's restart budget (policies/decisions/failure.py)
+    phases           which mode ran when
+    train_elapsed_s  the training clock; wall_elapsed_s the run's
+    lr_schedule      every resize's learning-rate segment (orchestrator/control/reconfig/elastic.py)
+    shards           each shard's server-optimizer state (orchestrator/fleet/shard_group.py)
+
+A part a checkpoint lacks (one written before the part existed) keeps its fresh state;
+`Position.load` says which. `Checkpointer` writes checkpoints into the run's CheckpointStore
+(`<checkpoint.storage>/<run.name or mlflow run id>/`) and keeps the newest one's state (a repair
+that lost every allreduce replica goes on from it).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from orchestrator.persistence.checkpoint import CheckpointStore, save_checkpoint
+
+
+@dataclass
+class RunTotals:
+    epochs: int = 0
+    steps: int = 0
+    samples: int = 0
+    epoch_wall_s: float = 0.0  # whole epochs: training + evaluation + logging
+    train_s: float = 0.0  # inside the replicas' step loops (slowest replica per epoch)
+    comm_s: float = 0.0
+    startup_s: float = 0.0
+    time_to_target_s: Optional[float] = None
+    metrics: dict[str, float] = field(default_factory=dict)  # the last epoch's task metrics (test_accuracy, ...)
+    train_loss: float = float("nan")
+    stop_reason: str = ""
+    checkpoint: Optional[str] = None
+    rows_per_epoch: list[int] = field(default_factory=list)  # train rows each epoch stepped on (all replicas)
+    replica_restarts: int = 0
+
+
+class PartUnsaved(Exception):
+    """A checkpoint part's owner cannot give its state now (e.g. a shard that does not answer):
+    the checkpoint is written without it and says why, instead of a part silently empty."""
+
+
+UNSAVED = "unsaved_parts"  # the position's record of the parts a checkpoint lacks: {name: why}
+
+
+class Position:
+    """The run's position as named parts, each with the owner's save and load."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+
+    def register(self, name: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        if name in self._parts or name == UNSAVED:
+            raise ValueError(f"checkpoint part {name!r} is registered twice")
+        self._parts[name] = (save, load)
+
+    def save(self) -> dict[str, Any]:
+        """Every part's state; a part whose owner raised PartUnsaved is left out and named, with
+        the reason, under UNSAVED."""
+        out: dict[str, Any] = {}
+        unsaved: dict[str, str] = {}
+        for name, (save, _) in self._parts.items():
+            try:
+                out[name] = save()
+            except PartUnsaved as exc:
+                unsaved[name] = str(exc)
+        if unsaved:
+            out[UNSAVED] = unsaved
+        return out
+
+    def load(self, saved: dict[str, Any]) -> list[str]:
+        """Each part `saved` holds back to its owner, in registration order; the names of the
+        parts it lacks (they keep their fresh state: an older checkpoint's, or one written
+        while the part's owner could not answer, `unsaved(saved)` says why)."""
+        missing = []
+        for name, (_, load) in self._parts.items():
+            if name in saved:
+                load(saved[name])
+            else:
+                missing.append(name)
+        return missing
+
+    @staticmethod
+    def unsaved(saved: dict[str, Any]) -> dict[str, str]:
+        """The parts a saved position was written without, and why."""
+        return dict(saved.get(UNSAVED) or {})
+
+
+class Checkpointer:
+    """Writes a run's checkpoints (orchestrator/persistence/checkpoint.py) and remembers the newest."""
+
+    def __init__(self, storage: str, keep: int, run_name: Optional[str]) -> None:
+        self.storage, self.keep, self.run_name = storage, keep, run_name
+        self.store: Optional[CheckpointStore] = None  # opened at the first checkpoint (the run id is known then)
+        self.last_state: Optional[dict[str, Any]] = None
+        self.last_s = 0.0  # perf_counter when the last checkpoint was written
+
+    def write(self, state: dict[str, Any], tag: str, step: int, epoch: int, mlflow_run_id: str,
+              named: Optional[str] = None) -> tuple[str, str]:
+        """`state` as ckpt-<step>-<tag>.pt (+ sidecar) in the run's store (the newest `keep`
+        kept) and, given `named`, also as <that directory>/<named>: (the path to report, the
+        store's path)."""
+        directory = self.run_name or mlflow_run_id
+        if self.store is None or self.store.run_name != directory:
+            self.store = CheckpointStore(self.storage, directory, self.keep)
+        # the run's step count (monotonic, the x-axis of the epoch metrics) orders the store
+        stored = self.store.save(state, step=step, epoch=epoch, tag=tag)
+        path = save_checkpoint(self.storage, directory, named, state) if named else stored
+        self.last_state = state
+        self.last_s = time.perf_counter()
+        return path, stored

@@ -1,0 +1,1 @@
+"""What a run tells: MLflow tracking, events, the progress display, the plot, the result."""

@@ -1,0 +1,65 @@
+"""The run's reporting: MLflow (through the Tracker), the event log, the display, and callbacks.
+
+Everything the controller tells the outside world goes through one `Reporter`, so a sweep's
+reporter (or a test) plugs in as a callback instead of reading the controller's insides. A
+callback is any object with optional `on_event(event: dict)`, `on_metrics(rows)` and
+`on_state(change: dict)` methods (`on_state`: after every state change of the controller, with
+the state left and the state entered, e.g. {"from": "Running", "to": "Reconfiguring", "plan":
+"SwitchPlan", "epoch": 3}); a callback that raises is dropped with a warning, never the run.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Optional
+
+from orchestrator.reporting.progress import ProgressDisplay
+from orchestrator.reporting.tracking import Tracker
+
+
+class Reporter:
+    def __init__(self, tracker: Optional[Tracker], display: Optional[ProgressDisplay], t0: float) -> None:
+        self.tracker, self.display, self.t0 = tracker, display, t0
+        self.callbacks: list[Any] = []
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Record an event (events.jsonl in MLflow, the result JSON); stamped with the wall time."""
+        fields.setdefault("t_wall", round(time.time(), 3))
+        event = self.tracker.event(kind, self.t0, **fields) if self.tracker is not None else {"kind": kind, **fields}
+        self._call("on_event", event)
+        return event
+
+    def metrics(self, rows: list[tuple[str, float, int]]) -> None:
+        if self.tracker is not None:
+            self.tracker.log_metrics(rows)
+        self._call("on_metrics", rows)
+
+    def state(self, previous: Any, entered: Any) -> None:
+        """The controller changed state: tell the callbacks that listen (on_state)."""
+        if entered is previous or not any(hasattr(cb, "on_state") for cb in self.callbacks):
+            return
+        seg = getattr(entered, "segment", None)
+        plan = getattr(entered, "plan", None)
+        self._call("on_state", {"from": type(previous).__name__, "to": type(entered).__name__,
+                                **({"plan": type(plan).__name__} if plan is not None else {}),
+                                **({"epoch": seg.epoch} if seg is not None else {})})
+
+    def say(self, text: str) -> None:
+        if self.display is not None:
+            self.display.line(text)
+
+    def steps(self, epoch: int, step_in_epoch: int, loss: float, total: int) -> None:
+        if self.display is not None:
+            self.display.steps(epoch, step_in_epoch, loss, total)
+
+    def _call(self, method: str, payload: Any) -> None:
+        for cb in list(self.callbacks):
+            fn = getattr(cb, method, None)
+            if fn is None:
+                continue
+            try:
+                fn(payload)
+            except Exception as exc:
+                print(f"warning: reporting callback {type(cb).__name__}.{method} failed ({exc}); dropped",
+                      file=sys.stderr, flush=True)
+                self.callbacks.remove(cb)
