@@ -225,7 +225,7 @@ def _interrupts_handled(interrupts: "Interrupts"):
 def _end_on_interrupt(ctl, tracker, display, t0: float) -> None:
     """Ctrl-C / SIGTERM. First the record, within about a second: the MLflow run is marked
     KILLED and events.jsonl written (a SIGKILL may follow soon). Then keep what was learned if
-    time allows: the replicas stop at their next partition boundary (Controller.halt) and rank 0
+    time allows: the replicas stop at their next partition boundary (RunContext.halt) and rank 0
     gives its state; the checkpoint's path is added to the run's events."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated SIGTERM does not cut this short

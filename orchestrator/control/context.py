@@ -80,7 +80,7 @@ class Phase:
     max_grant: int = MAX_GRANT
     phases: list[dict[str, Any]] = field(default_factory=list)  # the result JSON's record of which mode ran when
     pending_switch: Optional[SwitchPlan] = None  # decided, not carried out yet (orchestrator/control/reconfig/phase_switch.py)
-    guard: Optional[Guard] = None  # the last switch on probation (switching.check_guard)
+    guard: Optional[Guard] = None  # the last switch on probation (phase_switch.check_guard)
     switching_off: bool = False  # a switch was rolled back: no further switch this run
 
     def set(self, strategy: dict[str, Any]) -> None:
@@ -214,7 +214,7 @@ class RunContext:
         pos.register("phases", lambda: [dict(p) for p in self.phase.phases], load_phases)
         pos.register("train_elapsed_s", lambda: time.perf_counter() - self.ledger.train_started, load_train_clock)
         pos.register("wall_elapsed_s", lambda: time.perf_counter() - self.ledger.t0, load_wall_clock)
-        pos.register("lr_schedule", self.fleet.elastic.lr.position, self.fleet.elastic.restore_lr)
+        pos.register("lr_schedule", lambda: self.fleet.elastic.lr.position(), lambda saved: self.fleet.elastic.restore_lr(saved))
         pos.register("shards", save_shards, load_shards)
         pos.register("best", self.policies.best.position, self.policies.best.restore)
         pos.register("switching_off", lambda: self.phase.switching_off, lambda off: setattr(self.phase, "switching_off", off))

@@ -335,7 +335,7 @@ class ReplicaGroup:
         one that does not answer in time (busy, stopped) is not known to be dead."""
         if not actors:
             return []
-        refs = {k: a.pid.remote() for k, a in actors.partitions.items()}
+        refs = {k: a.pid.remote() for k, a in actors.items()}
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         dead = []
         for key, ref in refs.items():

@@ -23,7 +23,7 @@ means for it (a `Change`: recovery.Repair, switching.Switching, elastic.Grow).
   seen or the change decided), or at once if nobody is waited for.
 
 A replica lost during a step surfaces as `MemberLost` from the group call that found it; the
-controller hands it to the failure policy (a repair folds it into its plan: recovery.reconfigure).
+controller hands it to the failure policy (a repair folds it into its plan: repair.reconfigure).
 """
 from __future__ import annotations
 
