@@ -33,9 +33,6 @@ class LoopHost(Protocol):
     flat: Any
     step: int
     cursor: Any
-    sums: Any
-    norms: Any
-    counts: Any
     local_buffers: Any
     has_buffers: bool
     slow: Any
@@ -247,29 +244,29 @@ class StepWindow:
     `StepFigures`): seconds waiting for the busiest replica, the busy spread across replicas
     (busiest / least busy) and the gradient diversity, each averaged over the steps that had it."""
 
-    def __init__(replica) -> None:
-        replica.sums = {"wait_s": 0.0, "spread": 0.0, "diversity": 0.0}
-        replica.counts = {"wait_s": 0, "spread": 0, "diversity": 0}
-        replica.norms: list[float] = []  # each step's gradient norm before clipping (policies/rules/recipe.py)
+    def __init__(self) -> None:
+        self.sums = {"wait_s": 0.0, "spread": 0.0, "diversity": 0.0}
+        self.counts = {"wait_s": 0, "spread": 0, "diversity": 0}
+        self.norms: list[float] = []  # each step's gradient norm before clipping (policies/rules/recipe.py)
 
-    def add_norm(replica, norm: float) -> None:
-        replica.norms.append(norm)
+    def add_norm(self, norm: float) -> None:
+        self.norms.append(norm)
 
-    def add(replica, figures: dict[str, Any]) -> None:
-        for k in replica.sums:
+    def add(self, figures: dict[str, Any]) -> None:
+        for k in self.sums:
             v = figures.get(k)
             if v is not None:
-                replica.sums[k] += v
-                replica.counts[k] += 1
+                self.sums[k] += v
+                self.counts[k] += 1
 
-    def row(replica, comm_s: float) -> dict[str, Any]:
+    def row(self, comm_s: float) -> dict[str, Any]:
         """The progress row's figures: wait_s (per step), comm_s (`comm_s`, the collective's
         seconds per step, less the waiting: the transfer itself), busy_spread,
         gradient_diversity, grad_norm (the mean of the steps'); {} when none."""
-        norm = {"grad_norm": sum(replica.norms) / len(replica.norms)} if replica.norms else {}
-        if not any(replica.counts.values()):
+        norm = {"grad_norm": sum(self.norms) / len(self.norms)} if self.norms else {}
+        if not any(self.counts.values()):
             return norm
-        mean = {k: replica.sums[k] / replica.counts[k] if replica.counts[k] else None for k in replica.sums}
+        mean = {k: self.sums[k] / self.counts[k] if self.counts[k] else None for k in self.sums}
         out: dict[str, Any] = {"busy_spread": mean["spread"], "gradient_diversity": mean["diversity"], **norm}
         if mean["wait_s"] is not None:
             out["wait_s"] = mean["wait_s"]
