@@ -10,7 +10,10 @@ import time
 from typing import Any, Iterator, Optional, Protocol
 
 from actors.partitions.server import is_pause
+from policies.messages import Evaluation, Progress, SegmentEnd, Stepping
 from policies.rules.modes import Diverged, Interrupted
+
+Message = Stepping | Progress | Evaluation | SegmentEnd  # what the epoch stream sends (policies/messages.py)
 
 
 _UNREAD = object()  # the cursor has not looked ahead yet
@@ -48,7 +51,7 @@ class LoopHost(Protocol):
 
 def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: bool = False,
               first_grant: Optional[dict] = None, resume: bool = False,
-              announce: bool = False) -> Iterator[dict[str, Any]]:
+              announce: bool = False) -> Iterator[Message]:
     """Lease partitions and take steps of the mode's rule over every row of them until the
     server has no more for this replica this epoch (lock-step modes: until no replica has a
     batch left, with empty steps meanwhile); then (allreduce) evaluate this replica's test
@@ -58,9 +61,9 @@ def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: bool =
     call per epoch, no call per step), and the partitions finished since the last grant
     request (`unreported`) for the controller to report. `first_grant`: the grant this replica
     starts the epoch with. `resume`: go on with the epoch where the last segment was
-    interrupted (the interrupted batch first). `announce`: yield {"kind": "stepping"} with
+    interrupted (the interrupted batch first). `announce`: yield `Stepping` with
     the wall time once the first step of this segment is done. A step interrupted by a
-    membership change ends the segment with a {"kind": "interrupted"} item; a non-finite
+    membership change ends the segment with an "interrupted" `SegmentEnd`; a non-finite
     loss ends the run (RuntimeError naming the step); any other error leaves the process
     group first, so peers are not left waiting."""
     replica.model.train()
@@ -137,8 +140,7 @@ def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: bool =
         replica.step += 1
         if announce:
             announce = False
-            yield {"kind": "stepping", "rank": replica.rank, "t_wall": time.time(), "step": replica.step,
-                   "mode": replica.spec.name}
+            yield Stepping(replica.rank, time.time(), replica.step)
         if eval_every and replica.step % eval_every == 0:
             t_eval = time.perf_counter()
             yield interval_evaluation(replica, epoch)
@@ -171,7 +173,7 @@ def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: bool =
             t_window, window, win_compute, win_comm, win_real = now, 0, 0.0, 0.0, 0
             win = StepWindow()
             if now - t_sent >= send_every:  # each message to the driver costs the step loop
-                yield {"kind": "progress", "rank": replica.rank, "rows": rows}
+                yield Progress(replica.rank, rows)
                 rows, t_sent = [], now
         if cur["ended"]:
             break
@@ -195,14 +197,14 @@ def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: bool =
                             eval=evaluation, mode=mode_stats, partitions=list(replica.reader.read),
                             unreported=replica.reader.unreported)
 
-def interval_evaluation(replica: "LoopHost", epoch: int) -> dict[str, Any]:
+def interval_evaluation(replica: "LoopHost", epoch: int) -> Evaluation:
     """eval.every_steps: the evaluation sums of the mode's reference model (this replica's own
     in allreduce and local SGD; the server copy or center in sharded modes) on this replica's
     slice of the evaluated split, at this step; the controller adds every member's for the
     step and finishes them into metrics."""
     sums = replica.evaluate_reference()
     replica.model.train()
-    return {"kind": "evaluation", "rank": replica.rank, "epoch": epoch, "step": replica.step, "sums": sums}
+    return Evaluation(replica.rank, epoch, replica.step, sums)
 
 
 def follow_share(replica: "LoopHost", base_batch: int) -> None:
@@ -215,7 +217,7 @@ def follow_share(replica: "LoopHost", base_batch: int) -> None:
 
 
 def pause_segment(replica: "LoopHost", epoch: int, steps: int, samples: int, train_s: float, comm_s: float,
-                  consumed: list, loss: float, rows: list) -> Iterator[dict[str, Any]]:
+                  consumed: list, loss: float, rows: list) -> Iterator[SegmentEnd]:
     """End the segment for a phase switch, keeping the epoch's cursor: the mode's end of
     epoch first (pushes acknowledged, buffers synchronized), then a "paused" item."""
     try:
@@ -230,13 +232,9 @@ def pause_segment(replica: "LoopHost", epoch: int, steps: int, samples: int, tra
     yield segment_end(replica, "paused", epoch, steps, samples, train_s, comm_s, consumed, loss, rows, mode=mode_stats)
 
 def segment_end(replica: "LoopHost", kind: str, epoch: int, steps: int, samples: int, train_s: float, comm_s: float,
-                 consumed: list, loss: float, rows: list, **more: Any) -> dict[str, Any]:
-    out = {"kind": kind, "rank": replica.rank, "epoch": epoch, "steps": steps, "samples": samples,
-           "train_s": train_s, "comm_s": comm_s, "consumed": consumed, "loss": loss,
-           "progress": rows, "step": replica.step, "partitions": [], "unreported": [], "eval": None, "mode": None,
-           "mode_name": replica.spec.name}
-    out.update(more)
-    return out
+                consumed: list, loss: float, rows: list, **more: Any) -> SegmentEnd:
+    return SegmentEnd(kind, replica.rank, epoch, steps, samples, train_s, comm_s, consumed, loss, rows, replica.step,
+                      replica.spec.name, **more)
 
 
 class StepWindow:

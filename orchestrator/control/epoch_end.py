@@ -53,7 +53,7 @@ def close_pass(run: "RunContext", seg: EpochSegment):
     if seg.started is not None:
         run.fleet.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
         seg.started = None
-    completed = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch"}
+    completed = {r: item.unreported for r, item in seg.ended.items() if item.kind == "epoch"}
     if not seg.disturbed:
         run.ledger.unreported = completed
         return end_epoch(run, seg)
@@ -76,21 +76,21 @@ def end_epoch(run: "RunContext", seg: EpochSegment):
     cfg, tot = run.cfg, run.ledger.totals
     epoch = seg.epoch
     stats = seg.merged()
-    finals = [s for s in stats if s["eval"] is not None or s["mode"] is not None]
+    finals = [s for s in stats if s.eval is not None or s.mode is not None]
     if run.phase.spec.sharded:  # evaluate the reference (server copy / center) once all are done
         evals = run.fleet.group.call(run.fleet.group.ranks, "evaluate_reference", what="evaluation",
                                 timeout_s=cfg.strategy.timeout_s)
     else:
-        evals = [s["eval"] for s in finals]
+        evals = [s.eval for s in finals]
     metrics = run.finish_evaluation(evals)
 
     tot.epochs = epoch
-    tot.steps += max(s["steps"] for s in stats)
-    tot.samples += sum(s["samples"] for s in stats)
-    tot.rows_per_epoch.append(sum(s["samples"] for s in stats))
-    tot.train_s += max(s["train_s"] for s in stats)
-    tot.comm_s += max(s["comm_s"] for s in stats)
-    tot.train_loss = finals[0]["loss"] if finals else stats[0]["loss"]
+    tot.steps += max(s.steps for s in stats)
+    tot.samples += sum(s.samples for s in stats)
+    tot.rows_per_epoch.append(sum(s.samples for s in stats))
+    tot.train_s += max(s.train_s for s in stats)
+    tot.comm_s += max(s.comm_s for s in stats)
+    tot.train_loss = finals[0].loss if finals else stats[0].loss
     tot.metrics = metrics
     judged = {**metrics, "train_loss": tot.train_loss}
     if run.trace_ids:
@@ -110,7 +110,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment):
     rows_out += [(k, v, tot.steps) for k, v in metrics.items()]
     rows_out += [("epoch", epoch, tot.steps),
                  ("comm_share", tot.comm_s / max(tot.train_s, 1e-9), tot.steps)]
-    mine = [s for s in finals if s["mode"] is not None and s.get("mode_name") == run.phase.spec.name]
+    mine = [s for s in finals if s.mode is not None and s.mode_name == run.phase.spec.name]
     extra = run.phase.spec.metrics(mine) if mine else {}  # a rank that ended the epoch before a switch: not its figures
     if run.fleet.shard_group is not None:
         extra.update(run.phase.spec.shard_metrics(run.fleet.shard_group))
@@ -124,8 +124,8 @@ def end_epoch(run: "RunContext", seg: EpochSegment):
     tot.epoch_wall_s += time.perf_counter() - seg.t_start
     run.report.event("epoch_end", epoch=epoch, step=tot.steps, **{k: round(v, 6) for k, v in metrics.items()},
                       train_loss=round(tot.train_loss, 4),
-                      train_s_by_rank=[round(s["train_s"], 3) for s in stats],
-                      steps_by_rank=[s["steps"] for s in stats], rows=tot.rows_per_epoch[-1],
+                      train_s_by_rank=[round(s.train_s, 3) for s in stats],
+                      steps_by_rank=[s.steps for s in stats], rows=tot.rows_per_epoch[-1],
                       replicas=len(run.fleet.group.members), **{k: round(v, 4) for k, v in extra.items()}, **figures)
     shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != run.metric))
     run.report.say(f"epoch {epoch}: {shown}  train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
@@ -189,13 +189,13 @@ def interval_evaluation(run: "RunContext", seg: EpochSegment, rank: int, item: d
     own for that step, the metrics: MLflow at that step, an `evaluation` event, a target
     reached. A step some member never reports (it left the group, or joined past it) is
     dropped at the epoch's end: a partial sum would be another split's figure."""
-    pending = seg.evaluations.setdefault(item["step"], {})
-    pending[rank] = item["sums"]
+    pending = seg.evaluations.setdefault(item.step, {})
+    pending[rank] = item.sums
     members = sorted(run.fleet.group.members)
     if not set(members) <= set(pending):
         return
-    del seg.evaluations[item["step"]]
-    step = item["step"]
+    del seg.evaluations[item.step]
+    step = item.step
     metrics = run.finish_evaluation([pending[r] for r in members])
     run.report.metrics([(k, v, step) for k, v in metrics.items()])
     run.report.event("evaluation", epoch=seg.epoch, step=step, **{k: round(v, 6) for k, v in metrics.items()})

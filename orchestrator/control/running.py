@@ -29,6 +29,7 @@ from orchestrator.errors import TrainingError
 from orchestrator.control.failures import fail
 from orchestrator.control.reconfig.repair import decide
 from orchestrator.control.states import EpochSegment, Errored, Finishing, GrowPlan, Plan, Reconfiguring, State
+from policies.messages import Evaluation, Progress, SegmentEnd, Stepping
 from policies.decisions.failure import Fail, ReplicaFailure, error_detail
 from policies.rules.modes import Diverged
 
@@ -121,23 +122,22 @@ def read_item(run: "RunContext", seg: EpochSegment, rank: int, stream: Any) -> N
                                       replacement=rank in run.fleet.group.replacements))
         return
     seg.heard[rank] = time.perf_counter()
-    kind = item["kind"]
-    if kind == "stepping":
-        stepped(run, seg, rank, item["t_wall"])
+    if isinstance(item, Stepping):
+        stepped(run, seg, rank, item.t_wall)
         return
-    if kind == "evaluation":
+    if isinstance(item, Evaluation):
         interval_evaluation(run, seg, rank, item)
         return
-    if kind == "paused" and not run.fleet.pause.closed:
+    if isinstance(item, SegmentEnd) and item.kind == "paused" and not run.fleet.pause.closed:
         # a stale pause: the replica's grant request was answered while the last switch was
         # being decided, and it heard it only after resuming: it goes on at once
         seg.items.append(item)
         run.open_stream(seg, rank, resume=True)
-    elif kind in ("epoch", "interrupted", "paused"):
+    elif isinstance(item, SegmentEnd):
         seg.items.append(item)
         seg.ended[rank] = item
-        run.ledger.progress[rank] = item["step"]
-    rows = item["progress"] if kind != "progress" else item["rows"]
+        run.ledger.progress[rank] = item.step
+    rows = item.rows if isinstance(item, Progress) else item.progress
     if rows:
         seg.all_progress += rows
         run.ledger.progress[rank] = max(run.ledger.progress.get(rank, 0), rows[-1]["step"])
@@ -190,8 +190,7 @@ def judge(run: "RunContext", seg: EpochSegment) -> "State":
     decisions = decide(run, failures, failed)
     if isinstance(decisions, Fail):
         return Errored(TrainingError(f"epoch {seg.epoch}: {decisions.reason}"))
-    steps = {r: item["step"] for r, item in seg.ended.items()
-             if r not in failed and item["kind"] == "interrupted"}
+    steps = {r: item.step for r, item in seg.ended.items() if r not in failed and item.kind == "interrupted"}
     plan = Plan(failures, decisions, seg.t_first_failure or time.time(), steps)
     seg.t_first_failure = None
     return Reconfiguring(plan, seg)

@@ -12,11 +12,12 @@ is the one ledger of that.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 from policies.decisions.failure import Decision, ReplicaFailure
 from policies.decisions.switching import Switch
+from policies.messages import SegmentEnd
 
 
 
@@ -50,8 +51,8 @@ class EpochSegment:
     t_start: float
     streams: dict[int, Any] = field(default_factory=dict)  # rank -> its open run_epoch stream
     heard: dict[int, float] = field(default_factory=dict)  # rank -> perf_counter of its last item
-    items: list[dict[str, Any]] = field(default_factory=list)  # segment ends: "epoch" / "interrupted" / "paused"
-    ended: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its last segment end this pass
+    items: list[SegmentEnd] = field(default_factory=list)  # segment ends: "epoch" / "interrupted" / "paused"
+    ended: dict[int, SegmentEnd] = field(default_factory=dict)  # rank -> its last segment end this pass
     progress: list[dict[str, Any]] = field(default_factory=list)  # the lowest rank's progress rows
     all_progress: list[dict[str, Any]] = field(default_factory=list)  # every rank's (per-replica step figures)
     failures: list[ReplicaFailure] = field(default_factory=list)  # seen, not yet judged
@@ -65,43 +66,34 @@ class EpochSegment:
     fresh_signals: bool = False  # progress rows arrived since the switch policy last looked
     evaluations: dict[int, dict[int, Any]] = field(default_factory=dict)  # eval.every_steps: step -> rank -> sums
 
-    def merged(self) -> list[dict[str, Any]]:
+    def merged(self) -> list[SegmentEnd]:
         """One totals row per rank (a rank runs several segments when the epoch was interrupted
         or needed a second pass); evaluation, loss and mode figures from its last epoch end,
         the mode's counts (`COUNTED`: backup replicas' drops) summed over the segments of
         that mode (a segment paused for a grow reported its own)."""
-        merged: dict[int, dict[str, Any]] = {}
+        merged: dict[int, SegmentEnd] = {}
         counts: dict[int, dict[tuple[str, str], int]] = {}
         for s in self.items:
             for key in COUNTED:
-                if s["mode"] and key in s["mode"]:
-                    c = counts.setdefault(s["rank"], {})
-                    c[(s["mode_name"], key)] = c.get((s["mode_name"], key), 0) + s["mode"][key]
-            m = merged.get(s["rank"])
-            if m is None:
-                merged[s["rank"]] = dict(s)
-                continue
-            for key in ("steps", "samples", "train_s", "comm_s"):
-                m[key] += s[key]
-            m["consumed"] = m["consumed"] + s["consumed"]
-            m["partitions"] = m["partitions"] + s["partitions"]
-            if s["kind"] == "epoch":
-                m.update(eval=s["eval"], loss=s["loss"], mode=s["mode"], mode_name=s["mode_name"], kind="epoch")
+                if s.mode and key in s.mode:
+                    c = counts.setdefault(s.rank, {})
+                    c[(s.mode_name, key)] = c.get((s.mode_name, key), 0) + s.mode[key]
+            merged[s.rank] = merged[s.rank].then(s) if s.rank in merged else s
         for rank, m in merged.items():
-            mine = {key: v for (name, key), v in counts.get(rank, {}).items() if name == m["mode_name"]}
-            if m["mode"] is not None and mine:
-                m["mode"] = {**m["mode"], **mine}
+            mine = {key: v for (name, key), v in counts.get(rank, {}).items() if name == m.mode_name}
+            if m.mode is not None and mine:
+                merged[rank] = replace(m, mode={**m.mode, **mine})
         return [merged[r] for r in sorted(merged)]
 
     def consumed(self) -> dict[int, list[list[int]]]:
         out: dict[int, list[list[int]]] = {}
         for s in self.items:
-            out.setdefault(s["rank"], []).extend(s["consumed"])
+            out.setdefault(s.rank, []).extend(s.consumed)
         return out
 
     def paused_ranks(self) -> list[int]:
         """The replicas whose segment ended paused (for a switch or a grow) this pass."""
-        return [r for r, item in self.ended.items() if item["kind"] == "paused"] if self.begun else []
+        return [r for r, item in self.ended.items() if item.kind == "paused"] if self.begun else []
 
     def awaiting_steps(self) -> set[int]:
         return set().union(*(r.waiting for r in self.recoveries)) if self.recoveries else set()

@@ -42,6 +42,7 @@ from typing import Any, Optional
 import torch
 from torch.nn.utils import parameters_to_vector
 
+from policies.messages import SegmentEnd
 from policies.rules.allreduce import BufferSync, Reducer, reducer_group
 from policies.rules.balance import near_even, split, track_speed
 from policies.rules.batches import rows as batch_rows
@@ -225,10 +226,10 @@ class LocalSgdWorker:
                 "periods": list(self.periods) if self.periods is not None else None}
 
 
-def local_sgd_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
+def local_sgd_metrics(stats: list[SegmentEnd]) -> dict[str, float]:
     """Per epoch, across replicas: the mean local drift, rounds per second of training and,
     balanced, each rank's period at the epoch's end (`replica<r>/period`)."""
-    modes = [s["mode"] for s in stats]
+    modes = [s.mode for s in stats]
     slowest = max(s["train_s"] for s in stats)
     drift = [m["local_drift"] for m in modes if math.isfinite(m["local_drift"])]
     out = {"local_drift": sum(drift) / len(drift) if drift else 0.0,

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from policies.messages import SegmentEnd
 from policies.rules.allreduce import AllReduceWorker
 from policies.rules.downpour import DownpourWorker
 from policies.rules.easgd import EasgdWorker, default_alpha
@@ -59,12 +60,12 @@ class ModeSpec:
     lock_step: Callable[[dict[str, Any]], bool]
     server_optimizer: Callable[[str], str]
     build_worker: Callable[..., Any]
-    metrics: Callable[[list[dict[str, Any]]], dict[str, float]]
+    metrics: Callable[[list[SegmentEnd]], dict[str, float]]
     shard_metrics: Callable[[Any], dict[str, float]] = lambda shards: {}
     global_batch: bool = False  # one update from every replica's batch: the rate follows replicas x batch
     balanced_share: str = "batch_rows"  # strategy.balance splits the batch (rows a step) or local SGD's "period"
     survivors_keep_state: bool = False  # after a failure survivors keep their own state (the next round reconciles)
-    epoch_events: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] = lambda stats: []  # the mode's own events
+    epoch_events: Callable[[list[SegmentEnd]], list[dict[str, Any]]] = lambda stats: []  # the mode's own events
 
     def leases_pinned(self, strategy: dict[str, Any], shares: Optional[list[int]] = None) -> bool:
         """Pinned leasing, unless the strategy balances the work (strategy.balance) and the
@@ -120,27 +121,27 @@ def _easgd_worker(model, flat, cfg, rank, world, transport):
                        **({"recipe": transport.recipe} if transport.recipe is not None else {}))
 
 
-def _allreduce_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
+def _allreduce_metrics(stats: list[SegmentEnd]) -> dict[str, float]:
     """Backup replicas: the epoch's dropped gradients and their rows, across replicas."""
-    modes = [s["mode"] for s in stats if "dropped_steps" in s["mode"]]
+    modes = [s.mode for s in stats if "dropped_steps" in s.mode]
     if not modes:
         return {}
     return {"backup_dropped_steps": sum(m["dropped_steps"] for m in modes),
             "backup_dropped_rows": sum(m["dropped_rows"] for m in modes)}
 
 
-def _allreduce_events(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _allreduce_events(stats: list[SegmentEnd]) -> list[dict[str, Any]]:
     """A `backup_drops` event for an epoch in which a late replica's gradient was dropped."""
-    by_rank = {s["rank"]: s["mode"]["dropped_steps"] for s in stats if s["mode"].get("dropped_steps")}
+    by_rank = {s.rank: s.mode["dropped_steps"] for s in stats if s.mode.get("dropped_steps")}
     if not by_rank:
         return []
-    rows = {s["rank"]: s["mode"]["dropped_rows"] for s in stats if s["mode"].get("dropped_steps")}
+    rows = {s.rank: s.mode["dropped_rows"] for s in stats if s.mode.get("dropped_steps")}
     return [{"kind": "backup_drops", "dropped_steps_by_rank": by_rank, "dropped_rows_by_rank": rows,
              "dropped_steps": sum(by_rank.values()), "dropped_rows": sum(rows.values())}]
 
 
-def _downpour_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
-    modes = [s["mode"] for s in stats]
+def _downpour_metrics(stats: list[SegmentEnd]) -> dict[str, float]:
+    modes = [s.mode for s in stats]
     slowest = max(s["train_s"] for s in stats)
     pushes = sum(m["pushes"] for m in modes)
     return {"staleness_mean": sum(m["staleness_mean"] * m["pushes"] for m in modes) / max(pushes, 1),
@@ -148,8 +149,8 @@ def _downpour_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
             "pushes_per_s": pushes / max(slowest, 1e-9)}
 
 
-def _easgd_metrics(stats: list[dict[str, Any]]) -> dict[str, float]:
-    modes = [s["mode"] for s in stats]
+def _easgd_metrics(stats: list[SegmentEnd]) -> dict[str, float]:
+    modes = [s.mode for s in stats]
     slowest = max(s["train_s"] for s in stats)
     return {"elastic_distance": sum(m["elastic_distance"] for m in modes) / len(modes),
             "elastic_distance_mean": sum(m["elastic_distance_mean"] for m in modes) / len(modes),

@@ -125,7 +125,7 @@ def report_finished_passes(run: "RunContext", seg: EpochSegment, failed: set[int
     if seg.started is not None:
         run.fleet.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
         seg.started = None
-    done = {r: item["unreported"] for r, item in seg.ended.items() if item["kind"] == "epoch" and r not in failed}
+    done = {r: item.unreported for r, item in seg.ended.items() if item.kind == "epoch" and r not in failed}
     # a failure seen after the pass closed (at the epoch's end): the completions it kept for the
     # next epoch's start go now, once (the same lists as the ended items': reported once)
     done.update(run.ledger.unreported)
