@@ -67,7 +67,7 @@ def predicted(links: dict[str, Optional[float]]) -> dict[str, dict[str, float]]:
     from dataclasses import replace
 
     from orchestrator import JobConfig
-    from orchestrator.cli.simulate import allreduce_bytes_per_param, calibration
+    from orchestrator.cli.calibration import allreduce_bytes_per_param, calibration
     from policies.decisions.cost_model import ModeShape, predict
 
     cfg = JobConfig.from_yaml(os.path.join(REPO, "examples", "mnist_allreduce.yaml"))

@@ -75,7 +75,7 @@ def main(nodes: int = 1) -> None:
     from dataclasses import asdict
 
     from orchestrator import JobConfig
-    from orchestrator.cli.simulate import calibration, from_run
+    from orchestrator.cli.calibration import calibration, from_run
     from policies.decisions.cost_model import Calibration, ModeShape, predict
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

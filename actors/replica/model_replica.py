@@ -42,20 +42,7 @@ from policies.rules.batches import as_tensors, forward, rows as batch_rows, slic
 from policies.rules.recipe import Recipe
 from policies.rules.registry import Transport, build_worker, mode_spec
 from policies.rules.tasks import add_stats, load_task
-
-LATE_POLL_S = 0.005  # backups: how often a deliberate straggler's delay asks whether it is late
-
-
-def replica_device(gpus_per_replica: float) -> torch.device:
-    """The device a replica trains on: its GPU when it reserved one, else the CPU. A replica
-    given GPUs by Ray that torch cannot see is an error, never a silent fall back to the CPU."""
-    if gpus_per_replica <= 0:
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"scaling.gpus_per_replica is {gpus_per_replica} but torch sees no CUDA device on "
-                           f"node {ray.util.get_node_ip_address()} (torch {torch.__version__})")
-    return torch.device("cuda")
-
+from actors.replica.straggler import replica_device, sleep_unless_late, straggler_delay
 
 @ray.remote
 class ModelReplica:
@@ -172,32 +159,10 @@ class ModelReplica:
                     buffers[name].copy_(torch.from_numpy(value))
 
     def slow_down(self, step_s: float, late: Optional[Callable[[], bool]] = None) -> None:
-        """faults.slow_replicas: sleep as the windows active now say (a deliberate straggler).
-        `late`: asked every LATE_POLL_S while asleep; True ends the sleep (a backup replica whose
+        """faults.slow_replicas: sleep as the windows active now say (a deliberate straggler;
+        actors/replica/straggler.py). `late`: True ends the sleep (a backup replica whose
         gradient the step no longer needs stops working)."""
-        elapsed = time.time() - self.t_train_wall
-        delay = 0.0
-        for w in self.slow:
-            if w["from_step"] is not None and self.step < w["from_step"]:
-                continue
-            if w["to_step"] is not None and self.step >= w["to_step"]:
-                continue
-            if w["from_s"] is not None and elapsed < w["from_s"]:
-                continue
-            if w["to_s"] is not None and elapsed >= w["to_s"]:
-                continue
-            delay += w["delay_s"] if w["delay_s"] is not None else (w["factor"] - 1.0) * step_s
-        if delay <= 0:
-            return
-        if late is None:
-            time.sleep(delay)
-            return
-        end = time.perf_counter() + delay
-        while not late():
-            left = end - time.perf_counter()
-            if left <= 0:
-                return
-            time.sleep(min(left, LATE_POLL_S))
+        sleep_unless_late(straggler_delay(self.slow, self.step, time.time() - self.t_train_wall, step_s), late)
 
     def node_id(self) -> str:
         """The Ray node this replica runs on (the controller checks it when the replica dies)."""

@@ -201,6 +201,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from orchestrator.config import JobConfig
     from orchestrator.errors import ConfigError
     from orchestrator.cli import simulate as sim
+    from orchestrator.cli.calibration import from_run
     from policies.decisions.cost_model import Stragglers
 
     path = args.plot or sim.PLOT_NAME
@@ -225,7 +226,7 @@ def _simulate(args: argparse.Namespace) -> int:
                 continue
             if value is not None and not value > 0:
                 raise ConfigError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
-        run = sim.from_run(args.from_run, args.tracking_uri) if args.from_run else None
+        run = from_run(args.from_run, args.tracking_uri) if args.from_run else None
         cal, preds = sim.simulate(config, replicas, stragglers, run, args.bandwidth_gbps, args.latency_us,
                                   args.cores, args.period, args.shard_path)
     except ConfigError as exc:

@@ -254,7 +254,7 @@ def test_a_resumed_downpour_run_gives_the_shards_back_their_server_optimizer_sta
 def test_simulate_times_the_shards_exchanges_on_real_shards_and_removes_them(ray_cluster, mode):
     """`simulate --shard-path here`: the mode's exchanges with scaling.shards real shards give the
     shards' path (an exchange costs more than the latency alone); the shards are gone after."""
-    from orchestrator.cli.simulate import calibrate_shard_path, calibration
+    from orchestrator.cli.calibration import calibrate_shard_path, calibration
     from tests.integration.test_shutdown_ray import alive_run_actors, wait_gone
 
     cfg = job_config(strategy={"mode": mode, "timeout_s": 30}, scaling={"replicas": 2, "shards": 2})

@@ -211,11 +211,6 @@ def test_non_finite_numbers(tmp_path, capsys, monkeypatch, value):
     assert_one_line(code, err, "optimizer.lr: Input should be a finite number")
 
 
-def test_more_than_one_gpu_per_replica(tmp_path, capsys, monkeypatch):
-    code, err = run_cli(tmp_path, capsys, monkeypatch, GOOD, ["scaling.gpus_per_replica=2"])
-    assert_one_line(code, err, "a replica uses one GPU today")
-
-
 @pytest.mark.parametrize("name", ["adam", "adagrad"])
 def test_easgd_momentum_with_adam_or_adagrad(tmp_path, capsys, monkeypatch, name):
     code, err = run_cli(tmp_path, capsys, monkeypatch, GOOD,
@@ -322,7 +317,7 @@ def test_simulate_from_run_reads_an_existing_store_quietly(tmp_path, capfd):
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    from orchestrator.cli.simulate import from_run
+    from orchestrator.cli.calibration import from_run
 
     uri = f"sqlite:///{tmp_path}/store.db"
     client = MlflowClient(uri)

@@ -108,7 +108,7 @@ def test_a_run_of_several_replicas_calibrates_the_cores_its_hosts_gave_them():
     """--from-run with a 2-replica run: the step stays the one timed here alone, and the cores
     are what sharing the hosts did to it, so the model gives the run's own step back at 2."""
     from orchestrator.config import JobConfig
-    from orchestrator.cli.simulate import calibration
+    from orchestrator.cli.calibration import calibration
 
     cfg = JobConfig.from_dict({"model": {"factory": "examples.models:tiny_mlp"},
                                "data": {"source": "builtin:synthetic", "batch_size": 32}})
@@ -163,7 +163,7 @@ def test_a_runs_all_reduce_faster_than_the_latency_fitted_here_still_sets_the_li
     host's loopback showed when calibrating (a loaded machine): the link scales to the run's
     time, so the model gives the run's own step back at 2 instead of a latency floor."""
     from orchestrator.config import JobConfig
-    from orchestrator.cli.simulate import calibration
+    from orchestrator.cli.calibration import calibration
 
     cfg = JobConfig.from_dict({"model": {"factory": "examples.models:tiny_mlp"},
                                "data": {"source": "builtin:synthetic", "batch_size": 32}})
@@ -216,7 +216,7 @@ def test_the_shard_path_option_refuses_an_unknown_value_and_a_modelled_link():
     refused before anything is timed or any Ray is started."""
     from orchestrator.config import JobConfig
     from orchestrator.errors import ConfigError
-    from orchestrator.cli.simulate import calibration
+    from orchestrator.cli.calibration import calibration
 
     cfg = JobConfig.from_dict({"model": {"factory": "examples.models:tiny_mlp"},
                                "data": {"source": "builtin:synthetic", "batch_size": 32}})
