@@ -33,7 +33,7 @@ from orchestrator.fleet.replica_group import ReplicaGroup
 from orchestrator.fleet.pause import PauseGate
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.reporting.reporter import Reporter
-from orchestrator.persistence.run_state import UNSAVED, Checkpointer, PartUnsaved, Position, RunTotals
+from orchestrator.persistence.run_state import UNSAVED, Checkpointer, Part, PartUnsaved, Position, RunTotals
 from orchestrator.control.states import EpochSegment, Guard, SwitchPlan
 from orchestrator.reporting.tracking import Tracker
 from policies.decisions.failure import FailurePolicy
@@ -160,7 +160,7 @@ class RunContext:
         self.policies = make_policies(config, self.metric, self.task, dataset)
         if resume is not None:
             # now, for the phase this start runs in; starting.restore loads every part again, this one included
-            self.policies.switch.restore(resume["run"]["policy"])
+            self.policies.switch.load_state_dict(resume["run"]["policy"])
         self.phase = Phase(shards_optimizer(config))
         self.phase.set(self.policies.switch.plan[self.policies.switch.current])
         self.ledger = Ledger(t0)
@@ -175,16 +175,10 @@ class RunContext:
         self.position = self._position()
 
     def _position(self) -> Position:
-        """The run's position a checkpoint holds: each part with its owner's save and load
-        (orchestrator/persistence/run_state.py)."""
-        from dataclasses import asdict
-
+        """The run's position a checkpoint holds: each part its owner, Stateful
+        (orchestrator/persistence/run_state.py); the fleet's Elasticity registers its learning-rate
+        schedule when the controller builds it."""
         pos = Position()
-
-        def load_totals(saved: dict[str, Any]) -> None:
-            for key, value in saved.items():
-                if key != "startup_s":  # this start's own
-                    setattr(self.ledger.totals, key, value)
 
         def load_phases(saved: list) -> None:
             self.phase.phases = saved
@@ -207,17 +201,16 @@ class RunContext:
             if saved is not None and self.fleet.shard_group is not None:
                 self.fleet.shard_group.load_optimizer_states(saved, self.cfg.strategy.timeout_s)
 
-        pos.register("totals", lambda: {k: v for k, v in asdict(self.ledger.totals).items()
-                                        if k not in ("checkpoint", "stop_reason")}, load_totals)
-        pos.register("policy", self.policies.switch.position, self.policies.switch.restore)
-        pos.register("failure", self.policies.failure.position, self.policies.failure.restore)
-        pos.register("phases", lambda: [dict(p) for p in self.phase.phases], load_phases)
-        pos.register("train_elapsed_s", lambda: time.perf_counter() - self.ledger.train_started, load_train_clock)
-        pos.register("wall_elapsed_s", lambda: time.perf_counter() - self.ledger.t0, load_wall_clock)
-        pos.register("lr_schedule", lambda: self.fleet.elastic.lr.position(), lambda saved: self.fleet.elastic.restore_lr(saved))
-        pos.register("shards", save_shards, load_shards)
-        pos.register("best", self.policies.best.position, self.policies.best.restore)
-        pos.register("switching_off", lambda: self.phase.switching_off, lambda off: setattr(self.phase, "switching_off", off))
+        pos.register("totals", self.ledger.totals)
+        pos.register("policy", self.policies.switch)
+        pos.register("failure", self.policies.failure)
+        pos.register("phases", Part(lambda: [dict(p) for p in self.phase.phases], load_phases))
+        pos.register("train_elapsed_s", Part(lambda: time.perf_counter() - self.ledger.train_started, load_train_clock))
+        pos.register("wall_elapsed_s", Part(lambda: time.perf_counter() - self.ledger.t0, load_wall_clock))
+        pos.register("shards", Part(save_shards, load_shards))
+        pos.register("best", self.policies.best)
+        pos.register("switching_off", Part(lambda: self.phase.switching_off,
+                                           lambda off: setattr(self.phase, "switching_off", off)))
         return pos
 
     @property

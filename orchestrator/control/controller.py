@@ -84,6 +84,7 @@ class Controller:
         run's interrupt state (the trainer routes the process's signals to it)."""
         self.context = ctx = RunContext(config, dataset, tracker, t0, display, trace_ids, resume, interrupts)
         ctx.fleet.elastic = Elasticity(ctx)  # growing and shrinking with the cluster
+        ctx.position.register("lr_schedule", ctx.fleet.elastic)  # every resize's learning-rate segment
         # while the driver waits on replicas (a repair, a switch, an evaluation): a dead shard or
         # partition server is still noticed and rebuilt, so a replica waiting for one is not left
         # waiting; True when one was (a replica that waited on it was not hung meanwhile)

@@ -108,7 +108,7 @@ def restore(run: "RunContext", state: dict[str, Any]) -> None:
     missing = run.position.load(state["run"])
     unsaved = Position.unsaved(state["run"])  # parts the checkpoint was written without, and why
     if "failure" in missing:  # a checkpoint from before the budget was kept: the count
-        run.policies.failure.restore({"restarts": run.ledger.totals.replica_restarts, "in_a_row": 0})
+        run.policies.failure.load_state_dict({"restarts": run.ledger.totals.replica_restarts, "in_a_row": 0})
     run.report.event("resumed", epoch=run.ledger.totals.epochs, step=run.ledger.totals.steps, replica_step=step,
                       phase=run.policies.switch.current, mode=run.phase.spec.name,
                       **({"parts_missing": missing} if missing else {}), **({UNSAVED: unsaved} if unsaved else {}))

@@ -1,8 +1,8 @@
 """What a checkpoint holds and where it goes.
 
 A checkpoint is the lowest live rank's `state()` (the mode's reference model, its optimizer
-state and step) plus the run's position: named parts, each saved and loaded by the owner of
-that state, registered on a `Position` when the controller is built:
+state and step) plus the run's position: named parts, each a `Stateful` owner of that state
+(`state_dict` / `load_state_dict`), registered on a `Position` when the run's context is built:
 
     totals           RunTotals (epochs, steps, samples, timings, restarts)   the controller
     policy           the switch policy's place (policies/decisions/switching.py)
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from dataclasses import asdict
+from typing import Any, Callable, Optional, Protocol
 
 from orchestrator.persistence.checkpoint import CheckpointStore, save_checkpoint
 
@@ -43,6 +44,36 @@ class RunTotals:
     rows_per_epoch: list[int] = field(default_factory=list)  # train rows each epoch stepped on (all replicas)
     replica_restarts: int = 0
 
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k not in ("checkpoint", "stop_reason")}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        for key, value in saved.items():
+            if key != "startup_s":  # this start's own
+                setattr(self, key, value)
+
+
+class Stateful(Protocol):
+    """A checkpoint part's owner: it gives its state and takes it back (the owner of the state
+    is the one that knows what it is)."""
+
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, saved: Any) -> None: ...
+
+
+@dataclass
+class Part:
+    """A part whose state is a derived value (a clock, a flag) of an owner that keeps more than
+    it: its save and load, as a Stateful."""
+    save: Callable[[], Any]
+    load: Callable[[Any], None]
+
+    def state_dict(self) -> Any:
+        return self.save()
+
+    def load_state_dict(self, saved: Any) -> None:
+        self.load(saved)
+
 
 class PartUnsaved(Exception):
     """A checkpoint part's owner cannot give its state now (e.g. a shard that does not answer):
@@ -53,24 +84,24 @@ UNSAVED = "unsaved_parts"  # the position's record of the parts a checkpoint lac
 
 
 class Position:
-    """The run's position as named parts, each with the owner's save and load."""
+    """The run's position as named parts, each a Stateful owner of its state."""
 
     def __init__(self) -> None:
-        self._parts: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._parts: dict[str, Stateful] = {}
 
-    def register(self, name: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+    def register(self, name: str, part: Stateful) -> None:
         if name in self._parts or name == UNSAVED:
             raise ValueError(f"checkpoint part {name!r} is registered twice")
-        self._parts[name] = (save, load)
+        self._parts[name] = part
 
     def save(self) -> dict[str, Any]:
         """Every part's state; a part whose owner raised PartUnsaved is left out and named, with
         the reason, under UNSAVED."""
         out: dict[str, Any] = {}
         unsaved: dict[str, str] = {}
-        for name, (save, _) in self._parts.items():
+        for name, part in self._parts.items():
             try:
-                out[name] = save()
+                out[name] = part.state_dict()
             except PartUnsaved as exc:
                 unsaved[name] = str(exc)
         if unsaved:
@@ -82,9 +113,9 @@ class Position:
         parts it lacks (they keep their fresh state: an older checkpoint's, or one written
         while the part's owner could not answer, `unsaved(saved)` says why)."""
         missing = []
-        for name, (_, load) in self._parts.items():
+        for name, part in self._parts.items():
             if name in saved:
-                load(saved[name])
+                part.load_state_dict(saved[name])
             else:
                 missing.append(name)
         return missing

@@ -107,12 +107,12 @@ class FailurePolicy:
                     f"scaling.min_replicas {self.min_replicas}" +
                     (f"\n{failure.traceback}".rstrip() if failure.traceback else ""))
 
-    def position(self) -> dict:
+    def state_dict(self) -> dict:
         """What a checkpoint keeps of the policy, so a resumed run has the budget it had left."""
         return {"restarts": self.restarts, "in_a_row": self.in_a_row,
                 "last_error": {str(r): e for r, e in self.last_error.items()}}
 
-    def restore(self, position: dict) -> None:
+    def load_state_dict(self, position: dict) -> None:
         self.restarts, self.in_a_row = int(position["restarts"]), int(position["in_a_row"])
         self.last_error = {int(r): e for r, e in position.get("last_error", {}).items()}
 

@@ -146,11 +146,11 @@ class LrSchedule:
     def replicas(self) -> int:
         return self.segments[-1].replicas
 
-    def position(self) -> list[list]:
-        """Every resize so far (a checkpoint's part; `restore` takes it back)."""
+    def state_dict(self) -> list[list]:
+        """Every resize so far (a checkpoint's part; `load_state_dict` takes it back)."""
         return [[s.from_step, s.replicas, s.start_lr, s.target_lr, s.ramp_steps] for s in self.segments]
 
-    def restore(self, position: list[list]) -> None:
+    def load_state_dict(self, position: list[list]) -> None:
         self.segments = [_Segment(int(a), int(b), float(c), float(d), int(e)) for a, b, c, d, e in position]
 
     def target_lr(self, replicas: int) -> float:

@@ -124,9 +124,9 @@ class BestWatch:
                                   f"{self.best_epoch}) by more than {self.min_delta:g} for {self.since} epochs "
                                   f"(stop.early_stopping.patience {self.patience})")
 
-    def position(self) -> dict:
+    def state_dict(self) -> dict:
         return {"best": self.best, "best_epoch": self.best_epoch, "since": self.since}
 
-    def restore(self, saved: Optional[dict]) -> None:
+    def load_state_dict(self, saved: Optional[dict]) -> None:
         if saved:
             self.best, self.best_epoch, self.since = saved["best"], saved["best_epoch"], saved["since"]

@@ -115,11 +115,11 @@ class SchedulePolicy:
         return self._advance(obs, f"until {key}", f"phase {self.current} ({self.plan[self.current]['mode']}) reached "
                              f"{key} {target:g}", numbers)
 
-    def position(self) -> dict[str, Any]:
-        """Where the schedule is (a checkpoint holds it; `restore` takes it back)."""
+    def state_dict(self) -> dict[str, Any]:
+        """Where the schedule is (a checkpoint holds it; `load_state_dict` takes it back)."""
         return {"current": self.current, "mark": [self.mark.epochs, self.mark.step, self.mark.elapsed_s]}
 
-    def restore(self, position: dict[str, Any]) -> None:
+    def load_state_dict(self, position: dict[str, Any]) -> None:
         self.current = position["current"]
         self.mark = _Mark(*position["mark"])
 
@@ -150,10 +150,10 @@ class AdaptivePolicy:
         self.streak = 0
         self.last_switch_s = 0.0
 
-    def position(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"current": self.current, "streak": self.streak, "last_switch_s": self.last_switch_s}
 
-    def restore(self, position: dict[str, Any]) -> None:
+    def load_state_dict(self, position: dict[str, Any]) -> None:
         self.current, self.streak, self.last_switch_s = (position["current"], position["streak"],
                                                          position["last_switch_s"])
 

@@ -22,5 +22,5 @@ def test_a_resumed_run_goes_on_counting():
     w.observe(1, {"test_accuracy": 0.9})
     w.observe(2, {"test_accuracy": 0.8})
     again = BestWatch("test_accuracy", "max", patience=3)
-    again.restore(w.position())
+    again.load_state_dict(w.state_dict())
     assert (again.best, again.best_epoch, again.since) == (0.9, 1, 1)

@@ -73,7 +73,7 @@ def test_a_resumed_policy_has_the_budget_it_had_left():
         assert isinstance(used.decide(ReplicaFailure(1, "died", "gone"), survivors=1), Replace)
     used.decide(ReplicaFailure(0, "error", "ValueError: x"), survivors=1)  # a third: over budget, remembered
     resumed = FailurePolicy(max_restarts=2, min_replicas=1)
-    resumed.restore(used.position())
+    resumed.load_state_dict(used.state_dict())
     assert (resumed.restarts, resumed.in_a_row, resumed.last_error) == (used.restarts, used.in_a_row, used.last_error)
     assert isinstance(resumed.decide(ReplicaFailure(1, "died", "gone"), survivors=1), Drop)
 

@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from orchestrator.persistence.run_state import UNSAVED, PartUnsaved, Position
+from orchestrator.persistence.run_state import UNSAVED, Part, PartUnsaved, Position, RunTotals
 from policies.decisions.lr_scaling import LrSchedule
 from policies.rules.sharding import ShardState
 
@@ -14,14 +14,14 @@ from policies.rules.sharding import ShardState
 def test_each_part_goes_back_to_its_owner_and_a_missing_one_is_named():
     owner = {"a": 1, "b": [2]}
     pos = Position()
-    pos.register("a", lambda: owner["a"], lambda v: owner.__setitem__("a", v))
-    pos.register("b", lambda: list(owner["b"]), lambda v: owner.__setitem__("b", v))
+    pos.register("a", Part(lambda: owner["a"], lambda v: owner.__setitem__("a", v)))
+    pos.register("b", Part(lambda: list(owner["b"]), lambda v: owner.__setitem__("b", v)))
     saved = pos.save()
     owner.update(a=10, b=[20])
     assert pos.load(saved) == [] and owner == {"a": 1, "b": [2]}
     assert pos.load({"a": 5}) == ["b"] and owner == {"a": 5, "b": [2]}  # b keeps what it has
     with pytest.raises(ValueError, match="registered twice"):
-        pos.register("a", lambda: 0, lambda v: None)
+        pos.register("a", Part(lambda: 0, lambda v: None))
 
 
 def test_a_part_its_owner_cannot_give_is_named_with_why_not_left_empty():
@@ -30,15 +30,34 @@ def test_a_part_its_owner_cannot_give_is_named_with_why_not_left_empty():
     def shards():
         raise PartUnsaved("the shards' optimizer states: GetTimeoutError: shard 0 did not answer")
 
-    pos.register("totals", lambda: {"epochs": 2}, lambda v: loaded.update(totals=v))
-    pos.register("shards", shards, lambda v: loaded.update(shards=v))
+    pos.register("totals", Part(lambda: {"epochs": 2}, lambda v: loaded.update(totals=v)))
+    pos.register("shards", Part(shards, lambda v: loaded.update(shards=v)))
     saved = pos.save()
     assert "shards" not in saved and saved["totals"] == {"epochs": 2}
     assert Position.unsaved(saved) == {"shards": "the shards' optimizer states: GetTimeoutError: shard 0 did not answer"}
     assert pos.load(saved) == ["shards"] and loaded == {"totals": {"epochs": 2}}  # named missing, not loaded as None
     assert Position.unsaved({"totals": {}}) == {}  # a checkpoint with every part
     with pytest.raises(ValueError):
-        pos.register(UNSAVED, dict, print)
+        pos.register(UNSAVED, Part(dict, print))
+
+
+def test_owners_are_stateful_parts_and_totals_keep_this_starts_own_figures():
+    """A policy, the totals and the learning-rate schedule are parts themselves (state_dict /
+    load_state_dict); the totals' start-up time is this start's, never the checkpoint's."""
+    totals, lr = RunTotals(epochs=3, steps=90, startup_s=4.0, stop_reason="x"), LrSchedule(1.0, 2, "linear", 10)
+    lr.resize(50, 4)
+    pos = Position()
+    pos.register("totals", totals)
+    pos.register("lr_schedule", lr)
+    saved = pos.save()
+    assert "stop_reason" not in saved["totals"] and saved["totals"]["epochs"] == 3
+    fresh_totals, fresh_lr = RunTotals(startup_s=1.5), LrSchedule(1.0, 2, "linear", 10)
+    again = Position()
+    again.register("totals", fresh_totals)
+    again.register("lr_schedule", fresh_lr)
+    assert again.load(saved) == []
+    assert (fresh_totals.epochs, fresh_totals.steps, fresh_totals.startup_s) == (3, 90, 1.5)
+    assert fresh_lr.state_dict() == lr.state_dict() and fresh_lr.replicas == 4
 
 
 def test_the_learning_rate_schedule_comes_back_with_every_resize():
@@ -46,7 +65,7 @@ def test_the_learning_rate_schedule_comes_back_with_every_resize():
     lr.resize(50, 4)  # a grow: a ramp from 1.0 to 2.0 over steps 50..60
     lr.resize(80, 3)  # a shrink
     again = LrSchedule(1.0, 2, "linear", warmup_steps=10)
-    again.restore(torch.load(io.BytesIO(_saved(lr.position())), weights_only=True))
+    again.load_state_dict(torch.load(io.BytesIO(_saved(lr.state_dict())), weights_only=True))
     assert [again.lr_at(s) for s in (0, 49, 55, 60, 79, 80, 200)] == [lr.lr_at(s) for s in (0, 49, 55, 60, 79, 80, 200)]
     assert again.replicas == 3
 

@@ -274,10 +274,17 @@ class Elasticity:
         return {"lr_rule": self.lr.rule, "lr_before": round(base * before, 6), "lr_target": round(base * seg.target_lr, 6),
                 "lr_warmup_steps": seg.ramp_steps, "lr_applies": self.run.phase.spec.global_batch}
 
+    def state_dict(self) -> list[list]:
+        """A checkpoint's part: every resize's learning-rate segment."""
+        return self.lr.state_dict()
+
+    def load_state_dict(self, segments: list[list]) -> None:
+        self.restore_lr(segments)
+
     def restore_lr(self, segments: list[list]) -> None:
         """A resumed run: the schedule as the checkpoint kept it, moved to the replica count the
         run starts again with, and sent to the replicas."""
-        self.lr.restore(segments)
+        self.lr.load_state_dict(segments)
         members = len(self.run.fleet.group.ranks)
         if self.lr.replicas != members:
             step = max(self.run.ledger.progress.values(), default=0)
