@@ -123,6 +123,11 @@ class SchedulePolicy:
         self.current = position["current"]
         self.mark = _Mark(*position["mark"])
 
+    def roll_back(self, phase: int) -> None:
+        """A switch that hurt was undone (the controller's guard): the plan is at `phase` again
+        and decides no further switch from here (the controller stops asking)."""
+        self.current = phase
+
     def _advance(self, obs: Observation, rule: str, reason: str, numbers: dict[str, Any]) -> Switch:
         self.current += 1
         self.mark = _Mark(obs.epochs, obs.step, obs.elapsed_s)
@@ -156,6 +161,10 @@ class AdaptivePolicy:
     def load_state_dict(self, position: dict[str, Any]) -> None:
         self.current, self.streak, self.last_switch_s = (position["current"], position["streak"],
                                                          position["last_switch_s"])
+
+    def roll_back(self, phase: int) -> None:
+        """A switch that hurt was undone: the policy is in `phase` again."""
+        self.current, self.streak = phase, 0
 
     @staticmethod
     def spread(compute_s: dict[int, float]) -> tuple[float, Optional[int]]:

@@ -98,7 +98,7 @@ def check_guard(run: "RunContext", epoch: int, metrics: dict[str, float]) -> Non
     if loss is not None and margin is not None and (not math.isfinite(loss) or loss > g.loss * (1 + margin)):
         run.phase.guard = None
         run.phase.switching_off = True
-        run.policies.switch.current = g.phase
+        run.policies.switch.roll_back(g.phase)  # the policy's place is the policy's to move
         numbers = {f"{name}_at_switch": round(g.loss, 4), f"{name}_now": round(loss, 4), "margin": margin}
         reason = (f"{name} {loss:.4f} in {run.phase.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
                   f"switch: back to {g.mode} with the model from before it; no further switch this run")
