@@ -48,7 +48,8 @@ from orchestrator.control.reconfig import phase_switch
 from orchestrator.control.context import RunContext, Written
 from orchestrator.data.in_memory import Dataset
 from orchestrator.config import JobConfig
-from orchestrator.control.reconfig.elastic import Elasticity, Grow
+from orchestrator.control.reconfig.elastic import Elasticity
+from orchestrator.control.reconfig.grow import Grow
 from orchestrator.control.epoch_end import watch_servers
 from orchestrator.errors import Interrupts, MemberLost
 from orchestrator.reporting.progress import ProgressDisplay

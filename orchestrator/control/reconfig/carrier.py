@@ -1,6 +1,6 @@
 """The one carrier of every reconfiguration: a repair (or the shrink a repair can be), a phase
 switch and a grow take the same steps in the same order, here; each kind says what each step
-means for it (a `Change`: recovery.Repair, switching.Switching, elastic.Grow).
+means for it (a `Change`: repair.Repair, phase_switch.Switching, grow.Grow).
 
     membership -> passes -> ledger -> state -> regroup -> data -> lr -> verify -> gate -> reopen -> event
 

@@ -13,7 +13,7 @@ at the cluster for it and carries the decisions out.
 - Growing: a "grow" decision starts the new replicas at once (they boot while the epoch runs);
   once one is ready the partition server pauses the replicas at their next partition boundary
   (the phase-switch pause: allreduce replicas all stop after the same step) and the ready ones
-  join: they take the state of a live replica (allreduce) or the shards' reference (downpour,
+  join (orchestrator/control/reconfig/grow.py): they take the state of a live replica (allreduce) or the shards' reference (downpour,
   easgd), the process group is re-formed over everyone, the test slices are re-cut, and the
   epoch goes on (a newcomer in allreduce steps without data until the epoch's end, its
   partitions having been dealt already; in the asynchronous modes it leases from the shared
@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import ray
 
 from orchestrator.checks import Lane
-from orchestrator.control.reconfig.carrier import Change
-from orchestrator.control.states import EpochSegment, GrowPlan
+from orchestrator.control.states import EpochSegment
 from policies.decisions.failure import ReplicaFailure
 from policies.decisions.lr_scaling import LrSchedule
 from policies.decisions.scaling import ClusterView, ScaleDecision, make_scaling_policy
@@ -317,90 +316,3 @@ def read_request() -> list[dict[str, float]]:
 
     raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
     return json.loads(raw) if raw else []
-
-
-class Grow(Change):
-    """A grow as the carrier's steps (orchestrator/control/reconfig/carrier.py): the started replicas that
-    are ready become members and take the state of a member (allreduce: every member is the same
-    at an epoch boundary and after a lock-step pause) or the shards' reference; the process
-    group is re-formed over everyone, the test slices are re-cut, the learning rate follows.
-    Mid-epoch, the paused replicas go on (allreduce: every member, the newcomer stepping without
-    data until the epoch's end, the epoch's partitions having been dealt already; asynchronous
-    modes: the newcomers lease from the shared queue)."""
-
-    kind = "grow"
-    pause_reason = "grow"
-    duration_key = "resize_s"
-
-    def __init__(self, plan: GrowPlan, elastic: Elasticity) -> None:
-        self.elastic, self.plan, self.j = elastic, plan, elastic.joining
-        super().__init__(self.j.t_decide_wall if self.j is not None else time.time())
-        self.paused: list[int] = []
-
-    def membership(self, run: "RunContext", seg: EpochSegment) -> None:
-        """Who may join: the started replicas that are ready (the rest later). They become
-        members in the state step, once they hold the state (a grow's membership is committed
-        last)."""
-        self.paused = seg.paused_ranks()
-        j, group = self.j, run.fleet.group
-        self.ready: list[int] = []
-        if j is None:
-            return
-        done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
-        self.ready = [r for r, ref in j.ready.items() if ref in done]
-        self.old = list(group.ranks)
-        self.step = max((run.ledger.progress.get(r, 0) for r in self.old), default=0)
-
-    def hand_off(self, run: "RunContext", seg: EpochSegment) -> None:
-        """The ready ones take the state (allreduce: a member's, every member being the same at an
-        epoch boundary and after a lock-step pause; else the shards' reference) and only then
-        join. A newcomer that died starting or failed to load is stopped and said (the others
-        join); the donor lost meanwhile is a failure (MemberLost) and the newcomers stay
-        started for the next try."""
-        j, group = self.j, run.fleet.group
-        if j is None or not self.ready:
-            return
-        refs = {r: j.ready[r] for r in self.ready}
-        if run.phase.spec.sharded:
-            joined, failed = group.admit(refs, "sync_from_shards", self.step, what="state from the shards")
-        else:
-            donor = group.members[self.old[0]]
-            joined, failed = group.admit(refs, "load_state", donor.export_state.remote(),
-                                         what=f"state from replica {self.old[0]}")
-        if failed:  # newcomers that died while starting or loading are stopped and said; the others join
-            run.report.event("resize_abandoned", ranks=sorted(failed), reason="died or failed while joining",
-                             outcomes={str(r): why for r, why in failed.items()})
-        for r in self.ready:
-            j.ready.pop(r, None)
-        if not j.ready:
-            self.elastic.joining = None
-        self.newcomers = joined  # [] if their ranks were taken by replacements meanwhile
-        self.resized = bool(joined)
-        for r in joined:
-            run.ledger.progress[r] = self.step
-            if run.phase.spec.sharded:
-                run.fleet.shard_group.welcome_replica(r, self.step)
-
-    def regroup(self, run: "RunContext") -> bool:
-        return bool(self.newcomers)
-
-    def learning_rate(self, run: "RunContext") -> dict[str, Any]:
-        return self.elastic.follow(self.step, len(run.fleet.group.ranks)) if self.newcomers else {}
-
-    def reopen(self, run: "RunContext", seg: EpochSegment) -> list[int]:
-        return run.fleet.group.ranks if run.phase.lock_step else self.paused + self.newcomers
-
-    def waiting(self, run: "RunContext", seg: EpochSegment, reopened: list[int]) -> list[int]:
-        return reopened if seg.begun else run.fleet.group.ranks  # between epochs: they step when the next one opens
-
-    def event(self, run: "RunContext", seg: EpochSegment, lr: dict[str, Any],
-              reopened: list[int]) -> Optional[dict[str, Any]]:
-        if not self.newcomers:
-            return None
-        members, ready, j = run.fleet.group.ranks, self.newcomers, self.j
-        run.report.metrics([("replicas_alive", len(members), run.ledger.totals.steps)])
-        run.report.say(f"grew to {len(members)} replicas (ranks {ready} joined at step {self.step})")
-        return {"kind": "resize", "direction": "grow", "epoch": seg.epoch, "reason": j.decision.reason,
-                "old_size": len(self.old), "new_size": len(members), "ranks": ready, "generation": run.fleet.group.generation,
-                "at_step": self.step, "mid_epoch": self.plan.mid_epoch,
-                "since_room_seen_s": round(time.time() - j.room_seen_wall, 3), **lr}
