@@ -66,7 +66,7 @@ def test_the_checkpoint_holds_the_shards_parameters(ray_cluster, tmp_path, mode)
     ctl = controller(cfg)
     try:
         ctl.run_epoch()
-        path = ctl.checkpoint("check", 30)
+        path = ctl.checkpoint("check", 30).path
         shards = np.concatenate(ray.get([s.values.remote() for s in ctl.shards], timeout=30))
         local = ray.get(ctl.replicas[0].flat_parameters.remote(), timeout=30)
     finally:
@@ -198,7 +198,7 @@ def test_batchnorm_buffers_are_consistent_in_every_mode(ray_cluster, tmp_path, s
         ctl.run_epoch()
         ctl.run_epoch()
         local = ray.get([r.local_buffers.remote() for r in ctl.replicas], timeout=30)
-        saved = load_checkpoint(ctl.checkpoint("bn", 30))["model"]
+        saved = load_checkpoint(ctl.checkpoint("bn", 30).path)["model"]
     finally:
         ctl.shutdown()
     names = [n for n in local[0] if "running" in n]
