@@ -230,7 +230,7 @@ def local_sgd_metrics(stats: list[SegmentEnd]) -> dict[str, float]:
     """Per epoch, across replicas: the mean local drift, rounds per second of training and,
     balanced, each rank's period at the epoch's end (`replica<r>/period`)."""
     modes = [s.mode for s in stats]
-    slowest = max(s["train_s"] for s in stats)
+    slowest = max(s.train_s for s in stats)
     drift = [m["local_drift"] for m in modes if math.isfinite(m["local_drift"])]
     out = {"local_drift": sum(drift) / len(drift) if drift else 0.0,
            "rounds_per_s": max(m["rounds"] for m in modes) / max(slowest, 1e-9)}

@@ -142,7 +142,7 @@ def _allreduce_events(stats: list[SegmentEnd]) -> list[dict[str, Any]]:
 
 def _downpour_metrics(stats: list[SegmentEnd]) -> dict[str, float]:
     modes = [s.mode for s in stats]
-    slowest = max(s["train_s"] for s in stats)
+    slowest = max(s.train_s for s in stats)
     pushes = sum(m["pushes"] for m in modes)
     return {"staleness_mean": sum(m["staleness_mean"] * m["pushes"] for m in modes) / max(pushes, 1),
             "staleness_max": max(m["staleness_max"] for m in modes),
@@ -151,7 +151,7 @@ def _downpour_metrics(stats: list[SegmentEnd]) -> dict[str, float]:
 
 def _easgd_metrics(stats: list[SegmentEnd]) -> dict[str, float]:
     modes = [s.mode for s in stats]
-    slowest = max(s["train_s"] for s in stats)
+    slowest = max(s.train_s for s in stats)
     return {"elastic_distance": sum(m["elastic_distance"] for m in modes) / len(modes),
             "elastic_distance_mean": sum(m["elastic_distance_mean"] for m in modes) / len(modes),
             "exchanges_per_s": sum(m["exchanges"] for m in modes) / max(slowest, 1e-9)}
