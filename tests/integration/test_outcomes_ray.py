@@ -73,6 +73,7 @@ def test_a_call_names_every_member_that_died_and_every_one_that_hung(group):
     assert outs[0].ok and outs[0].value == 0.1
 
 
+@pytest.mark.full  # make test runs the death-and-hang case; these two are its grow siblings
 def test_newcomers_join_one_by_one_and_a_members_death_is_not_theirs(group):
     """Two replicas started for a grow, one SIGKILLed before it joins; a member SIGKILLed too.
     The live newcomer joins, the dead one is reported as its own failure, and the member's
@@ -94,6 +95,7 @@ def test_newcomers_join_one_by_one_and_a_members_death_is_not_theirs(group):
     assert g.dead_members() == [1]  # still a member: its death is found by whoever waits on it
 
 
+@pytest.mark.full
 def test_a_grows_newcomers_become_members_only_once_they_hold_the_state(group):
     """The donor (member 0) is SIGKILLed before the newcomer loads its state: the donor's death
     is MemberLost and the newcomer is not a member (it stays started for the next try); with a
