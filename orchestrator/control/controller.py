@@ -80,9 +80,7 @@ class Controller:
     def __init__(self, config: JobConfig, dataset: Dataset, tracker: Optional[Tracker], t0: float,
                  display: Optional[ProgressDisplay] = None, trace_ids: bool = False,
                  resume: Optional[dict[str, Any]] = None, interrupts: Optional[Interrupts] = None) -> None:
-        """`resume`: a checkpoint's state to go on from (orchestrator/persistence/resume.py): the run starts
-        at the epoch after the one it was taken at, in the phase it was in. `interrupts`: the
-        run's interrupt state (the trainer routes the process's signals to it)."""
+        """The arguments are the run context's (orchestrator/control/context.py: RunContext)."""
         self.context = ctx = RunContext(config, dataset, tracker, t0, display, trace_ids, resume, interrupts)
         ctx.fleet.elastic = Elasticity(ctx)  # growing and shrinking with the cluster
         ctx.position.register("lr_schedule", ctx.fleet.elastic)  # every resize's learning-rate segment
