@@ -6,7 +6,7 @@ owner of its part of the run, and the operations the handlers share.
       |                       (ShardGroup), the partition server, the pause gate, elasticity,
       |                       where the data lives, the run's interrupt state
       |-- phase     Phase     which phase runs (the one owner): strategy, mode spec, lock step,
-      |                       leasing, the phase record, the pending switch and its probation
+      |                       leasing, the phase record
       |-- ledger    Ledger    what the run has done: totals, each replica's step and latest row,
       |                       completions not yet reported, the clocks, the best model
       |-- policies  Policies  the deciders, passed in: failure, stop, switch, best, chance
@@ -16,8 +16,10 @@ owner of its part of the run, and the operations the handlers share.
 
 The controller (orchestrator/control/controller.py) owns the state machine and builds this (with the
 fleet's Elasticity and the group's wait watch, which are handlers' work); the
-handlers (starting, running, epoch, reconfigure, recovery, switching, elastic, finishing,
-failures) take a RunContext and never the controller.
+handlers (starting, running, epoch_end, carrier, repair, phase_switch, grow, elastic, finishing,
+failures) take a RunContext, and the state's payload they work on, never the controller. What
+the control flow has pending (a switch, its probation, a stop) is the state's
+(orchestrator/control/states.py Pending), not a context's.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from orchestrator.fleet.pause import PauseGate
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.reporting.reporter import Reporter
 from orchestrator.persistence.run_state import UNSAVED, Checkpointer, Part, PartUnsaved, Position, RunTotals
-from orchestrator.control.states import EpochSegment, Guard, SwitchPlan
+from orchestrator.control.states import EpochSegment
 from orchestrator.reporting.tracking import Tracker
 from policies.decisions.failure import FailurePolicy
 from policies.decisions.leases import MAX_GRANT, first_grant_messages
@@ -69,7 +71,8 @@ class Fleet:
 
 @dataclass
 class Phase:
-    """Which phase runs, and the switch's run state: the one owner of both."""
+    """Which phase runs: the one owner of it (`set`, called where a switch commits). A switch
+    decided, or on probation, is the controller state's (orchestrator/control/states.py Pending)."""
     server_optimizer: Any  # what the shards apply: a name, or {name, kwargs} (policies/rules/sharding.py ShardState)
     strategy: dict[str, Any] = field(default_factory=dict)
     spec: Optional[ModeSpec] = None
@@ -79,9 +82,6 @@ class Phase:
     lease_plan: tuple = ()  # (rows, replicas, seed, pinned, shuffle): the grants' pure plan (policies/decisions/leases.py)
     max_grant: int = MAX_GRANT
     phases: list[dict[str, Any]] = field(default_factory=list)  # the result JSON's record of which mode ran when
-    pending_switch: Optional[SwitchPlan] = None  # decided, not carried out yet (orchestrator/control/reconfig/phase_switch.py)
-    guard: Optional[Guard] = None  # the last switch on probation (phase_switch.check_guard)
-    switching_off: bool = False  # a switch was rolled back: no further switch this run
 
     def set(self, strategy: dict[str, Any]) -> None:
         """The phase that runs now: its strategy, its mode's registry entry, lock-step or not."""
@@ -106,7 +106,6 @@ class Ledger:
     train_started: float = 0.0  # perf_counter when training began (after start-up)
     t_train_wall: float = 0.0  # the same, wall clock (the replicas' throughput figures count from it)
     best_model: Optional[dict[str, Any]] = None  # keep_best: the best epoch's model (state dict)
-    stopping: bool = False  # the stop policy said stop while a rollback was pending: finish once it is done
 
 
 @dataclass
@@ -192,10 +191,10 @@ class RunContext:
         def save_shards() -> Optional[list]:
             if self.fleet.shard_group is None:
                 return None
-            try:
+            try:  # a shard down or silent (rebuilt at the next poll): this checkpoint goes without, and says which
                 return self.fleet.shard_group.optimizer_states(min(self.cfg.strategy.timeout_s, SHARD_STATE_TIMEOUT_S))
-            except Exception as exc:  # a shard down (rebuilt at the next poll): this checkpoint goes without
-                raise PartUnsaved(f"the shards' optimizer states: {type(exc).__name__}: {one_line(exc)[:200]}") from None
+            except TrainingError as exc:
+                raise PartUnsaved(f"the shards' optimizer states: {one_line(exc)[:200]}") from None
 
         def load_shards(saved: Optional[list]) -> None:
             if saved is not None and self.fleet.shard_group is not None:
@@ -209,8 +208,6 @@ class RunContext:
         pos.register("wall_elapsed_s", Part(lambda: time.perf_counter() - self.ledger.t0, load_wall_clock))
         pos.register("shards", Part(save_shards, load_shards))
         pos.register("best", self.policies.best)
-        pos.register("switching_off", Part(lambda: self.phase.switching_off,
-                                           lambda off: setattr(self.phase, "switching_off", off)))
         return pos
 
     @property

@@ -1,29 +1,31 @@
 """The controller: a state machine whose states carry their payloads. Policies decide, the
 controller acts, actors hold state and move tensors.
 
-    Starting -> Running(segment) -> ... -> Finishing -> Finished
+    Starting -> Running(segment, pending) -> ... -> Finishing -> Finished
                    |        ^
                    v        |                  any state -> Errored(error)
-              Reconfiguring(plan, segment)
+              Reconfiguring(plan, segment, pending)
 
 `step()` runs the current state once and returns the next:
 - Starting: actors, data into the object store, process group, first epoch's segment;
-- Running(segment): reads the replicas' epoch streams (orchestrator/control/running.py) until the epoch
+- Running(segment, pending): reads the replicas' epoch streams (orchestrator/control/running.py) until the epoch
   ends (-> the epoch's bookkeeping, then Running(next epoch) or Finishing) or a failure needs a
   decision. A failure (a replica died, hung, or its user code raised) is a value: the failure
   policy (policies/decisions/failure.py) judges it; Fail -> Errored;
-- Reconfiguring(plan, segment): one carrier (orchestrator/control/reconfig/carrier.py) takes the same steps
+- Reconfiguring(plan, segment, pending): one carrier (orchestrator/control/reconfig/carrier.py) takes the same steps
   for every kind: pause -> membership -> passes -> ledger -> state -> regroup -> data -> lr ->
   reopen. A repair plan (orchestrator/control/reconfig/repair.py: failed replicas replaced or dropped, their
   partitions back to the pool, state to the newcomers; a shrink when the cluster has no room), a
   switch plan (orchestrator/control/reconfig/phase_switch.py: state consolidated, every replica's update rule
   changed in place) or a grow plan (orchestrator/control/reconfig/elastic.py: ready replicas join);
-  -> Running(same segment): the epoch goes on where it was;
+  -> Running(same segment, pending): the epoch goes on where it was;
 - Finishing: final checkpoint and artifacts.
 
 The controller owns the state and the loop, nothing else: every handler takes the run's
-contexts (orchestrator/control/context.py: RunContext with its Fleet, Phase, Ledger and Policies),
-never the controller. Who owns what: the replica group (orchestrator/fleet/replica_group.py) owns the actors, ranks and
+contexts (orchestrator/control/context.py: RunContext with its Fleet, Phase, Ledger and Policies)
+and the state's payload, never the controller. What is pending beyond the epoch (a switch
+decided, a switch on probation, a stop waiting for a rollback: states.Pending) travels in the
+states, from Running to Reconfiguring and back. Who owns what: the replica group (orchestrator/fleet/replica_group.py) owns the actors, ranks and
 generations; the PartitionServer is the one ledger of what each epoch served; the reporter
 (orchestrator/reporting/reporter.py) owns MLflow, events and the display; the mode registry
 (policies/rules/registry.py) says what differs between modes.
@@ -54,7 +56,7 @@ from orchestrator.control.epoch_end import watch_servers
 from orchestrator.errors import Interrupts, MemberLost
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.persistence.run_state import RunTotals
-from orchestrator.control.states import (TERMINAL, EpochSegment, Errored, Finished, Finishing, Plan, Reconfiguring, Running,
+from orchestrator.control.states import (TERMINAL, Errored, Finished, Finishing, Plan, Reconfiguring, Running,
                                   Starting, State, SwitchPlan)
 from orchestrator.reporting.tracking import Tracker
 
@@ -65,7 +67,7 @@ __all__ = ["Controller", "Written"]
 VIEW = {
     "group": "fleet.group", "shard_group": "fleet.shard_group", "server": "fleet.server", "pause": "fleet.pause",
     "elastic": "fleet.elastic", "spec": "phase.spec", "strategy": "phase.strategy", "phases": "phase.phases",
-    "pending_switch": "phase.pending_switch", "totals": "ledger.totals", "consumed": "ledger.consumed",
+    "totals": "ledger.totals", "consumed": "ledger.consumed",
     "redone": "ledger.redone", "steps_per_epoch": "ledger.steps_per_epoch", "progress": "ledger.progress",
     "stop_policy": "policies.stop", "failure_policy": "policies.failure", "switch_policy": "policies.switch",
     "cfg": "cfg", "dataset": "dataset", "report": "report", "metric": "metric", "tracker": "tracker",
@@ -103,11 +105,11 @@ class Controller:
                 nxt = Running(starting.start(self.context))
             elif isinstance(state, Running):
                 try:
-                    nxt = running.run_segment(self.context, state.segment)
+                    nxt = running.run_segment(self.context, state.segment, state.pending)
                 except MemberLost as lost:
-                    nxt = failures.lost_meanwhile(self.context, state.segment, lost)
+                    nxt = failures.lost_meanwhile(self.context, state.segment, lost, state.pending)
             elif isinstance(state, Reconfiguring):
-                nxt = self._reconfigure(state.plan, state.segment)
+                nxt = self._reconfigure(state)
             elif isinstance(state, Finishing):
                 finishing.finish(self.context)
                 nxt = Finished()
@@ -123,20 +125,22 @@ class Controller:
             raise nxt.error
         return nxt
 
-    def _reconfigure(self, plan: Any, seg: EpochSegment) -> State:
-        """Reconfiguring: the plan as the one carrier's steps (orchestrator/control/reconfig/carrier.py). A
-        replica lost meanwhile is a failure of the segment: a repair folds it into its plan
-        (`repair.reconfigure`); a switch is carried out after that repair; a grow's newcomers
-        are members by then and the repair sees to the lost one."""
+    def _reconfigure(self, state: Reconfiguring) -> State:
+        """Reconfiguring: the plan as the one carrier's steps (orchestrator/control/reconfig/carrier.py),
+        then Running(segment, pending) goes on. A replica lost meanwhile is a failure of the
+        segment: a repair folds it into its plan (`repair.reconfigure`); a switch stays pending
+        and is carried out again after that repair, from the phase it recorded; a grow's
+        newcomers are members by then and the repair sees to the lost one."""
+        plan, seg, pending = state.plan, state.segment, state.pending
         if isinstance(plan, Plan):
-            return Running(repair.reconfigure(self.context, plan, seg))
-        change = phase_switch.Switching(plan) if isinstance(plan, SwitchPlan) else Grow(plan, self.context.fleet.elastic)
+            return Running(repair.reconfigure(self.context, plan, seg), pending)
+        change = phase_switch.Switching(plan, pending) if isinstance(plan, SwitchPlan) else Grow(plan, self.context.fleet.elastic)
         try:
-            return Running(carrier.carry_out(self.context, change, seg))
+            return Running(carrier.carry_out(self.context, change, seg), pending)
         except MemberLost as lost:
             if isinstance(plan, SwitchPlan):
-                self.context.phase.pending_switch = plan
-            return failures.lost_meanwhile(self.context, seg, lost)
+                pending.switch = plan
+            return failures.lost_meanwhile(self.context, seg, lost, pending)
 
     def run(self) -> RunTotals:
         while not isinstance(self.step(), TERMINAL):
@@ -151,6 +155,12 @@ class Controller:
         return self.state
 
     # ---- the view for callers between steps -------------------------------------------------
+    @property
+    def pending_switch(self) -> Optional[SwitchPlan]:
+        """The switch decided and not carried out yet (the state's), or None."""
+        pending = getattr(self.state, "pending", None)
+        return pending.switch if pending is not None else None
+
     def __getattr__(self, name: str) -> Any:
         where = VIEW.get(name)
         if where is None:

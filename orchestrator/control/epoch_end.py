@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from orchestrator.control.reconfig import phase_switch
 from orchestrator.errors import MemberLost, TrainingError
 from orchestrator.control.failures import lost_meanwhile
-from orchestrator.control.states import EpochSegment, Finishing, Running
+from orchestrator.control.states import EpochSegment, Finishing, Pending, Running
 from policies.decisions.checkpointing import due as checkpoint_due
 from policies.decisions.stop import EpochSnapshot
 
@@ -46,7 +46,7 @@ def report_shard_events(run: "RunContext", events: list[dict], epoch: int) -> No
                        f"({event.get('lost_updates')} acknowledged updates lost)")
 
 
-def close_pass(run: "RunContext", seg: EpochSegment):
+def close_pass(run: "RunContext", seg: EpochSegment, pending: Pending):
     """Every stream ended with no failure pending. An undisturbed epoch ends here (its last
     completions are reported with the next start_epoch); else ask the server's ledger whether
     every partition was served, and start a further pass over what is left if not."""
@@ -56,12 +56,12 @@ def close_pass(run: "RunContext", seg: EpochSegment):
     completed = {r: item.unreported for r, item in seg.ended.items() if item.kind == "epoch"}
     if not seg.disturbed:
         run.ledger.unreported = completed
-        return end_epoch(run, seg)
+        return end_epoch(run, seg, pending)
     status = run.fleet.server.call("finish", completed)
     seg.ended = {}
     if status["complete"]:
         run.ledger.redone += status["redone"]
-        return end_epoch(run, seg)
+        return end_epoch(run, seg, pending)
     seg.passes += 1
     if seg.passes > MAX_PASSES:
         raise TrainingError(f"epoch {seg.epoch}: {status['remaining']} partitions were never served")
@@ -70,9 +70,9 @@ def close_pass(run: "RunContext", seg: EpochSegment):
     return None
 
 
-def end_epoch(run: "RunContext", seg: EpochSegment):
+def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     """The epoch's bookkeeping: evaluation, totals, metrics, events, checkpoint, the stop
-    decision. Running(next epoch) or Finishing."""
+    decision. Running(next epoch, pending) or Finishing."""
     cfg, tot = run.cfg, run.ledger.totals
     epoch = seg.epoch
     stats = seg.merged()
@@ -132,8 +132,8 @@ def end_epoch(run: "RunContext", seg: EpochSegment):
     if not seg.had_failure:
         run.policies.failure.epoch_without_failure()
 
-    phase_switch.check_guard(run, epoch, metrics)  # a switch that hurt: rolled back before anything keeps this model
-    rolling_back = run.phase.pending_switch is not None and run.phase.pending_switch.rollback is not None
+    phase_switch.check_guard(run, pending, epoch, metrics)  # a switch that hurt: rolled back before anything keeps this model
+    rolling_back = pending.switch is not None and pending.switch.rollback is not None
     lost: list[MemberLost] = []
     if not rolling_back:
         loss = metrics.get(run.loss_metric)
@@ -162,16 +162,16 @@ def end_epoch(run: "RunContext", seg: EpochSegment):
         run.report.event("stop", reason=decision.reason)
         if not rolling_back:
             return Finishing()
-        run.ledger.stopping = True  # the model from before the switch first (Running carries the rollback out), then the end
+        pending.stopping = True  # the model from before the switch first (Running carries the rollback out), then the end
     else:
-        phase_switch.consider(run, None, epoch_end=True, metrics=judged)
+        phase_switch.consider(run, None, pending, epoch_end=True, metrics=judged)
     # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
     # it carries on timing a recovery whose newcomer had nothing left to do in this one. Members
     # lost while the checkpoint was taken are its failures: repaired before it opens
     nxt = EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False)
     for exc in lost:
-        lost_meanwhile(run, nxt, exc)
-    return Running(nxt)
+        lost_meanwhile(run, nxt, exc, pending)
+    return Running(nxt, pending)
 
 
 def note_target(run: "RunContext", epoch: int, judged: dict[str, float], elapsed: float, **where) -> None:

@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from orchestrator.errors import MemberLost
-from orchestrator.control.states import EpochSegment, Running, State
+from orchestrator.control.states import EpochSegment, Pending, Running, State
 from policies.decisions.failure import DETECTED_BY, ReplicaFailure
 
 if TYPE_CHECKING:
@@ -39,9 +39,10 @@ def fail(run: "RunContext", seg: EpochSegment, failure: ReplicaFailure) -> None:
             sg.abort_rounds()  # synchronous EASGD: the survivors' pending round ends now
 
 
-def lost_meanwhile(run: "RunContext", seg: EpochSegment, lost: MemberLost) -> "State":
+def lost_meanwhile(run: "RunContext", seg: EpochSegment, lost: MemberLost, pending: Pending) -> "State":
     """Replicas that died while the driver waited on them outside a repair (a switch, the
-    epoch's evaluation, a checkpoint): failures of the segment, judged like any other."""
+    epoch's evaluation, a checkpoint): failures of the segment, judged like any other when
+    Running(seg, pending) next runs."""
 
     now = time.time()
     for rank in lost.ranks:
@@ -51,4 +52,4 @@ def lost_meanwhile(run: "RunContext", seg: EpochSegment, lost: MemberLost) -> "S
         fail(run, seg, ReplicaFailure(rank, cause, f"{cause} while the driver waited on it ({lost.what})",
                                       replacement=rank in run.fleet.group.replacements))
     seg.t_first_failure = seg.t_first_failure or now
-    return Running(seg)
+    return Running(seg, pending)

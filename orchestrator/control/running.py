@@ -28,7 +28,7 @@ from orchestrator.control.epoch_end import close_pass, interval_evaluation, watc
 from orchestrator.errors import TrainingError
 from orchestrator.control.failures import fail
 from orchestrator.control.reconfig.repair import decide
-from orchestrator.control.states import EpochSegment, Errored, Finishing, GrowPlan, Plan, Reconfiguring, State
+from orchestrator.control.states import EpochSegment, Errored, Finishing, GrowPlan, Pending, Plan, Reconfiguring, State
 from policies.messages import Evaluation, Progress, SegmentEnd, Stepping
 from policies.decisions.failure import Fail, ReplicaFailure, error_detail
 from policies.rules.modes import Diverged
@@ -40,33 +40,34 @@ TICK_S = 0.5  # the loop's longest wait: shard snapshots, hang checks
 HANG_GRACE_S = 5.0
 
 
-def run_segment(run: "RunContext", seg: EpochSegment) -> "State":
-    """Read the epoch's streams until the epoch ends or a failure needs a decision. Every
+def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "State":
+    """Running(seg, pending): read the epoch's streams until the epoch ends or a failure, a
+    switch or a grow needs a reconfiguration (each state after this carries `pending` on). Every
     replica's hang clock starts again on entry: while another state worked (a repair, its
     restart backoff, a switch) nobody read the survivors' streams, and what they sent meanwhile
     waits unread; silence is measured from now."""
     restart_hang_clocks(seg)
     if not seg.begun:
         if seg.failures:  # a replica died between epochs (e.g. during a switch): repaired first
-            return judge(run, seg)
-        if run.phase.pending_switch is not None:  # decided at the last epoch's end: switch before this one opens
-            return Reconfiguring(run.phase.pending_switch, seg)
-        if run.ledger.stopping:  # the run stopped at the last epoch's end; a rollback was carried out first
+            return judge(run, seg, pending)
+        if pending.switch is not None:  # decided at the last epoch's end: switch before this one opens
+            return Reconfiguring(pending.switch, seg, pending)
+        if pending.stopping:  # the run stopped at the last epoch's end; a rollback was carried out first
             return Finishing()
         run.fleet.elastic.stop_pausing()  # a grow's pause nobody reached
         if run.fleet.elastic.ready_to_join():  # replicas started for a grow join at the epoch boundary
-            return Reconfiguring(GrowPlan(mid_epoch=False), seg)
+            return Reconfiguring(GrowPlan(mid_epoch=False), seg, pending)
         run.open_epoch(seg, frozenset(seg.awaiting_steps()))
     while True:
         if seg.failures and (not run.phase.lock_step or not seg.streams):
-            return judge(run, seg)
+            return judge(run, seg, pending)
         if not seg.streams:
             paused = bool(seg.paused_ranks())
             if run.fleet.pause.reason == "switch" and paused:
-                return Reconfiguring(run.phase.pending_switch, seg)
+                return Reconfiguring(pending.switch, seg, pending)
             if run.fleet.pause.reason == "grow" and paused:  # ready newcomers join; the epoch goes on
-                return Reconfiguring(GrowPlan(mid_epoch=True), seg)
-            nxt = close_pass(run, seg)
+                return Reconfiguring(GrowPlan(mid_epoch=True), seg, pending)
+            nxt = close_pass(run, seg, pending)
             if nxt is None:
                 continue  # a further pass of the epoch started
             return nxt
@@ -81,10 +82,10 @@ def run_segment(run: "RunContext", seg: EpochSegment) -> "State":
         if run.fleet.group.check_spares():
             run.report.event("spare_replaced", epoch=seg.epoch, spares=len(run.fleet.group.spares))
         check_hangs(run, seg)
-        run.fleet.elastic.tick(seg)
+        run.fleet.elastic.tick(seg, switching=pending.switch is not None)
         if seg.fresh_signals or run.policies.switch.plan[run.policies.switch.current]["until"] is not None:
             seg.fresh_signals = False
-            phase_switch.consider(run, seg)
+            phase_switch.consider(run, seg, pending)
         if seg.failures and run.phase.lock_step and run.fleet.shard_group is not None:
             run.fleet.shard_group.abort_rounds(timeout_s=TICK_S)  # each tick: a survivor may reach the round after an abort
 
@@ -182,7 +183,7 @@ def stepped(run: "RunContext", seg: EpochSegment, rank: int, t_wall: float) -> N
                 run.report.say(f"every replica stepping {took:.2f}s after {what}")
 
 
-def judge(run: "RunContext", seg: EpochSegment) -> "State":
+def judge(run: "RunContext", seg: EpochSegment, pending: Pending) -> "State":
     """The failure policy decides each failure; Fail ends the run, else Reconfiguring."""
 
     failures, seg.failures = seg.failures, []
@@ -193,7 +194,7 @@ def judge(run: "RunContext", seg: EpochSegment) -> "State":
     steps = {r: item.step for r, item in seg.ended.items() if r not in failed and item.kind == "interrupted"}
     plan = Plan(failures, decisions, seg.t_first_failure or time.time(), steps)
     seg.t_first_failure = None
-    return Reconfiguring(plan, seg)
+    return Reconfiguring(plan, seg, pending)
 
 
 def note_balance(run: "RunContext", seg: EpochSegment) -> None:

@@ -1,8 +1,13 @@
-"""The controller's states and what they carry: the epoch in flight (`EpochSegment`), a repair
-plan (`Plan`), a switch plan (`SwitchPlan`), a grow plan (`GrowPlan`), the reason a run errored. This module imports
-nothing of the orchestrator above it; orchestrator/control/controller.py maps each state to its handler.
+"""The controller's states and what they carry: the epoch in flight (`EpochSegment`), what is
+pending beyond it (`Pending`: a switch decided, a switch on probation, a stop waiting for a
+rollback), a repair plan (`Plan`), a switch plan (`SwitchPlan`), a grow plan (`GrowPlan`), the
+reason a run errored. All of the run's control state is here, in the state the controller holds;
+the contexts (orchestrator/control/context.py) hold the fleet, the phase running, the ledger of
+what was done. This module imports nothing of the orchestrator above it;
+orchestrator/control/controller.py maps each state to its handler.
 
-    Starting -> Running(segment) -> Reconfiguring(plan, segment) -> Running ... -> Finishing -> Finished
+    Starting -> Running(segment, pending) -> Reconfiguring(plan, segment, pending) -> Running(segment, pending)
+             ... -> Finishing -> Finished
     any state -> Errored(error)
 
 `EpochSegment` is the driver's view of one epoch while it runs: the replicas' open epoch
@@ -127,6 +132,20 @@ class Guard:
 
 
 @dataclass
+class Pending:
+    """What Running carries from one epoch to the next besides the epoch itself, and
+    Reconfiguring hands back to it: a phase switch decided and not carried out yet (at the next
+    pause, or before the next epoch opens), the last switch on probation (its guard: rolled back
+    if the loss rose), and a stop decided while a rollback was pending (the run finishes once it
+    is carried out). A switch interrupted by a lost member stays here and is carried out again
+    after the repair, from the phase it recorded."""
+
+    switch: Optional[SwitchPlan] = None
+    guard: Optional[Guard] = None
+    stopping: bool = False
+
+
+@dataclass
 class GrowPlan:
     """What Reconfiguring carries out for a grow: the replicas started for it that are ready join
     (orchestrator/control/reconfig/elastic.py holds who they are)."""
@@ -142,12 +161,14 @@ class Starting:
 @dataclass
 class Running:
     segment: EpochSegment
+    pending: Pending = field(default_factory=Pending)
 
 
 @dataclass
 class Reconfiguring:
     plan: Union[Plan, SwitchPlan, GrowPlan]  # failures to repair, a phase switch or a grow to carry out
     segment: EpochSegment
+    pending: Pending = field(default_factory=Pending)  # then: Running(segment, pending) goes on with it
 
 
 @dataclass

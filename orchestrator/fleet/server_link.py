@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.incarnation import incarnation_name
 from orchestrator.errors import TrainingError
+from orchestrator.fleet.outcomes import DIED, HUNG, RAISED, gather
 
 START_TIMEOUT_S = 60.0  # a rebuilt server's process starts and reads its journal within this
 REBUILDS_PER_CALL = 5  # a call that meets this many dead or stopped incarnations in a row ends the run
@@ -100,21 +101,19 @@ class ServerLink:
         timeout_s = min(self.timeout_s if timeout_s is None else timeout_s, self.hang_s)
         rebuilds = 0
         while True:
-            try:
-                answer = ray.get(call.ref, timeout=timeout_s)
-            except (RayActorError, GetTimeoutError) as exc:
+            out = gather({"server": call.ref}, timeout_s)["server"]  # ok | died | hung | raised, as a value
+            if out.status in (DIED, HUNG):
                 rebuilds += 1
                 if rebuilds > REBUILDS_PER_CALL:
                     raise TrainingError(f"{what}: the partition server died or stopped {REBUILDS_PER_CALL} times "
-                                        "during one call") from None
-                stopped = isinstance(exc, GetTimeoutError)
+                                        "during one call")
+                stopped = out.status == HUNG
                 self._rebuild(f"no answer to a call for {timeout_s:.0f}s" if stopped else "call", kill=stopped)
                 continue
-            except RayTaskError as exc:
-                self.pending.pop(call.id, None)
-                raise TrainingError(f"{what}: {exc.cause if getattr(exc, 'cause', None) else exc}") from None
             self.pending.pop(call.id, None)
-            return answer
+            if out.status == RAISED:
+                raise TrainingError(f"{what}: {out.detail}")
+            return out.value
 
     def call(self, method: str, *args, what: str = "partition server", timeout_s: Optional[float] = None, **kwargs) -> Any:
         return self.result(self.send(method, *args, **kwargs), what, timeout_s)

@@ -15,6 +15,10 @@ from ray.exceptions import RayActorError
 from actors.incarnation import incarnation_name
 from actors.shards.parameter_shard import ParameterShard
 from actors.shards.client import ShardDirectory
+from orchestrator.errors import TrainingError
+from orchestrator.fleet.outcomes import DIED, RAISED, Outcome, describe, gather
+
+ATTEMPTS = 3  # a call every shard must answer: asked again after a rebuild at most this many times
 
 
 @dataclass
@@ -60,6 +64,7 @@ class ShardGroup:
         self.rebuilds = 0
         self.placement: Any = None  # the scheduling strategy shards (and their rebuilds) are started with
         self.hang_s: Optional[float] = None  # a shard whose ping goes unanswered this long is killed and rebuilt
+        self._held: list[dict] = []  # events of rebuilds done while a control call waited: the next poll() reports them
 
     @classmethod
     def create(cls, initial: np.ndarray, bounds: list[tuple[int, int]], optimizer: str, lr: float, momentum: float,
@@ -78,7 +83,9 @@ class ShardGroup:
         group = cls(handles, bounds, names, namespace, args, snapshot_every_s, settle_s, log_limit_bytes)
         group.placement, group.hang_s = placement, hang_s
         try:
-            group.snapshot_now(timeout_s)
+            outs = group.snapshot_now(timeout_s)
+            if not all(o.ok for o in outs.values()):
+                raise TrainingError(f"the shards did not start: {describe({f'shard {i}': o for i, o in outs.items()})}")
         except BaseException:
             group.shutdown()
             raise
@@ -94,18 +101,19 @@ class ShardGroup:
                               [s.generation for s in self._slots], self.log_limit_bytes)
 
     # ---- snapshots -----------------------------------------------------------------------
-    def snapshot_now(self, timeout_s: float = 60.0) -> list[int]:
-        """Snapshot every live shard and wait for all; returns their versions."""
-        taken = []
-        for slot in self._slots:
-            if slot.state == "up":
-                version_ref, snap_ref = slot.handle.snapshot.remote()
-                taken.append((slot, version_ref, snap_ref))
-        versions = ray.get([v for _, v, _ in taken], timeout=timeout_s)
+    def snapshot_now(self, timeout_s: float = 60.0, only: Optional[list[int]] = None) -> dict[int, Outcome]:
+        """Snapshot every live shard (or those of `only`) and wait for all, at most `timeout_s`
+        in all; what each came to (ok: its version, kept as its latest snapshot)."""
+        taken = {}
+        for i, slot in enumerate(self._slots):
+            if slot.state == "up" and (only is None or i in only):
+                taken[i] = tuple(slot.handle.snapshot.remote())
+        outs = gather({i: refs[0] for i, refs in taken.items()}, timeout_s)
         now = time.monotonic()
-        for (slot, _, snap_ref), version in zip(taken, versions):
-            self._keep_snapshot(slot, version, snap_ref, now)
-        return versions
+        for i, out in outs.items():
+            if out.ok:
+                self._keep_snapshot(self._slots[i], out.value, taken[i][1], now)
+        return outs
 
     def snapshot_soon(self) -> None:
         """Start a snapshot of every live shard now, without waiting (poll() keeps it when it
@@ -132,7 +140,7 @@ class ShardGroup:
         version + replayed), plus log entries clients had to drop; 0 when nothing acknowledged was
         lost. Never waits on a shard."""
         now = time.monotonic() if now is None else now
-        events = []
+        events, self._held = self._held, []
         for i, slot in enumerate(self._slots):
             if slot.state == "up":
                 self._check(i, slot, now)
@@ -265,22 +273,71 @@ class ShardGroup:
                 ("not_replayed_within_settle_s", unreplayed)) if v}
         return event
 
-    # ---- control calls -------------------------------------------------------------------
+    # ---- control calls: per-shard outcomes, never a raw Ray error -------------------------
+    def outcomes(self, method: str, *args, per_shard: Optional[Any] = None, timeout_s: float = 10.0,
+                 only: Optional[list[int]] = None) -> dict[int, Outcome]:
+        """Call every shard (or those of `only`; `per_shard(i)`: shard i's arguments), waiting
+        at most `timeout_s` in all (not per shard); what each came to: ok(value), died (gone, or
+        down and being rebuilt), hung (no answer in time: stopped, its node gone), raised."""
+        which = range(len(self._slots)) if only is None else only
+        refs = {i: getattr(self._slots[i].handle, method).remote(*(per_shard(i) if per_shard else args))
+                for i in which if self._slots[i].state == "up"}
+        outs = gather(refs, timeout_s)
+        for i in which:
+            if i not in refs:
+                outs[i] = Outcome(DIED, detail=f"being rebuilt ({self._slots[i].detected_by})")
+        return {i: outs[i] for i in sorted(outs)}
+
     def _all(self, method: str, *args, timeout_s: float = 10.0) -> list:
-        """Call every live shard, waiting at most `timeout_s` in all (not per shard); a shard that
-        died or does not answer in time (stopped, its node gone) is a value, None in its place,
-        left to poll() to find and rebuild: never an error of the caller's."""
-        refs = [getattr(s.handle, method).remote(*args) if s.state == "up" else None for s in self._slots]
-        live = [ref for ref in refs if ref is not None]
-        if live:
-            ray.wait(live, num_returns=len(live), timeout=timeout_s)
-        out = []
-        for ref in refs:
-            try:
-                out.append(None if ref is None else ray.get(ref, timeout=0))
-            except (RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ObjectLostError):
-                out.append(None)
-        return out
+        """A call every live shard may miss: None in a dead or silent shard's place, left to
+        poll() to find and rebuild (never an error of the caller's)."""
+        return [o.value if o.ok else None for o in self.outcomes(method, *args, timeout_s=timeout_s).values()]
+
+    def on_every_shard(self, method: str, per_shard: Any, what: str, timeout_s: float = 60.0,
+                       snapshot: bool = True) -> dict[int, Any]:
+        """A call every shard must answer (a switch's reseed, a resume's optimizer states): a
+        shard that died or does not answer is rebuilt now from its snapshot (waited for) and
+        asked again, up to ATTEMPTS times; with `snapshot`, each shard is snapshotted once it
+        answered (a rebuild after that keeps what the call gave it; one whose snapshot fails
+        is asked again). A call that raised is the caller's error (TrainingError). Shard ->
+        answer."""
+        todo, answers = list(range(len(self._slots))), {}
+        for _ in range(ATTEMPTS):
+            outs = self.outcomes(method, per_shard=per_shard, timeout_s=timeout_s, only=todo)
+            raised = {f"shard {i}": o for i, o in outs.items() if o.status == RAISED}
+            if raised:
+                raise TrainingError(f"{what}: {describe(raised)}")
+            answered = [i for i, o in outs.items() if o.ok]
+            answers.update({i: outs[i].value for i in answered})
+            if snapshot and answered:
+                snaps = self.snapshot_now(timeout_s, only=answered)
+                answered = [i for i in answered if i in snaps and snaps[i].ok]
+            todo = [i for i in todo if i not in answered]
+            if not todo:
+                return answers
+            self.rebuild_now(todo, f"{what}: no answer", timeout_s)
+        raise TrainingError(f"{what}: shards {todo} did not answer after {ATTEMPTS} rebuilds")
+
+    def rebuild_now(self, indices: list[int], why: str, timeout_s: float) -> None:
+        """Rebuild shards `indices` now (a live one that did not answer is stopped first) and wait
+        until each is up again, at most `timeout_s`; their rebuild events come with the next
+        poll()."""
+        now = time.monotonic()
+        for i in indices:
+            slot = self._slots[i]
+            if slot.state == "up":
+                try:  # stopped (SIGSTOP), stuck: a rebuild replaces it
+                    ray.kill(slot.handle, no_restart=True)
+                except Exception:
+                    pass
+                self._died(i, slot, why, now)
+        deadline = time.monotonic() + timeout_s
+        while any(self._slots[i].state != "up" for i in indices):
+            if time.monotonic() > deadline:
+                raise TrainingError(f"{why}: shards {[i for i in indices if self._slots[i].state != 'up']} "
+                                    f"not rebuilt within {timeout_s:g}s")
+            self._held += self.poll()
+            time.sleep(0.05)
 
     def forget_replica(self, rank: int, timeout_s: float = 10.0, wait: bool = True) -> None:
         """A replica died: no shard's staleness clock waits for `rank` again (kept across rebuilds),
@@ -305,14 +362,9 @@ class ShardGroup:
         """The largest lead over the slowest replica shard 0 saw at a push (SSP check). Shard 0
         only: its clocks are the ones max_staleness holds replicas to. Another shard can see one
         step more, when a slow replica's push has reached shard 0 and not yet it (measured: 5
-        with max_staleness 3 and 2 shards)."""
-        slot = self._slots[0]
-        if slot.state != "up":
-            return 0
-        try:
-            return int(ray.get(slot.handle.observed_max_lead.remote(), timeout=timeout_s) or 0)
-        except RayActorError:
-            return 0
+        with max_staleness 3 and 2 shards). 0 while shard 0 is down or silent."""
+        out = self.outcomes("observed_max_lead", timeout_s=timeout_s, only=[0])[0]
+        return int(out.value or 0) if out.ok else 0
 
     def abort_rounds(self, timeout_s: float = 10.0) -> int:
         """Abort every open synchronous EASGD round on every shard (ParameterShard.abort_rounds)."""
@@ -321,35 +373,44 @@ class ShardGroup:
     def reseed(self, values: Optional[np.ndarray], optimizer: tuple, clocks: dict[int, int],
                timeout_s: float = 60.0) -> None:
         """A phase switch: every shard takes its slice of `values` (None: keeps its own), a fresh
-        server optimizer (name, lr, momentum, weight_decay) and the replicas' clocks; then a
-        snapshot, so a rebuild starts from the new contents."""
+        server optimizer (name, lr, momentum, weight_decay) and the replicas' clocks, then a
+        snapshot, so a rebuild starts from the new contents. A shard lost on the way is rebuilt
+        and reseeded (`on_every_shard`): with `values` None from its snapshot, what it held."""
         self._args = (*optimizer, self._args[-1])
-        refs = [s.handle.reseed.remote(None if values is None else values[lo:hi], optimizer, clocks)
-                for s, (lo, hi) in zip(self._slots, self.bounds)]
-        ray.get(refs, timeout=timeout_s)
-        for rank, step in clocks.items():
+        for rank, step in clocks.items():  # a shard rebuilt in the middle takes them from its membership
             self._membership[rank] = step
-        self.snapshot_now(timeout_s)
+        self.on_every_shard("reseed", lambda i: (None if values is None else values[slice(*self.bounds[i])],
+                                                 optimizer, clocks), "reseeding the shards", timeout_s)
 
     def optimizer_states(self, timeout_s: float = 30.0) -> list[dict]:
-        """Each shard's server-optimizer state (a checkpoint's `shards` part)."""
-        return ray.get([s.handle.optimizer_state.remote() for s in self._slots], timeout=timeout_s)
+        """Each shard's server-optimizer state (a checkpoint's `shards` part); TrainingError naming
+        each shard that did not answer (the checkpoint goes without the part and says so)."""
+        outs = self.outcomes("optimizer_state", timeout_s=timeout_s)
+        if not all(o.ok for o in outs.values()):
+            raise TrainingError(describe({f"shard {i}": o for i, o in outs.items()}))
+        return [o.value for o in outs.values()]
 
     def load_optimizer_states(self, states: list[dict], timeout_s: float = 60.0) -> None:
         """A resumed run: each shard goes on with the server-optimizer state a checkpoint kept,
-        then a snapshot, so a rebuild keeps it too."""
+        then a snapshot, so a rebuild keeps it too (a shard lost on the way: rebuilt, loaded again)."""
         if len(states) != len(self._slots):
             raise ValueError(f"the checkpoint holds {len(states)} shards' optimizer states, the run has "
                              f"{len(self._slots)} shards")
-        ray.get([s.handle.load_optimizer_state.remote(st) for s, st in zip(self._slots, states)], timeout=timeout_s)
-        self.snapshot_now(timeout_s)
+        self.on_every_shard("load_optimizer_state", lambda i: (states[i],), "loading the shards' optimizer states",
+                            timeout_s)
 
     def values(self, timeout_s: float = 30.0) -> np.ndarray:
-        """The reference parameters, concatenated (raises if a shard is down)."""
-        return np.concatenate(ray.get([s.handle.values.remote() for s in self._slots], timeout=timeout_s))
+        """The reference parameters, concatenated (TrainingError naming a shard that is down)."""
+        outs = self.outcomes("values", timeout_s=timeout_s)
+        if not all(o.ok for o in outs.values()):
+            raise TrainingError(f"the shards' values: {describe({f'shard {i}': o for i, o in outs.items()})}")
+        return np.concatenate([o.value for o in outs.values()])
 
     def buffers(self, timeout_s: float = 30.0) -> dict:
-        return ray.get(self._slots[0].handle.buffers.remote(), timeout=timeout_s)
+        out = self.outcomes("buffers", timeout_s=timeout_s, only=[0])[0]
+        if not out.ok:
+            raise TrainingError(f"the shards' buffers: shard 0 {out.status} ({out.detail})")
+        return out.value
 
     def shutdown(self) -> None:
         """Kill every shard (their snapshots go with the group)."""

@@ -88,10 +88,11 @@ class SchedulePolicy:
         self.goals = dict(goals or DEFAULT_GOALS)
         self.current = 0
         self.mark = _Mark(0, 0, 0.0)
+        self.off = False  # a switch was rolled back: no further switch this run
 
     def decide(self, obs: Observation) -> Optional[Switch]:
         until = self.plan[self.current]["until"]
-        if until is None:
+        if until is None or self.off:
             return None
         (key, target), = until.items()
         if key == "epochs":
@@ -117,16 +118,18 @@ class SchedulePolicy:
 
     def state_dict(self) -> dict[str, Any]:
         """Where the schedule is (a checkpoint holds it; `load_state_dict` takes it back)."""
-        return {"current": self.current, "mark": [self.mark.epochs, self.mark.step, self.mark.elapsed_s]}
+        return {"current": self.current, "mark": [self.mark.epochs, self.mark.step, self.mark.elapsed_s],
+                "off": self.off}
 
     def load_state_dict(self, position: dict[str, Any]) -> None:
         self.current = position["current"]
         self.mark = _Mark(*position["mark"])
+        self.off = position.get("off", False)
 
     def roll_back(self, phase: int) -> None:
         """A switch that hurt was undone (the controller's guard): the plan is at `phase` again
-        and decides no further switch from here (the controller stops asking)."""
-        self.current = phase
+        and decides no further switch this run."""
+        self.current, self.off = phase, True
 
     def _advance(self, obs: Observation, rule: str, reason: str, numbers: dict[str, Any]) -> Switch:
         self.current += 1
@@ -154,17 +157,20 @@ class AdaptivePolicy:
         self.current = self.SYNC
         self.streak = 0
         self.last_switch_s = 0.0
+        self.off = False  # a switch was rolled back: no further switch this run
 
     def state_dict(self) -> dict[str, Any]:
-        return {"current": self.current, "streak": self.streak, "last_switch_s": self.last_switch_s}
+        return {"current": self.current, "streak": self.streak, "last_switch_s": self.last_switch_s, "off": self.off}
 
     def load_state_dict(self, position: dict[str, Any]) -> None:
         self.current, self.streak, self.last_switch_s = (position["current"], position["streak"],
                                                          position["last_switch_s"])
+        self.off = position.get("off", False)
 
     def roll_back(self, phase: int) -> None:
-        """A switch that hurt was undone: the policy is in `phase` again."""
-        self.current, self.streak = phase, 0
+        """A switch that hurt was undone: the policy is in `phase` again and decides no further
+        switch this run."""
+        self.current, self.streak, self.off = phase, 0, True
 
     @staticmethod
     def spread(compute_s: dict[int, float]) -> tuple[float, Optional[int]]:
@@ -220,6 +226,8 @@ class AdaptivePolicy:
                 "backup_gain": backup / sync - 1}
 
     def decide(self, obs: Observation) -> Optional[Switch]:
+        if self.off:
+            return None
         extra: dict[str, Any] = {}
         if self.balance is not None:
             ratio, slow, extra = self.residual(obs.compute_s, obs.rows)

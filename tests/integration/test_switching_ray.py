@@ -331,3 +331,42 @@ def test_a_replica_lost_in_a_switchs_middle_restarts_it_from_the_phase_it_left(r
     assert (switch["from"], switch["to"]) == ("allreduce", "downpour"), switch
     assert [p["mode"] for p in result.phases] == ["allreduce", "downpour"]
     assert result.epochs == 2 and result.final.test_accuracy > 0.8
+
+
+def test_a_shard_stopped_as_a_switch_seeds_it_is_rebuilt_and_seeded_again(ray_cluster):
+    """allreduce -> downpour at epoch 1's end, with shard 0 SIGSTOPped just before the switch is
+    carried out: its reseed goes unanswered, so the shard is rebuilt from its snapshot and seeded
+    again, and the switch completes with every shard holding the replicas' parameters (before,
+    the reseed's GetTimeoutError ended the run)."""
+    import os
+    import signal
+
+    from orchestrator.testing.chaos import kill_process
+
+    ctl = controller([{"mode": "allreduce", "until": {"epochs": 1}}, {"mode": "downpour"}],
+                     fault_tolerance={"hang_timeout_s": 60})
+    ctl.cfg.strategy.timeout_s = 5.0  # the reseed's wait: well before the shard watch's own ping limit (30 s)
+    pid = None
+    try:
+        ctl.step()
+        ctl.run_epoch()
+        assert isinstance(ctl.pending_switch, SwitchPlan)
+        pid = kill_process(ctl.shard_group.handles[0], signal.SIGSTOP)
+        assert isinstance(ctl.step(), Reconfiguring)
+        state = ctl.step()
+        assert isinstance(state, Running) and ctl.spec.name == "downpour"
+        flats = replica_flats(ctl)
+        np.testing.assert_array_equal(flats[0], flats[1])
+        np.testing.assert_array_equal(ctl.shard_group.values(), flats[0])  # every shard seeded, the rebuilt one too
+        ctl.run_epoch()
+        rebuilt = [e for e in ctl.tracker.events if e["kind"] == "shard_rebuilt"]
+        assert [e["shard"] for e in rebuilt] == [0], rebuilt
+        [switch] = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
+        assert (switch["from"], switch["to"]) == ("allreduce", "downpour")
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        ctl.shutdown()

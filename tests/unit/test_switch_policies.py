@@ -46,6 +46,25 @@ def test_one_mode_is_one_phase_that_never_switches():
     assert pol.decide(obs(True, 50, 10_000, 1e4, {"test_accuracy": 1.0})) is None
 
 
+def test_a_rolled_back_policy_decides_no_further_switch_and_a_checkpoint_keeps_that():
+    """The guard rolls a switch back: the policy is at the phase before it and decides nothing
+    more this run, also when the run is resumed from a checkpoint of its state."""
+    for pol in (schedule({"mode": "allreduce", "until": {"steps": 10}}, {"mode": "downpour"}),
+                adaptive(async_mode="downpour")):
+        slow = {0: 0.010, 1: 0.031}
+        pol.roll_back(0)
+        assert pol.current == 0 and pol.off
+        for t in range(3, 12):  # past every threshold, patience and min_phase_s
+            assert pol.decide(obs(step=100 * t, elapsed_s=10.0 * t, compute_s=slow)) is None
+        again = type(pol)(pol.plan, **({} if isinstance(pol, SchedulePolicy) else
+                                       {"slow_ratio": 2.0, "recover_ratio": 1.5, "patience": 1, "min_phase_s": 0}))
+        again.load_state_dict(pol.state_dict())
+        assert again.off and again.decide(obs(step=10_000, elapsed_s=1e4, compute_s=slow)) is None
+        fresh = {k: v for k, v in pol.state_dict().items() if k != "off"}  # a checkpoint from before "off" was kept
+        again.load_state_dict(fresh)
+        assert not again.off
+
+
 def adaptive(**kw):
     """The adaptive policy without balancing (the compute-time spread decides) unless asked."""
     cfg = {"switch": "adaptive", "adaptive": {"patience": 2, "min_phase_s": 3.0, "balance": False, **kw}}

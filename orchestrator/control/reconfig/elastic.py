@@ -155,7 +155,7 @@ class Elasticity:
                 pass
 
     # ---- growing -----------------------------------------------------------------------------
-    def tick(self, seg: Optional[EpochSegment] = None) -> None:
+    def tick(self, seg: Optional[EpochSegment] = None, switching: bool = False) -> None:
         """`poll` (and, with the epoch in flight, `pause_for_ready`), where a failed look at the
         cluster is reported (once) and training goes on. Not while failures wait for the failure
         policy: a hung or raising replica is already out of the group, and the room it left is
@@ -165,7 +165,7 @@ class Elasticity:
         try:
             self.poll()
             if seg is not None:
-                self.pause_for_ready(seg)
+                self.pause_for_ready(seg, switching)
         except Exception as exc:
             if not self._look_failed:
                 self._look_failed = True
@@ -203,12 +203,13 @@ class Elasticity:
         self._room_since = None
         self.run.report.say(f"growing {current} -> {decision.target}: {decision.reason}")
 
-    def pause_for_ready(self, seg: EpochSegment) -> None:
+    def pause_for_ready(self, seg: EpochSegment, switching: bool = False) -> None:
         """Mid-epoch, once a started replica is ready: the partition server pauses the replicas at
         their next partition boundary (allreduce: all after the same step), where it joins
-        (Running -> Reconfiguring(GrowPlan): `Grow`). Not while a phase switch or a failure is being handled."""
+        (Running -> Reconfiguring(GrowPlan): `Grow`). Not while a phase switch is pending (`switching`)
+        or a failure is being handled."""
         j = self.joining
-        if j is None or self.run.fleet.pause.closed or not seg.begun or self.run.phase.pending_switch is not None or seg.failures:
+        if j is None or self.run.fleet.pause.closed or not seg.begun or switching or seg.failures:
             return
         done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
         if done:

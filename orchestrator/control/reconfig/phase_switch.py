@@ -35,9 +35,8 @@ import time
 import numpy as np
 from typing import TYPE_CHECKING, Any, Optional
 
-from orchestrator.control.reconfig import carrier
 from orchestrator.control.reconfig.carrier import Change
-from orchestrator.control.states import EpochSegment, Guard, SwitchPlan
+from orchestrator.control.states import EpochSegment, Guard, Pending, SwitchPlan
 from policies.rules.registry import mode_spec
 from policies.decisions.switching import Observation, Switch
 
@@ -57,17 +56,17 @@ def observe(run: "RunContext", epoch_end: bool, metrics: Optional[dict[str, floa
                        sum(shares) / len(shares) if shares else None, batch, len(run.fleet.group.members))
 
 
-def consider(run: "RunContext", seg: Optional[EpochSegment], epoch_end: bool = False,
+def consider(run: "RunContext", seg: Optional[EpochSegment], pending: Pending, epoch_end: bool = False,
              metrics: Optional[dict[str, float]] = None) -> None:
     """Ask the policy; a switch it decides is recorded as pending (and, mid-epoch, the partition
     server starts pausing the replicas)."""
-    if run.phase.pending_switch is not None or len(run.policies.switch.plan) < 2 or run.fleet.pause.closed or run.phase.switching_off:
+    if pending.switch is not None or len(run.policies.switch.plan) < 2 or run.fleet.pause.closed:
         return
     sw = run.policies.switch.decide(observe(run, epoch_end, metrics))
     if sw is None:
         return
     mid = not epoch_end and seg is not None and seg.begun
-    run.phase.pending_switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid, from_strategy=run.phase.strategy)
+    pending.switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid, from_strategy=run.phase.strategy)
     to = f"{sw.mode} (phase {sw.phase})" if sw.mode == run.phase.strategy["mode"] else sw.mode  # e.g. allreduce with backups
     run.report.say(f"switch to {to} decided ({sw.rule}): {sw.reason}")
     if mid:
@@ -83,35 +82,30 @@ def evaluate(run: "RunContext", split: Optional[str] = None) -> dict[str, float]
     return run.finish_evaluation(evals, split)
 
 
-def check_guard(run: "RunContext", epoch: int, metrics: dict[str, float]) -> None:
+def check_guard(run: "RunContext", pending: Pending, epoch: int, metrics: dict[str, float]) -> None:
     """At an epoch's end after a switch (the first full epoch after it, and the rest of a
     mid-epoch switch's own epoch): a test loss above the loss at the switch by more than
     strategy.rollback_margin (relative), or not finite, rolls the switch back: the phase and mode
     from before it and the model from before it (a `switch_rolled_back` event, then the
     rollback's own `mode_switch`), and no further switch this run."""
-    g, margin = run.phase.guard, run.cfg.strategy.rollback_margin
+    g, margin = pending.guard, run.cfg.strategy.rollback_margin
     if g is None:
         return
     g.checks -= 1
     name = run.loss_metric
     loss = metrics.get(name)
     if loss is not None and margin is not None and (not math.isfinite(loss) or loss > g.loss * (1 + margin)):
-        run.phase.guard = None
-        run.phase.switching_off = True
-        run.policies.switch.roll_back(g.phase)  # the policy's place is the policy's to move
+        pending.guard = None
+        run.policies.switch.roll_back(g.phase)  # the policy's place is the policy's to move; it decides no more
         numbers = {f"{name}_at_switch": round(g.loss, 4), f"{name}_now": round(loss, 4), "margin": margin}
         reason = (f"{name} {loss:.4f} in {run.phase.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
                   f"switch: back to {g.mode} with the model from before it; no further switch this run")
-        run.phase.pending_switch = SwitchPlan(Switch(g.phase, g.mode, "rollback", reason, numbers), time.time(),
+        pending.switch = SwitchPlan(Switch(g.phase, g.mode, "rollback", reason, numbers), time.time(),
                                         time.perf_counter(), False, from_strategy=run.phase.strategy, rollback=g.state)
         run.report.event("switch_rolled_back", epoch=epoch, mode=run.phase.spec.name, back_to=g.mode, **numbers)
         run.report.say(f"rolling the switch back: {reason}")
     elif g.checks <= 0:
-        run.phase.guard = None
-
-
-def carry_out(run: "RunContext", plan: SwitchPlan, seg: EpochSegment) -> EpochSegment:
-    return carrier.carry_out(run, Switching(plan), seg)
+        pending.guard = None
 
 
 class Switching(Change):
@@ -123,9 +117,11 @@ class Switching(Change):
     pause_reason = "switch"
     duration_key = "switch_s"
 
-    def __init__(self, plan: SwitchPlan) -> None:
+    def __init__(self, plan: SwitchPlan, pending: Pending) -> None:
+        """`pending`: the Running state's (the switch leaves it once carried out, its guard
+        enters it)."""
         super().__init__(plan.t_decide_wall)
-        self.plan = plan
+        self.plan, self.pending = plan, pending
         self.paused: list[int] = []
         self.shards_did = "none"
         self.guard: Optional[Guard] = None
@@ -205,7 +201,7 @@ class Switching(Change):
         return run.fleet.group.ranks if run.phase.lock_step else self.paused
 
     def waiting(self, run: "RunContext", seg: EpochSegment, reopened: list[int]) -> list[int]:
-        if run.ledger.stopping:  # a rollback before the run ends: nobody steps again, the event is logged now
+        if self.pending.stopping:  # a rollback before the run ends: nobody steps again, the event is logged now
             return []
         return reopened if seg.begun else run.fleet.group.ranks  # between epochs: they step when the next one opens
 
@@ -214,8 +210,7 @@ class Switching(Change):
         sw, before, after = self.plan.switch, self.before, self.after
         step = max(run.ledger.progress.values(), default=0)
         run.record_phase(sw, step, before, after)
-        run.phase.pending_switch = None
-        run.phase.guard = self.guard
+        self.pending.switch, self.pending.guard = None, self.guard
         run.report.metrics([("mode", MODE_CODES[self.old_mode], max(step - 1, 0)),
                             ("mode", MODE_CODES[self.new_spec.name], step)])
         phases = (f" (phase {run.phase.phases[-2]['phase']} -> {sw.phase})"
