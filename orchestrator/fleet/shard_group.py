@@ -5,7 +5,6 @@ not hold (the recovery protocol is described in actors/shards/parameter_shard.py
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -15,35 +14,11 @@ from ray.exceptions import RayActorError
 from actors.incarnation import incarnation_name
 from actors.shards.parameter_shard import ParameterShard
 from actors.shards.client import ShardDirectory
+from orchestrator.fleet.shard_slots import Slot, rebuild_event
 from orchestrator.errors import TrainingError
 from orchestrator.fleet.outcomes import DIED, RAISED, Outcome, describe, gather
 
 ATTEMPTS = 3  # a call every shard must answer: asked again after a rebuild at most this many times
-
-
-@dataclass
-class _Slot:
-    """The driver's view of shard i."""
-
-    handle: Any
-    generation: int = 0
-    snapshot_ref: Any = None  # the latest completed snapshot (the driver owns the object)
-    snapshot_version: int = 0
-    pending_snapshot: Optional[tuple] = None  # (version ref, snapshot ref)
-    last_snapshot_at: float = 0.0
-    ping: Any = None
-    ping_at: float = 0.0  # when the outstanding ping was sent
-    known_version: Optional[int] = None  # the newest version the driver saw
-    state: str = "up"  # up | dead | starting
-    dead_at: float = 0.0
-    detected_by: str = ""
-    version_at_death: Optional[int] = None
-    rebuilt_from: int = 0
-    starting: Any = None  # status ref of a new incarnation
-    recovery_s: float = 0.0
-    settling: bool = False
-    settle_deadline: float = 0.0
-    info: Any = None  # pending recovery_info ref
 
 
 class ShardGroup:
@@ -59,7 +34,7 @@ class ShardGroup:
         self.bounds, self.names, self.namespace = bounds, names, namespace
         self._args = shard_args  # (optimizer, lr, momentum, weight_decay, replicas)
         self.snapshot_every_s, self.settle_s, self.log_limit_bytes = snapshot_every_s, settle_s, log_limit_bytes
-        self._slots = [_Slot(h) for h in handles]
+        self._slots = [Slot(h) for h in handles]
         self._membership: dict[int, Optional[int]] = {}  # rank -> None (forgotten) | step it was welcomed at
         self.rebuilds = 0
         self.placement: Any = None  # the scheduling strategy shards (and their rebuilds) are started with
@@ -123,7 +98,7 @@ class ShardGroup:
             if slot.state == "up":
                 slot.pending_snapshot, slot.last_snapshot_at = tuple(slot.handle.snapshot.remote()), now
 
-    def _keep_snapshot(self, slot: _Slot, version: int, snap_ref, now: float) -> None:
+    def _keep_snapshot(self, slot: Slot, version: int, snap_ref, now: float) -> None:
         slot.snapshot_ref, slot.snapshot_version = snap_ref, version
         slot.pending_snapshot, slot.last_snapshot_at = None, now
         slot.known_version = max(version, slot.known_version or 0)
@@ -174,7 +149,7 @@ class ShardGroup:
                     events.append(event)
         return events
 
-    def _check(self, i: int, slot: _Slot, now: float) -> None:
+    def _check(self, i: int, slot: Slot, now: float) -> None:
         try:
             if slot.pending_snapshot is not None:
                 version_ref, snap_ref = slot.pending_snapshot
@@ -201,7 +176,7 @@ class ShardGroup:
             slot.pending_snapshot = tuple(slot.handle.snapshot.remote())
             slot.last_snapshot_at = now
 
-    def _died(self, i: int, slot: _Slot, detected_by: str, now: float) -> None:
+    def _died(self, i: int, slot: Slot, detected_by: str, now: float) -> None:
         slot.state, slot.dead_at, slot.detected_by = "dead", time.monotonic(), detected_by
         slot.version_at_death = slot.known_version
         slot.ping = slot.pending_snapshot = slot.info = None
@@ -210,7 +185,7 @@ class ShardGroup:
             if other is not slot and other.state == "up":
                 other.handle.abort_rounds.remote()
 
-    def _rebuild(self, i: int, slot: _Slot, now: float) -> None:
+    def _rebuild(self, i: int, slot: Slot, now: float) -> None:
         try:
             handle = ParameterShard.options(name=incarnation_name(self.names[i], slot.generation + 1),
                                             namespace=self.namespace, max_restarts=0,
@@ -229,7 +204,7 @@ class ShardGroup:
         slot.starting = handle.status.remote()
         self.rebuilds += 1
 
-    def _check_started(self, i: int, slot: _Slot, now: float) -> None:
+    def _check_started(self, i: int, slot: Slot, now: float) -> None:
         if not ray.wait([slot.starting], timeout=0)[0]:
             return
         try:
@@ -242,7 +217,7 @@ class ShardGroup:
         slot.settle_deadline = now + self.settle_s
         slot.last_snapshot_at = now  # its restored state is the latest snapshot
 
-    def _check_settled(self, i: int, slot: _Slot, now: float) -> Optional[dict]:
+    def _check_settled(self, i: int, slot: Slot, now: float) -> Optional[dict]:
         if slot.info is None:
             slot.info = slot.handle.recovery_info.remote()
             return None
@@ -253,24 +228,9 @@ class ShardGroup:
         except RayActorError:
             return None  # died again: _check notices
         slot.info = None
-        seen = max(slot.version_at_death or 0, info["seen"])
-        # an update the dead incarnation applied but never acknowledged (killed between the two)
-        # is re-sent and applied once in the new lineage: resent updates account for versions too
-        unreplayed = max(0, seen - (info["restored_from"] + info["replayed"] + info["resent"]))
-        lost = unreplayed + info["dropped"]
-        # until a client has reconnected, the newest version known is the driver's last ping,
-        # which can be as old as the snapshot: no client yet is no evidence that nothing is missing
-        if (lost or not info.get("clients")) and now < slot.settle_deadline:
-            return None
-        slot.settling = False
-        event = {"kind": "shard_rebuilt", "shard": i, "generation": slot.generation, "detected_by": slot.detected_by,
-                 "snapshot_version": slot.rebuilt_from, "version_at_death": seen if seen else slot.version_at_death,
-                 "replayed_updates": info["replayed"], "resent_updates": info["resent"], "lost_updates": lost,
-                 "recovery_s": round(slot.recovery_s, 3)}
-        if lost:
-            event["lost_causes"] = {k: v for k, v in (
-                ("dropped_from_full_log", info["dropped"]),
-                ("not_replayed_within_settle_s", unreplayed)) if v}
+        event = rebuild_event(i, slot, info, now)
+        if event is not None:
+            slot.settling = False
         return event
 
     # ---- control calls: per-shard outcomes, never a raw Ray error -------------------------
