@@ -23,9 +23,12 @@ def check_inputs(config: JobConfig, data: Any = None) -> Union[Dataset, Streamed
     the model accepts the data's shape. ConfigError
     otherwise; nothing is written."""
     from orchestrator.persistence.checkpoint import check_storage
+    from orchestrator.persistence.job_paths import settle_paths
     from orchestrator.reporting.tracking import check_store
     from policies.rules.registry import mode_spec
 
+    for line in settle_paths(config):  # under `ray job submit --working-dir`: files that outlive the job
+        print(f"orchestrator: {line}", file=sys.stderr, flush=True)
     check_storage(config.checkpoint.storage)
     check_store(config.tracking.tracking_uri)
     model = build_model(config.model.factory, config.model.kwargs, config.data.seed)
@@ -150,6 +153,10 @@ class ElasticTrainer:
         self.say_resuming()
         connected_here = not ray.is_initialized()
         started_ray = cluster.connect(cfg.scaling.replicas * cfg.scaling.cpus_per_replica)
+        for where in (cfg.checkpoint.storage, cfg.tracking.tracking_uri or ""):
+            warning = cluster.node_local(where) if where else None
+            if warning:
+                print(f"orchestrator: warning: {warning}", file=sys.stderr, flush=True)
         try:  # before any actor: a cluster that cannot hold the replicas is bad input
             if started_ray:  # no autoscaler can add to a cluster started here: say so at once
                 cluster.check_fits(cfg.scaling.replicas, cfg.scaling.cpus_per_replica, cfg.scaling.gpus_per_replica)

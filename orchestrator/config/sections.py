@@ -317,7 +317,9 @@ class TrackingConfig(Section):
     experiment: str = Field("elastic-orchestrator", min_length=1, description="MLflow experiment name.")
     tracking_uri: Optional[str] = Field(
         None, description="MLflow tracking URI; default: MLflow's own default (MLFLOW_TRACKING_URI or local). A "
-        "new experiment in a sqlite store keeps its artifacts in `mlruns/<experiment>/` beside the database file."
+        "new experiment in a sqlite store keeps its artifacts in `mlruns/<experiment>/` beside the database file. "
+        "Inside a Ray job's temporary working-directory copy, a store that would be a file there (this unset and no "
+        "MLFLOW_TRACKING_URI, or a relative sqlite URI or path) goes under `$ORCHESTRATOR_HOME` (docs/clusters.md)."
     )
     run_name: Optional[str] = Field(None, description="MLflow run name; default: MLflow picks one.")
     register_as: Optional[str] = Field(
@@ -350,7 +352,10 @@ class RunConfig(Section):
 class CheckpointConfig(Section):
     storage: str = Field(
         "runs/checkpoints",
-        description="Where checkpoints go: a local path or any pyarrow.fs URI (file://, s3://, gs://, hdfs://).",
+        description="Where checkpoints go: a local path or any pyarrow.fs URI (file://, s3://, gs://, hdfs://). A "
+        "relative path inside a Ray job's temporary working-directory copy (`ray job submit --working-dir`) goes under "
+        "`$ORCHESTRATOR_HOME` (default `~/elastic-orchestrator`) instead, where the next job finds it "
+        "(docs/clusters.md).",
     )
     every_epochs: int = Field(
         1, ge=0, description="Checkpoint at the end of every N-th epoch (by default every epoch, so a killed run can "

@@ -118,3 +118,20 @@ def beside_driver():
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def node_local(path: str) -> Optional[str]:
+    """A warning when `path` (checkpoint.storage or a local tracking store) is a path on this
+    node of a cluster with others: a driver started on another node will not find what is
+    written there. None for a URI, or on a one-node cluster."""
+    if "://" in path and not path.startswith("sqlite:"):
+        return None
+    try:
+        alive = [n for n in bounded(ray.nodes, RESOURCES_TIMEOUT_S, "the Ray cluster's nodes") if n.get("Alive")]
+    except TimeoutError:
+        return None  # the cluster's view is not at hand: no warning rather than a wait
+    if len(alive) < 2:
+        return None
+    return (f"{path} is a path on this node ({ray.util.get_node_ip_address()}), one of {len(alive)} nodes: "
+            "a driver on another node (a job placed elsewhere, a new head) will not find it; a shared "
+            "filesystem or a URI (s3://, gs://) is found from every node")

@@ -91,3 +91,63 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
     for metric in ("test_accuracy", "train_loss"):
         assert by_step(client, run_id, metric) == pytest.approx(by_step(client, uncrashed["mlflow_run_id"], metric),
                                                                 rel=1e-4), metric
+
+
+@pytest.mark.full  # ~1.5 min: two jobs on the session's head
+def test_a_stopped_job_resubmitted_from_an_edited_directory_goes_on_in_the_same_run(ray_head, tmp_path):
+    """`ray job submit --working-dir DIR -- ... run job.yaml --name N`, `ray job stop` after its
+    first epoch, one file of DIR edited (Ray's package for it gets another hash), the same submit
+    again: the second job goes on from the first one's checkpoint in the same MLflow run, because
+    the default relative `checkpoint.storage` and MLflow's default store were put under
+    $ORCHESTRATOR_HOME instead of the first job's temporary package directory. (Before, the
+    second job said "no checkpoint yet, starting it".)"""
+    from tests.e2e.conftest import submit
+
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    (work / "job.yaml").write_text(
+        "model: {factory: examples.models:mnist_cnn}\n"
+        "data: {source: 'builtin:mnist5k', batch_size: 64}\n"
+        "optimizer: {lr: 0.05, momentum: 0.9}\n"
+        "scaling: {replicas: 2, cpus_per_replica: 1}\n"
+        "stop: {epochs: 6}\n"
+        "faults: {slow_replicas: {0: 0.05, 1: 0.05}}\n"  # ~3 s an epoch: time to stop it after the first
+        "tracking: {experiment: job-storage}\n")
+    (work / "notes.txt").write_text("first\n")
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    env = dict(ray_head.env)
+    env.pop("MLFLOW_TRACKING_URI", None)
+    options = ("--working-dir", str(work), "--runtime-env-json", json.dumps({"env_vars": {"ORCHESTRATOR_HOME": str(home)}}))
+    entry = [sys.executable, "-m", "orchestrator", "run", "job.yaml", "--name", "nightly", "--no-progress"]
+
+    def job(*args, timeout_s=60):
+        return subprocess.run([ray_bin, "job", *args, "--address", ray_head.dashboard_url], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+
+    first = submit(ray_head, entry, options=("--no-wait", "--submission-id", "storage-1", *options))
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    written = f"{home}/runs/checkpoints/nightly/ckpt-*-epoch_0001.pt.json"  # the first epoch's checkpoint
+    deadline = time.monotonic() + 300
+    while not glob.glob(written) and time.monotonic() < deadline:
+        assert "FAILED" not in job("status", "storage-1").stdout, job("logs", "storage-1").stdout[-3000:]
+        time.sleep(0.5)
+    assert glob.glob(written), job("logs", "storage-1").stdout[-3000:]
+    job("stop", "storage-1", timeout_s=120)
+    while "STOPPED" not in job("status", "storage-1").stdout and time.monotonic() < deadline:
+        time.sleep(1)
+    logs = job("logs", "storage-1").stdout
+    assert f"checkpoints go to {home}/runs/checkpoints" in logs and f"sqlite:///{home}/mlflow.db" in logs, logs[-3000:]
+    assert "done:" not in logs, logs[-3000:]  # stopped before its end
+
+    (work / "notes.txt").write_text("edited\n")  # another package hash: another temporary directory
+    second = submit(ray_head, entry, options=("--submission-id", "storage-2", *options))
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    assert "run nightly: resuming MLflow run" in out and "no checkpoint yet" not in out, out[-3000:]
+    assert "done: epochs: 6 >= stop.epochs (6)" in out, out[-3000:]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    [experiment] = [e for e in client.search_experiments() if e.name == "job-storage"]
+    [run] = client.search_runs([experiment.experiment_id])  # one MLflow run across the two jobs
+    assert run.info.status == "FINISHED" and run.info.run_id in out, out[-2000:]

@@ -333,6 +333,7 @@ def test_a_replica_lost_in_a_switchs_middle_restarts_it_from_the_phase_it_left(r
     assert result.epochs == 2 and result.final.test_accuracy > 0.8
 
 
+@pytest.mark.full  # ~30 s: the stopped shard's reseed is waited for 5 s, then it is rebuilt
 def test_a_shard_stopped_as_a_switch_seeds_it_is_rebuilt_and_seeded_again(ray_cluster):
     """allreduce -> downpour at epoch 1's end, with shard 0 SIGSTOPped just before the switch is
     carried out: its reseed goes unanswered, so the shard is rebuilt from its snapshot and seeded
