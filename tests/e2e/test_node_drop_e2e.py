@@ -82,10 +82,13 @@ def drop_during_grow(cluster, tmp_path, mode: str):
 
 
 @pytest.mark.full
-def test_a_node_dropped_during_a_grow_allreduce(own_cluster, tmp_path):
+def test_a_node_dropped_during_a_grow_allreduce(own_cluster, tmp_path, capfd):
     result = drop_during_grow(own_cluster, tmp_path, "allreduce")
     assert any(e.get("state_from") == "checkpoint" for e in result.events), \
         [e for e in result.events if e["kind"] in ("replica_replaced", "replica_dropped", "resize")]
+    # checkpoints and the sqlite store are paths on the driver's node of a 2-node cluster: said at the start
+    err = capfd.readouterr().err
+    assert f"warning: {tmp_path}/ck is a path on this node (" in err and "one of 2 nodes" in err, err[-2000:]
 
 
 @pytest.mark.soak
