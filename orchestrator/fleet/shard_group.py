@@ -137,8 +137,8 @@ class ShardGroup:
 
     def settle_all(self, timeout_s: float = 5.0) -> list[dict]:
         """The events of rebuilds still waiting for their clients' replay, as they stand now
-        (the run is ending: no more replay will come)."""
-        events = []
+        (the run is ending: no more replay will come), after any a control call's rebuild left."""
+        events, self._held = self._held, []
         for i, slot in enumerate(self._slots):
             if slot.state == "up" and slot.settling:
                 if slot.info is None:
