@@ -145,10 +145,12 @@ def shards_optimizer(config: JobConfig) -> Any:
 class RunContext:
     def __init__(self, config: JobConfig, dataset: Dataset, tracker: Optional[Tracker], t0: float,
                  display: Optional[ProgressDisplay] = None, trace_ids: bool = False,
-                 resume: Optional[dict[str, Any]] = None, interrupts: Optional[Interrupts] = None) -> None:
+                 resume: Optional[dict[str, Any]] = None, interrupts: Optional[Interrupts] = None,
+                 policies: Optional[Policies] = None) -> None:
         """`resume`: a checkpoint's state to go on from (orchestrator/persistence/resume.py): the run starts
         at the epoch after the one it was taken at, in the phase it was in. `interrupts`: the
-        run's interrupt state (the trainer routes the process's signals to it)."""
+        run's interrupt state (the trainer routes the process's signals to it). `policies`: the
+        deciders, passed in (default: the config's, `make_policies`)."""
         self.cfg = config
         self.dataset = dataset
         self.trace_ids = trace_ids
@@ -156,7 +158,7 @@ class RunContext:
         self.target = config.target()
         self.metric = config.headline_metric()  # what progress lines, switch events and phases report
         self.resume = resume
-        self.policies = make_policies(config, self.metric, self.task, dataset)
+        self.policies = policies or make_policies(config, self.metric, self.task, dataset)
         if resume is not None:
             # now, for the phase this start runs in; starting.restore loads every part again, this one included
             self.policies.switch.load_state_dict(resume["run"]["policy"])

@@ -47,7 +47,7 @@ from orchestrator.control import running
 from orchestrator.control import starting
 
 from orchestrator.control.reconfig import phase_switch
-from orchestrator.control.context import RunContext, Written
+from orchestrator.control.context import Policies, RunContext, Written
 from orchestrator.data.in_memory import Dataset
 from orchestrator.config import JobConfig
 from orchestrator.control.reconfig.elastic import Elasticity
@@ -81,9 +81,11 @@ SETTABLE = {"tracker", "stop_policy"}
 class Controller:
     def __init__(self, config: JobConfig, dataset: Dataset, tracker: Optional[Tracker], t0: float,
                  display: Optional[ProgressDisplay] = None, trace_ids: bool = False,
-                 resume: Optional[dict[str, Any]] = None, interrupts: Optional[Interrupts] = None) -> None:
-        """The arguments are the run context's (orchestrator/control/context.py: RunContext)."""
-        self.context = ctx = RunContext(config, dataset, tracker, t0, display, trace_ids, resume, interrupts)
+                 resume: Optional[dict[str, Any]] = None, interrupts: Optional[Interrupts] = None,
+                 policies: Optional[Policies] = None) -> None:
+        """The arguments are the run context's (orchestrator/control/context.py: RunContext);
+        `policies` (failure, stop, switch, best, chance) are passed in, else the config's."""
+        self.context = ctx = RunContext(config, dataset, tracker, t0, display, trace_ids, resume, interrupts, policies)
         ctx.fleet.elastic = Elasticity(ctx)  # growing and shrinking with the cluster
         ctx.position.register("lr_schedule", ctx.fleet.elastic)  # every resize's learning-rate segment
         # while the driver waits on replicas (a repair, a switch, an evaluation): a dead shard or
