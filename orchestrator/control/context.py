@@ -31,6 +31,7 @@ from orchestrator.checks import one_line
 from orchestrator.config import JobConfig
 from orchestrator.data.in_memory import Dataset
 from orchestrator.errors import Interrupts, MemberLost, TrainingError
+from orchestrator.fleet.drains import DrainWatch
 from orchestrator.fleet.replica_group import ReplicaGroup
 from orchestrator.fleet.pause import PauseGate
 from orchestrator.reporting.progress import ProgressDisplay
@@ -67,6 +68,7 @@ class Fleet:
     pause: Optional[PauseGate] = None  # why the replicas are held at partition boundaries
     elastic: Any = None  # Elasticity (orchestrator/control/reconfig/elastic.py): growing and shrinking with the cluster
     data: Any = None  # where the data lives (orchestrator/data/placement.py): in-memory refs kept alive here
+    drains: DrainWatch = field(default_factory=DrainWatch)  # nodes being drained (preemption notices)
 
 
 @dataclass

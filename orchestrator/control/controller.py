@@ -46,7 +46,7 @@ from orchestrator.control import running
 
 from orchestrator.control import starting
 
-from orchestrator.control.reconfig import phase_switch
+from orchestrator.control.reconfig import evacuate, phase_switch
 from orchestrator.control.context import Policies, RunContext, Written
 from orchestrator.data.in_memory import Dataset
 from orchestrator.config import JobConfig
@@ -56,8 +56,8 @@ from orchestrator.control.epoch_end import watch_servers
 from orchestrator.errors import Interrupts, MemberLost
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.persistence.run_state import RunTotals
-from orchestrator.control.states import (TERMINAL, Errored, Finished, Finishing, Plan, Reconfiguring, Running,
-                                  Starting, State, SwitchPlan)
+from orchestrator.control.states import (TERMINAL, Errored, EvacuationPlan, Finished, Finishing, Plan, Reconfiguring,
+                                         Running, Starting, State, SwitchPlan)
 from orchestrator.reporting.tracking import Tracker
 
 __all__ = ["Controller", "Written"]
@@ -136,6 +136,9 @@ class Controller:
         plan, seg, pending = state.plan, state.segment, state.pending
         if isinstance(plan, Plan):
             return Running(repair.reconfigure(self.context, plan, seg), pending)
+        if isinstance(plan, EvacuationPlan):  # members off drained nodes (a lost one: folded into a repair)
+            pending.evacuation = None
+            return Running(evacuate.carry_out(self.context, plan, seg), pending)
         change = phase_switch.Switching(plan, pending) if isinstance(plan, SwitchPlan) else Grow(plan, self.context.fleet.elastic)
         try:
             return Running(carrier.carry_out(self.context, change, seg), pending)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from orchestrator.control.reconfig import phase_switch
+from orchestrator.control.reconfig import evacuate, phase_switch
 from orchestrator.control.epoch_end import close_pass, interval_evaluation, watch_servers
 from orchestrator.errors import TrainingError
 from orchestrator.control.failures import fail
@@ -54,6 +54,9 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
             return Reconfiguring(pending.switch, seg, pending)
         if pending.stopping:  # the run stopped at the last epoch's end; a rollback was carried out first
             return Finishing()
+        moving = evacuate.draining_members(run)  # members on a drained node move before the epoch opens
+        if moving is not None:
+            return Reconfiguring(moving, seg, pending)
         run.fleet.elastic.stop_pausing()  # a grow's pause nobody reached
         if run.fleet.elastic.ready_to_join():  # replicas started for a grow join at the epoch boundary
             return Reconfiguring(GrowPlan(mid_epoch=False), seg, pending)
@@ -67,6 +70,8 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
                 return Reconfiguring(pending.switch, seg, pending)
             if run.fleet.pause.reason == "grow" and paused:  # ready newcomers join; the epoch goes on
                 return Reconfiguring(GrowPlan(mid_epoch=True), seg, pending)
+            if run.fleet.pause.reason == "evacuate" and paused and pending.evacuation is not None:
+                return Reconfiguring(pending.evacuation, seg, pending)  # off the drained node(s); the epoch goes on
             nxt = close_pass(run, seg, pending)
             if nxt is None:
                 continue  # a further pass of the epoch started
@@ -83,6 +88,7 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
             run.report.event("spare_replaced", epoch=seg.epoch, spares=len(run.fleet.group.spares))
         check_hangs(run, seg)
         run.fleet.elastic.tick(seg, switching=pending.switch is not None)
+        evacuate.notice(run, seg, pending)  # a preemption notice: pause, then move off the node
         if seg.fresh_signals or run.policies.switch.plan[run.policies.switch.current]["until"] is not None:
             seg.fresh_signals = False
             phase_switch.consider(run, seg, pending)

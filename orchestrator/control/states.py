@@ -1,7 +1,8 @@
 """The controller's states and what they carry: the epoch in flight (`EpochSegment`), what is
 pending beyond it (`Pending`: a switch decided, a switch on probation, a stop waiting for a
-rollback), a repair plan (`Plan`), a switch plan (`SwitchPlan`), a grow plan (`GrowPlan`), the
-reason a run errored. All of the run's control state is here, in the state the controller holds;
+rollback, an evacuation waiting for the pause), a repair plan (`Plan`), a switch plan
+(`SwitchPlan`), a grow plan (`GrowPlan`), an evacuation plan (`EvacuationPlan`), the reason a run
+errored. All of the run's control state is here, in the state the controller holds;
 the contexts (orchestrator/control/context.py) hold the fleet, the phase running, the ledger of
 what was done. This module imports nothing of the orchestrator above it;
 orchestrator/control/controller.py maps each state to its handler.
@@ -132,6 +133,16 @@ class Guard:
 
 
 @dataclass
+class EvacuationPlan:
+    """What Reconfiguring carries out for a preemption notice (orchestrator/control/reconfig/evacuate.py):
+    the members on nodes being drained, moved off them before the deadline."""
+
+    nodes: dict[int, str]  # rank -> the node being drained it runs on
+    deadlines: dict[int, float]  # rank -> its node's deadline (wall-clock seconds; 0: none given)
+    t_notice_wall: float  # when the drain was seen
+
+
+@dataclass
 class Pending:
     """What Running carries from one epoch to the next besides the epoch itself, and
     Reconfiguring hands back to it: a phase switch decided and not carried out yet (at the next
@@ -143,6 +154,7 @@ class Pending:
     switch: Optional[SwitchPlan] = None
     guard: Optional[Guard] = None
     stopping: bool = False
+    evacuation: Optional[EvacuationPlan] = None  # members on a drained node: carried out once every replica paused
 
 
 @dataclass
@@ -166,7 +178,7 @@ class Running:
 
 @dataclass
 class Reconfiguring:
-    plan: Union[Plan, SwitchPlan, GrowPlan]  # failures to repair, a phase switch or a grow to carry out
+    plan: Union[Plan, SwitchPlan, GrowPlan, EvacuationPlan]  # failures to repair, a switch, a grow, an evacuation
     segment: EpochSegment
     pending: Pending = field(default_factory=Pending)  # then: Running(segment, pending) goes on with it
 

@@ -4,6 +4,7 @@ their next partition boundary (allreduce: all after the same step), and the gate
     open  --close("switch")--> a mid-epoch phase switch is waited for     (orchestrator/control/reconfig/phase_switch.py)
           --close("grow")-->   ready newcomers join the running epoch     (orchestrator/control/reconfig/elastic.py)
           --close("halt")-->   an interrupted run stops for its checkpoint (RunContext.halt)
+          --close("evacuate")--> members on a drained node move off it (orchestrator/control/reconfig/evacuate.py)
 
 Only one reason holds the gate at a time: a switch is not decided while a grow holds it, and a
 grow does not close it while a switch is pending. `open()` lets the replicas go on; given
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-REASONS = ("switch", "grow", "halt")
+REASONS = ("switch", "grow", "halt", "evacuate")
 
 
 class PauseGate:

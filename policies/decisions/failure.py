@@ -129,4 +129,5 @@ def error_detail(exc_type: str, message: str) -> str:
 
 # how each cause is seen, for the replica_failed event
 DETECTED_BY = {"died": "actor died (its epoch stream failed)", "error": "exception raised in the replica",
-               "hung": "no progress for fault_tolerance.hang_timeout_s"}
+               "hung": "no progress for fault_tolerance.hang_timeout_s",
+               "preempted": "its node is being drained (a preemption notice)"}

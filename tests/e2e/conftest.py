@@ -41,3 +41,29 @@ def main_example_job(ray_head, mlflow_server, tmp_path_factory):
                              "--set", f"checkpoint.storage={tmp}/ck", "--result-json", str(out)])
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return proc, json.loads(out.read_text())
+
+
+@pytest.fixture
+def own_cluster(request):
+    """A cluster of the test's own (`ray.cluster_utils.Cluster`): a 0-CPU head and
+    `request.param` 1-CPU worker nodes (1 unless parametrized indirectly); the session's
+    connection (if any) is put back after."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    shared = ray.is_initialized()
+    if shared:  # the session's head stays up; this process leaves it for the test and comes back
+        head_address = request.getfixturevalue("ray_head").address
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        for _ in range(getattr(request, "param", 1)):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING")
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if shared:
+            ray.init(address=head_address, logging_level="WARNING")

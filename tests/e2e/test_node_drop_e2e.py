@@ -22,29 +22,6 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture
-def own_cluster(request):
-    """A cluster of this test's own; the session's connection (if any) is put back after."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    shared = ray.is_initialized()
-    if shared:  # the session's head stays up; this process leaves it for the test and comes back
-        head_address = request.getfixturevalue("ray_head").address
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    try:
-        cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, logging_level="WARNING")
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        if shared:
-            ray.init(address=head_address, logging_level="WARNING")
-
-
 def drop_during_grow(cluster, tmp_path, mode: str):
     ck = tmp_path / "ck"
     cfg = JobConfig.from_yaml(f"{REPO}/examples/mnist_{mode}.yaml", [

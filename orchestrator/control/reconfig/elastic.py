@@ -83,18 +83,26 @@ class Elasticity:
         self.lr = LrSchedule(1.0, s.replicas, s.lr_scaling, s.lr_warmup_steps)  # a factor over optimizer.lr
 
     # ---- looking at the cluster ----------------------------------------------------------
-    def view(self) -> ClusterView:
-        """The alive nodes' resources, total and free, without the nodes this run saw die."""
+    def view(self, exclude: frozenset = frozenset()) -> ClusterView:
+        """The alive nodes' resources, total and free, without the nodes this run saw die, those
+        being drained and `exclude`."""
         from ray._private.state import available_resources_per_node
 
         def look():
             return ray.nodes(), available_resources_per_node()
 
         nodes, free = self.lane.call(look, LOOK_TIMEOUT_S, "the Ray cluster's resources")
-        alive = [n for n in nodes if n.get("Alive") and n["NodeID"] not in self.lost_nodes]
+        gone = self.lost_nodes | set(self.run.fleet.drains.draining) | exclude  # a drained node takes nothing new
+        alive = [n for n in nodes if n.get("Alive") and n["NodeID"] not in gone]
         total = {k: sum(n.get("Resources", {}).get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
         available = {k: sum(free.get(n["NodeID"], {}).get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
         return ClusterView.from_resources(total, available, len(alive))
+
+    def room_outside(self, nodes: set[str]) -> int:
+        """Whole replicas that fit in what the alive nodes other than `nodes` (and those being
+        drained) have free."""
+        view = self.view(frozenset(nodes))
+        return self.policy.fits(view.available_cpus, view.available_gpus)
 
     def node_lost(self, node_id: Optional[str]) -> bool:
         """The node is gone: Ray says it is dead, or its raylet no longer accepts a connection

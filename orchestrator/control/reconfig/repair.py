@@ -86,6 +86,7 @@ class Repair(Change):
 
     kind = "repair"
     passes_between_epochs = True  # a failure seen after the pass closed: its completions go now
+    counts_restart = True  # a replaced replica is a restart (an evacuation's move is not)
 
     def __init__(self, plan: Plan) -> None:
         super().__init__(plan.t_detect_wall)
@@ -172,7 +173,8 @@ class Repair(Change):
     def event(self, run: "RunContext", seg: EpochSegment, lr: dict[str, Any],
               reopened: list[int]) -> dict[str, Any]:
         plan, replaced, dropped = self.plan, self.replaced, self.dropped
-        run.ledger.totals.replica_restarts += len(replaced)
+        if self.counts_restart:
+            run.ledger.totals.replica_restarts += len(replaced)
         run.report.metrics([("replicas_alive", len(run.fleet.group.ranks), run.ledger.totals.steps),
                             ("replica_restarts", run.ledger.totals.replica_restarts, run.ledger.totals.steps)])
         steps = plan.steps_at_interrupt

@@ -1,0 +1,133 @@
+"""Preemption notices acted on before the deadline. When a node holding members is being drained
+(orchestrator/fleet/drains.py: DrainWatch), the Running loop closes the pause gate ("evacuate"):
+every replica pauses at its next partition boundary (allreduce: all after the same step), so no
+step is in flight. Then Reconfiguring(EvacuationPlan) carries out the move as a repair whose
+replicas did not fail (`Evacuate`, through the one carrier): each member on a drained node is
+stopped and its rank taken by a spare or a new actor (Ray places nothing new on a draining node)
+with a survivor's state (or the shards'), its unserved partitions going to its successor; when
+the cluster has no room elsewhere and the run may shrink, the member is dropped instead (a
+planned shrink, its partitions to the others). No `replica_failed` event, no step lost, no
+restart budget spent: one `replica_evacuated` event (or `resize` shrink) with the node, the
+seconds left to its deadline and `evacuate_s` (from the notice until every member stepped).
+Between epochs the move is made before the next epoch opens. A member whose node goes before
+the move is done is a failure like any other (orchestrator/control/running.py)."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from orchestrator.control.reconfig import carrier
+from orchestrator.control.reconfig.repair import Repair, reconfigure, replan
+from orchestrator.errors import MemberLost
+from orchestrator.control.states import EpochSegment, EvacuationPlan, Pending, Plan
+from orchestrator.fleet.drains import on_draining
+from policies.decisions.failure import Drop, Replace, ReplicaFailure
+
+if TYPE_CHECKING:
+    from orchestrator.control.context import RunContext
+
+
+def draining_members(run: "RunContext") -> Optional[EvacuationPlan]:
+    """The members on nodes being drained now (looked at every DRAIN_POLL_S), or None."""
+    draining = run.fleet.drains.look()
+    if not draining:
+        return None
+    group = run.fleet.group
+    nodes = on_draining(group.nodes, group.ranks, draining)
+    if not nodes:
+        return None
+    return EvacuationPlan(nodes, {r: draining[n] for r, n in nodes.items()}, time.time())
+
+
+def notice(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
+    """Mid-epoch: members on a drained node -> the evacuation is pending and the gate closes, so
+    every replica pauses at its next partition boundary. Not while failures wait for their
+    decision or another reconfiguration holds the gate (it is looked at again each tick)."""
+    if pending.evacuation is not None or pending.switch is not None or seg.failures or run.fleet.pause.closed:
+        return
+    plan = draining_members(run)
+    if plan is None:
+        return
+    pending.evacuation = plan
+    run.fleet.pause.close("evacuate")
+    left = {r: round(d - time.time(), 1) if d else None for r, d in plan.deadlines.items()}
+    run.report.say(f"node(s) {sorted({n[:8] for n in plan.nodes.values()})} being drained (seconds left: "
+                   f"{left}): moving replica(s) {sorted(plan.nodes)} off at the next partition boundary")
+
+
+def decisions(run: "RunContext", plan: EvacuationPlan) -> list[Any]:
+    """Each member on a drained node: its rank taken by a spare, or by a new actor when the other
+    nodes have room for one, else dropped (a shrink) while the run stays at scaling.min_replicas
+    or more; with neither, replaced anyway (the new actor waits for room, the autoscaler asked)."""
+    group, out = run.fleet.group, []
+    spares = len(group.spares)
+    room = run.fleet.elastic.room_outside(set(plan.nodes.values()))
+    members = len(group.members)
+    for rank in sorted(plan.nodes):
+        node = plan.nodes[rank][:8]
+        if spares:
+            spares -= 1
+            out.append(Replace(rank, 0.0, f"node {node} is being drained: a spare takes replica {rank}'s place"))
+        elif room > 0:
+            room -= 1
+            out.append(Replace(rank, 0.0, f"node {node} is being drained: replica {rank} moves to another node"))
+        elif members - 1 >= run.cfg.scaling.min_replicas:
+            members -= 1
+            out.append(Drop(rank, f"SHRINK: node {node} is being drained and no other node has room for "
+                                  f"replica {rank}", shrink=True))
+        else:
+            out.append(Replace(rank, 0.0, f"node {node} is being drained; no room elsewhere yet and "
+                                          "scaling.min_replicas forbids a shrink: a new actor waits for room"))
+    return out
+
+
+def carry_out(run: "RunContext", plan: EvacuationPlan, seg: EpochSegment) -> EpochSegment:
+    """The move (`Evacuate`); a member lost in its middle makes it a repair of everything: the
+    gate opens and the plan, with the loss decided by the failure policy, is carried out again as
+    one (repair.replan), so a successor never goes on without state."""
+    change = Evacuate(run, plan)
+    try:
+        return carrier.carry_out(run, change, seg)
+    except MemberLost as lost:
+        if run.fleet.pause.reason == "evacuate":
+            run.fleet.pause.open()
+        return reconfigure(run, replan(run, change.plan, seg, lost), seg)
+
+
+class Evacuate(Repair):
+    """A repair whose replicas did not fail: the carrier's steps (orchestrator/control/reconfig/carrier.py)
+    with the members on drained nodes replaced or dropped (module doc)."""
+
+    kind = "evacuate"
+    pause_reason = "evacuate"
+    duration_key = "evacuate_s"
+    counts_restart = False
+
+    def __init__(self, run: "RunContext", plan: EvacuationPlan) -> None:
+        failures = [ReplicaFailure(r, "preempted", f"its node {n[:8]} is being drained") for r, n in plan.nodes.items()]
+        super().__init__(Plan(failures, decisions(run, plan), plan.t_notice_wall))
+        self.evacuation = plan
+
+    def membership(self, run: "RunContext", seg: EpochSegment) -> None:
+        sg = run.fleet.shard_group
+        if sg is not None:  # the leaving ranks' staleness clocks: a successor is welcomed at its step
+            for rank in self.failed:
+                sg.forget_replica(rank, wait=False)
+        super().membership(run, seg)
+
+    def event(self, run: "RunContext", seg: EpochSegment, lr: dict[str, Any],
+              reopened: list[int]) -> dict[str, Any]:
+        event = super().event(run, seg, lr, reopened)
+        now = time.time()
+        if event["kind"] == "replica_replaced":
+            event["kind"] = "replica_evacuated"
+        event.update(nodes={str(r): n for r, n in self.evacuation.nodes.items()},
+                     deadline_left_s={str(r): (round(d - now, 3) if d else None)
+                                      for r, d in self.evacuation.deadlines.items()},
+                     mid_epoch=bool(seg.begun))
+        if not self.waiting(run, seg, reopened):  # nobody steps again in this epoch: done now
+            event[self.duration_key] = round(now - self.evacuation.t_notice_wall, 3)
+        return event
+
+    def waiting(self, run: "RunContext", seg: EpochSegment, reopened: list[int]) -> list[int]:
+        return reopened if seg.begun else run.fleet.group.ranks

@@ -1,0 +1,83 @@
+"""A preemption notice acted on before the deadline, in process on a cluster this test starts
+(`ray.cluster_utils.Cluster`: a 0-CPU head for the driver, the partition server and the shards;
+three 1-CPU worker nodes). 2 replicas train; after the first epoch's checkpoint the node of
+replica 1 is drained as a spot preemption is (`DRAIN_NODE_REASON_PREEMPTION`, a 10 s deadline,
+the GCS call the autoscaler makes) and removed at the deadline. The run moves replica 1 to the
+free node before then: no replica failure is ever seen, no step is lost, every training row is
+used once in every epoch, and the run finishes its epochs."""
+from __future__ import annotations
+
+import glob
+import threading
+import time
+
+import pytest
+
+from orchestrator.config import JobConfig
+from orchestrator.trainer import ElasticTrainer
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+
+DEADLINE_S = 10
+
+
+def drain(cluster, node_hex: str, seconds: int) -> None:
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    gcs = ray._raylet.GcsClient(address=cluster.address)
+    accepted, why = gcs.drain_node(node_hex, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+                                   "spot preemption notice (test)", int(time.time() * 1000) + seconds * 1000)
+    assert accepted, why
+
+
+@pytest.mark.full  # ~1 min on its own cluster
+@pytest.mark.parametrize("own_cluster", [3], indirect=True)
+def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure(own_cluster, tmp_path):
+    ck = tmp_path / "ck"
+    cfg = JobConfig.from_yaml(f"{REPO}/examples/mnist_allreduce.yaml", [
+        "stop.epochs=6", "stop.target_accuracy=null", "checkpoint.every_epochs=1", f"checkpoint.storage={ck}",
+        'faults.slow_replicas={0: 0.04, 1: 0.04}', "tracking.progress_interval_s=0",
+        f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    trainer._trace_ids = True  # every row the replicas train on, by epoch and rank
+    out: dict = {}
+
+    def fit():
+        try:
+            out["result"] = trainer.fit()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            out["error"] = exc
+
+    runner = threading.Thread(target=fit, daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 240
+    while not glob.glob(f"{ck}/*/ckpt-*-epoch_0001.pt.json"):
+        assert runner.is_alive() and time.monotonic() < deadline, out
+        time.sleep(0.1)
+    ctl = trainer.controller
+    node = ctl.group.nodes[1]
+    drain(own_cluster, node, DEADLINE_S)
+    t_drain = time.monotonic()
+    while time.monotonic() < t_drain + DEADLINE_S and runner.is_alive():
+        time.sleep(0.2)
+    [victim] = [n for n in own_cluster.worker_nodes if n.node_id == node]
+    own_cluster.remove_node(victim)  # the node goes at its deadline, as a preempted instance does
+    runner.join(timeout=300)
+    assert not runner.is_alive(), "the run did not end within 300 s"
+    if "error" in out:
+        raise out["error"]
+    result = out["result"]
+    kinds = [e["kind"] for e in result.events]
+    assert "replica_failed" not in kinds and "failure_decision" not in kinds, \
+        [e for e in result.events if e["kind"] in ("replica_failed", "failure_decision")]
+    [moved] = [e for e in result.events if e["kind"] == "replica_evacuated"]
+    assert moved["ranks"] == [1] and moved["steps_lost"] == 0 and moved["causes"] == {"1": "preempted"}, moved
+    assert moved["nodes"] == {"1": node} and 0 < moved["deadline_left_s"]["1"] <= DEADLINE_S, moved
+    assert moved["evacuate_s"] < DEADLINE_S, moved  # stepping again elsewhere before the node went
+    assert ctl.group.nodes[1] != node and result.epochs == 6 and ctl.totals.replica_restarts == 0
+    ids = sorted(int(i) for i in trainer._dataset.train.ids)
+    for epoch, consumed in enumerate(ctl.consumed, 1):
+        seen = sorted(i for steps in consumed.values() for step in steps for i in step)
+        assert seen == ids, f"epoch {epoch}: {len(seen)} rows for {len(ids)}, {len(seen) - len(set(seen))} twice"

@@ -1,0 +1,28 @@
+"""Preemption notices (orchestrator/fleet/drains.py), without Ray: which members are on a node
+being drained, and how often the cluster is asked."""
+from orchestrator.fleet.drains import DRAIN_POLL_S, DrainWatch, on_draining
+
+
+def test_members_on_a_drained_node_are_found_and_spares_or_leavers_are_not_members():
+    nodes = {0: "aa", 1: "bb", 2: "bb", 3: "cc"}
+    assert on_draining(nodes, [0, 1, 3], {"bb": 1800.0}) == {1: "bb"}  # rank 2 is no member any more
+    assert on_draining(nodes, [0, 1, 2, 3], {}) == {}
+    assert on_draining({0: "aa"}, [0, 1], {"aa": 0.0}) == {0: "aa"}  # a rank not located yet is skipped
+
+
+def test_the_watch_asks_once_per_poll_keeps_its_view_when_a_look_fails_and_says_why():
+    answers = [{"bb": 1_800_000}, RuntimeError("GCS unreachable"), {}]
+    asked = []
+
+    def look():
+        asked.append(1)
+        answer = answers[len(asked) - 1]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    watch = DrainWatch(look)
+    assert watch.look(now=100.0) == {"bb": 1800.0} and len(asked) == 1  # ms -> s
+    assert watch.look(now=100.0 + DRAIN_POLL_S / 2) == {"bb": 1800.0} and len(asked) == 1  # not yet
+    assert watch.look(now=100.0 + DRAIN_POLL_S) == {"bb": 1800.0} and "GCS unreachable" in watch.failed
+    assert watch.look(now=100.0 + 2 * DRAIN_POLL_S) == {} and watch.failed is None
