@@ -159,6 +159,7 @@ class PartitionReader:
         epoch = grant["leases"][0]["epoch"] if grant["leases"] else None
         finished = []
         while grant.get("pause"):  # a phase switch: stop here, ask again when resumed
+            self.unreported = list(finished)
             yield PAUSE
             grant, finished = self._grant(finished, epoch), []
         held, last = deque(grant["leases"]), grant["last"]
@@ -174,6 +175,7 @@ class PartitionReader:
             if pending is not None:
                 grant = pending.result(timeout=3 * self.timeout_s)  # a call, a wait for a rebuilt server, a call
                 while grant.get("pause"):
+                    self.unreported = list(finished)  # said with the pause: a replica moved off its node never resumes
                     yield PAUSE
                     grant, finished = self._grant(finished, lease["epoch"]), []
                 held.extend(grant["leases"])

@@ -229,7 +229,10 @@ def pause_segment(replica: "LoopHost", epoch: int, steps: int, samples: int, tra
         return
     if replica.flat is not None and replica.has_buffers:
         replica.client.set_buffers(replica.rank, replica.local_buffers())
-    yield segment_end(replica, "paused", epoch, steps, samples, train_s, comm_s, consumed, loss, rows, mode=mode_stats)
+    # the partitions it trained since its last grant request: reported by the replica itself when it
+    # goes on, or by the driver when it is moved off a drained node instead (reconfig/evacuate.py)
+    yield segment_end(replica, "paused", epoch, steps, samples, train_s, comm_s, consumed, loss, rows, mode=mode_stats,
+                      unreported=list(replica.reader.unreported))
 
 def segment_end(replica: "LoopHost", kind: str, epoch: int, steps: int, samples: int, train_s: float, comm_s: float,
                 consumed: list, loss: float, rows: list, **more: Any) -> SegmentEnd:

@@ -109,11 +109,22 @@ class Evacuate(Repair):
         self.evacuation = plan
 
     def membership(self, run: "RunContext", seg: EpochSegment) -> None:
+        # what the leaving replicas trained since their last grant request, said with their pause
+        # or their pass's end (read now: the passes step clears the segment's ended items)
+        self.trained = {r: item.unreported for r, item in seg.ended.items()
+                        if r in self.failed and item.kind in ("paused", "epoch") and item.unreported}
         sg = run.fleet.shard_group
         if sg is not None:  # the leaving ranks' staleness clocks: a successor is welcomed at its step
             for rank in self.failed:
                 sg.forget_replica(rank, wait=False)
         super().membership(run, seg)
+
+    def ledger(self, run: "RunContext", seg: EpochSegment) -> None:
+        """What the leaving replicas trained since their last grant request (said with their pause)
+        goes to the server's ledger first; then their unserved partitions go to their successors."""
+        if self.trained:
+            run.fleet.server.call("finish", self.trained)
+        super().ledger(run, seg)
 
     def event(self, run: "RunContext", seg: EpochSegment, lr: dict[str, Any],
               reopened: list[int]) -> dict[str, Any]:
