@@ -59,7 +59,8 @@ def decisions(run: "RunContext", plan: EvacuationPlan) -> list[Any]:
     """Each member on a drained node: its rank taken by a spare, or by a new actor when the other
     nodes have room for one, else dropped (a shrink) while the run stays at scaling.min_replicas
     or more; with neither, replaced anyway (the new actor waits for room: its demand is what an
-    autoscaler sees; past strategy.timeout_s without room, the move fails as a repair would)."""
+    autoscaler sees; with no room within the 120 s a new actor may take to start, the move fails as
+    a repair would)."""
     group, out = run.fleet.group, []
     spares = len(group.spares)
     room = run.fleet.elastic.room_outside(set(plan.nodes.values()))
