@@ -26,3 +26,23 @@ def test_the_watch_asks_once_per_poll_keeps_its_view_when_a_look_fails_and_says_
     assert watch.look(now=100.0 + DRAIN_POLL_S / 2) == {"bb": 1800.0} and len(asked) == 1  # not yet
     assert watch.look(now=100.0 + DRAIN_POLL_S) == {"bb": 1800.0} and "GCS unreachable" in watch.failed
     assert watch.look(now=100.0 + 2 * DRAIN_POLL_S) == {} and watch.failed is None
+
+
+def test_a_drained_member_goes_to_a_spare_then_to_room_elsewhere_then_is_dropped_down_to_min_replicas():
+    from types import SimpleNamespace
+
+    from orchestrator.control.reconfig.evacuate import decisions
+    from orchestrator.control.states import EvacuationPlan
+    from policies.decisions.failure import Drop, Replace
+
+    def run(spares, room, members, min_replicas):
+        elastic = SimpleNamespace(room_outside=lambda nodes: room)
+        group = SimpleNamespace(spares=[object()] * spares, members=dict.fromkeys(range(members)))
+        return SimpleNamespace(fleet=SimpleNamespace(group=group, elastic=elastic),
+                               cfg=SimpleNamespace(scaling=SimpleNamespace(min_replicas=min_replicas)))
+
+    plan = EvacuationPlan({1: "bb" * 8, 2: "bb" * 8, 3: "bb" * 8}, {1: 0.0, 2: 0.0, 3: 0.0}, 0.0)
+    got = decisions(run(spares=1, room=1, members=4, min_replicas=2), plan)
+    assert [type(d) for d in got] == [Replace, Replace, Drop] and got[2].shrink and "spare" in got[0].reason
+    got = decisions(run(spares=0, room=0, members=4, min_replicas=3), plan)
+    assert [type(d) for d in got] == [Drop, Replace, Replace]  # one drop keeps 3; then no shrink below it
