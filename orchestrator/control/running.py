@@ -185,7 +185,7 @@ def stepped(run: "RunContext", seg: EpochSegment, rank: int, t_wall: float) -> N
                 run.report.event(rec.event.pop("kind"), **rec.event, stepping_at=round(rec.stepping_at, 3),
                                  **{rec.duration_key: round(took, 3)})
                 what = {"recovery_s": "the failure was seen", "switch_s": "the switch was decided",
-                        "resize_s": "the resize was decided"}[rec.duration_key]
+                        "resize_s": "the resize was decided", "evacuate_s": "the drain was seen"}[rec.duration_key]
                 run.report.say(f"every replica stepping {took:.2f}s after {what}")
 
 

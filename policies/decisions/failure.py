@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 MAX_BACKOFF_S = 30.0
-CAUSES = ("died", "hung", "error")
+CAUSES = ("died", "hung", "error", "preempted")  # preempted: moved off a drained node, not a failure (reconfig/evacuate.py)
 
 
 @dataclass(frozen=True)
