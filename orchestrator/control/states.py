@@ -139,7 +139,7 @@ class EvacuationPlan:
 
     nodes: dict[int, str]  # rank -> the node being drained it runs on
     deadlines: dict[int, float]  # rank -> its node's deadline (wall-clock seconds; 0: none given)
-    t_notice_wall: float  # when the drain was seen
+    t_notice_wall: float  # when the run first saw the drain (evacuate_s counts from it)
 
 
 @dataclass

@@ -27,6 +27,7 @@ class DrainWatch:
         self.lane = Lane("drain notices")
         self._next = 0.0
         self.draining: dict[str, float] = {}  # node id hex -> deadline (wall-clock seconds; 0: none)
+        self.first_seen: dict[str, float] = {}  # node id hex -> when this run first saw it drained (wall clock)
         self.failed: Optional[str] = None  # why the last look failed (the view before it is kept)
 
     def look(self, now: Optional[float] = None) -> dict[str, float]:
@@ -39,6 +40,8 @@ class DrainWatch:
                 self.draining = {node: ms / 1000.0 for node, ms in self.lane.call(self._look, LOOK_TIMEOUT_S,
                                                                                     "the nodes being drained").items()}
                 self.failed = None
+                for node in self.draining:
+                    self.first_seen.setdefault(node, time.time())
             except Exception as exc:  # noqa: BLE001 - a look that failed is not the run's failure
                 self.failed = f"{type(exc).__name__}: {exc}"
         return self.draining

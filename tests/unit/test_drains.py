@@ -23,8 +23,10 @@ def test_the_watch_asks_once_per_poll_keeps_its_view_when_a_look_fails_and_says_
 
     watch = DrainWatch(look)
     assert watch.look(now=100.0) == {"bb": 1800.0} and len(asked) == 1  # ms -> s
+    seen = watch.first_seen["bb"]
     assert watch.look(now=100.0 + DRAIN_POLL_S / 2) == {"bb": 1800.0} and len(asked) == 1  # not yet
     assert watch.look(now=100.0 + DRAIN_POLL_S) == {"bb": 1800.0} and "GCS unreachable" in watch.failed
+    assert watch.first_seen == {"bb": seen}  # when it was first seen, kept
     assert watch.look(now=100.0 + 2 * DRAIN_POLL_S) == {} and watch.failed is None
 
 

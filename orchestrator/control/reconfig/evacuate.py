@@ -36,7 +36,8 @@ def draining_members(run: "RunContext") -> Optional[EvacuationPlan]:
     nodes = on_draining(group.nodes, group.ranks, draining)
     if not nodes:
         return None
-    return EvacuationPlan(nodes, {r: draining[n] for r, n in nodes.items()}, time.time())
+    seen = min(run.fleet.drains.first_seen.get(n, time.time()) for n in nodes.values())
+    return EvacuationPlan(nodes, {r: draining[n] for r, n in nodes.items()}, seen)
 
 
 def notice(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
