@@ -186,6 +186,7 @@ def phases_run(tmp_path, phases, epochs):
 
 
 ALLREDUCE_2 = {"mode": "allreduce", "until": {"epochs": 2}}
+HURTING = {"mode": "downpour", "optimizer": {"momentum": 0.8}}  # untranslated shard momentum: a phase that hurts
 
 
 @pytest.mark.full
@@ -202,11 +203,12 @@ def test_entering_downpour_with_the_jobs_momentum_is_translated_and_does_not_col
 
 
 def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_cluster, tmp_path):
-    """A downpour phase that takes the job's momentum 0.9 on its shards (its own setting, so not
-    translated): test accuracy falls to chance in its first epoch; that epoch's end finds the test
-    loss far above the loss at the switch, and the run goes back to allreduce with the model from
-    before the switch, and stays there."""
-    result = phases_run(tmp_path, [ALLREDUCE_2, {"mode": "downpour", "optimizer": {"momentum": 0.9}}], epochs=4)
+    """A downpour phase that takes momentum 0.8 on its shards (its own setting, so not translated):
+    test accuracy falls to 0.5-0.66 in its first epoch, its test loss 6-14x the loss at the switch
+    (0.9 made the loss nan before the epoch's end in some runs: a divergence, not this test's
+    subject); that epoch's end finds the test loss far above the loss at the switch, and the run
+    goes back to allreduce with the model from before the switch, and stays there."""
+    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=4)
     [rolled] = events(result, "switch_rolled_back")
     assert rolled["back_to"] == "allreduce" and rolled["test_loss_now"] > rolled["test_loss_at_switch"] * 1.5
     switches = events(result, "mode_switch")
@@ -223,7 +225,7 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
 def test_a_run_that_stops_at_the_rollback_ends_with_the_model_from_before_the_switch(ray_cluster, tmp_path):
     """The stop comes at the same epoch end that finds the switch hurt: the rollback is carried
     out first, so the final model and figures are those from before the switch."""
-    result = phases_run(tmp_path, [ALLREDUCE_2, {"mode": "downpour", "optimizer": {"momentum": 0.9}}], epochs=3)
+    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=3)
     [rolled] = events(result, "switch_rolled_back")
     first, back = events(result, "mode_switch")
     assert back["rule"] == "rollback" and result.epochs == 3 and "epochs" in result.stop_reason
