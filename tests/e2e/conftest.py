@@ -67,3 +67,42 @@ def own_cluster(request):
         cluster.shutdown()
         if shared:
             ray.init(address=head_address, logging_level="WARNING")
+
+
+class InThread:
+    """A call (a run's `fit`) on a daemon thread, so the test's main thread can add and remove
+    nodes meanwhile (only the main thread may: Ray sets signal handlers); `result()` hands back
+    its value or raises its exception."""
+
+    def __init__(self, call) -> None:
+        import threading
+
+        self.out: dict = {}
+
+        def run():
+            try:
+                self.out["value"] = call()
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                self.out["error"] = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def wait_for_file(self, pattern: str, timeout_s: float = 240) -> None:
+        """Until a file matching `pattern` exists (the call still running meanwhile)."""
+        import glob
+
+        deadline = time.monotonic() + timeout_s
+        while not glob.glob(pattern):
+            assert self.alive() and time.monotonic() < deadline, self.out
+            time.sleep(0.1)
+
+    def result(self, timeout_s: float = 600):
+        self.thread.join(timeout=timeout_s)
+        assert not self.alive(), f"the call did not end within {timeout_s:g} s"
+        if "error" in self.out:
+            raise self.out["error"]
+        return self.out["value"]

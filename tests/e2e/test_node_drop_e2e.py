@@ -8,9 +8,6 @@ sharded modes from their shards) and learns on (0.93 test accuracy or more). all
 every mode with `-m soak` (docs/reliability.md)."""
 from __future__ import annotations
 
-import glob
-import threading
-import time
 
 import pytest
 
@@ -18,6 +15,7 @@ from orchestrator.testing.chaos import Fault, FaultInjector
 from orchestrator.config import JobConfig
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import REPO
+from tests.e2e.conftest import InThread
 
 pytestmark = pytest.mark.e2e
 
@@ -29,28 +27,16 @@ def drop_during_grow(cluster, tmp_path, mode: str):
         "scaling.grow_after=1", "checkpoint.every_epochs=1", f"checkpoint.storage={ck}",
         "tracking.progress_interval_s=0", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
     trainer = ElasticTrainer(cfg, show_progress=False)
-    out: dict = {}
 
-    def fit():  # in a thread: only the main thread can add a node (Ray sets signal handlers)
-        try:
-            with FaultInjector(lambda: trainer.controller, [Fault("drop_node", 0, during="resize")],
-                               cluster=cluster) as inj:
-                out["result"] = trainer.fit()
-            out["fired"] = inj.fired
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            out["error"] = exc
-    runner = threading.Thread(target=fit, daemon=True)
-    runner.start()
-    deadline = time.monotonic() + 240
-    while not glob.glob(f"{ck}/*/ckpt-*-epoch_0002.pt.json"):
-        assert runner.is_alive() and time.monotonic() < deadline, out
-        time.sleep(0.2)
+    def fit():
+        with FaultInjector(lambda: trainer.controller, [Fault("drop_node", 0, during="resize")],
+                           cluster=cluster) as inj:
+            result = trainer.fit()
+        return result, inj.fired
+    run = InThread(fit)  # this thread adds the node
+    run.wait_for_file(f"{ck}/*/ckpt-*-epoch_0002.pt.json")
     cluster.add_node(num_cpus=1)
-    runner.join(timeout=600)
-    assert not runner.is_alive(), "the run did not end within 600 s"
-    if "error" in out:
-        raise out["error"]
-    result, fired = out["result"], out["fired"]
+    result, fired = run.result()
     assert [f["kind"] for f in fired] == ["drop_node"] and "error" not in fired[0], fired
     assert result.final.test_accuracy >= 0.93  # far below every mode's plateau: learned through the drop
     failed = [e for e in result.events if e["kind"] == "replica_failed"]

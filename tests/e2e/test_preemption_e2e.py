@@ -7,8 +7,6 @@ free node before then: no replica failure is ever seen, no step is lost, every t
 used once in every epoch, and the run finishes its epochs."""
 from __future__ import annotations
 
-import glob
-import threading
 import time
 
 import pytest
@@ -16,6 +14,7 @@ import pytest
 from orchestrator.config import JobConfig
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import REPO
+from tests.e2e.conftest import InThread
 
 pytestmark = pytest.mark.e2e
 
@@ -42,34 +41,18 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
         f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
     trainer = ElasticTrainer(cfg, show_progress=False)
     trainer._trace_ids = True  # every row the replicas train on, by epoch and rank
-    out: dict = {}
-
-    def fit():
-        try:
-            out["result"] = trainer.fit()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            out["error"] = exc
-
-    runner = threading.Thread(target=fit, daemon=True)
-    runner.start()
-    deadline = time.monotonic() + 240
-    while not glob.glob(f"{ck}/*/ckpt-*-epoch_0001.pt.json"):
-        assert runner.is_alive() and time.monotonic() < deadline, out
-        time.sleep(0.1)
+    run = InThread(trainer.fit)  # this thread drains and removes the node
+    run.wait_for_file(f"{ck}/*/ckpt-*-epoch_0001.pt.json")
     ctl = trainer.controller
     node = ctl.group.nodes[1]
     drain(own_cluster, node, DEADLINE_S)
     t_drain = time.monotonic()
-    while time.monotonic() < t_drain + DEADLINE_S and runner.is_alive():
+    while time.monotonic() < t_drain + DEADLINE_S and run.alive():
         time.sleep(0.2)
-    assert runner.is_alive(), out  # the node goes while the run still trains: a replica left there would fail
+    assert run.alive(), run.out  # the node goes while the run still trains: a replica left there would fail
     [victim] = [n for n in own_cluster.worker_nodes if n.node_id == node]
     own_cluster.remove_node(victim)  # the node goes at its deadline, as a preempted instance does
-    runner.join(timeout=300)
-    assert not runner.is_alive(), "the run did not end within 300 s"
-    if "error" in out:
-        raise out["error"]
-    result = out["result"]
+    result = run.result(timeout_s=300)
     kinds = [e["kind"] for e in result.events]
     assert "replica_failed" not in kinds and "failure_decision" not in kinds, \
         [e for e in result.events if e["kind"] in ("replica_failed", "failure_decision")]
