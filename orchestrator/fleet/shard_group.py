@@ -58,9 +58,7 @@ class ShardGroup:
         group = cls(handles, bounds, names, namespace, args, snapshot_every_s, settle_s, log_limit_bytes)
         group.placement, group.hang_s = placement, hang_s
         try:
-            outs = group.snapshot_now(timeout_s)
-            if not all(o.ok for o in outs.values()):
-                raise TrainingError(f"the shards did not start: {describe({f'shard {i}': o for i, o in outs.items()})}")
+            all_answers(group.snapshot_now(timeout_s), "the shards did not start")
         except BaseException:
             group.shutdown()
             raise
@@ -165,16 +163,21 @@ class ShardGroup:
         except RayActorError:
             return self._died(i, slot, "ping", now)
         if slot.ping is not None and self.hang_s is not None and now - slot.ping_at > self.hang_s:
-            try:  # stopped (SIGSTOP), stuck: its clients would wait on it; a rebuild replaces it
-                ray.kill(slot.handle, no_restart=True)
-            except Exception:
-                pass
-            return self._died(i, slot, f"no answer to a ping for {self.hang_s:.0f}s", now)
+            # stopped (SIGSTOP), stuck: its clients would wait on it; a rebuild replaces it
+            return self._stop(i, slot, f"no answer to a ping for {self.hang_s:.0f}s", now)
         if slot.ping is None:
             slot.ping, slot.ping_at = slot.handle.status.remote(), now
         if slot.pending_snapshot is None and now - slot.last_snapshot_at >= self.snapshot_every_s:
             slot.pending_snapshot = tuple(slot.handle.snapshot.remote())
             slot.last_snapshot_at = now
+
+    def _stop(self, i: int, slot: Slot, detected_by: str, now: float) -> None:
+        """A live shard that does not answer: killed, then dead (rebuilt at the next poll)."""
+        try:
+            ray.kill(slot.handle, no_restart=True)
+        except Exception:
+            pass
+        self._died(i, slot, detected_by, now)
 
     def _died(self, i: int, slot: Slot, detected_by: str, now: float) -> None:
         slot.state, slot.dead_at, slot.detected_by = "dead", time.monotonic(), detected_by
@@ -285,12 +288,8 @@ class ShardGroup:
         now = time.monotonic()
         for i in indices:
             slot = self._slots[i]
-            if slot.state == "up":
-                try:  # stopped (SIGSTOP), stuck: a rebuild replaces it
-                    ray.kill(slot.handle, no_restart=True)
-                except Exception:
-                    pass
-                self._died(i, slot, why, now)
+            if slot.state == "up":  # stopped (SIGSTOP), stuck: a rebuild replaces it
+                self._stop(i, slot, why, now)
         deadline = time.monotonic() + timeout_s
         while any(self._slots[i].state != "up" for i in indices):
             if time.monotonic() > deadline:
@@ -345,10 +344,7 @@ class ShardGroup:
     def optimizer_states(self, timeout_s: float = 30.0) -> list[dict]:
         """Each shard's server-optimizer state (a checkpoint's `shards` part); TrainingError naming
         each shard that did not answer (the checkpoint goes without the part and says so)."""
-        outs = self.outcomes("optimizer_state", timeout_s=timeout_s)
-        if not all(o.ok for o in outs.values()):
-            raise TrainingError(describe({f"shard {i}": o for i, o in outs.items()}))
-        return [o.value for o in outs.values()]
+        return all_answers(self.outcomes("optimizer_state", timeout_s=timeout_s))
 
     def load_optimizer_states(self, states: list[dict], timeout_s: float = 60.0) -> None:
         """A resumed run: each shard goes on with the server-optimizer state a checkpoint kept,
@@ -361,10 +357,7 @@ class ShardGroup:
 
     def values(self, timeout_s: float = 30.0) -> np.ndarray:
         """The reference parameters, concatenated (TrainingError naming a shard that is down)."""
-        outs = self.outcomes("values", timeout_s=timeout_s)
-        if not all(o.ok for o in outs.values()):
-            raise TrainingError(f"the shards' values: {describe({f'shard {i}': o for i, o in outs.items()})}")
-        return np.concatenate([o.value for o in outs.values()])
+        return np.concatenate(all_answers(self.outcomes("values", timeout_s=timeout_s), "the shards' values"))
 
     def buffers(self, timeout_s: float = 30.0) -> dict:
         out = self.outcomes("buffers", timeout_s=timeout_s, only=[0])[0]
@@ -380,3 +373,11 @@ class ShardGroup:
             except Exception:
                 pass
             slot.snapshot_ref = slot.pending_snapshot = slot.ping = slot.info = slot.starting = None
+
+
+def all_answers(outs: dict[int, Outcome], what: str = "") -> list:
+    """Every shard's answer in shard order, or TrainingError naming each shard that gave none."""
+    if not all(o.ok for o in outs.values()):
+        missing = describe({f"shard {i}": o for i, o in outs.items()})
+        raise TrainingError(f"{what}: {missing}" if what else missing)
+    return [o.value for o in outs.values()]
