@@ -135,8 +135,10 @@ class ElasticTrainer:
             print(f"orchestrator: skipped checkpoint {name}: {why}", file=sys.stderr, flush=True)
         if self.resume is not None:
             named = f"run {self.config.run.name}: " if self.config.run.name else ""
-            print(f"{named}resuming MLflow run {self.resume['mlflow_run_id']} from {self.resumed_from} "
-                  f"(after epoch {self.resume['epoch']})", flush=True)
+            place = (self.resume.get("run") or {}).get("in_epoch")
+            where = f"inside epoch {place['epoch']}" if place else f"after epoch {self.resume['epoch']}"
+            print(f"{named}resuming MLflow run {self.resume['mlflow_run_id']} from {self.resumed_from} ({where})",
+                  flush=True)
         elif self.config.run.name:
             print(f"run {self.config.run.name}: no checkpoint yet, starting it", flush=True)
 

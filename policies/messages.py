@@ -57,6 +57,7 @@ class SegmentEnd:
     eval: Optional[Any] = None
     mode: Optional[dict[str, Any]] = None  # the mode's own figures (downpour: staleness, ...)
     reason: str = ""
+    position: Optional[dict[str, Any]] = None  # "paused": where it stands in its pass (PartitionReader.position)
 
     def __post_init__(self) -> None:
         if self.kind not in ENDS:

@@ -142,6 +142,9 @@ class PartitionReader:
                        else StoredPartitions(refs, timeout_s))
         self.unreported: list[int] = []
         self.read: list[int] = []
+        self.out: deque[list[tuple[int, int]]] = deque()  # each batch yielded and not trained yet: (partition, rows)
+        self.trained: dict[int, int] = {}  # partition -> rows of its in-epoch order trained (a lease's skip counted)
+        self.sizes: dict[int, int] = {}  # partition -> its rows
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="partition-prefetch")
 
     def partitions(self, first: Optional[dict] = None) -> Iterator[tuple[dict, dict]]:
@@ -239,28 +242,52 @@ class PartitionReader:
         positions in the partition, the partition's columns; `part["ids"][positions]` are the
         row ids). The partitions read whole are listed in `self.read` when the pass ends."""
         self.read = []
+        self.out.clear()
+        self.trained, self.sizes = {}, {}
         carry = None  # span: a partition's last rows, waiting to be joined by the next one's first
+        carried: list[tuple[int, int]] = []  # what the carry holds: (partition, rows)
         for item in self.partitions(first):
             if is_pause(item):
                 if carry is not None:  # the switch comes at this boundary: the rows go first
+                    self.out.append(carried)
                     yield carry
                     carry = None
                 yield PAUSE
                 continue
             lease, part = item
+            p = lease["partition"]
+            self.sizes[p] = int(lease["rows"])
+            self.trained.setdefault(p, int(lease.get("skip", 0)))
             short = self.batch_size - batch_rows(carry[1]) if carry is not None else None
             for x, y, idx in self.batches(lease, part, short):
                 if carry is not None:  # the first batch of this partition completes the carried rows
                     x, y, idx, part_ids = joined(carry, (x, y, idx, part))
+                    self.out.append(carried + [(p, len(idx) - batch_rows(carry[1]))])
                     carry = None
                     yield x, y, idx, part_ids
                 elif self.span and batch_rows(y) < self.batch_size:  # the rest: carried into the next
-                    carry = (x, y, idx, part)
+                    carry, carried = (x, y, idx, part), [(p, len(idx))]
                 else:
+                    self.out.append([(p, len(idx))])
                     yield x, y, idx, part
-            self.read.append(lease["partition"])
+            self.read.append(p)
         if carry is not None:
+            self.out.append(carried)
             yield carry
+
+    def trained_one(self) -> None:
+        """The oldest batch yielded and not yet trained was trained (the step loop says so after
+        each step on a batch): its rows count in `position()`."""
+        for p, n in self.out.popleft():
+            self.trained[p] = self.trained.get(p, 0) + n
+
+    def position(self) -> dict[str, Any]:
+        """Where this replica stands in its pass: the partitions trained whole ("full") and the
+        ones trained part way ("partial": partition -> rows of its in-epoch order trained), for
+        a checkpoint taken inside the epoch (the rows it still holds are served again from there)."""
+        full = sorted(p for p, n in self.trained.items() if n >= self.sizes.get(p, n + 1))
+        partial = {p: n for p, n in self.trained.items() if 0 < n < self.sizes.get(p, n + 1)}
+        return {"full": full, "partial": partial}
 
     def batches(self, lease: dict, part: dict, first: Optional[int] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """One partition in this epoch's in-partition order, cut into batches of batch_size
@@ -273,9 +300,9 @@ class PartitionReader:
         order = (torch.from_numpy(np.random.default_rng(lease["seed"]).permutation(rows)) if self.shuffle
                  else torch.arange(rows))
         cpu = self.device.type == "cpu"
-        at = 0
+        at = start = min(int(lease.get("skip", 0)), rows)  # rows trained before a restart: not again
         while at < rows:
-            size = first if at == 0 and first else self.batch_size
+            size = first if at == start and first else self.batch_size
             idx = order[at : at + size]
             at += len(idx)
             if cpu:  # index_select gathers rows ~2.5x faster than x[idx] advanced indexing on CPU

@@ -89,18 +89,23 @@ class PartitionServer:
 
     def start_epoch(self, epoch: int, ranks: list[int] = (),
                     completed: Optional[dict[int, list[int]]] = None,
-                    pinned: Optional[bool] = None, call: Optional[int] = None) -> dict[int, dict[str, Any]]:
+                    pinned: Optional[bool] = None, resume: Optional[dict[str, Any]] = None,
+                    call: Optional[int] = None) -> dict[int, dict[str, Any]]:
         """Record the previous epoch's last completions (`completed`, as for `finish`), check
         that it was served whole (a RuntimeError names what is left), begin `epoch` and grant
         the first partitions of each of `ranks`, in that order: the grants
         `policies.decisions.leases.first_grant_messages` computes, which the driver has already handed to
-        the replicas. `pinned`: this epoch's leasing (the mode may have changed)."""
+        the replicas. `pinned`: this epoch's leasing (the mode may have changed). `resume`: the
+        epoch goes on from a checkpoint taken inside it ({"done", "skips"}: `PartitionLedger.resume_epoch`)."""
         def act():
             try:
                 self._finish(completed or {})
                 if pinned is not None:
                     self.ledger.pinned = pinned
-                self.ledger.start_epoch(epoch, list(ranks))
+                if resume is not None:
+                    self.ledger.resume_epoch(epoch, list(ranks), resume["done"], resume["skips"])
+                else:
+                    self.ledger.start_epoch(epoch, list(ranks))
             except (RuntimeError, ValueError) as exc:
                 self.refused[epoch] = str(exc)
                 raise

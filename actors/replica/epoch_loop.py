@@ -49,7 +49,7 @@ class LoopHost(Protocol):
     def evaluate_reference(self, *args: Any) -> Any: ...
 
 
-def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: bool = False,
+def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: "bool | str" = False,
               first_grant: Optional[dict] = None, resume: bool = False,
               announce: bool = False) -> Iterator[Message]:
     """Lease partitions and take steps of the mode's rule over every row of them until the
@@ -59,7 +59,9 @@ def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: bool =
     step metrics, stall check) and sends the rows made so far at most every
     `tracking.progress_interval_s`; yields last the totals with the rows not yet sent (one
     call per epoch, no call per step), and the partitions finished since the last grant
-    request (`unreported`) for the controller to report. `first_grant`: the grant this replica
+    request (`unreported`) for the controller to report. `trace_ids` (tests): True, the row ids of
+    every step go with the segment's end; a directory, they are also appended to a file there
+    at each step (`trace_rows`). `first_grant`: the grant this replica
     starts the epoch with. `resume`: go on with the epoch where the last segment was
     interrupted (the interrupted batch first). `announce`: yield `Stepping` with
     the wall time once the first step of this segment is done. A step interrupted by a
@@ -148,6 +150,9 @@ def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: bool =
             t_window += t_eval
             t_epoch += t_eval
         if real:
+            replica.reader.trained_one()  # the rows count as served, trained or (backups) dropped late
+            if isinstance(trace_ids, str):  # tests: every step's row ids, kept outside the run's processes
+                trace_rows(trace_ids, replica, epoch, current)
             trained = len(y) if result.dropped is None else 0  # backups: a late replica's rows were not trained on
             samples += trained
             window += trained
@@ -232,7 +237,18 @@ def pause_segment(replica: "LoopHost", epoch: int, steps: int, samples: int, tra
     # the partitions it trained since its last grant request: reported by the replica itself when it
     # goes on, or by the driver when it is moved off a drained node instead (reconfig/evacuate.py)
     yield segment_end(replica, "paused", epoch, steps, samples, train_s, comm_s, consumed, loss, rows, mode=mode_stats,
-                      unreported=list(replica.reader.unreported))
+                      unreported=list(replica.reader.unreported), position=replica.reader.position())
+
+
+def trace_rows(directory: str, replica: "LoopHost", epoch: int, batch: tuple) -> None:
+    """Append the step's row ids to <directory>/rows-<rank>-<pid>.jsonl, flushed at once (a test
+    reads what a killed run trained)."""
+    import json
+    import os
+
+    with open(os.path.join(directory, f"rows-{replica.rank}-{os.getpid()}.jsonl"), "a") as f:
+        f.write(json.dumps({"epoch": epoch, "rank": replica.rank, "step": replica.step,
+                            "ids": [int(i) for i in batch[3]["ids"][batch[2].numpy()]]}) + "\n")
 
 def segment_end(replica: "LoopHost", kind: str, epoch: int, steps: int, samples: int, train_s: float, comm_s: float,
                 consumed: list, loss: float, rows: list, **more: Any) -> SegmentEnd:

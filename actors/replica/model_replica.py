@@ -330,7 +330,7 @@ class ModelReplica:
                        to_device(slice_rows(y, lo, lo + batch), self.device))
 
     # ---- training ------------------------------------------------------------------------
-    def run_epoch(self, epoch: int, log_every: int, trace_ids: bool = False,
+    def run_epoch(self, epoch: int, log_every: int, trace_ids: "bool | str" = False,
                   first_grant: Optional[dict] = None, resume: bool = False,
                   announce: bool = False) -> Iterator[dict[str, Any]]:
         """Lease partitions and take steps of the mode's rule until the server has no more for

@@ -362,9 +362,16 @@ class CheckpointConfig(Section):
         "go on; docs/fault-tolerance.md gives the cost); 0 = off (with every_s 0 too: only the final model)."
     )
     every_s: float = Field(
-        0.0, ge=0, description="Also checkpoint at the first epoch end at least this many seconds after the last "
-        "checkpoint was written (or training started); checked only at epoch ends, so a checkpoint can come up to an "
-        "epoch later than this; 0 = off."
+        0.0, ge=0, description="Also checkpoint once this many seconds have passed since the last checkpoint was "
+        "written (or training started), inside an epoch as `every_steps` does (at an epoch end when one comes "
+        "first); 0 = off."
+    )
+    every_steps: int = Field(
+        0, ge=0, description="Also checkpoint inside an epoch every this many steps (of the furthest replica) since "
+        "the last checkpoint: the replicas pause at their next partition boundary (allreduce: all after the same "
+        "step), the checkpoint records which rows of the epoch were trained, and they go on. A run started again "
+        "from it (by name or `resume`) goes on inside the epoch: every row of the epoch is trained once across "
+        "the restart (docs/fault-tolerance.md). 0 = off."
     )
     keep_best: bool = Field(
         False, description="Also keep the best epoch's checkpoint (by the headline metric; stop.early_stopping's "

@@ -36,7 +36,7 @@ from orchestrator.fleet.replica_group import ReplicaGroup
 from orchestrator.fleet.pause import PauseGate
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.reporting.reporter import Reporter
-from orchestrator.persistence.run_state import UNSAVED, Checkpointer, Part, PartUnsaved, Position, RunTotals
+from orchestrator.persistence.run_state import UNSAVED, Checkpointer, InEpoch, Part, PartUnsaved, Position, RunTotals
 from orchestrator.control.states import EpochSegment
 from orchestrator.reporting.tracking import Tracker
 from policies.decisions.failure import FailurePolicy
@@ -108,6 +108,7 @@ class Ledger:
     train_started: float = 0.0  # perf_counter when training began (after start-up)
     t_train_wall: float = 0.0  # the same, wall clock (the replicas' throughput figures count from it)
     best_model: Optional[dict[str, Any]] = None  # keep_best: the best epoch's model (state dict)
+    in_epoch: InEpoch = field(default_factory=InEpoch)  # a checkpoint's place inside its epoch (mid_epoch.py)
 
 
 @dataclass
@@ -212,6 +213,7 @@ class RunContext:
         pos.register("wall_elapsed_s", Part(lambda: time.perf_counter() - self.ledger.t0, load_wall_clock))
         pos.register("shards", Part(save_shards, load_shards))
         pos.register("best", self.policies.best)
+        pos.register("in_epoch", self.ledger.in_epoch)
         return pos
 
     @property
@@ -306,11 +308,16 @@ class RunContext:
         rows, n, seed, _, shuffle = self.phase.lease_plan
         self.phase.pinned = self.phase.spec.leases_pinned(self.phase.strategy, self.phase.batch_shares)
         self.phase.lease_plan = (rows, n, seed, self.phase.pinned, shuffle)  # leasing follows the mode of the phase (and the split)
-        first = first_grant_messages(*self.phase.lease_plan, epoch, ranks, self.phase.max_grant)
+        place = self.ledger.in_epoch.take_for(epoch)  # a restart from a checkpoint inside this epoch
+        resume = {"done": place["done"], "skips": place["skips"]} if place is not None else None
+        if place is not None:
+            seg.carried = {k: place[k] for k in ("steps", "samples", "train_s", "comm_s")}
+        first = first_grant_messages(*self.phase.lease_plan, epoch, ranks, self.phase.max_grant, resume)
         with self.fleet.interrupts.whole():
             for rank in ranks:
                 self.open_stream(seg, rank, first_grant=first.get(rank), announce=rank in announce)
-            seg.started = self.fleet.server.send("start_epoch", epoch, ranks, self.ledger.unreported, self.phase.pinned)
+            seg.started = self.fleet.server.send("start_epoch", epoch, ranks, self.ledger.unreported, self.phase.pinned,
+                                                 resume=resume)
         self.ledger.unreported = {}
         return seg
 
@@ -330,11 +337,13 @@ class RunContext:
             raise TrainingError(f"epoch {status['epoch']}: {status['remaining']} partitions were never served")
         return status
 
-    def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None) -> "Written":
+    def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None,
+                   step: Optional[int] = None) -> "Written":
         """The lowest answering rank's model and optimizer state (all replicas hold the same
         parameters at an epoch's end, or the mode's reference) plus the run's position, written by the Checkpointer
         (orchestrator/persistence/run_state.py). The final one says the run finished (a named run is not
-        started again from it). Returns the named copy's path if there is one, else the store's, and
+        started again from it). `step`: the run's step it is stored under (default: the last
+        epoch end's; one taken inside an epoch counts that epoch's steps so far). Returns the named copy's path if there is one, else the store's, and
         the members found lost on the way (MemberLost each: the caller hands them to the failure
         policy, never drops them)."""
         t = time.perf_counter()
@@ -358,9 +367,9 @@ class RunContext:
         unsaved = Position.unsaved(run)
         state.update(epoch=self.ledger.totals.epochs, mlflow_run_id=self.tracker.run_id,
                      config=self.cfg.model_dump(mode="json"), run=run, finished=tag == "final")
-        path, stored = self.checkpoints.write(state, tag, self.ledger.totals.steps, self.ledger.totals.epochs, self.tracker.run_id,
-                                              named)
-        self.report.event("checkpoint", path=path, epoch=self.ledger.totals.epochs, step=self.ledger.totals.steps,
+        step = self.ledger.totals.steps if step is None else step
+        path, stored = self.checkpoints.write(state, tag, step, self.ledger.totals.epochs, self.tracker.run_id, named)
+        self.report.event("checkpoint", path=path, epoch=self.ledger.totals.epochs, step=step,
                           seconds=round(self.checkpoints.last_s - t, 4), **({"stored": stored} if named else {}),
                           **({UNSAVED: unsaved} if unsaved else {}))
         for name, why in unsaved.items():

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from orchestrator.control import mid_epoch
 from orchestrator.control.reconfig import evacuate, phase_switch
 from orchestrator.control.epoch_end import close_pass, interval_evaluation, watch_servers
 from orchestrator.errors import TrainingError
@@ -72,6 +73,11 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
                 return Reconfiguring(GrowPlan(mid_epoch=True), seg, pending)
             if run.fleet.pause.reason == "evacuate" and paused and pending.evacuation is not None:
                 return Reconfiguring(pending.evacuation, seg, pending)  # off the drained node(s); the epoch goes on
+            if run.fleet.pause.reason == mid_epoch.REASON:
+                if paused:  # a checkpoint inside the epoch; then the paused replicas go on
+                    mid_epoch.take(run, seg, pending)
+                    continue
+                run.fleet.pause.open()  # every replica ended its pass first: the epoch's end checkpoints
             nxt = close_pass(run, seg, pending)
             if nxt is None:
                 continue  # a further pass of the epoch started
@@ -89,6 +95,7 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
         check_hangs(run, seg)
         run.fleet.elastic.tick(seg, switching=pending.switch is not None)
         evacuate.notice(run, seg, pending)  # a preemption notice: pause, then move off the node
+        mid_epoch.consider(run, seg, pending)  # checkpoint.every_steps / every_s: pause, checkpoint, go on
         if seg.fresh_signals or run.policies.switch.plan[run.policies.switch.current]["until"] is not None:
             seg.fresh_signals = False
             phase_switch.consider(run, seg, pending)

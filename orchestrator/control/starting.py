@@ -64,9 +64,11 @@ def start(run: "RunContext") -> EpochSegment:
     bs = cfg.data.batch_size
     run.ledger.steps_per_epoch = -(-sum(-(-r // bs) for r in rows) // n)  # the display's estimate
     run.phase.lease_plan = (rows, n, cfg.data.seed, run.phase.pinned, cfg.data.shuffle)
-    # a run that can switch modes is granted one partition at a time: every partition boundary
-    # is a point where a replica can hear a pause (two at a time saves calls otherwise)
-    run.phase.max_grant = 1 if len(run.policies.switch.plan) > 1 else MAX_GRANT
+    # a run that can switch modes (or checkpoints inside its epochs) is granted one partition at a
+    # time: every partition boundary is a point where a replica can hear a pause (two at a time
+    # saves calls otherwise)
+    ck = cfg.checkpoint
+    run.phase.max_grant = 1 if len(run.policies.switch.plan) > 1 or ck.every_steps or ck.every_s else MAX_GRANT
     run.fleet.server = ServerLink(*run.phase.lease_plan, run.phase.max_grant, placement=beside_driver(),
                              hang_s=cfg.fault_tolerance.hang_timeout_s / 2, timeout_s=cfg.strategy.timeout_s)
     run.fleet.group.wait_ready()
@@ -105,13 +107,20 @@ def restore(run: "RunContext", state: dict[str, Any]) -> None:
         if run.phase.spec.sharded:
             run.fleet.group.call(ranks, "sync_from_shards", step, what="state from the shards", peers=False)
     run.ledger.progress = {r: step for r in ranks}
+    run.checkpoints.last_step = step  # checkpoint.every_steps counts from the checkpoint gone on from
     missing = run.position.load(state["run"])
     unsaved = Position.unsaved(state["run"])  # parts the checkpoint was written without, and why
     if "failure" in missing:  # a checkpoint from before the budget was kept: the count
         run.policies.failure.load_state_dict({"restarts": run.ledger.totals.replica_restarts, "in_a_row": 0})
-    run.report.event("resumed", epoch=run.ledger.totals.epochs, step=run.ledger.totals.steps, replica_step=step,
+    place = run.ledger.in_epoch.loaded  # a checkpoint taken inside an epoch: the run goes on inside it
+    inside = {"in_epoch": {"epoch": place["epoch"], "partitions_done": len(place["done"]),
+                           "partitions_begun": len(place["skips"]), "rows_trained": place["samples"]}} if place else {}
+    run.report.event("resumed", epoch=run.ledger.totals.epochs, step=run.ledger.totals.steps, replica_step=step, **inside,
                       phase=run.policies.switch.current, mode=run.phase.spec.name,
                       **({"parts_missing": missing} if missing else {}), **({UNSAVED: unsaved} if unsaved else {}))
     for name, why in unsaved.items():
         run.report.say(f"resumed without the checkpoint's {name} part (not saved: {why}); it starts afresh")
-    run.report.say(f"resumed after epoch {run.ledger.totals.epochs} (step {run.ledger.totals.steps}) in {run.phase.spec.name}")
+    where = (f"inside epoch {place['epoch']} ({len(place['done'])} partitions done, {len(place['skips'])} begun)"
+             if place else f"after epoch {run.ledger.totals.epochs}")
+    run.report.say(f"resumed {where} (step {run.ledger.totals.steps + (place['steps'] if place else 0)}) in "
+                   f"{run.phase.spec.name}")

@@ -71,6 +71,7 @@ class EpochSegment:
     begun: bool = True  # False: the epoch's streams are opened when Running next runs
     fresh_signals: bool = False  # progress rows arrived since the switch policy last looked
     evaluations: dict[int, dict[int, Any]] = field(default_factory=dict)  # eval.every_steps: step -> rank -> sums
+    carried: dict[str, Any] = field(default_factory=dict)  # counts trained before a restart inside it (steps, samples, ...)
 
     def merged(self) -> list[SegmentEnd]:
         """One totals row per rank (a rank runs several segments when the epoch was interrupted

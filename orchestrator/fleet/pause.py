@@ -5,6 +5,7 @@ their next partition boundary (allreduce: all after the same step), and the gate
           --close("grow")-->   ready newcomers join the running epoch     (orchestrator/control/reconfig/elastic.py)
           --close("halt")-->   an interrupted run stops for its checkpoint (RunContext.halt)
           --close("evacuate")--> members on a drained node move off it (orchestrator/control/reconfig/evacuate.py)
+          --close("checkpoint")--> a checkpoint is taken inside the epoch (orchestrator/control/mid_epoch.py)
 
 Only one reason holds the gate at a time: a switch is not decided while a grow holds it, and a
 grow does not close it while a switch is pending. `open()` lets the replicas go on; given
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-REASONS = ("switch", "grow", "halt", "evacuate")
+REASONS = ("switch", "grow", "halt", "evacuate", "checkpoint")
 
 
 class PauseGate:

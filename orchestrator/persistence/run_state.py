@@ -11,6 +11,8 @@ state and step) plus the run's position: named parts, each a `Stateful` owner of
     train_elapsed_s  the training clock; wall_elapsed_s the run's
     lr_schedule      every resize's learning-rate segment (orchestrator/control/reconfig/elastic.py)
     shards           each shard's server-optimizer state (orchestrator/fleet/shard_group.py)
+    best             the best epoch so far (checkpoint.keep_best, stop.early_stopping)
+    in_epoch         where inside its epoch a checkpoint was taken (`InEpoch`), None at an epoch end
 
 A part a checkpoint lacks (one written before the part existed) keeps its fresh state;
 `Position.load` says which. `Checkpointer` writes checkpoints into the run's CheckpointStore
@@ -51,6 +53,34 @@ class RunTotals:
         for key, value in saved.items():
             if key != "startup_s":  # this start's own
                 setattr(self, key, value)
+
+
+class InEpoch:
+    """The "in_epoch" part: where inside its epoch a checkpoint was taken (orchestrator/control/mid_epoch.py
+    fills `taking` while it writes one; every other checkpoint holds None), and, loaded from a
+    checkpoint, where a restarted run goes on (`loaded`, used once when that epoch opens):
+
+        epoch          the epoch it was taken in (the run's completed epochs + 1)
+        done           partitions trained whole
+        skips          partition -> rows of its in-epoch order trained (a partition begun)
+        steps, samples, train_s, comm_s   the epoch's counts so far (added to the rest at its end)
+        replica_steps  rank -> its step count at the checkpoint
+    """
+
+    def __init__(self) -> None:
+        self.taking: Optional[dict[str, Any]] = None
+        self.loaded: Optional[dict[str, Any]] = None
+
+    def state_dict(self) -> Optional[dict[str, Any]]:
+        return self.taking
+
+    def load_state_dict(self, saved: Optional[dict[str, Any]]) -> None:
+        self.loaded = saved
+
+    def take_for(self, epoch: int) -> Optional[dict[str, Any]]:
+        """The loaded place if it is inside `epoch` (then forgotten: it is used once)."""
+        place, self.loaded = self.loaded, None
+        return place if place is not None and place.get("epoch") == epoch else None
 
 
 class Stateful(Protocol):
@@ -134,6 +164,7 @@ class Checkpointer:
         self.store: Optional[CheckpointStore] = None  # opened at the first checkpoint (the run id is known then)
         self.last_state: Optional[dict[str, Any]] = None
         self.last_s = 0.0  # perf_counter when the last checkpoint was written
+        self.last_step = 0  # the replica step it was taken at (checkpoint.every_steps counts from it)
 
     def write(self, state: dict[str, Any], tag: str, step: int, epoch: int, mlflow_run_id: str,
               named: Optional[str] = None) -> tuple[str, str]:
@@ -148,4 +179,5 @@ class Checkpointer:
         path = save_checkpoint(self.storage, directory, named, state) if named else stored
         self.last_state = state
         self.last_s = time.perf_counter()
+        self.last_step = int(state.get("step") or 0)
         return path, stored

@@ -9,3 +9,12 @@ def due(epoch: int, now_s: float, last_s: float, every_epochs: int, every_s: flo
     if every_epochs > 0 and epoch % every_epochs == 0:
         return True
     return every_s > 0 and now_s - last_s >= every_s
+
+
+def due_inside(steps_since: int, seconds_since: float, every_steps: int, every_s: float) -> bool:
+    """Whether a checkpoint is taken now, inside an epoch: `steps_since` (the furthest replica's
+    steps since the last checkpoint) reached `every_steps`, or `seconds_since` (since it was
+    written, or training started) reached `every_s`. 0 turns a rule off."""
+    if every_steps > 0 and steps_since >= every_steps:
+        return True
+    return every_s > 0 and seconds_since >= every_s

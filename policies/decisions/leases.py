@@ -30,6 +30,7 @@ class Lease:
     epoch: int
     partition: int
     seed: int  # in-partition shuffle seed for this epoch
+    skip: int = 0  # rows of the partition's in-epoch order already trained before a restart (resume_epoch)
 
 
 MAX_GRANT = 2
@@ -64,6 +65,7 @@ class PartitionLedger:
     leased: dict[int, int] = field(default_factory=dict)  # partition -> rank holding it
     done: dict[int, int] = field(default_factory=dict)  # partition -> rank that completed it
     redone: list[dict] = field(default_factory=list)  # partitions released by a dead replica
+    skips: dict[int, int] = field(default_factory=dict)  # partition -> rows trained before a restart (resume_epoch)
 
     def start_epoch(self, epoch: int, ranks: Optional[list[int]] = None) -> None:
         """Begin `epoch` over the replicas `ranks` (default 0..replicas-1): the membership may
@@ -80,7 +82,24 @@ class PartitionLedger:
             self.queues = {r: deque(int(p) for p in order[i :: len(ranks)]) for i, r in enumerate(ranks)}
         else:
             self.queues = {-1: deque(int(p) for p in order)}
-        self.done, self.redone = {}, []
+        self.done, self.redone, self.skips = {}, [], {}
+
+    def resume_epoch(self, epoch: int, ranks: list[int], done: list[int], skips: dict[int, int]) -> None:
+        """Begin `epoch` again after a restart from a checkpoint taken inside it: the partitions
+        in `done` were trained whole before it (recorded as done by rank -1, never served again);
+        a partition in `skips` was trained up to that many rows of its in-epoch order and is
+        served from there; every other partition is served in the epoch's order, as if the
+        epoch had just begun."""
+        self.start_epoch(epoch, ranks)
+        bad = sorted(p for p in [*done, *skips] if not 0 <= int(p) < self.partitions)
+        if bad:
+            raise ValueError(f"epoch {epoch}: the checkpoint names partitions {bad[:5]} this run does not have "
+                             f"({self.partitions} partitions)")
+        gone = {int(p) for p in done}
+        for key, queue in self.queues.items():
+            self.queues[key] = deque(p for p in queue if p not in gone)
+        self.done = {p: -1 for p in sorted(gone)}
+        self.skips = {int(p): int(k) for p, k in skips.items() if int(p) not in gone and int(k) > 0}
 
     def lease(self, rank: int) -> Optional[Lease]:
         """The next partition for `rank`, or None when it has nothing left this epoch."""
@@ -89,7 +108,8 @@ class PartitionLedger:
             return None
         p = queue.popleft()
         self.leased[p] = rank
-        return Lease(self.epoch, p, int(np.random.default_rng([self.seed, self.epoch, p]).integers(2**31)))
+        return Lease(self.epoch, p, int(np.random.default_rng([self.seed, self.epoch, p]).integers(2**31)),
+                     self.skips.get(p, 0))
 
     def grant(self, rank: int) -> Grant:
         """The next partitions for `rank` (see `grant_size`) and whether its queue is now empty."""
@@ -141,25 +161,30 @@ class PartitionLedger:
 
 
 def first_grants(partitions: int, replicas: int, seed: int, pinned: bool, shuffle: bool, epoch: int,
-                 ranks: list[int], max_grant: int = MAX_GRANT) -> dict[int, Grant]:
+                 ranks: list[int], max_grant: int = MAX_GRANT, resume: Optional[dict[str, Any]] = None) -> dict[int, Grant]:
     """The grants an epoch starts with, in `ranks` order: a pure function of the ledger's
     settings, so the driver hands them to the replicas while the server records the same ones
-    (`PartitionLedger.start_epoch`, then `grant` for each rank in the same order)."""
+    (`PartitionLedger.start_epoch`, or `resume_epoch` given `resume` {"done", "skips"}, then
+    `grant` for each rank in the same order)."""
     plan = PartitionLedger(partitions, replicas, seed, pinned, shuffle, max_grant)
-    plan.start_epoch(epoch, ranks)
+    if resume is not None:
+        plan.resume_epoch(epoch, ranks, resume["done"], resume["skips"])
+    else:
+        plan.start_epoch(epoch, ranks)
     return {rank: plan.grant(rank) for rank in ranks}
 
 
 def grant_message(grant: Grant, rows: list[int]) -> dict[str, Any]:
-    """A grant as it travels: {"leases": [{epoch, partition, seed, rows}, ...] (empty: nothing
-    left), "last": the queue is empty}."""
-    return {"leases": [{"epoch": x.epoch, "partition": x.partition, "seed": x.seed, "rows": rows[x.partition]}
-                       for x in grant.leases], "last": grant.last}
+    """A grant as it travels: {"leases": [{epoch, partition, seed, rows[, skip]}, ...] (empty:
+    nothing left), "last": the queue is empty}."""
+    return {"leases": [{"epoch": x.epoch, "partition": x.partition, "seed": x.seed, "rows": rows[x.partition],
+                        **({"skip": x.skip} if x.skip else {})} for x in grant.leases], "last": grant.last}
 
 
 def first_grant_messages(rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool, epoch: int,
-                         ranks: list[int], max_grant: int = MAX_GRANT) -> dict[int, dict[str, Any]]:
-    """What `PartitionServer.start_epoch(epoch, ranks)` grants, computed by the driver, which
-    hands the grants to the replicas without waiting for the server."""
-    plan = first_grants(len(rows), replicas, seed, pinned, shuffle, epoch, ranks, max_grant)
+                         ranks: list[int], max_grant: int = MAX_GRANT,
+                         resume: Optional[dict[str, Any]] = None) -> dict[int, dict[str, Any]]:
+    """What `PartitionServer.start_epoch(epoch, ranks[, resume])` grants, computed by the driver,
+    which hands the grants to the replicas without waiting for the server."""
+    plan = first_grants(len(rows), replicas, seed, pinned, shuffle, epoch, ranks, max_grant, resume)
     return {rank: grant_message(g, rows) for rank, g in plan.items()}

@@ -119,3 +119,71 @@ def test_first_grants_computed_apart_are_the_ledgers_own(pinned):
             pass
         for p, r in list(ledger.leased.items()):
             ledger.complete(r, p)
+
+
+def serve_rows(ledger, sizes, ranks, batch, budget=None):
+    """Replicas take leases in turn and train `batch` rows of a partition at a time (from a
+    lease's skip), until nothing is left or `budget` batches were trained. Returns the (partition,
+    row) pairs trained and, for a cut run, each held partition's rows trained so far."""
+    trained, held = [], {}
+    turn = 0
+    while budget is None or turn < budget:
+        moved = False
+        for r in ranks:
+            if r not in held:
+                lease = ledger.lease(r)
+                if lease is None:
+                    continue
+                held[r] = [lease.partition, lease.skip]
+            p, at = held[r]
+            stop = min(at + batch, sizes[p])
+            trained += [(p, i) for i in range(at, stop)]
+            held[r][1] = stop
+            if stop == sizes[p]:
+                ledger.complete(r, p)
+                del held[r]
+            moved = True
+            turn += 1
+        if not moved:
+            break
+    return trained, {p: at for p, at in held.values()}
+
+
+@settings(max_examples=80, deadline=None)
+@given(parts=st.integers(1, 20), replicas=st.integers(1, 4), seed=st.integers(0, 5), pinned=st.booleans(),
+       cut=st.integers(0, 60), batch=st.integers(1, 7), again=st.integers(1, 4))
+def test_an_epoch_gone_on_from_its_place_trains_every_row_once(parts, replicas, seed, pinned, cut, batch, again):
+    """A run cut part way through an epoch (a checkpoint's place: the partitions done and the rows
+    of each begun one), started again over another replica count: every row of the epoch once."""
+    sizes = [5 + (p * 7) % 11 for p in range(parts)]
+    ledger = PartitionLedger(parts, replicas, seed, pinned)
+    ledger.start_epoch(3)
+    before, begun = serve_rows(ledger, sizes, list(range(replicas)), batch, budget=cut)
+    done = sorted(ledger.done)
+    resumed = PartitionLedger(parts, again, seed, pinned)
+    resumed.resume_epoch(3, list(range(again)), done, begun)
+    after, left = serve_rows(resumed, sizes, list(range(again)), batch)
+    rows = sorted(before + after)
+    assert rows == sorted((p, i) for p in range(parts) for i in range(sizes[p])) and not left
+    assert resumed.epoch_complete and all(resumed.done[p] == -1 for p in done)
+
+
+def test_a_resumed_epochs_first_grants_are_the_servers_and_a_foreign_place_is_refused():
+    ledger = PartitionLedger(8, 2, seed=1, pinned=True)
+    ledger.resume_epoch(2, [0, 1], [0, 5], {3: 4})
+    own = {r: ledger.grant(r) for r in (0, 1)}
+    assert first_grants(8, 2, 1, True, True, 2, [0, 1], resume={"done": [0, 5], "skips": {3: 4}}) == own
+    leases = [x for g in own.values() for x in g.leases]
+    assert not {0, 5} & {x.partition for x in leases}
+    assert all(x.skip == (4 if x.partition == 3 else 0) for x in leases)
+    with pytest.raises(ValueError, match=r"partitions \[9\]"):
+        PartitionLedger(8, 2).resume_epoch(1, [0, 1], [9], {})
+
+
+def test_a_checkpoint_inside_an_epoch_is_due_by_steps_or_seconds():
+    from policies.decisions.checkpointing import due_inside
+
+    assert not due_inside(1000, 1e6, every_steps=0, every_s=0)  # both off
+    assert not due_inside(9, 0.0, every_steps=10, every_s=0) and due_inside(10, 0.0, every_steps=10, every_s=0)
+    assert not due_inside(0, 4.9, every_steps=0, every_s=5) and due_inside(0, 5.0, every_steps=0, every_s=5)
+    assert due_inside(3, 6.0, every_steps=10, every_s=5)  # either rule

@@ -1,0 +1,94 @@
+"""Checkpoints inside an epoch (checkpoint.every_steps, checkpoint.every_s), so a restarted run
+goes on inside the epoch instead of redoing it.
+
+When one is due (policies/decisions/checkpointing.py: due_inside), the Running loop closes the
+pause gate ("checkpoint"): every replica pauses at its next partition boundary (allreduce: all
+after the same step, some of them part way through a partition). Once every stream has ended,
+`take` writes the checkpoint with the run's place in the epoch (the "in_epoch" part,
+orchestrator/persistence/run_state.py: InEpoch): the partitions trained whole (the server's
+ledger, with the completions the paused replicas had not reported yet) and, for each partition
+begun, how many rows of its in-epoch order were trained (each replica's reader counts them:
+actors/partitions/reader.py `position`). Then the gate opens and the paused replicas go on where
+they stopped. A run started again from that checkpoint opens the epoch with that place
+(`PartitionLedger.resume_epoch`): the partitions done are not served again, a partition begun is
+served from the row it had reached, so every row of the epoch is trained once across the
+restart. A failure while the gate is closed is repaired first (the newcomers pause too); the
+checkpoint is taken once every member has paused.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from orchestrator.control.failures import lost_meanwhile
+from orchestrator.control.states import EpochSegment, Pending
+from orchestrator.errors import MemberLost, TrainingError
+from policies.decisions.checkpointing import due_inside
+
+if TYPE_CHECKING:
+    from orchestrator.control.context import RunContext
+
+REASON = "checkpoint"
+
+
+def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
+    """A checkpoint inside the epoch when one is due: the gate closes. Not while another
+    reconfiguration holds the gate or waits, failures wait for their decision, or a member has
+    ended its pass (the epoch is closing: its end checkpoints)."""
+    ck = run.cfg.checkpoint
+    if not (ck.every_steps or ck.every_s) or not seg.begun or seg.failures or run.fleet.pause.closed:
+        return
+    if pending.switch is not None or pending.evacuation is not None or pending.stopping:
+        return
+    if set(seg.streams) != set(run.fleet.group.members) or seg.ended:
+        return
+    steps = max(run.ledger.progress.values(), default=0) - run.checkpoints.last_step
+    seconds = time.perf_counter() - max(run.checkpoints.last_s, run.ledger.train_started)
+    if due_inside(steps, seconds, ck.every_steps, ck.every_s):
+        run.fleet.pause.close(REASON)
+
+
+def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
+    """Every stream has ended with the gate closed for a checkpoint: write it with the epoch's
+    place, open the gate, and let the paused replicas go on (module doc)."""
+    if seg.started is not None:
+        run.fleet.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
+        seg.started = None
+    ended = {r: item for r, item in seg.ended.items() if item.kind in ("paused", "epoch")}
+    paused = [r for r, item in ended.items() if item.kind == "paused"]
+    # the completions said with a pause or a pass's end go to the ledger now (reported again
+    # later by the replica or the epoch's end, they change nothing)
+    status = run.fleet.server.call("finish", {r: item.unreported for r, item in ended.items() if item.unreported})
+    done = {int(p) for p in status["done"]}
+    skips: dict[int, int] = {}
+    for item in ended.values():
+        if item.position is not None:
+            done.update(int(p) for p in item.position["full"])
+            skips.update({int(p): int(n) for p, n in item.position["partial"].items()})
+    stats = seg.merged()
+    c = seg.carried
+    place = {"epoch": seg.epoch, "done": sorted(done), "skips": {p: n for p, n in skips.items() if p not in done},
+             "steps": c.get("steps", 0) + max((s.steps for s in stats), default=0),
+             "samples": c.get("samples", 0) + sum(s.samples for s in stats),
+             "train_s": c.get("train_s", 0.0) + max((s.train_s for s in stats), default=0.0),
+             "comm_s": c.get("comm_s", 0.0) + max((s.comm_s for s in stats), default=0.0),
+             "replica_steps": {r: item.step for r, item in ended.items()}}
+    run.ledger.in_epoch.taking = place
+    try:
+        written = run.checkpoint(f"in_epoch_{seg.epoch:04d}", run.cfg.strategy.timeout_s,
+                                 step=run.ledger.totals.steps + place["steps"])
+        run.ledger.totals.checkpoint = written.path
+        for exc in written.lost:
+            lost_meanwhile(run, seg, exc, pending)
+    except TrainingError as exc:  # every member stopped or died meanwhile, or the store failed
+        if isinstance(exc, MemberLost):
+            lost_meanwhile(run, seg, exc, pending)
+        run.report.event("checkpoint_failed", epoch=seg.epoch, reason=str(exc))
+        run.report.say(f"checkpoint inside epoch {seg.epoch} not written ({exc}); the previous one is kept")
+    finally:
+        run.ledger.in_epoch.taking = None
+    run.fleet.pause.open()
+    for rank in paused:
+        if rank in run.fleet.group.members and not any(f.rank == rank for f in seg.failures):
+            del seg.ended[rank]
+            run.open_stream(seg, rank, resume=True)
