@@ -338,12 +338,13 @@ class RunContext:
         return status
 
     def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None,
-                   step: Optional[int] = None) -> "Written":
+                   step: Optional[int] = None, details: Optional[dict[str, Any]] = None) -> "Written":
         """The lowest answering rank's model and optimizer state (all replicas hold the same
         parameters at an epoch's end, or the mode's reference) plus the run's position, written by the Checkpointer
         (orchestrator/persistence/run_state.py). The final one says the run finished (a named run is not
         started again from it). `step`: the run's step it is stored under (default: the last
-        epoch end's; one taken inside an epoch counts that epoch's steps so far). Returns the named copy's path if there is one, else the store's, and
+        epoch end's; one taken inside an epoch counts that epoch's steps so far); `details`: more
+        fields for its event. Returns the named copy's path if there is one, else the store's, and
         the members found lost on the way (MemberLost each: the caller hands them to the failure
         policy, never drops them)."""
         t = time.perf_counter()
@@ -371,7 +372,7 @@ class RunContext:
         path, stored = self.checkpoints.write(state, tag, step, self.ledger.totals.epochs, self.tracker.run_id, named)
         self.report.event("checkpoint", path=path, epoch=self.ledger.totals.epochs, step=step,
                           seconds=round(self.checkpoints.last_s - t, 4), **({"stored": stored} if named else {}),
-                          **({UNSAVED: unsaved} if unsaved else {}))
+                          **({UNSAVED: unsaved} if unsaved else {}), **(details or {}))
         for name, why in unsaved.items():
             self.report.say(f"checkpoint {tag} written without its {name} part: {why}")
         return Written(path, lost)

@@ -74,9 +74,12 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
              "comm_s": c.get("comm_s", 0.0) + max((s.comm_s for s in stats), default=0.0),
              "replica_steps": {r: item.step for r, item in ended.items()}}
     run.ledger.in_epoch.taking = place
+    details = {"in_epoch": {"epoch": seg.epoch, "partitions_done": len(place["done"]),
+                            "partitions_begun": len(place["skips"]), "rows_trained": place["samples"],
+                            "pause_s": round(time.perf_counter() - run.fleet.pause.closed_at, 4)}}
     try:
         written = run.checkpoint(f"in_epoch_{seg.epoch:04d}", run.cfg.strategy.timeout_s,
-                                 step=run.ledger.totals.steps + place["steps"])
+                                 step=run.ledger.totals.steps + place["steps"], details=details)
         run.ledger.totals.checkpoint = written.path
         for exc in written.lost:
             lost_meanwhile(run, seg, exc, pending)

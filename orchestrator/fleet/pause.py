@@ -14,6 +14,7 @@ mode), which is sent even when the gate was open.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
 REASONS = ("switch", "grow", "halt", "evacuate", "checkpoint")
@@ -23,6 +24,7 @@ class PauseGate:
     def __init__(self, server: Callable[[], Any]) -> None:
         self._server = server  # the controller's ServerLink (it exists once the run has started)
         self.reason: Optional[str] = None
+        self.closed_at = 0.0  # perf_counter when it last closed
 
     @property
     def closed(self) -> bool:
@@ -35,7 +37,7 @@ class PauseGate:
         if self.closed:
             return False
         self._server().call("pause", True, **({"timeout_s": timeout_s} if timeout_s is not None else {}))
-        self.reason = reason
+        self.reason, self.closed_at = reason, time.perf_counter()
         return True
 
     def open(self, share: Optional[bool] = None) -> None:

@@ -1,4 +1,5 @@
-"""End to end: a named run checkpointing inside its epochs (`checkpoint.every_steps`) whose driver's
+"""End to end, in allreduce (lock-step: a replica pauses part way through a partition) and Downpour
+(asynchronous, the model in the shards): a named run checkpointing inside its epochs (`checkpoint.every_steps`) whose driver's
 process group is SIGKILLed part way through epoch 2 (after a checkpoint inside it, and steps
 past that checkpoint) is started again with the same command: it goes on inside epoch 2, in the
 same MLflow run, and every training row of epoch 2 is trained exactly once across the crash (the
@@ -22,7 +23,6 @@ from orchestrator.persistence.checkpoint import CheckpointStore
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
-EXAMPLE = os.path.join(REPO, "examples", "mnist_allreduce.yaml")
 
 DRIVER = """
 import json, sys
@@ -44,8 +44,9 @@ def traced(directory) -> list[dict]:
     return lines
 
 
-@pytest.mark.full  # ~1.5 min: two drivers on the session's head
-def test_a_run_killed_inside_an_epoch_goes_on_inside_it_and_trains_each_row_once(ray_head, tmp_path):
+@pytest.mark.full  # ~1 min each: two drivers on the session's head
+@pytest.mark.parametrize("example", ["mnist_allreduce.yaml", "mnist_downpour.yaml"])
+def test_a_run_killed_inside_an_epoch_goes_on_inside_it_and_trains_each_row_once(ray_head, tmp_path, example):
     env = dict(ray_head.env, RAY_ADDRESS=ray_head.address, PYTHONPATH=REPO)
     env.pop("MLFLOW_TRACKING_URI", None)
     ck, first, second = tmp_path / "ck", tmp_path / "rows1", tmp_path / "rows2"
@@ -56,7 +57,7 @@ def test_a_run_killed_inside_an_epoch_goes_on_inside_it_and_trains_each_row_once
             f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "tracking.progress_interval_s=0"]
 
     def command(rows, out):
-        return [sys.executable, "-c", DRIVER, EXAMPLE, str(rows), str(out), *sets]
+        return [sys.executable, "-c", DRIVER, os.path.join(REPO, "examples", example), str(rows), str(out), *sets]
 
     driver = subprocess.Popen(command(first, tmp_path / "never.json"), cwd=tmp_path, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
