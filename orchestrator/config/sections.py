@@ -373,6 +373,13 @@ class CheckpointConfig(Section):
         "from it (by name or `resume`) goes on inside the epoch: every row of the epoch is trained once across "
         "the restart (docs/fault-tolerance.md). 0 = off."
     )
+    background: bool = Field(
+        True, description="Write the periodic checkpoints (epoch ends, inside an epoch) on a background thread: the "
+        "replicas wait only while the state is taken and train on while it is stored; a newer checkpoint replaces "
+        "one still waiting to be written (its `checkpoint_failed` event says superseded), never waits behind it. The "
+        "final and the interrupted checkpoint are always written before the run ends. false: every checkpoint is "
+        "stored before training goes on."
+    )
     keep_best: bool = Field(
         False, description="Also keep the best epoch's checkpoint (by the headline metric; stop.early_stopping's "
         "min_delta counts) as `<storage>/<run>/best.pt`, never deleted, and log that model (not the last epoch's) "

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 from orchestrator.checks import one_line
+from orchestrator.control import checkpointing
+from orchestrator.control.checkpointing import Written
 from orchestrator.config import JobConfig
 from orchestrator.data.in_memory import Dataset
 from orchestrator.errors import Interrupts, MemberLost, TrainingError
@@ -36,7 +38,7 @@ from orchestrator.fleet.replica_group import ReplicaGroup
 from orchestrator.fleet.pause import PauseGate
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.reporting.reporter import Reporter
-from orchestrator.persistence.run_state import UNSAVED, Checkpointer, InEpoch, Part, PartUnsaved, Position, RunTotals
+from orchestrator.persistence.run_state import Checkpointer, InEpoch, Part, PartUnsaved, Position, RunTotals
 from orchestrator.control.states import EpochSegment
 from orchestrator.reporting.tracking import Tracker
 from policies.decisions.failure import FailurePolicy
@@ -48,13 +50,6 @@ from policies.decisions.switching import SwitchPolicy, entering_optimizer, make_
 from policies.rules.tasks import split_metric, sum_stats
 
 SHARD_STATE_TIMEOUT_S = 10.0  # the shards' optimizer states for a checkpoint
-CHECKPOINT_FLUSH_S = 10.0  # the MLflow writes asked for before a checkpoint, stored before it is written
-
-
-class Written(NamedTuple):
-    """A checkpoint written: where, and the members found lost while taking it."""
-    path: str
-    lost: list[MemberLost]
 
 
 @dataclass
@@ -175,7 +170,8 @@ class RunContext:
                                                     config.data.accumulate, config.scaling.replicas, config.stop.epochs)
         self.fleet = Fleet(group, group.interrupts, needs_shards=self.phase.server_optimizer is not None)
         self.fleet.pause = PauseGate(lambda: self.fleet.server)
-        self.checkpoints = Checkpointer(config.checkpoint.storage, config.checkpoint.keep, config.run.name)
+        self.checkpoints = Checkpointer(config.checkpoint.storage, config.checkpoint.keep, config.run.name,
+                                        checkpointing.CHECKPOINT_FLUSH_S)
         self.position = self._position()
 
     def _position(self) -> Position:
@@ -337,45 +333,10 @@ class RunContext:
             raise TrainingError(f"epoch {status['epoch']}: {status['remaining']} partitions were never served")
         return status
 
-    def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None,
-                   step: Optional[int] = None, details: Optional[dict[str, Any]] = None) -> "Written":
-        """The lowest answering rank's model and optimizer state (all replicas hold the same
-        parameters at an epoch's end, or the mode's reference) plus the run's position, written by the Checkpointer
-        (orchestrator/persistence/run_state.py). The final one says the run finished (a named run is not
-        started again from it). `step`: the run's step it is stored under (default: the last
-        epoch end's; one taken inside an epoch counts that epoch's steps so far); `details`: more
-        fields for its event. Returns the named copy's path if there is one, else the store's, and
-        the members found lost on the way (MemberLost each: the caller hands them to the failure
-        policy, never drops them)."""
-        t = time.perf_counter()
-        ranks = self.fleet.group.ranks
-        if not ranks:
-            raise TrainingError(f"checkpoint {tag}: no replica left to take the model from")
-        lost = []
-        for i, rank in enumerate(ranks):  # a member that does not answer (hung, dying): the next one's copy
-            try:
-                state = self.fleet.group.call([rank], "state", what=f"checkpoint {tag}", timeout_s=timeout_s)[0]
-                break
-            except MemberLost as exc:
-                if i == len(ranks) - 1:
-                    raise
-                lost.append(exc)  # the caller hands it to the failure policy
-                self.report.say(f"checkpoint {tag}: {exc}; taking replica {ranks[i + 1]}'s copy")
-        if not self.tracker.flush(CHECKPOINT_FLUSH_S):  # a run resumed from it finds every metric it covers
-            self.report.say(f"checkpoint {tag}: MLflow has not stored the run's metrics within {CHECKPOINT_FLUSH_S:g}s; "
-                            "the checkpoint is written anyway and they follow in the background")
-        run = self.position.save()
-        unsaved = Position.unsaved(run)
-        state.update(epoch=self.ledger.totals.epochs, mlflow_run_id=self.tracker.run_id,
-                     config=self.cfg.model_dump(mode="json"), run=run, finished=tag == "final")
-        step = self.ledger.totals.steps if step is None else step
-        path, stored = self.checkpoints.write(state, tag, step, self.ledger.totals.epochs, self.tracker.run_id, named)
-        self.report.event("checkpoint", path=path, epoch=self.ledger.totals.epochs, step=step,
-                          seconds=round(self.checkpoints.last_s - t, 4), **({"stored": stored} if named else {}),
-                          **({UNSAVED: unsaved} if unsaved else {}), **(details or {}))
-        for name, why in unsaved.items():
-            self.report.say(f"checkpoint {tag} written without its {name} part: {why}")
-        return Written(path, lost)
+    def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None, step: Optional[int] = None,
+                   details: Optional[dict[str, Any]] = None, wait: bool = True) -> Written:
+        """A checkpoint taken and written (orchestrator/control/checkpointing.py: take)."""
+        return checkpointing.take(self, tag, timeout_s, named, step, details, wait)
 
     def halt(self, timeout_s: float) -> None:
         """An interrupted run: the replicas stop at their next partition boundary (the phase
@@ -386,7 +347,9 @@ class RunContext:
 
     def shutdown(self) -> None:
         """Stop every actor this controller started (replicas, spares, shards, the server) and
-        take back any autoscaler request this run made."""
+        take back any autoscaler request this run made; a checkpoint still being written is
+        waited for first (at most checkpointing.DRAIN_S)."""
+        self.checkpoints.drain(checkpointing.DRAIN_S)
         self.fleet.elastic.withdraw()
         self.fleet.group.shutdown()
         if self.fleet.shard_group is not None:

@@ -47,7 +47,8 @@ from orchestrator.control import running
 from orchestrator.control import starting
 
 from orchestrator.control.reconfig import evacuate, phase_switch
-from orchestrator.control.context import Policies, RunContext, Written
+from orchestrator.control.checkpointing import Written
+from orchestrator.control.context import Policies, RunContext
 from orchestrator.data.in_memory import Dataset
 from orchestrator.config import JobConfig
 from orchestrator.control.reconfig.elastic import Elasticity

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from orchestrator.control.checkpointing import report_written
 from orchestrator.control.reconfig import phase_switch
 from orchestrator.errors import MemberLost, TrainingError
 from orchestrator.control.failures import lost_meanwhile
@@ -35,6 +36,7 @@ def watch_servers(run: "RunContext", epoch: int) -> bool:
     if run.fleet.shard_group is not None:
         report_shard_events(run, run.fleet.shard_group.poll(), epoch)
         repaired = repaired or run.fleet.shard_group.repairing
+    report_written(run)  # checkpoints stored in the background meanwhile: their events
     return repaired
 
 
@@ -146,7 +148,8 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
         if best or checkpoint_due(epoch, time.perf_counter(), max(run.checkpoints.last_s, run.ledger.train_started),
                                   ck.every_epochs, ck.every_s):
             try:
-                written = run.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s, named="best.pt" if best else None)
+                written = run.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s, named="best.pt" if best else None,
+                                         wait=False)  # stored in the background while the next epoch trains
                 tot.checkpoint, lost = written.path, written.lost
                 if best:
                     run.ledger.best_model = run.last_state["model"]

@@ -79,7 +79,7 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
                             "pause_s": round(time.perf_counter() - run.fleet.pause.closed_at, 4)}}
     try:
         written = run.checkpoint(f"in_epoch_{seg.epoch:04d}", run.cfg.strategy.timeout_s,
-                                 step=run.ledger.totals.steps + place["steps"], details=details)
+                                 step=run.ledger.totals.steps + place["steps"], details=details, wait=False)
         run.ledger.totals.checkpoint = written.path
         for exc in written.lost:
             lost_meanwhile(run, seg, exc, pending)

@@ -21,6 +21,7 @@ that lost every allreduce replica goes on from it).
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from dataclasses import asdict
@@ -156,28 +157,117 @@ class Position:
         return dict(saved.get(UNSAVED) or {})
 
 
-class Checkpointer:
-    """Writes a run's checkpoints (orchestrator/persistence/checkpoint.py) and remembers the newest."""
+@dataclass
+class WriteOrder:
+    """One checkpoint to write: its state, where it goes, and what must be stored before it
+    (`before`: set once MLflow holds every metric logged before the checkpoint)."""
+    state: dict[str, Any]
+    tag: str
+    step: int
+    epoch: int
+    store: CheckpointStore
+    named: Optional[str]
+    before: Any = None  # a threading.Event (or None)
+    fields: dict[str, Any] = field(default_factory=dict)  # for its event
 
-    def __init__(self, storage: str, keep: int, run_name: Optional[str]) -> None:
-        self.storage, self.keep, self.run_name = storage, keep, run_name
+
+class Checkpointer:
+    """Writes a run's checkpoints (orchestrator/persistence/checkpoint.py) and remembers the newest.
+
+    A write asked for with `wait=False` goes to one background thread, so the replicas train on
+    while it is stored: the newest order waits in one slot while an older one is written, and a
+    newer order replaces one still waiting (that one is `superseded`: a newer checkpoint never
+    waits behind an older upload). `drain()` waits until nothing is left; `written()` hands back
+    what each write came to (for the run's events). A write with `wait=True` (the final and the
+    interrupted checkpoint) drains first and is stored before it returns. A crash mid-write
+    leaves a temporary file and no sidecar: the checkpoint before it stays the newest good one."""
+
+    def __init__(self, storage: str, keep: int, run_name: Optional[str], flush_s: float = 10.0) -> None:
+        self.storage, self.keep, self.run_name, self.flush_s = storage, keep, run_name, flush_s
         self.store: Optional[CheckpointStore] = None  # opened at the first checkpoint (the run id is known then)
         self.last_state: Optional[dict[str, Any]] = None
-        self.last_s = 0.0  # perf_counter when the last checkpoint was written
+        self.last_s = 0.0  # perf_counter when the last checkpoint was taken
         self.last_step = 0  # the replica step it was taken at (checkpoint.every_steps counts from it)
+        self._cv = threading.Condition()
+        self._waiting: Optional[WriteOrder] = None
+        self._busy = False
+        self._outcomes: list[dict[str, Any]] = []
+        self._thread: Optional[threading.Thread] = None
+        self.taken_s: dict[tuple[str, int], float] = {}  # (tag, step) -> seconds on the training path (its event's)
 
     def write(self, state: dict[str, Any], tag: str, step: int, epoch: int, mlflow_run_id: str,
-              named: Optional[str] = None) -> tuple[str, str]:
+              named: Optional[str] = None, wait: bool = True, before: Any = None,
+              fields: Optional[dict[str, Any]] = None) -> tuple[str, str]:
         """`state` as ckpt-<step>-<tag>.pt (+ sidecar) in the run's store (the newest `keep`
         kept) and, given `named`, also as <that directory>/<named>: (the path to report, the
-        store's path)."""
+        store's path). `wait`: stored before this returns (its outcome raised, not queued);
+        else written in the background (class doc). `before`: an event to wait for (at most
+        flush_s) before writing; `fields`: for its event."""
         directory = self.run_name or mlflow_run_id
         if self.store is None or self.store.run_name != directory:
             self.store = CheckpointStore(self.storage, directory, self.keep)
         # the run's step count (monotonic, the x-axis of the epoch metrics) orders the store
-        stored = self.store.save(state, step=step, epoch=epoch, tag=tag)
-        path = save_checkpoint(self.storage, directory, named, state) if named else stored
+        stored = self.store.path_of(CheckpointStore.name_for(step, tag))
+        path = self.store.path_of(named) if named else stored
         self.last_state = state
         self.last_s = time.perf_counter()
         self.last_step = int(state.get("step") or 0)
+        order = WriteOrder(state, tag, step, epoch, self.store, named, before, dict(fields or {}))
+        if wait:
+            self.drain()
+            outcome = self._perform(order)
+            with self._cv:
+                self._outcomes.append(outcome)
+            return path, stored
+        with self._cv:
+            if self._waiting is not None:
+                self._outcomes.append({"tag": self._waiting.tag, "superseded_by": tag, **self._waiting.fields})
+            self._waiting = order
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="checkpoint writer", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
         return path, stored
+
+    def _perform(self, order: WriteOrder) -> dict[str, Any]:
+        t = time.perf_counter()
+        late = order.before is not None and not order.before.wait(self.flush_s)
+        stored = order.store.save(order.state, step=order.step, epoch=order.epoch, tag=order.tag)
+        if order.named:
+            save_checkpoint(order.store.storage, order.store.run_name, order.named, order.state)
+        path = order.store.path_of(order.named) if order.named else stored
+        return {"tag": order.tag, "path": path, "stored": stored, "write_s": round(time.perf_counter() - t, 4),
+                "flush_late": late, **order.fields}
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._waiting is None:
+                    self._cv.wait()
+                order, self._waiting, self._busy = self._waiting, None, True
+            try:
+                outcome = self._perform(order)
+            except Exception as exc:  # the store failed: said as the checkpoint's failure, the previous one kept
+                outcome = {"tag": order.tag, "failed": f"{type(exc).__name__}: {exc}", **order.fields}
+            with self._cv:
+                self._outcomes.append(outcome)
+                self._busy = False
+                self._cv.notify_all()
+
+    def drain(self, timeout_s: Optional[float] = None) -> bool:
+        """Wait (at most timeout_s) until every write asked for is stored; False if one is still going."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cv:
+            while self._busy or self._waiting is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def written(self) -> list[dict[str, Any]]:
+        """What each write since the last call came to: {"tag", "path", "stored", "write_s", "flush_late",
+        ...its fields}, {"tag", "failed": why, ...} or {"tag", "superseded_by": tag, ...}."""
+        with self._cv:
+            out, self._outcomes = self._outcomes, []
+        return out

@@ -323,6 +323,11 @@ class Tracker:
         self._writer.call("model", write, timeout_s)
         return bool(logged)
 
+    def stored(self) -> threading.Event:
+        """Set once every write asked for so far is done (a checkpoint written in the background
+        waits for it)."""
+        return self._writer.post("flush", lambda: None)
+
     def flush(self, timeout_s: float = FINISH_TIMEOUT_S) -> bool:
         """Wait up to timeout_s for every write asked for so far."""
         return self._writer.post("flush", lambda: None).wait(timeout_s)

@@ -94,3 +94,46 @@ def _saved(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+def test_a_background_write_lets_the_caller_go_on_and_a_newer_one_replaces_one_still_waiting(tmp_path):
+    """The first checkpoint's upload is held (its MLflow flush has not come): the caller goes on at
+    once; a second order waits, a third replaces it (the second is superseded, never written);
+    once the upload goes on, the first and the third are stored, newest last."""
+    import threading
+
+    from orchestrator.persistence.checkpoint import CheckpointStore
+    from orchestrator.persistence.run_state import Checkpointer
+
+    ck = Checkpointer(str(tmp_path), keep=5, run_name="bg", flush_s=30)
+    gate = threading.Event()
+    for step in (10, 20, 30):
+        ck.write({"step": step, "w": torch.full((3,), float(step))}, f"e{step}", step, 1, "id", wait=False,
+                 before=gate if step == 10 else None, fields={"step": step})
+        assert ck.last_step == step and ck.last_state["step"] == step  # known at once (a repair can use it)
+    assert not ck.drain(timeout_s=0.2) and not [f for f in tmp_path.glob("bg/ckpt-*")]  # still held
+    gate.set()
+    assert ck.drain(timeout_s=30)
+    done = {o["tag"]: o for o in ck.written()}
+    assert done["e20"]["superseded_by"] == "e30" and "stored" not in done["e20"]
+    assert {e.step for e in CheckpointStore(str(tmp_path), "bg", keep=5).list()} == {10, 30}
+    path, state = CheckpointStore(str(tmp_path), "bg", keep=5).latest_good()
+    assert state["step"] == 30 and path == done["e30"]["stored"]
+
+
+def test_a_write_that_waits_is_stored_before_it_returns_and_raises_when_the_store_fails(tmp_path):
+    from orchestrator.persistence.run_state import Checkpointer
+
+    ck = Checkpointer(str(tmp_path), keep=2, run_name="now")
+    path, stored = ck.write({"step": 1}, "final", 1, 1, "id", named="model.pt")
+    assert path.endswith("now/model.pt") and (tmp_path / "now" / "model.pt").exists()
+    assert [o["path"] for o in ck.written()] == [path]
+    (tmp_path / "now" / "ckpt-000000002-final.pt").mkdir()  # a directory where the file must go
+    with pytest.raises(Exception):
+        ck.write({"step": 2}, "final", 2, 1, "id")
+    ck.write({"step": 3}, "bg", 3, 1, "id", wait=False)
+    (tmp_path / "now" / "ckpt-000000004-bg.pt").mkdir()
+    ck.write({"step": 4}, "bg", 4, 1, "id", wait=False)
+    assert ck.drain(timeout_s=30)
+    outcomes = ck.written()
+    assert any("failed" in o for o in outcomes), outcomes  # said, not raised on the writer's thread
