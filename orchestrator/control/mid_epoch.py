@@ -12,8 +12,8 @@ actors/partitions/reader.py `position`). Then the gate opens and the paused repl
 they stopped. A run started again from that checkpoint opens the epoch with that place
 (`PartitionLedger.resume_epoch`): the partitions done are not served again, a partition begun is
 served from the row it had reached, so every row of the epoch is trained once across the
-restart. A failure while the gate is closed is repaired first (the newcomers pause too); the
-checkpoint is taken once every member has paused.
+restart. A failure while the gate is closed gives the checkpoint up (`abandon`: the gate opens,
+the asynchronous replicas that paused go on) before it is repaired; the next one comes when due.
 """
 from __future__ import annotations
 
@@ -93,5 +93,22 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     run.fleet.pause.open()
     for rank in paused:
         if rank in run.fleet.group.members and not any(f.rank == rank for f in seg.failures):
+            del seg.ended[rank]
+            run.open_stream(seg, rank, resume=True)
+
+
+def abandon(run: "RunContext", seg: EpochSegment) -> None:
+    """A failure while the gate is closed for a checkpoint: the checkpoint is given up and the
+    gate opens before the repair. In the asynchronous modes the replicas that paused go on now
+    (each reports what it trained with its next grant request); in the lock-step modes the
+    repair reopens every member."""
+    if run.fleet.pause.reason != REASON:
+        return
+    run.fleet.pause.open()
+    if run.phase.lock_step:
+        return
+    failed = {f.rank for f in seg.failures}
+    for rank in seg.paused_ranks():
+        if rank in run.fleet.group.members and rank not in failed:
             del seg.ended[rank]
             run.open_stream(seg, rank, resume=True)

@@ -64,6 +64,7 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
         run.open_epoch(seg, frozenset(seg.awaiting_steps()))
     while True:
         if seg.failures and (not run.phase.lock_step or not seg.streams):
+            mid_epoch.abandon(run, seg)  # a checkpoint inside the epoch waiting for the pause: given up
             return judge(run, seg, pending)
         if not seg.streams:
             paused = bool(seg.paused_ranks())
