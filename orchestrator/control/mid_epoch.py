@@ -105,6 +105,9 @@ def abandon(run: "RunContext", seg: EpochSegment) -> None:
     if run.fleet.pause.reason != REASON:
         return
     run.fleet.pause.open()
+    why = "a replica failed while the replicas paused for it: given up, the next one comes when due"
+    run.report.event("checkpoint_failed", epoch=seg.epoch, reason=why)
+    run.report.say(f"checkpoint inside epoch {seg.epoch}: {why}")
     if run.phase.lock_step:
         return
     failed = {f.rank for f in seg.failures}

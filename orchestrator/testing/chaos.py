@@ -25,7 +25,8 @@ Triggers, exactly one per fault: `at_step` (once a progress row reports that glo
 later one: rows come every tracking.log_every_steps steps, sent at once with
 tracking.progress_interval_s 0, so the fault lands within log_every_steps of the step),
 `at_s` (seconds after the replicas started) or `during` (the next time the controller is
-carrying out a `repair`, a `switch` or a `resize`: a fault inside a reconfiguration).
+carrying out a `repair`, a `switch` or a `resize`: a fault inside a reconfiguration; or
+`checkpoint`: while the replicas pause for a checkpoint inside an epoch).
 A fault whose target is a replica hits the process that holds that rank when it fires, so two
 faults on the same rank hit the original and then its replacement; a target that does not
 exist at that moment (a shard in allreduce, a rank dropped) is taken modulo what exists.
@@ -44,7 +45,7 @@ import ray
 
 KINDS = ("kill_replica", "hang_replica", "slow_replica", "kill_shard", "kill_server", "hang_server", "kill_spare", "hang_shard",
          "drop_node")
-DURING = ("repair", "switch", "resize")
+DURING = ("repair", "switch", "resize", "checkpoint")
 REPLICA_KINDS = ("kill_replica", "hang_replica", "slow_replica")
 PID_TIMEOUT_S = 5.0
 
@@ -83,12 +84,16 @@ def random_schedule(seed: int, duration_s: float, kinds: tuple[str, ...] = ("kil
 
 
 def reconfiguring(ctl: Any) -> Optional[str]:
-    """What the controller is reconfiguring right now: `repair`, `switch`, `resize` or None."""
+    """What the controller is reconfiguring right now: `repair`, `switch`, `resize`,
+    `checkpoint` (the replicas pausing for a checkpoint inside an epoch) or None."""
     from orchestrator.control.states import Reconfiguring, SwitchPlan
 
     state = getattr(ctl, "state", None)
     if isinstance(state, Reconfiguring):
         return "switch" if isinstance(state.plan, SwitchPlan) else "repair"
+    pause = getattr(getattr(getattr(ctl, "context", None), "fleet", None), "pause", None)
+    if getattr(pause, "reason", None) == "checkpoint":
+        return "checkpoint"
     elastic = getattr(ctl, "elastic", None)
     if elastic is not None and getattr(elastic, "joining", None) is not None:
         return "resize"

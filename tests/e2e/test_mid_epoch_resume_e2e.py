@@ -105,4 +105,4 @@ def test_a_run_killed_inside_an_epoch_goes_on_inside_it_and_trains_each_row_once
     assert resumed["epoch"] == 1 and resumed["in_epoch"]["epoch"] == 2, resumed
     ends = {e["epoch"]: e for e in result["events"] if e["kind"] == "epoch_end" and e["t_wall"] > resumed["t_wall"]}
     assert sorted(ends) == [2, 3] and ends[2]["rows"] == len(ids)  # the epoch's rows: before the crash and after
-    assert result["epochs"] == 3
+    assert result["epochs"] == 3 and result["mlflow_run_id"] == state["mlflow_run_id"]  # the same MLflow run goes on
