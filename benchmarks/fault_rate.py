@@ -5,7 +5,7 @@ target, `stop.max_wall_s` DURATION seconds of training, MLflow in a temp sqlite 
 ElasticTrainer(cfg).fit() (real Ray actors, gloo groups, shards). For each mode (its example's
 settings) and each `fault_tolerance.spares` (0: a new actor replaces the killed one; 1: a
 pre-started spare takes its place), a run with a replica's process SIGKILLed every T seconds
-(orchestrator/testing/chaos.py: Fault kill_replica at_s T, 2T, ..., ranks 0 and 1 in turn;
+(orchestrator/testing/chaos.py: Fault kill_replica at_s T/2, 3T/2, ..., ranks 0 and 1 in turn;
 max_replica_restarts high enough that every kill is replaced) and a fault-free run of the same
 length, interleaved. Figures per run, from its events:
 
@@ -56,7 +56,9 @@ def one_run(mode: str, spares: int, every_s: Optional[float], duration_s: float)
             f"checkpoint.storage={tmp}/ck", f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db",
             "tracking.experiment=bench-fault-rate"])
         trainer = ElasticTrainer(cfg, show_progress=False)
-        faults = ([Fault("kill_replica", target=i % 2, at_s=every_s * (i + 1)) for i in range(int(duration_s // every_s))]
+        # one kill in the middle of each T-second window (T/2, 3T/2, ...): a kill every T seconds whose
+        # recovery lies inside the run, none in its last moments (where it would stretch the last epoch only)
+        faults = ([Fault("kill_replica", target=i % 2, at_s=every_s * (i + 0.5)) for i in range(int(duration_s // every_s))]
                   if every_s else [])
         with FaultInjector(lambda: trainer.controller, faults) as inj:
             result = trainer.fit()
