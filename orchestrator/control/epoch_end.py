@@ -87,12 +87,12 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     metrics = run.finish_evaluation(evals)
 
     tot.epochs = epoch
-    before = seg.carried  # trained before a restart inside this epoch (orchestrator/control/mid_epoch.py)
-    tot.steps += before.get("steps", 0) + max(s.steps for s in stats)
-    tot.samples += before.get("samples", 0) + sum(s.samples for s in stats)
-    tot.rows_per_epoch.append(before.get("samples", 0) + sum(s.samples for s in stats))
-    tot.train_s += before.get("train_s", 0.0) + max(s.train_s for s in stats)
-    tot.comm_s += before.get("comm_s", 0.0) + max(s.comm_s for s in stats)
+    counts = seg.counts(stats)  # with what was trained before a restart inside it (mid_epoch.py)
+    tot.steps += counts["steps"]
+    tot.samples += counts["samples"]
+    tot.rows_per_epoch.append(counts["samples"])
+    tot.train_s += counts["train_s"]
+    tot.comm_s += counts["comm_s"]
     tot.train_loss = finals[0].loss if finals else stats[0].loss
     tot.metrics = metrics
     judged = {**metrics, "train_loss": tot.train_loss}

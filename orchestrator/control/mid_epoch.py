@@ -65,13 +65,8 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
         if item.position is not None:
             done.update(int(p) for p in item.position["full"])
             skips.update({int(p): int(n) for p, n in item.position["partial"].items()})
-    stats = seg.merged()
-    c = seg.carried
     place = {"epoch": seg.epoch, "done": sorted(done), "skips": {p: n for p, n in skips.items() if p not in done},
-             "steps": c.get("steps", 0) + max((s.steps for s in stats), default=0),
-             "samples": c.get("samples", 0) + sum(s.samples for s in stats),
-             "train_s": c.get("train_s", 0.0) + max((s.train_s for s in stats), default=0.0),
-             "comm_s": c.get("comm_s", 0.0) + max((s.comm_s for s in stats), default=0.0),
+             **seg.counts(),
              "replica_steps": {r: item.step for r, item in ended.items()}}
     run.ledger.in_epoch.taking = place
     details = {"in_epoch": {"epoch": seg.epoch, "partitions_done": len(place["done"]),

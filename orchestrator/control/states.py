@@ -92,6 +92,17 @@ class EpochSegment:
                 merged[rank] = replace(m, mode={**m.mode, **mine})
         return [merged[r] for r in sorted(merged)]
 
+    def counts(self, stats: Optional[list[SegmentEnd]] = None) -> dict[str, Any]:
+        """The epoch's counts so far: steps (the furthest rank's), samples (all ranks'), train_s
+        and comm_s (the slowest rank's), over its segments (`stats`, default `merged()`) plus what
+        was trained before a restart inside it (`carried`)."""
+        stats = self.merged() if stats is None else stats
+        c = self.carried
+        return {"steps": c.get("steps", 0) + max((s.steps for s in stats), default=0),
+                "samples": c.get("samples", 0) + sum(s.samples for s in stats),
+                "train_s": c.get("train_s", 0.0) + max((s.train_s for s in stats), default=0.0),
+                "comm_s": c.get("comm_s", 0.0) + max((s.comm_s for s in stats), default=0.0)}
+
     def consumed(self) -> dict[int, list[list[int]]]:
         out: dict[int, list[list[int]]] = {}
         for s in self.items:
