@@ -20,6 +20,7 @@ REQUIRED = {"mlflow_run_id", "mode", "replicas", "epochs", "steps", "samples", "
             "time_to_target_s", "final", "events"}
 
 
+@pytest.mark.empty_tmp  # it checks that nothing was written to tmp_path
 def test_cli_run_joins_ray_address_and_tracks_to_server(ray_head, mlflow_server, tmp_path):
     """Also: the run's model loads with mlflow.pytorch.load_model and scores the run's final test
     accuracy on the test split; it is registered as tracking.register_as; training.png is in

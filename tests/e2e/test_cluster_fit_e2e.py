@@ -31,6 +31,7 @@ def replica_actors(ray_head) -> int:
                  "scaling: 2 replicas x 0.5 GPU need 1 GPU, the cluster has 0 (waited 2s for the autoscaler: "
                  "scaling.wait_for_room_s)", marks=pytest.mark.full),
 ])
+@pytest.mark.empty_tmp  # it checks that nothing was written to tmp_path
 def test_cluster_too_small_for_the_job(ray_head, tmp_path, overrides, needle):
     before = replica_actors(ray_head)
     env = dict(ray_head.env, RAY_ADDRESS=ray_head.address, PYTHONPATH=REPO)

@@ -90,6 +90,7 @@ def test_asha_stops_the_trailing_trial_and_marks_its_run(ray_cluster, tmp_path, 
     assert ray.available_resources().get("CPU", 0) == total
 
 
+@pytest.mark.empty_tmp  # it checks that nothing was written to tmp_path
 def test_a_trial_bigger_than_the_cluster_is_bad_input(ray_cluster, tmp_path, monkeypatch):
     """Tune would wait forever for a placement group the cluster cannot hold: exit 2 before any run."""
     from orchestrator.errors import ConfigError
