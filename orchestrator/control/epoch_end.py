@@ -55,7 +55,9 @@ def close_pass(run: "RunContext", seg: EpochSegment, pending: Pending):
     if seg.started is not None:
         run.fleet.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
         seg.started = None
-    completed = {r: item.unreported for r, item in seg.ended.items() if item.kind == "epoch"}
+    # a replica still paused here (the change it paused for went without reopening it) starts
+    # the further pass afresh: what it trained since its last grant request is reported now
+    completed = {r: item.unreported for r, item in seg.ended.items() if item.kind in ("epoch", "paused")}
     if not seg.disturbed:
         run.ledger.unreported = completed
         return end_epoch(run, seg, pending)

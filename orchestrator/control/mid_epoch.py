@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from orchestrator.control.failures import lost_meanwhile
 from orchestrator.control.states import EpochSegment, Pending
 from orchestrator.errors import MemberLost, TrainingError
-from policies.decisions.checkpointing import due_inside
+from policies.decisions.checkpointing import due_for_drain, due_inside
 
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
@@ -32,11 +32,13 @@ REASON = "checkpoint"
 
 
 def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
-    """A checkpoint inside the epoch when one is due: the gate closes. Not while another
-    reconfiguration holds the gate or waits, failures wait for their decision, or a member has
-    ended its pass (the epoch is closing: its end checkpoints)."""
+    """A checkpoint inside the epoch when one is due, or when the driver's own node is being
+    drained (`driver_drained`): the gate closes. Not while another reconfiguration holds the gate
+    or waits, failures wait for their decision, or a member has ended its pass (the epoch is
+    closing: its end checkpoints)."""
     ck = run.cfg.checkpoint
-    if not (ck.every_steps or ck.every_s) or not seg.begun or seg.failures or run.fleet.pause.closed:
+    drained = driver_drained(run, seg)
+    if not (ck.every_steps or ck.every_s or drained) or not seg.begun or seg.failures or run.fleet.pause.closed:
         return
     if pending.switch is not None or pending.evacuation is not None or pending.stopping:
         return
@@ -44,8 +46,31 @@ def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
         return
     steps = max(run.ledger.progress.values(), default=0) - run.checkpoints.last_step
     seconds = time.perf_counter() - max(run.checkpoints.last_s, run.ledger.train_started)
-    if due_inside(steps, seconds, ck.every_steps, ck.every_s):
+    if drained or due_inside(steps, seconds, ck.every_steps, ck.every_s):
+        run.fleet.drains.driver_checkpoints += drained
+        run.fleet.drains.driver_pending = drained  # the checkpoint's event says what it was for
         run.fleet.pause.close(REASON)
+
+
+def driver_drained(run: "RunContext", seg: EpochSegment) -> bool:
+    """The node this driver (and the partition server and the shards beside it) runs on is being
+    drained: nothing of the run can move off it, and the driver ends with it. A checkpoint inside
+    the epoch is due at once and again shortly before the deadline
+    (policies/decisions/checkpointing.py: due_for_drain): the same command or job started again
+    goes on from it, inside the epoch. Reported once (`driver_node_draining`)."""
+    drains = run.fleet.drains
+    drains.look()
+    deadline = drains.driver_deadline()
+    if deadline is None:
+        return False
+    if not drains.driver_seen:
+        drains.driver_seen = True
+        left = round(deadline - time.time(), 1) if deadline else None
+        run.report.event("driver_node_draining", epoch=seg.epoch, node=drains.driver_node, deadline_left_s=left)
+        run.report.say(f"the driver's node {drains.driver_node[:8]} is being drained (seconds left: {left}): a "
+                       "checkpoint inside the epoch now and shortly before the deadline; the same command (or "
+                       "job, with the same --name) started again goes on from it")
+    return due_for_drain(deadline, time.time(), drains.driver_checkpoints)
 
 
 def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
@@ -71,7 +96,9 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     run.ledger.in_epoch.taking = place
     details = {"in_epoch": {"epoch": seg.epoch, "partitions_done": len(place["done"]),
                             "partitions_begun": len(place["skips"]), "rows_trained": place["samples"],
-                            "pause_s": round(time.perf_counter() - run.fleet.pause.closed_at, 4)}}
+                            "pause_s": round(time.perf_counter() - run.fleet.pause.closed_at, 4),
+                            **({"for": "driver_node_draining"} if run.fleet.drains.driver_pending else {})}}
+    run.fleet.drains.driver_pending = False
     try:
         written = run.checkpoint(f"in_epoch_{seg.epoch:04d}", run.cfg.strategy.timeout_s,
                                  step=run.ledger.totals.steps + place["steps"], details=details, wait=False)

@@ -91,8 +91,7 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
                 read_item(run, seg, rank, stream)
         if watch_servers(run, seg.epoch):  # time spent waiting on a server or shard being rebuilt is no hang
             restart_hang_clocks(seg)
-        if run.fleet.group.check_spares():
-            run.report.event("spare_replaced", epoch=seg.epoch, spares=len(run.fleet.group.spares))
+        look_after_spares(run, seg.epoch)
         check_hangs(run, seg)
         run.fleet.elastic.tick(seg, switching=pending.switch is not None)
         evacuate.notice(run, seg, pending)  # a preemption notice: pause, then move off the node
@@ -102,6 +101,17 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
             phase_switch.consider(run, seg, pending)
         if seg.failures and run.phase.lock_step and run.fleet.shard_group is not None:
             run.fleet.shard_group.abort_rounds(timeout_s=TICK_S)  # each tick: a survivor may reach the round after an abort
+
+
+def look_after_spares(run: "RunContext", epoch: int) -> None:
+    """Spares found dead are replaced (`spare_replaced`), those on a node being drained are moved
+    off it (`spare_evacuated`, with the node): a spare left there would die with it."""
+    pool = run.fleet.group.spare_pool
+    for node in pool.move_off(run.fleet.drains.look()):
+        run.report.event("spare_evacuated", epoch=epoch, node=node, spares=len(pool.actors))
+        run.report.say(f"node {node[:8]} is being drained: its spare moves to another node")
+    if pool.check():
+        run.report.event("spare_replaced", epoch=epoch, spares=len(pool.actors))
 
 
 def ready_streams(streams: list) -> set:

@@ -73,7 +73,7 @@ def start(run: "RunContext") -> EpochSegment:
                              hang_s=cfg.fault_tolerance.hang_timeout_s / 2, timeout_s=cfg.strategy.timeout_s)
     run.fleet.group.wait_ready()
     run.fleet.group.form()
-    run.fleet.group.warm_spares(run.fleet.data.sample)
+    run.fleet.group.spare_pool.warm(run.fleet.data.sample)
     run.ledger.t_train_wall = time.time()
     run.give_data(run.fleet.group.ranks)
     run.ledger.totals.startup_s = time.perf_counter() - run.ledger.t0

@@ -29,6 +29,10 @@ class DrainWatch:
         self.draining: dict[str, float] = {}  # node id hex -> deadline (wall-clock seconds; 0: none)
         self.first_seen: dict[str, float] = {}  # node id hex -> when this run first saw it drained (wall clock)
         self.failed: Optional[str] = None  # why the last look failed (the view before it is kept)
+        self.driver_node: Optional[str] = None  # the node this driver runs on (asked at the first need)
+        self.driver_seen = False  # the drain of the driver's own node was reported
+        self.driver_checkpoints = 0  # checkpoints taken for it (policies/decisions/checkpointing.py: due_for_drain)
+        self.driver_pending = False  # the gate is closed for one of them
 
     def look(self, now: Optional[float] = None) -> dict[str, float]:
         """The nodes being drained and their deadlines, looked at again once DRAIN_POLL_S has
@@ -45,6 +49,16 @@ class DrainWatch:
             except Exception as exc:  # noqa: BLE001 - a look that failed is not the run's failure
                 self.failed = f"{type(exc).__name__}: {exc}"
         return self.draining
+
+
+    def driver_deadline(self) -> Optional[float]:
+        """The deadline of the driver's own node when it is being drained (0: none given), else
+        None (in the last look's view)."""
+        if self.driver_node is None:
+            import ray
+
+            self.driver_node = ray.get_runtime_context().get_node_id()
+        return self.draining.get(self.driver_node)
 
 
 def on_draining(nodes: dict[int, str], members: list[int], draining: dict[str, float]) -> dict[int, str]:

@@ -18,12 +18,12 @@ import ray
 from orchestrator.config import JobConfig
 from orchestrator.errors import Interrupts, MemberLost, TrainingError
 from orchestrator.fleet.outcomes import DIED, HUNG, OK, RAISED, Outcome
+from orchestrator.fleet.spares import SparePool, kill as _kill
 from policies.rules.registry import mode_spec
 
 READY_TIMEOUT_S = 120.0  # a new actor imports torch and builds the model
 LIVENESS_TIMEOUT_S = 5.0  # after a call failed: how long members get to show they are alive
 WAIT_SLICE_S = 0.5  # a wait on replicas is cut into slices of this, with on_wait between them
-SPARE_PING_S = 2.0  # how often idle spares are asked whether they are alive
 
 
 class ReplicaGroup:
@@ -41,12 +41,9 @@ class ReplicaGroup:
         self.joining: dict[int, Any] = {}  # rank -> a replica started for a grow, not yet a member
         self.replacements: set[int] = set()  # ranks whose actor replaced a failed one
         self.generation = 0
-        self.spares: list[Any] = []
-        self._spare_pings: dict[int, Any] = {}  # id(spare) -> its pending pid() call (check_spares)
-        self._spares_due = 0.0  # when check_spares asks the spares again
+        self.spare_pool = SparePool(lambda: self._actor(None, spare=True))  # orchestrator/fleet/spares.py
         self.on_wait: Optional[Callable[[], bool]] = None  # called while the driver waits on replicas; True: a rebuild
         self.timeout_s = config.strategy.timeout_s
-        self.sample = None  # a ref to a few rows spares rehearse a step on (set once data is in the store)
 
     def set_strategy(self, strategy: dict[str, Any]) -> None:
         """The phase that runs now: new actors and spares put to use take its update rule."""
@@ -65,45 +62,12 @@ class ReplicaGroup:
         """Ask Ray for the replicas and spares and return at once (their processes boot meanwhile)."""
         n = self.cfg.scaling.replicas
         self.members = {rank: self._actor(rank) for rank in range(n)}
-        self.spares = [self._actor(None, spare=True) for _ in range(self.cfg.fault_tolerance.spares)]
+        self.spare_pool.launch(self.cfg.fault_tolerance.spares)
 
-    def warm_spares(self, sample: Any) -> None:
-        """Have every spare rehearse one step on `sample` (in the background)."""
-        self.sample = sample
-        for spare in self.spares:
-            spare.warm_up.remote([sample])
-
-    def check_spares(self) -> int:
-        """Replace spares whose process died (the OOM killer, a lost node) with new ones, so a
-        failure still finds one; returns how many were replaced. Never waits: every
-        SPARE_PING_S each spare is asked for its pid, and the answer is read on a later call."""
-        now, replaced = time.monotonic(), 0
-        if now < self._spares_due:
-            return 0
-        self._spares_due = now + SPARE_PING_S
-        for spare in list(self.spares):
-            ping = self._spare_pings.pop(id(spare), None)
-            if ping is not None and not ray.wait([ping], timeout=0)[0]:
-                self._spare_pings[id(spare)] = ping  # not answered yet (e.g. still warming up)
-                continue
-            if ping is not None:
-                try:
-                    ray.get(ping, timeout=0)
-                except ray.exceptions.RayActorError:
-                    self.spares.remove(spare)
-                    self.spares.append(self._spare())
-                    replaced += 1
-                    continue
-                except Exception:
-                    pass
-            self._spare_pings[id(spare)] = spare.pid.remote()
-        return replaced
-
-    def _spare(self):
-        spare = self._actor(None, spare=True)
-        if self.sample is not None:
-            spare.warm_up.remote([self.sample])
-        return spare
+    @property
+    def spares(self) -> list[Any]:
+        """The idle pre-started replicas (orchestrator/fleet/spares.py)."""
+        return self.spare_pool.actors
 
     def wait_ready(self) -> None:
         ranks = sorted(self.members)
@@ -177,16 +141,15 @@ class ReplicaGroup:
         self.nodes.pop(rank, None)
         _kill(actor)
 
-    def replace(self, rank: int) -> tuple[str, float]:
-        """Put a new replica in `rank`'s place: a spare at once if one is ready (a new spare is
-        then started in the background), else a new actor. Returns (how, seconds taken)."""
+    def replace(self, rank: int, draining: tuple[str, ...] = ()) -> tuple[str, float]:
+        """Put a new replica in `rank`'s place: a spare at once if one is ready and not on a node
+        in `draining` (a new spare is then started in the background), else a new actor.
+        Returns (how, seconds taken)."""
         t0 = time.perf_counter()
         how = "new_actor"
         actor = None
         _kill(self.joining.pop(rank, None))  # a grow's replica of the same rank: the rank is this one's
-        for _ in range(len(self.spares)):
-            spare = self.spares.pop(0)
-            self.spares.append(self._spare())  # the pool keeps its size whatever this one does
+        for spare in self.spare_pool.take(draining):  # the pool keeps its size whatever this one does
             try:
                 self.pids[rank] = self._get(spare.assign.remote(rank, self.cfg.scaling.replicas, self.raw["strategy"]),
                                             "spare", self.timeout_s)
@@ -348,9 +311,10 @@ class ReplicaGroup:
         return sorted(dead)
 
     def shutdown(self) -> None:
-        for actor in list(self.members.values()) + self.spares + list(self.joining.values()):
+        for actor in list(self.members.values()) + list(self.joining.values()):
             _kill(actor)
-        self.members, self.spares, self.joining = {}, [], {}
+        self.spare_pool.shutdown()
+        self.members, self.joining = {}, {}
 
     def _get(self, refs, what: str, timeout: float, ranks: Optional[list[int]] = None):
         """Wait for `refs` (one ref or a list): their values, or the failure they came to. With
@@ -380,13 +344,3 @@ def replica_resources(cpus_per_replica: float, gpus_per_replica: float, spare: b
     too: Ray gives a process only the GPUs it reserved (CUDA_VISIBLE_DEVICES), a replica builds
     its model on its device at start, and an actor's resources cannot change once it runs."""
     return {"num_cpus": 0 if spare else cpus_per_replica, "num_gpus": gpus_per_replica}
-
-
-def _kill(actor: Any) -> None:
-    """Stop an actor that may already be gone (None: nothing to stop)."""
-    if actor is None:
-        return
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:
-        pass

@@ -26,7 +26,8 @@ later one: rows come every tracking.log_every_steps steps, sent at once with
 tracking.progress_interval_s 0, so the fault lands within log_every_steps of the step),
 `at_s` (seconds after the replicas started) or `during` (the next time the controller is
 carrying out a `repair`, a `switch` or a `resize`: a fault inside a reconfiguration; or
-`checkpoint`: while the replicas pause for a checkpoint inside an epoch).
+`checkpoint`: while the replicas pause for a checkpoint inside an epoch; or `switch_pause`: once
+a replica has paused for a switch and before the switch is carried out).
 A fault whose target is a replica hits the process that holds that rank when it fires, so two
 faults on the same rank hit the original and then its replacement; a target that does not
 exist at that moment (a shard in allreduce, a rank dropped) is taken modulo what exists.
@@ -45,7 +46,7 @@ import ray
 
 KINDS = ("kill_replica", "hang_replica", "slow_replica", "kill_shard", "kill_server", "hang_server", "kill_spare", "hang_shard",
          "drop_node")
-DURING = ("repair", "switch", "resize", "checkpoint")
+DURING = ("repair", "switch", "resize", "checkpoint", "switch_pause")
 REPLICA_KINDS = ("kill_replica", "hang_replica", "slow_replica")
 PID_TIMEOUT_S = 5.0
 
@@ -85,15 +86,19 @@ def random_schedule(seed: int, duration_s: float, kinds: tuple[str, ...] = ("kil
 
 def reconfiguring(ctl: Any) -> Optional[str]:
     """What the controller is reconfiguring right now: `repair`, `switch`, `resize`,
-    `checkpoint` (the replicas pausing for a checkpoint inside an epoch) or None."""
-    from orchestrator.control.states import Reconfiguring, SwitchPlan
+    `checkpoint` (the replicas pausing for a checkpoint inside an epoch), `switch_pause` (a
+    replica has paused for a switch not carried out yet) or None."""
+    from orchestrator.control.states import Reconfiguring, Running, SwitchPlan
 
     state = getattr(ctl, "state", None)
     if isinstance(state, Reconfiguring):
         return "switch" if isinstance(state.plan, SwitchPlan) else "repair"
     pause = getattr(getattr(getattr(ctl, "context", None), "fleet", None), "pause", None)
-    if getattr(pause, "reason", None) == "checkpoint":
+    reason = getattr(pause, "reason", None)
+    if reason == "checkpoint":
         return "checkpoint"
+    if reason == "switch" and isinstance(state, Running) and state.segment.paused_ranks():
+        return "switch_pause"  # a replica has paused for it: the others are still on their way
     elastic = getattr(ctl, "elastic", None)
     if elastic is not None and getattr(elastic, "joining", None) is not None:
         return "resize"

@@ -2,9 +2,11 @@
 (`ray.cluster_utils.Cluster`: a 0-CPU head for the driver, the partition server and the shards;
 three 1-CPU worker nodes). 2 replicas train; after the first epoch's checkpoint the node of
 replica 1 is drained as a spot preemption is (`DRAIN_NODE_REASON_PREEMPTION`, a 20 s deadline,
-the GCS call the autoscaler makes) and removed at the deadline. The run moves replica 1 to the
-free node before then: no replica failure is ever seen, no step is lost, every training row is
-used once in every epoch, and the run finishes its epochs."""
+the GCS call the autoscaler makes) and removed at the deadline; the head, where the driver runs,
+is drained too (and left: nothing of the run can move off it). The run moves replica 1 to the
+free node before the deadline and takes a checkpoint inside the epoch for the driver's node: no
+replica failure is ever seen, no step is lost, every training row is used once in every epoch,
+and the run finishes its epochs."""
 from __future__ import annotations
 
 import time
@@ -46,6 +48,8 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     ctl = trainer.controller
     node = ctl.group.nodes[1]
     drain(own_cluster, node, DEADLINE_S)
+    head = own_cluster.head_node.node_id
+    drain(own_cluster, head, DEADLINE_S)
     t_drain = time.monotonic()
     while time.monotonic() < t_drain + DEADLINE_S and run.alive():
         time.sleep(0.2)
@@ -61,6 +65,11 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     assert moved["nodes"] == {"1": node} and 0 < moved["deadline_left_s"]["1"] <= DEADLINE_S, moved
     assert moved["evacuate_s"] < DEADLINE_S, moved  # stepping again elsewhere before the node went
     assert ctl.group.nodes[1] != node and result.epochs == 12 and ctl.totals.replica_restarts == 0
+    [seen] = [e for e in result.events if e["kind"] == "driver_node_draining"]
+    assert seen["node"] == head and 0 < seen["deadline_left_s"] <= DEADLINE_S, seen
+    for_drain = [e for e in result.events if e["kind"] == "checkpoint" and (e.get("in_epoch") or {}).get("for")]
+    assert 1 <= len(for_drain) <= 2 and all(e["in_epoch"]["for"] == "driver_node_draining" for e in for_drain), \
+        for_drain
     ids = sorted(int(i) for i in trainer._dataset.train.ids)
     for epoch, consumed in enumerate(ctl.consumed, 1):
         seen = sorted(i for steps in consumed.values() for step in steps for i in step)

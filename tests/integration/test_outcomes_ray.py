@@ -145,3 +145,45 @@ def test_a_member_lost_while_the_epochs_checkpoint_is_taken_is_a_failure_before_
     assert [e["ranks"] for e in result.events if e["kind"] == "replica_replaced"] == [[killed["rank"]]]
     assert [e["epoch"] for e in result.events if e["kind"] == "checkpoint"][:1] == [1]
     assert result.epochs == 2
+
+
+def test_spares_on_a_drained_node_are_replaced_and_never_handed_out(ray_cluster):
+    """The spare pool (orchestrator/fleet/spares.py) on real actors: a spare on a node in the
+    drained view is never handed out and is moved (stopped, a new one started); one handed out
+    or found dead is replaced, so the pool keeps its size."""
+    from ray.exceptions import RayActorError
+
+    from orchestrator.fleet.spares import SparePool
+
+    pool = SparePool(Member.remote)
+    pool.launch(2)
+    try:
+        deadline = time.monotonic() + 60
+        while any(pool.node(s) is None for s in pool.actors):
+            assert time.monotonic() < deadline, "the spares never said where they run"
+            time.sleep(0.05)
+        here = pool.node(pool.actors[0])
+        assert pool.usable([here]) == 0 and pool.usable(["another-node"]) == 2
+        assert list(pool.take([here])) == [] and len(pool.actors) == 2  # none handed out from a drained node
+        old = list(pool.actors)
+        assert pool.move_off([here]) == [here, here]
+        for spare in old:
+            with pytest.raises(RayActorError):
+                ray.get(spare.pid.remote(), timeout=30)
+        assert len(pool.actors) == 2 and not {id(s) for s in pool.actors} & {id(s) for s in old}
+        given = next(pool.take())
+        assert ray.get(given.pid.remote(), timeout=30) and len(pool.actors) == 2 and given not in pool.actors
+        ray.kill(given)
+        dead = pool.actors[0]
+        ray.kill(dead)
+        looks = 0.0
+        pool.check(now=looks)  # asks each spare for its pid
+        deadline = time.monotonic() + 30
+        while dead in pool.actors:  # its answer is read at a later look
+            assert time.monotonic() < deadline, "a dead spare was never replaced"
+            time.sleep(0.2)
+            looks += 10.0
+            pool.check(now=looks)
+        assert len(pool.actors) == 2
+    finally:
+        pool.shutdown()

@@ -39,7 +39,8 @@ def test_a_drained_member_goes_to_a_spare_then_to_room_elsewhere_then_is_dropped
 
     def run(spares, room, members, min_replicas):
         elastic = SimpleNamespace(room_outside=lambda nodes: room)
-        group = SimpleNamespace(spares=[object()] * spares, members=dict.fromkeys(range(members)))
+        pool = SimpleNamespace(usable=lambda draining: spares)  # spares not on a drained node
+        group = SimpleNamespace(spare_pool=pool, members=dict.fromkeys(range(members)))
         return SimpleNamespace(fleet=SimpleNamespace(group=group, elastic=elastic),
                                cfg=SimpleNamespace(scaling=SimpleNamespace(min_replicas=min_replicas)))
 
@@ -48,3 +49,13 @@ def test_a_drained_member_goes_to_a_spare_then_to_room_elsewhere_then_is_dropped
     assert [type(d) for d in got] == [Replace, Replace, Drop] and got[2].shrink and "spare" in got[0].reason
     got = decisions(run(spares=0, room=0, members=4, min_replicas=3), plan)
     assert [type(d) for d in got] == [Drop, Replace, Replace]  # one drop keeps 3; then no shrink below it
+
+
+def test_a_drained_driver_node_checkpoints_at_once_and_once_more_just_before_its_deadline():
+    from policies.decisions.checkpointing import LAST_CALL_S, due_for_drain
+
+    assert due_for_drain(1000.0, 900.0, taken=0)  # at the notice
+    assert not due_for_drain(1000.0, 900.0, taken=1)  # not again until the last call
+    assert due_for_drain(1000.0, 1000.0 - LAST_CALL_S, taken=1)
+    assert not due_for_drain(1000.0, 999.0, taken=2)  # two at most
+    assert due_for_drain(0.0, 900.0, taken=0) and not due_for_drain(0.0, 1e9, taken=1)  # no deadline: one

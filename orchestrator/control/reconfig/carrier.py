@@ -95,6 +95,7 @@ def carry_out(run: "RunContext", change: Change, seg: EpochSegment) -> EpochSegm
     reopened = change.reopen(run, seg) if seg.begun else []
     t = time.perf_counter()
     for rank in reopened:
+        seg.ended.pop(rank, None)
         run.open_stream(seg, rank, resume=rank not in change.newcomers, announce=True)
     if seg.begun:
         seg.disturbed = True  # the end of the epoch asks the server's ledger whether it was served whole
@@ -132,4 +133,7 @@ def report_finished_passes(run: "RunContext", seg: EpochSegment, failed: set[int
     run.ledger.unreported = {}
     if done:
         run.fleet.server.call("finish", done)
-    seg.ended = {}
+    # survivors paused for a switch, a grow or an evacuation stay paused: the change still to
+    # come reopens them (a replica reports what it trained since its last grant request itself
+    # when it goes on); dropped here, nothing would ever reopen them
+    seg.ended = {r: item for r, item in seg.ended.items() if item.kind == "paused" and r not in failed}

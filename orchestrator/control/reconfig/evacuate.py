@@ -28,10 +28,13 @@ if TYPE_CHECKING:
 
 
 def draining_members(run: "RunContext") -> Optional[EvacuationPlan]:
-    """The members on nodes being drained now (looked at every DRAIN_POLL_S), or None."""
-    draining = run.fleet.drains.look()
+    """The members on nodes being drained now (looked at every DRAIN_POLL_S), or None. Not those
+    on the driver's own node: they end with the driver (mid_epoch.driver_drained checkpoints)."""
+    draining = dict(run.fleet.drains.look())
     if not draining:
         return None
+    if run.fleet.drains.driver_deadline() is not None:
+        draining.pop(run.fleet.drains.driver_node)
     group = run.fleet.group
     nodes = on_draining(group.nodes, group.ranks, draining)
     if not nodes:
@@ -63,7 +66,7 @@ def decisions(run: "RunContext", plan: EvacuationPlan) -> list[Any]:
     autoscaler sees; with no room within the 120 s a new actor may take to start, the move fails as
     a repair would)."""
     group, out = run.fleet.group, []
-    spares = len(group.spares)
+    spares = group.spare_pool.usable(plan.nodes.values())
     room = run.fleet.elastic.room_outside(set(plan.nodes.values()))
     members = len(group.members)
     for rank in sorted(plan.nodes):
@@ -110,12 +113,14 @@ class Evacuate(Repair):
         failures = [ReplicaFailure(r, "preempted", f"its node {n[:8]} is being drained") for r, n in plan.nodes.items()]
         super().__init__(Plan(failures, decisions(run, plan), plan.t_notice_wall))
         self.evacuation = plan
+        self.paused: list[int] = []
 
     def membership(self, run: "RunContext", seg: EpochSegment) -> None:
         # what the leaving replicas trained since their last grant request, said with their pause
         # or their pass's end (read now: the passes step clears the segment's ended items)
         self.trained = {r: item.unreported for r, item in seg.ended.items()
                         if r in self.failed and item.kind in ("paused", "epoch") and item.unreported}
+        self.paused = [r for r in seg.paused_ranks() if r not in self.failed]  # they go on after the move
         sg = run.fleet.shard_group
         if sg is not None:  # the leaving ranks' staleness clocks: a successor is welcomed at its step
             for rank in self.failed:
@@ -142,6 +147,11 @@ class Evacuate(Repair):
         if not self.waiting(run, seg, reopened):  # nobody steps again in this epoch: done now
             event[self.duration_key] = round(now - self.evacuation.t_notice_wall, 3)
         return event
+
+    def reopen(self, run: "RunContext", seg: EpochSegment) -> list[int]:
+        """Lock-step members all resume together; else the successors start and the members
+        that paused for the move go on."""
+        return run.fleet.group.ranks if run.phase.lock_step else self.newcomers + self.paused
 
     def waiting(self, run: "RunContext", seg: EpochSegment, reopened: list[int]) -> list[int]:
         return reopened if seg.begun else run.fleet.group.ranks

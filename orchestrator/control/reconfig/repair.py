@@ -110,7 +110,7 @@ class Repair(Change):
             if isinstance(d, Replace):
                 if d.backoff_s:
                     time.sleep(d.backoff_s)
-                self.how[d.rank], _ = group.replace(d.rank)
+                self.how[d.rank], _ = group.replace(d.rank, tuple(run.fleet.drains.draining))
                 self.replaced.append(d.rank)
             elif isinstance(d, Drop):
                 self.dropped.append(d.rank)

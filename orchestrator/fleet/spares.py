@@ -1,0 +1,126 @@
+"""Spares (fault_tolerance.spares): idle pre-started replicas that take a failed or evacuated
+replica's rank at once (orchestrator/fleet/replica_group.py: ReplicaGroup.replace). The pool
+keeps its size: a spare put to use, found dead, or sitting on a node being drained (a
+preemption notice: orchestrator/fleet/drains.py) is replaced by a new one, which Ray places on a
+node that is not being drained. Never waits on a spare: each is asked for its pid every
+SPARE_PING_S, and the answer is read on a later look."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import ray
+
+SPARE_PING_S = 2.0  # how often idle spares are asked whether they are alive
+
+
+class SparePool:
+    def __init__(self, start: Callable[[], Any]) -> None:
+        self._start = start  # () -> a new spare actor
+        self.actors: list[Any] = []
+        self.sample: Any = None  # a ref to a few rows spares rehearse a step on (set once data is in the store)
+        self._pings: dict[int, Any] = {}  # id(spare) -> its pending pid() call
+        self._nodes: dict[int, Any] = {}  # id(spare) -> its node_id() call, then the node id (hex)
+        self._due = 0.0
+
+    def launch(self, n: int) -> None:
+        self.actors = [self._new(warm=False) for _ in range(n)]
+
+    def warm(self, sample: Any) -> None:
+        """Have every spare rehearse one step on `sample` (in the background)."""
+        self.sample = sample
+        for spare in self.actors:
+            spare.warm_up.remote([sample])
+
+    def _new(self, warm: bool = True) -> Any:
+        spare = self._start()
+        self._nodes[id(spare)] = spare.node_id.remote()
+        if warm and self.sample is not None:
+            spare.warm_up.remote([self.sample])
+        return spare
+
+    def node(self, spare: Any) -> Optional[str]:
+        """The node `spare` runs on, once it answered (None before)."""
+        node = self._nodes.get(id(spare))
+        if isinstance(node, ray.ObjectRef):
+            if not ray.wait([node], timeout=0)[0]:
+                return None
+            try:
+                node = self._nodes[id(spare)] = ray.get(node, timeout=0)
+            except Exception:  # noqa: BLE001 - dead: the pings find it
+                return None
+        return node
+
+    def usable(self, draining: Iterable[str] = ()) -> int:
+        """How many spares are not on a node being drained."""
+        draining = set(draining)
+        return sum(1 for s in self.actors if self.node(s) not in draining)
+
+    def take(self, draining: Iterable[str] = ()):
+        """Each spare in turn for a rank to use (those on a node being drained are skipped); each
+        one handed out is replaced by a new one at once, whatever it comes to."""
+        draining = set(draining)
+        for spare in list(self.actors):
+            if self.node(spare) in draining:
+                continue
+            self._drop(spare)
+            self.actors.append(self._new())
+            yield spare
+
+    def _drop(self, spare: Any) -> None:
+        self.actors.remove(spare)
+        self._pings.pop(id(spare), None)
+        self._nodes.pop(id(spare), None)
+
+    def move_off(self, draining: Iterable[str]) -> list[str]:
+        """Spares on a node being drained: stopped and replaced by new ones (placed elsewhere).
+        The nodes they were on, one entry per spare moved."""
+        draining, moved = set(draining), []
+        for spare in list(self.actors):
+            node = self.node(spare)
+            if node in draining:
+                self._drop(spare)
+                kill(spare)
+                self.actors.append(self._new())
+                moved.append(node)
+        return moved
+
+    def check(self, now: Optional[float] = None) -> int:
+        """Replace spares whose process died (the OOM killer, a lost node) with new ones, so a
+        failure still finds one; returns how many were replaced (module doc: never waits)."""
+        now, replaced = time.monotonic() if now is None else now, 0
+        if now < self._due:
+            return 0
+        self._due = now + SPARE_PING_S
+        for spare in list(self.actors):
+            ping = self._pings.pop(id(spare), None)
+            if ping is not None and not ray.wait([ping], timeout=0)[0]:
+                self._pings[id(spare)] = ping  # not answered yet (e.g. still warming up)
+                continue
+            if ping is not None:
+                try:
+                    ray.get(ping, timeout=0)
+                except ray.exceptions.RayActorError:
+                    self._drop(spare)
+                    self.actors.append(self._new())
+                    replaced += 1
+                    continue
+                except Exception:  # noqa: BLE001 - not known to be dead
+                    pass
+            self._pings[id(spare)] = spare.pid.remote()
+        return replaced
+
+    def shutdown(self) -> None:
+        for spare in self.actors:
+            kill(spare)
+        self.actors, self._pings, self._nodes = [], {}, {}
+
+
+def kill(actor: Any) -> None:
+    """Stop an actor that may already be gone (None: nothing to stop)."""
+    if actor is None:
+        return
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:
+        pass
