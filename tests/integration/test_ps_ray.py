@@ -58,26 +58,6 @@ def flat_state(model_state, names):
     return np.concatenate([model_state[n].reshape(-1).numpy() for n in names])
 
 
-@pytest.mark.parametrize("mode", ["downpour", pytest.param("easgd", marks=pytest.mark.full)])
-def test_the_checkpoint_holds_the_shards_parameters(ray_cluster, tmp_path, mode):
-    cfg = job_config(strategy={"mode": mode, "tau": 2}, stop={"epochs": 1}, optimizer={"momentum": 0.0},
-                     scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 2},
-                     checkpoint={"storage": str(tmp_path / "ck")})
-    ctl = controller(cfg)
-    try:
-        ctl.run_epoch()
-        path = ctl.checkpoint("check", 30).path
-        shards = np.concatenate(ray.get([s.values.remote() for s in ctl.shards], timeout=30))
-        local = ray.get(ctl.replicas[0].flat_parameters.remote(), timeout=30)
-    finally:
-        ctl.shutdown()
-    model = load_checkpoint(path)["model"]
-    saved = flat_state(model, [n for n in model if n.endswith(("weight", "bias"))])
-    np.testing.assert_array_equal(saved, shards)  # the reference (server copy / center)
-    if mode == "easgd":  # not a replica's own parameters, which stay apart from the center
-        assert not np.array_equal(local, shards)
-
-
 @pytest.mark.full
 def test_sync_easgd_reports_the_elastic_distance_it_has(ray_cluster):
     """elastic_distance = mean over replicas of ||x_i - c|| at the end of the epoch, measured
@@ -188,10 +168,12 @@ BN = {"factory": "examples.models:mlp_bn", "kwargs": {"in_features": 32, "num_cl
                                       pytest.param({"mode": "downpour"}, marks=pytest.mark.full), {"mode": "easgd", "tau": 2}])
 def test_batchnorm_buffers_are_consistent_in_every_mode(ray_cluster, tmp_path, strategy):
     """allreduce: every replica holds (and the checkpoint saves) rank 0's running statistics.
-    downpour / easgd: the reference model carries the replicas' statistics averaged."""
+    downpour / easgd: the reference model carries the replicas' statistics averaged, and the
+    checkpoint's parameters are the shards' (the server copy / the center, across both shards),
+    not a replica's own (easgd: they stay apart from the center)."""
     sharded = strategy["mode"] != "allreduce"
     cfg = job_config(model=BN, strategy=strategy, stop={"epochs": 2}, optimizer={"momentum": 0.0},
-                     scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 1},
+                     scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 2},
                      checkpoint={"storage": str(tmp_path / "ck")})
     ctl = controller(cfg)
     try:
@@ -199,8 +181,15 @@ def test_batchnorm_buffers_are_consistent_in_every_mode(ray_cluster, tmp_path, s
         ctl.run_epoch()
         local = ray.get([r.local_buffers.remote() for r in ctl.replicas], timeout=30)
         saved = load_checkpoint(ctl.checkpoint("bn", 30).path)["model"]
+        if sharded:
+            shards = np.concatenate(ray.get([s.values.remote() for s in ctl.shards], timeout=30))
+            own = ray.get(ctl.replicas[0].flat_parameters.remote(), timeout=30)
     finally:
         ctl.shutdown()
+    if sharded:
+        np.testing.assert_array_equal(flat_state(saved, [n for n in saved if n.endswith(("weight", "bias"))]), shards)
+        if strategy["mode"] == "easgd":  # a replica's own parameters stay apart from the center
+            assert not np.array_equal(own, shards)
     names = [n for n in local[0] if "running" in n]
     assert names
     for n in names:
