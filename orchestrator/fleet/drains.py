@@ -50,7 +50,6 @@ class DrainWatch:
                 self.failed = f"{type(exc).__name__}: {exc}"
         return self.draining
 
-
     def driver_deadline(self) -> Optional[float]:
         """The deadline of the driver's own node when it is being drained (0: none given), else
         None (in the last look's view)."""
