@@ -47,8 +47,7 @@ def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     steps = max(run.ledger.progress.values(), default=0) - run.checkpoints.last_step
     seconds = time.perf_counter() - max(run.checkpoints.last_s, run.ledger.train_started)
     if drained or due_inside(steps, seconds, ck.every_steps, ck.every_s):
-        run.fleet.drains.driver_checkpoints += drained
-        run.fleet.drains.driver_pending = drained  # the checkpoint's event says what it was for
+        run.fleet.drains.driver_pending = drained  # counted once written (`take`); its event says what it was for
         run.fleet.pause.close(REASON)
 
 
@@ -98,6 +97,7 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
                             "partitions_begun": len(place["skips"]), "rows_trained": place["samples"],
                             "pause_s": round(time.perf_counter() - run.fleet.pause.closed_at, 4),
                             **({"for": "driver_node_draining"} if run.fleet.drains.driver_pending else {})}}
+    run.fleet.drains.driver_checkpoints += run.fleet.drains.driver_pending
     run.fleet.drains.driver_pending = False
     try:
         written = run.checkpoint(f"in_epoch_{seg.epoch:04d}", run.cfg.strategy.timeout_s,
@@ -119,6 +119,13 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
             run.open_stream(seg, rank, resume=True)
 
 
+def give_up(run: "RunContext") -> None:
+    """The gate opens without the checkpoint it was closed for (every replica ended its pass
+    first, or one failed): one due for the driver's drained node is due again (not counted)."""
+    run.fleet.pause.open()
+    run.fleet.drains.driver_pending = False
+
+
 def abandon(run: "RunContext", seg: EpochSegment) -> None:
     """A failure while the gate is closed for a checkpoint: the checkpoint is given up and the
     gate opens before the repair. In the asynchronous modes the replicas that paused go on now
@@ -126,7 +133,7 @@ def abandon(run: "RunContext", seg: EpochSegment) -> None:
     repair reopens every member."""
     if run.fleet.pause.reason != REASON:
         return
-    run.fleet.pause.open()
+    give_up(run)
     why = "a replica failed while the replicas paused for it: given up, the next one comes when due"
     run.report.event("checkpoint_failed", epoch=seg.epoch, reason=why)
     run.report.say(f"checkpoint inside epoch {seg.epoch}: {why}")

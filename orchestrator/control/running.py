@@ -78,7 +78,7 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
                 if paused:  # a checkpoint inside the epoch; then the paused replicas go on
                     mid_epoch.take(run, seg, pending)
                     continue
-                run.fleet.pause.open()  # every replica ended its pass first: the epoch's end checkpoints
+                mid_epoch.give_up(run)  # every replica ended its pass first: the epoch's end checkpoints
             nxt = close_pass(run, seg, pending)
             if nxt is None:
                 continue  # a further pass of the epoch started

@@ -69,7 +69,8 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     assert seen["node"] == head and 0 < seen["deadline_left_s"] <= DEADLINE_S, seen
     for_drain = [e for e in result.events if e["kind"] == "checkpoint" and (e.get("in_epoch") or {}).get("for")]
     assert 1 <= len(for_drain) <= 2 and all(e["in_epoch"]["for"] == "driver_node_draining" for e in for_drain), \
-        for_drain
+        [(e["kind"], e.get("epoch"), e.get("in_epoch")) for e in result.events if "checkpoint" in e["kind"]
+         or e["kind"] in ("driver_node_draining", "replica_evacuated", "epoch_end")]
     ids = sorted(int(i) for i in trainer._dataset.train.ids)
     for epoch, consumed in enumerate(ctl.consumed, 1):
         seen = sorted(i for steps in consumed.values() for step in steps for i in step)
