@@ -24,7 +24,6 @@ from typing import Any, Iterator, Optional
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
@@ -114,6 +113,8 @@ def _block_slices(fs: pafs.FileSystem, plan: StreamPlan, block: Block, lo: int, 
         pf = pq.ParquetFile(fs.open_input_file(block.path), pre_buffer=False, buffer_size=1 << 20)
         batches = pf.iter_batches(batch_size=size, row_groups=[block.row_group], columns=columns)
     else:  # a CSV or IPC file streams from its start; no more than the range's end is read
+        import pyarrow.dataset as pads  # here: it imports pandas (~0.3 s), which a replica reading parquet never needs
+
         batches = pads.dataset(block.path, filesystem=fs, format=plan.fmt, schema=plan.schema).to_batches(columns=columns)
     at = 0
     for batch in batches:

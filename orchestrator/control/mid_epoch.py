@@ -97,11 +97,12 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
                             "partitions_begun": len(place["skips"]), "rows_trained": place["samples"],
                             "pause_s": round(time.perf_counter() - run.fleet.pause.closed_at, 4),
                             **({"for": "driver_node_draining"} if run.fleet.drains.driver_pending else {})}}
-    run.fleet.drains.driver_checkpoints += run.fleet.drains.driver_pending
-    run.fleet.drains.driver_pending = False
-    try:
+    for_drain, run.fleet.drains.driver_pending = run.fleet.drains.driver_pending, False
+    run.fleet.drains.driver_checkpoints += for_drain
+    try:  # one for the driver's drained node is stored before the replicas go on: the node is going, and a
+        # newer checkpoint must not replace it in the background before it was written
         written = run.checkpoint(f"in_epoch_{seg.epoch:04d}", run.cfg.strategy.timeout_s,
-                                 step=run.ledger.totals.steps + place["steps"], details=details, wait=False)
+                                 step=run.ledger.totals.steps + place["steps"], details=details, wait=for_drain)
         run.ledger.totals.checkpoint = written.path
         for exc in written.lost:
             lost_meanwhile(run, seg, exc, pending)

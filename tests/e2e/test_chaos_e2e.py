@@ -106,7 +106,7 @@ def test_a_stopped_server_or_shard_is_killed_and_rebuilt(ray_cluster, tmp_path, 
     starts the next incarnation (the server from its journal, the shard from its snapshot, the
     replicas replaying into it); no replica is taken for hung and nothing acknowledged is lost.
     (The soak stops the server in every mode.)"""
-    cfg = compound_config(tmp_path, mode, "fault_tolerance.hang_timeout_s=20")
+    cfg = compound_config(tmp_path, mode, "fault_tolerance.hang_timeout_s=12")  # the replicas wait on it ~6 s
     trainer = ElasticTrainer(cfg, show_progress=False)
     with FaultInjector(lambda: trainer.controller, [Fault(fault, 0, at_step=40)]) as inj:
         result = trainer.fit()

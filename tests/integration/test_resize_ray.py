@@ -68,7 +68,7 @@ def test_the_room_a_hung_replica_leaves_is_its_replacements_not_a_grows(ray_clus
     cfg = job_config(strategy={"mode": "allreduce", "timeout_s": 30},
                      scaling={"replicas": 2, "max_replicas": 2, "cpus_per_replica": 0.5, "poll_s": 0.1,
                               "grow_after": 1},
-                     fault_tolerance={"hang_timeout_s": 10}, stop={"epochs": 6}, data={"batch_size": 8},
+                     fault_tolerance={"hang_timeout_s": 10}, stop={"epochs": 3}, data={"batch_size": 8},
                      faults={"slow_replicas": [{"rank": 0, "delay_s": 0.005}]},
                      tracking={"progress_interval_s": 0, "log_every_steps": 1},
                      checkpoint={"storage": str(tmp_path / "ck")})
