@@ -41,7 +41,7 @@ def fit_with(cfg, faults):
     return result, inj, ids, trainer
 
 
-@pytest.mark.parametrize("replicas,victim", [(3, 1), pytest.param(4, 2, marks=pytest.mark.full)])
+@pytest.mark.parametrize("replicas,victim", [(3, 1)])  # a rank with a peer on either side of the ring
 def test_allreduce_survives_a_middle_rank_kill_without_the_collective_timeout(ray_cluster, tmp_path, replicas, victim):
     """The dead rank's ring neighbours fail at once; the others leave through the generation's
     abort flag, not the collective timeout (fault_tolerance.hang_timeout_s, 60 s here)."""

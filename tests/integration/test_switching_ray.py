@@ -28,36 +28,55 @@ def controller(phases, trace_ids=False, **sections):
                       time.perf_counter(), trace_ids=trace_ids)
 
 
-def switch_at_epoch_boundary(ctl):
-    """Run epoch 1, then carry out the switch decided at its end (the replicas do not step
-    again until the next epoch opens, so what the switch left can be read)."""
-    ctl.run_epoch()
+def carry_out_switch(ctl):
+    """Carry out the switch decided at the epoch's end that was just run (the replicas do not
+    step again until the next epoch opens, so what the switch left can be read)."""
     assert isinstance(ctl.pending_switch, SwitchPlan)
     assert isinstance(ctl.step(), Reconfiguring)
     state = ctl.step()
     assert isinstance(state, Running) and not state.segment.begun and ctl.pending_switch is None
 
 
+def momenta(ctl):
+    return [m["momentum_buffer"] for m in ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)]
+
+
 def replica_flats(ctl):
     return ray.get([r.flat_parameters.remote() for r in ctl.replicas], timeout=30)
 
 
-def test_allreduce_to_easgd_seeds_the_center_with_the_replicas_parameters_and_back(ray_cluster):
-    ctl = controller([{"mode": "allreduce", "until": {"epochs": 1}}, {"mode": "easgd", "tau": 2, "until": {"epochs": 1}},
-                      {"mode": "allreduce"}])
+def test_allreduce_to_easgd_and_back_carries_the_parameters_and_the_local_momentum(ray_cluster):
+    """allreduce -> easgd: the center is seeded with the replicas' (identical) parameters, and
+    each replica's momentum goes into easgd's local optimizer as it was; after an epoch of
+    elastic averaging, easgd -> allreduce: every replica holds exactly the center, with the
+    replicas' momenta averaged, and allreduce trains on from there."""
+    ctl = controller([{"mode": "allreduce", "until": {"epochs": 1}},
+                      {"mode": "easgd", "tau": 2, "momentum": 0.9, "until": {"epochs": 1}}, {"mode": "allreduce"}],
+                     optimizer={"lr": 0.05, "momentum": 0.9})
     try:
         ctl.step()
-        switch_at_epoch_boundary(ctl)
+        ctl.run_epoch()
+        before = momenta(ctl)
+        np.testing.assert_array_equal(before[0], before[1])  # allreduce: the same momentum everywhere
+        assert np.abs(before[0]).sum() > 0
+        carry_out_switch(ctl)
         assert ctl.spec.name == "easgd"
         flats = replica_flats(ctl)
         np.testing.assert_array_equal(flats[0], flats[1])  # allreduce replicas are identical
         np.testing.assert_array_equal(ctl.shard_group.values(), flats[0])  # the center = those parameters
+        for m in momenta(ctl):
+            np.testing.assert_array_equal(m, before[0])  # into easgd's local optimizer as it was
 
-        switch_at_epoch_boundary(ctl)  # easgd -> allreduce after one epoch of elastic averaging
+        ctl.run_epoch()  # one epoch of elastic averaging: each replica's momentum its own
+        apart = momenta(ctl)
+        assert not np.array_equal(apart[0], apart[1])
+        carry_out_switch(ctl)  # easgd -> allreduce
         assert ctl.spec.name == "allreduce"
         center = ctl.shard_group.values()
         for flat in replica_flats(ctl):
             np.testing.assert_array_equal(flat, center)  # every replica holds exactly the center
+        for m in momenta(ctl):
+            np.testing.assert_allclose(m, (apart[0] + apart[1]) / 2, rtol=1e-6, atol=1e-7)
         ctl.run_epoch()  # and allreduce trains on from there, in a newly formed process group
         flats = replica_flats(ctl)
         np.testing.assert_array_equal(flats[0], flats[1])
@@ -66,6 +85,7 @@ def test_allreduce_to_easgd_seeds_the_center_with_the_replicas_parameters_and_ba
         assert [(e["from"], e["to"]) for e in switches] == [("allreduce", "easgd"), ("easgd", "allreduce")]
         assert all(e["test_accuracy_after"] == e["test_accuracy_before"] for e in switches)
         assert all(e["switch_s"] > 0 for e in switches)
+        assert [e["local_optimizer"] for e in switches] == [["carried"], ["carried, averaged"]]
     finally:
         ctl.shutdown()
 
@@ -230,38 +250,6 @@ def test_a_run_that_stops_at_the_rollback_ends_with_the_model_from_before_the_sw
     first, back = events(result, "mode_switch")
     assert back["rule"] == "rollback" and result.epochs == 3 and "epochs" in result.stop_reason
     assert result.final.test_accuracy == first["test_accuracy_before"] == back["test_accuracy_after"]
-
-
-@pytest.mark.full
-def test_local_momentum_is_carried_into_easgd_and_averaged_on_the_way_back_to_allreduce(ray_cluster):
-    ctl = controller([{"mode": "allreduce", "until": {"epochs": 1}},
-                      {"mode": "easgd", "tau": 2, "momentum": 0.9, "until": {"epochs": 1}}, {"mode": "allreduce"}],
-                     optimizer={"lr": 0.05, "momentum": 0.9})
-    try:
-        ctl.step()
-        ctl.run_epoch()
-        before = [m["momentum_buffer"] for m in ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)]
-        np.testing.assert_array_equal(before[0], before[1])  # allreduce: the same momentum everywhere
-        assert np.abs(before[0]).sum() > 0
-        assert isinstance(ctl.step(), Reconfiguring) and isinstance(ctl.step(), Running)
-        carried = [m["momentum_buffer"] for m in ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)]
-        for m in carried:
-            np.testing.assert_array_equal(m, before[0])  # into easgd's local optimizer as it was
-
-        ctl.run_epoch()  # one epoch of elastic averaging: each replica's momentum its own
-        apart = [m["momentum_buffer"] for m in ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)]
-        assert not np.array_equal(apart[0], apart[1])
-        assert isinstance(ctl.step(), Reconfiguring) and isinstance(ctl.step(), Running)
-        back = [m["momentum_buffer"] for m in ray.get([r.momentum.remote() for r in ctl.replicas], timeout=30)]
-        for m in back:
-            np.testing.assert_allclose(m, (apart[0] + apart[1]) / 2, rtol=1e-6, atol=1e-7)
-        ctl.run_epoch()  # allreduce steps on from the same parameters and the same momentum
-        flats = replica_flats(ctl)
-        np.testing.assert_array_equal(flats[0], flats[1])
-        switches = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
-        assert [e["local_optimizer"] for e in switches] == [["carried"], ["carried, averaged"]]
-    finally:
-        ctl.shutdown()
 
 
 def test_adaptive_backups_drop_a_stragglers_gradients_and_probe_it_again(ray_cluster, tmp_path):
