@@ -16,6 +16,7 @@ from policies.decisions.cost_model import Calibration, fit_link
 STEPS = 30  # calibration steps (after 5 warm-up steps)
 LINK_REPEATS = 15
 LINK_MIN_BYTES = 1 << 20
+LINK_TRIES = 3  # measurements of the link before its slope is taken from the big message alone
 LINK_TIMEOUT_S = 60.0
 SHARD_ROUNDS = 20
 SHARD_PATHS = ("link", "here")
@@ -129,14 +130,27 @@ def _link_worker(rank: int, port: int, sizes: list[int], repeats: int, out: Any)
         dist.destroy_process_group()
 
 
-def calibrate_link(model_bytes: int, repeats: int = LINK_REPEATS) -> tuple[float, float]:
-    """(alpha, beta) of this host's loopback link, from a gloo all-reduce between two processes."""
-    from actors.replica.reducer import free_port
-
+def calibrate_link(model_bytes: int, repeats: int = LINK_REPEATS, tries: int = LINK_TRIES) -> tuple[float, float]:
+    """(alpha, beta) of this host's loopback link, from a gloo all-reduce between two processes.
+    On a busy host the timings can come out with no slope (the small message as slow as the
+    big one: beta fits to 0, a link with free bandwidth): measured again, up to `tries` times;
+    then beta is the big message's time over its bytes (an upper bound: all of it bandwidth)."""
     # a message of at least LINK_MIN_BYTES: a tiny model's messages are all latency, and their
     # slope (beta) is timing noise that fits to 0 as often as not
     big = max(LINK_MIN_BYTES, model_bytes)
     sizes = [4, big // 4, big]
+    for _ in range(tries):
+        seconds = _link_timings(sizes, repeats)
+        alpha, beta = fit_link(sizes, seconds, n=2)
+        if beta > 0:
+            return alpha, beta
+    return alpha, seconds[-1] / big  # n = 2: the ring moves 2 (n-1)/n x big = big bytes
+
+
+def _link_timings(sizes: list[int], repeats: int) -> list[float]:
+    """The median all-reduce seconds of each message size, between two processes over gloo."""
+    from actors.replica.reducer import free_port
+
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -144,13 +158,12 @@ def calibrate_link(model_bytes: int, repeats: int = LINK_REPEATS) -> tuple[float
     for p in procs:
         p.start()
     try:
-        seconds = out.get(timeout=LINK_TIMEOUT_S)
+        return out.get(timeout=LINK_TIMEOUT_S)
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return fit_link(sizes, seconds, n=2)
 
 
 def calibrate_shard_path(cfg: Any, params: int, rounds: int = SHARD_ROUNDS) -> tuple[str, float]:

@@ -73,6 +73,22 @@ def test_fit_link_recovers_alpha_and_beta():
     assert alpha == pytest.approx(30e-6, rel=1e-6) and beta == pytest.approx(2e-9, rel=1e-6)
 
 
+def test_a_link_measured_with_no_slope_is_measured_again_then_bounded_by_its_big_message(monkeypatch):
+    """A busy host's loopback timings with the small message as slow as the big one fit beta 0
+    (free bandwidth); calibrate_link measures again, then takes the big message's time over its
+    bytes as beta (an upper bound), never 0."""
+    from orchestrator.cli import calibration as cal
+
+    flat, sloped = [3e-4, 1e-4, 1e-4], [1e-4, 2e-4, 5e-4]
+    calls = []
+    monkeypatch.setattr(cal, "_link_timings", lambda sizes, repeats: calls.append(sizes) or flat)
+    alpha, beta = cal.calibrate_link(1000)
+    assert len(calls) == cal.LINK_TRIES and beta == pytest.approx(1e-4 / cal.LINK_MIN_BYTES) and alpha >= 0
+    answers = iter([flat, sloped])
+    monkeypatch.setattr(cal, "_link_timings", lambda sizes, repeats: next(answers))
+    assert cal.calibrate_link(1000) == fit_link([4, cal.LINK_MIN_BYTES // 4, cal.LINK_MIN_BYTES], sloped)
+
+
 def test_table_lists_single_once_and_every_mode_at_every_count():
     rows = table([1, 2, 1024], CAL)
     assert [(r.mode, r.replicas) for r in rows if r.mode == "single"] == [("single", 1)]
