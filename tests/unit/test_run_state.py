@@ -106,11 +106,19 @@ def test_a_background_write_lets_the_caller_go_on_and_a_newer_one_replaces_one_s
     from orchestrator.persistence.run_state import Checkpointer
 
     ck = Checkpointer(str(tmp_path), keep=5, run_name="bg", flush_s=30)
-    gate = threading.Event()
+    gate, held = threading.Event(), threading.Event()
+
+    class Flush:  # the first checkpoint's MLflow flush: says when the writer waits on it
+        def wait(self, timeout):
+            held.set()
+            return gate.wait(timeout)
+
     for step in (10, 20, 30):
         ck.write({"step": step, "w": torch.full((3,), float(step))}, f"e{step}", step, 1, "id", wait=False,
-                 before=gate if step == 10 else None, fields={"step": step})
+                 before=Flush() if step == 10 else None, fields={"step": step})
         assert ck.last_step == step and ck.last_state["step"] == step  # known at once (a repair can use it)
+        if step == 10:  # the writer took it up (else the second, given before, would replace it, not wait)
+            assert held.wait(30)
     assert not ck.drain(timeout_s=0.2) and not [f for f in tmp_path.glob("bg/ckpt-*")]  # still held
     gate.set()
     assert ck.drain(timeout_s=30)
