@@ -135,6 +135,23 @@ class ProcessGroupReducer:
             work = exc
         self.wait(work)
 
+    def exchange(self, tensor: torch.Tensor, peers: list[int]) -> list[torch.Tensor]:
+        """Send `tensor` to each of `peers` (ranks of this group) and receive theirs (gossip's
+        neighbour averaging): every send and receive is posted before any wait (no order two
+        neighbours could deadlock on), each waited as a collective is (a dead peer:
+        `Interrupted`). Returns the peers' tensors, in `peers` order."""
+        got = [torch.empty_like(tensor) for _ in peers]
+        works: list = []
+        try:
+            for peer, buf in zip(peers, got):
+                works.append(self.pg.send([tensor], peer, 0))
+                works.append(self.pg.recv([buf], peer, 0))
+        except Exception as exc:  # the group is already broken
+            works.append(exc)
+        for work in works:
+            self.wait(work)
+        return got
+
     def arrivals(self) -> "StoreArrivals":
         """Counters in this generation's store (backup replicas' places: policies/rules/backup.py)."""
         return StoreArrivals(self.store)

@@ -14,8 +14,9 @@ MODE_OPTIONS = {
     "downpour": ("n_fetch", "n_push", "max_in_flight", "max_staleness", "staleness_lr", "warmstart_steps"),
     "easgd": ("tau", "alpha", "variant", "momentum"),
     "local_sgd": ("period", "outer_lr", "outer_momentum", "balance"),
+    "gossip": ("period",),
 }
-ModeName = Literal["allreduce", "downpour", "easgd", "local_sgd"]
+ModeName = Literal["allreduce", "downpour", "easgd", "local_sgd", "gossip"]
 UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
 
 
@@ -55,7 +56,7 @@ class PhaseConfig(Section):
     alpha: Optional[float] = Field(None, gt=0, le=1, description="easgd: as strategy.alpha.")
     variant: Optional[Literal["async", "sync"]] = Field(None, description="easgd: as strategy.variant.")
     momentum: Optional[float] = Field(None, ge=0, lt=1, description="easgd: as strategy.momentum.")
-    period: Optional[int] = Field(None, ge=1, description="local_sgd: as strategy.period.")
+    period: Optional[int] = Field(None, ge=1, description="local_sgd, gossip: as strategy.period.")
     outer_lr: Optional[float] = Field(None, gt=0, description="local_sgd: as strategy.outer_lr.")
     outer_momentum: Optional[float] = Field(None, ge=0, lt=1, description="local_sgd: as strategy.outer_momentum.")
 
@@ -139,8 +140,9 @@ class AdaptiveConfig(Section):
 class StrategyConfig(Section):
     mode: ModeName = Field(
         "allreduce", description="Synchronization mode: allreduce (synchronous data parallel), downpour "
-        "(asynchronous SGD via parameter shards), easgd (elastic averaging) or local_sgd (local steps, the models "
-        "averaged every strategy.period steps); see docs/modes.md."
+        "(asynchronous SGD via parameter shards), easgd (elastic averaging), local_sgd (local steps, the models "
+        "averaged every strategy.period steps) or gossip (decentralized: every strategy.period steps each replica "
+        "averages with its two ring neighbours); see docs/modes.md."
     )
     timeout_s: float = Field(
         60.0, gt=0, description="Timeout of each call to the parameter shards and the partition server, and of the replicas' control calls (collectives and progress: fault_tolerance.hang_timeout_s)."
@@ -206,7 +208,8 @@ class StrategyConfig(Section):
     )
     period: int = Field(
         8, ge=1, description="local_sgd: each replica takes this many steps on its own (H) between two rounds that "
-        "average the replicas' models in one all-reduce of the model."
+        "average the replicas' models in one all-reduce of the model. gossip: the steps between two rounds in which "
+        "each replica averages its model with its two ring neighbours' (1: every step)."
     )
     outer_lr: float = Field(
         1.0, gt=0, description="local_sgd: the outer learning rate a round applies to the replicas' mean move "

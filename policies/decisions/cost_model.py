@@ -16,6 +16,9 @@ The alpha-beta model per step, n replicas:
   waits for the slowest, then a ring all-reduce (reduce-scatter + all-gather);
 - local SGD with period H (H = 1 is allreduce): the ring once every H steps, and the slowest
   replica's H-step block: E[max over n of a sum of H steps] / H;
+- gossip with period H: the same H-step block, then a round: the model to each of the two ring
+  neighbours and theirs back, min(2, n-1) (M beta + alpha), whatever n, plus a 3-float
+  all-reduce, 2 (n-1) alpha (the epoch's one consensus all-reduce is left out);
 - downpour (S shards, push every n_push steps, pull every n_fetch): each replica steps at its own
   speed (the mean compute) plus its push and pull traffic on its own link; the shards serve at
   most b / ((M/S) beta (1/n_push + 1/n_fetch)) samples/s (their links carry every replica's
@@ -41,7 +44,7 @@ from typing import Any, Optional
 import numpy as np
 
 BYTES_PER_PARAM = 4
-MODES = ("single", "allreduce", "backup", "local_sgd", "downpour", "easgd")
+MODES = ("single", "allreduce", "backup", "local_sgd", "gossip", "downpour", "easgd")
 SAMPLES = 4000  # draws for an expected maximum with jitter (a fixed seed: the same answer every time)
 
 
@@ -193,6 +196,13 @@ def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),
         c = max_compute(cal, n, s, block=h)
         ring = cal if mode == "allreduce" else replace(cal, allreduce_bytes_per_param=BYTES_PER_PARAM)  # float32 rounds
         comm = ring_allreduce_s(ring, n) * slowdown(cal, n) / h
+        step = c + comm
+        return Prediction(mode, n, step, c, comm, n * b / step, extra={"period": h})
+    if mode == "gossip":  # a round: the model to each ring neighbour and theirs back, and a 3-float all-reduce
+        h = max(1, shape.period)
+        c = max_compute(cal, n, s, block=h)
+        exchange = min(2, n - 1) * (cal.model_bytes * cal.beta_s_per_byte + cal.alpha_s)
+        comm = (exchange + 2 * (n - 1) * cal.alpha_s) * slowdown(cal, n) / h
         step = c + comm
         return Prediction(mode, n, step, c, comm, n * b / step, extra={"period": h})
     if mode == "downpour":

@@ -36,6 +36,7 @@ from policies.rules.allreduce import AllReduceWorker
 from policies.rules.downpour import DownpourWorker
 from policies.rules.easgd import EasgdWorker, default_alpha
 from policies.rules.factory import make_optimizer
+from policies.rules.gossip import GossipWorker, gossip_metrics
 from policies.rules.local_sgd import LocalSgdWorker, local_sgd_metrics
 from policies.rules.sharding import FlatParams
 
@@ -99,6 +100,11 @@ def _local_sgd_worker(model, flat, cfg, rank, world, transport):
     balance = {"min_share": s["balance_min_share"], "max_share": s["balance_max_share"]} if s.get("balance") else None
     return LocalSgdWorker(model, optimizer, transport.reducer, s["period"], s["outer_lr"], s["outer_momentum"],
                           transport.task, balance=balance, recipe=transport.recipe)
+
+
+def _gossip_worker(model, flat, cfg, rank, world, transport):
+    return GossipWorker(model, make_optimizer(cfg["optimizer"], model.parameters()), transport.reducer,
+                        cfg["strategy"]["period"], transport.task, recipe=transport.recipe)
 
 
 def _downpour_worker(model, flat, cfg, rank, world, transport):
@@ -172,6 +178,9 @@ MODES: dict[str, ModeSpec] = {
     "local_sgd": ModeSpec("local_sgd", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
                           server_optimizer=lambda name: name, build_worker=_local_sgd_worker,
                           metrics=local_sgd_metrics, balanced_share="period", survivors_keep_state=True),
+    "gossip": ModeSpec("gossip", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
+                       server_optimizer=lambda name: name, build_worker=_gossip_worker, metrics=gossip_metrics,
+                       survivors_keep_state=True),
 }
 
 

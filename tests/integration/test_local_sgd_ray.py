@@ -1,5 +1,6 @@
-"""Local SGD on real Ray actors and gloo groups: switched into and out of mid-epoch with every row
-trained once, and a SIGKILLed replica replaced with the replicas identical at the epoch's end."""
+"""Local SGD and gossip on real Ray actors and gloo groups: switched into and out of mid-epoch with
+every row trained once, and a SIGKILLed replica replaced with the replicas identical at the
+epoch's end; gossip trains the main example to its target through a kill."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,9 +16,10 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.mark.full
-def test_switched_into_and_out_of_mid_epoch_every_row_once_and_the_replicas_identical(ray_cluster):
+@pytest.mark.parametrize("mode", ["local_sgd", "gossip"])
+def test_switched_into_and_out_of_mid_epoch_every_row_once_and_the_replicas_identical(ray_cluster, mode):
     ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}},
-                      {"mode": "local_sgd", "period": 3, "until": {"steps": 60}}, {"mode": "allreduce"}],
+                      {"mode": mode, "period": 3, "until": {"steps": 60}}, {"mode": "allreduce"}],
                      trace_ids=True, faults={"slow_replicas": {0: 0.02, 1: 0.02}},
                      data={"batch_size": 8, "partitions": 16}, optimizer={"momentum": 0.9})
     try:
@@ -29,7 +31,7 @@ def test_switched_into_and_out_of_mid_epoch_every_row_once_and_the_replicas_iden
     finally:
         ctl.shutdown()
     switches = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
-    assert [(e["from"], e["to"]) for e in switches] == [("allreduce", "local_sgd"), ("local_sgd", "allreduce")]
+    assert [(e["from"], e["to"]) for e in switches] == [("allreduce", mode), (mode, "allreduce")]
     assert all(e["mid_epoch"] for e in switches)
     for e in switches:  # the replicas were identical at the pause: evaluated alike before and after
         assert e["test_accuracy_after"] == e["test_accuracy_before"]
@@ -82,3 +84,27 @@ def test_balanced_a_slow_replica_takes_fewer_steps_and_a_killed_one_is_replaced(
     assert sum(last[f"replica{r}/period"] for r in range(3)) == 12
     rows = [i for steps in ctl.consumed[-1].values() for batch in steps for i in batch]
     assert sorted(rows) == sorted(set(rows)) and len(rows) == len(ctl.dataset.train)
+
+
+def test_gossip_trains_the_main_example_to_its_target_through_a_kill(ray_cluster, tmp_path):
+    """examples/mnist_allreduce.yaml with strategy.mode=gossip on 3 replicas (a ring: two
+    neighbours each), every step a gossip round; replica 1 SIGKILLed in the second epoch: it is
+    replaced (the survivors keep their actors), the ring closes over the new group, and the run
+    reaches the example's target with the mode's own figures in every epoch."""
+    from orchestrator.config import JobConfig
+    from orchestrator.trainer import ElasticTrainer
+    from tests.conftest import REPO
+
+    cfg = JobConfig.from_yaml(f"{REPO}/examples/mnist_allreduce.yaml", [
+        "strategy.mode=gossip", "strategy.period=1", "scaling.replicas=3", "scaling.cpus_per_replica=0.5",
+        "stop.epochs=12", f"checkpoint.storage={tmp_path}/ck", "tracking.progress_interval_s=0",
+        f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    with FaultInjector(lambda: trainer.controller, [Fault("kill_replica", 1, at_step=30)]) as inj:
+        result = trainer.fit()
+    assert [f["kind"] for f in inj.fired] == ["kill_replica"] and "error" not in inj.fired[0]
+    assert result.mode == "gossip" and result.time_to_target_s is not None, result.final
+    [replaced] = [e for e in result.events if e["kind"] == "replica_replaced"]
+    assert replaced["ranks"] == [1] and replaced["survivors_kept"] == [0, 2]
+    ends = [e for e in result.events if e["kind"] == "epoch_end"]
+    assert all(e["consensus_distance"] > 0 and e["rounds_per_s"] > 0 for e in ends), ends
