@@ -194,9 +194,9 @@ def test_a_replica_killed_after_a_switch_is_replaced_in_the_new_mode(ray_cluster
     assert result.final.test_accuracy > 0.9
 
 
-def phases_run(tmp_path, phases, epochs):
+def phases_run(tmp_path, phases, epochs, **strategy):
     """The main example's CNN, data and optimizer (sgd, lr 0.05, momentum 0.9) in phases."""
-    cfg = job_config(strategy={"phases": phases}, stop={"epochs": epochs, "target_accuracy": None},
+    cfg = job_config(strategy={"phases": phases, **strategy}, stop={"epochs": epochs, "target_accuracy": None},
                      model={"factory": "examples.models:mnist_cnn"}, data={"source": "builtin:mnist5k", "batch_size": 64},
                      scaling={"replicas": 2, "cpus_per_replica": 0.5},
                      optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
@@ -207,6 +207,7 @@ def phases_run(tmp_path, phases, epochs):
 
 ALLREDUCE_2 = {"mode": "allreduce", "until": {"epochs": 2}}
 HURTING = {"mode": "downpour", "optimizer": {"momentum": 0.8}}  # untranslated shard momentum: a phase that hurts
+MARGIN = 0.2  # how much it hurts is the asynchrony's doing: 6-14x the loss most runs, once too little for 1.5x
 
 
 @pytest.mark.full
@@ -228,9 +229,9 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
     (0.9 made the loss nan before the epoch's end in some runs: a divergence, not this test's
     subject); that epoch's end finds the test loss far above the loss at the switch, and the run
     goes back to allreduce with the model from before the switch, and stays there."""
-    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=4)
+    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=4, rollback_margin=MARGIN)
     [rolled] = events(result, "switch_rolled_back")
-    assert rolled["back_to"] == "allreduce" and rolled["test_loss_now"] > rolled["test_loss_at_switch"] * 1.5
+    assert rolled["back_to"] == "allreduce" and rolled["test_loss_now"] > rolled["test_loss_at_switch"] * (1 + MARGIN)
     switches = events(result, "mode_switch")
     assert [(s["from"], s["to"], s["rule"]) for s in switches] == [("allreduce", "downpour", "until epochs"),
                                                                    ("downpour", "allreduce", "rollback")]
@@ -245,7 +246,7 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
 def test_a_run_that_stops_at_the_rollback_ends_with_the_model_from_before_the_switch(ray_cluster, tmp_path):
     """The stop comes at the same epoch end that finds the switch hurt: the rollback is carried
     out first, so the final model and figures are those from before the switch."""
-    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=3)
+    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=3, rollback_margin=MARGIN)
     [rolled] = events(result, "switch_rolled_back")
     first, back = events(result, "mode_switch")
     assert back["rule"] == "rollback" and result.epochs == 3 and "epochs" in result.stop_reason
