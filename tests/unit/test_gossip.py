@@ -5,13 +5,12 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from policies.rules.gossip import GossipWorker, gossip_metrics, ring_neighbours
 from policies.messages import SegmentEnd
 from tests.unit.test_allreduce_rule import ThreadSum
-from tests.unit.test_local_sgd import data, model, run_workers
+from tests.unit.test_local_sgd import data, local_steps, model, run_workers
 
 
 def test_ring_neighbours():
@@ -29,12 +28,7 @@ def reference(base, batches, period, lr, momentum):
     opts = [torch.optim.SGD(m.parameters(), lr=lr, momentum=momentum) for m in models]
     t = 0
     while True:
-        for r in range(p):
-            if t < len(batches[r]):
-                x, y = batches[r][t]
-                opts[r].zero_grad()
-                F.cross_entropy(models[r](x), y).backward()
-                opts[r].step()
+        local_steps(models, opts, batches, t)
         t += 1
         if t % period:
             continue

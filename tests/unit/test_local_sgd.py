@@ -48,6 +48,19 @@ def run_workers(workers, batches):
     return results
 
 
+def local_steps(models, opts, batches, t):
+    """Step t of each copy that has a batch t: its own SGD step. Returns each copy's rows."""
+    rows = []
+    for r, model in enumerate(models):
+        if t < len(batches[r]):
+            x, y = batches[r][t]
+            opts[r].zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opts[r].step()
+        rows.append(len(batches[r][t][1]) if t < len(batches[r]) else 0)
+    return rows
+
+
 def reference(base, batches, period, lr, momentum, outer_lr, outer_momentum):
     """p copies of the model, each stepping its own SGD on its own batches in turn; every
     `period` steps the rows-weighted mean move is applied to the global model (with Nesterov
@@ -61,13 +74,8 @@ def reference(base, batches, period, lr, momentum, outer_lr, outer_momentum):
     rows = [0] * p
     longest, t = max(len(b) for b in batches), 0
     while True:
-        for r in range(p):
-            if t < len(batches[r]):
-                x, y = batches[r][t]
-                opts[r].zero_grad()
-                F.cross_entropy(models[r](x), y).backward()
-                opts[r].step()
-                rows[r] += len(y)
+        for r, n in enumerate(local_steps(models, opts, batches, t)):
+            rows[r] += n
         t += 1
         if t % period == 0:
             moves = [(parameters_to_vector(m.parameters()).detach() - center) * n for m, n in zip(models, rows)]
