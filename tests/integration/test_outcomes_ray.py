@@ -167,9 +167,12 @@ def test_spares_on_a_drained_node_are_replaced_and_never_handed_out(ray_cluster)
         assert list(pool.take([here])) == [] and len(pool.actors) == 2  # none handed out from a drained node
         old = list(pool.actors)
         assert pool.move_off([here]) == [here, here]
-        for spare in old:
+        for spare in old:  # ray.kill is asynchronous: a call sent just after may still be answered
+            deadline = time.monotonic() + 30
             with pytest.raises(RayActorError):
-                ray.get(spare.pid.remote(), timeout=30)
+                while time.monotonic() < deadline:
+                    ray.get(spare.pid.remote(), timeout=30)
+                    time.sleep(0.1)
         assert len(pool.actors) == 2 and not {id(s) for s in pool.actors} & {id(s) for s in old}
         given = next(pool.take())
         assert ray.get(given.pid.remote(), timeout=30) and len(pool.actors) == 2 and given not in pool.actors
