@@ -35,6 +35,7 @@ class LoopHost(Protocol):
     recipe: Any
     flat: Any
     step: int
+    probation_until: int
     cursor: Any
     local_buffers: Any
     has_buffers: bool
@@ -66,9 +67,11 @@ def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: "bool 
     interrupted (the interrupted batch first). `announce`: yield `Stepping` with
     the wall time once the first step of this segment is done. A step interrupted by a
     membership change ends the segment with an "interrupted" `SegmentEnd`; a non-finite
-    loss ends the run (RuntimeError naming the step); any other error leaves the process
+    loss ends the run (RuntimeError naming the step), except on a switch's probation, where the
+    step is skipped and counted (`skipped_steps`); any other error leaves the process
     group first, so peers are not left waiting."""
     replica.model.train()
+    replica.recipe.skip_nonfinite = epoch <= replica.probation_until  # a switch on probation (Recipe.finite)
     cur = replica.cursor if resume and replica.cursor is not None and replica.cursor["epoch"] == epoch else None
     base_batch = int(replica.cfg["data"]["batch_size"]) * int(replica.cfg["data"].get("accumulate", 1))  # micro-batches x k
     follow_share(replica, base_batch)
@@ -174,7 +177,7 @@ def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: "bool 
                          "comm_s": win_comm / log_every, **win.row(win_comm / log_every),
                          "batch_rows": replica.reader.batch_size,
                          "period": getattr(replica.worker, "balanced_period", None),  # local SGD's, balanced
-                         **({"skipped_steps": replica.recipe.skipped} if replica.recipe.scaler is not None else {})})
+                         **({"skipped_steps": replica.recipe.skipped} if replica.recipe.scaler is not None or replica.recipe.skipped else {})})
             t_window, window, win_compute, win_comm, win_real = now, 0, 0.0, 0.0, 0
             win = StepWindow()
             if now - t_sent >= send_every:  # each message to the driver costs the step loop

@@ -72,6 +72,7 @@ class ModelReplica:
         self.has_buffers = any(True for _ in self.model.buffers())
         self.rates = Rates(config["optimizer"].get("schedule"), config.get("schedule_steps", 1))  # schedule x ramp
         self.recipe = Recipe.from_config(config, self.device)  # micro-batches, precision, clipping (policies/rules/recipe.py)
+        self.probation_until = -1  # a switch's probation: non-finite losses skipped through this epoch (set_mode)
         if config.get("multi_phase"):  # torch.optim's first use imports ~1 s of modules: not in a switch
             torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
         if rank is not None:
@@ -108,7 +109,7 @@ class ModelReplica:
         if self.slow and getattr(self.worker, "straggles_inside", False):
             self.worker.straggle = self.slow_down  # backups: the delay before the gradient is ready, cut short when late
 
-    def set_mode(self, strategy: dict[str, Any], load_reference: bool) -> dict[str, Any]:
+    def set_mode(self, strategy: dict[str, Any], load_reference: bool, probation_until: int = -1) -> dict[str, Any]:
         """Change the update rule in place (a phase switch): the old worker lets go of the model
         (allreduce's gradient hooks removed), the new mode's worker is built over the same model,
         data cursor and step count. `load_reference`: first copy the shards' reference
@@ -116,8 +117,10 @@ class ModelReplica:
         replica starts the new phase from the same point. The old worker's local optimizer
         state (momentum buffers) is carried into the new one's when both keep one of the same
         kind (`carry_optimizer_state`); into allreduce the controller then averages it across
-        the replicas (`momentum` / `set_momentum`). Returns what was carried, for the event."""
-        old = self.worker
+        the replicas (`momentum` / `set_momentum`). `probation_until`: the last epoch the switch's
+        guard looks at; until its end a non-finite loss skips the step (Recipe.finite). Returns
+        what was carried, for the event."""
+        old, self.probation_until = self.worker, probation_until
         release = getattr(old, "release", None)
         if release is not None:
             release()

@@ -236,7 +236,8 @@ class StrategyConfig(Section):
     rollback_margin: Optional[float] = Field(
         0.5, gt=0, description="A run in phases: a switch is rolled back (the phase, mode and model from before it; "
         "no further switch that run) when the test loss at an epoch's end right after it is above the test loss at "
-        "the switch by more than this fraction (0.5: 50% higher), or not finite. null: never. See docs/modes.md."
+        "the switch by more than this fraction (0.5: 50% higher), or not finite; until then a step whose training "
+        "loss is not finite is skipped, not the end of the run. null: never. See docs/modes.md."
     )
 
     @model_serializer(mode="wrap")

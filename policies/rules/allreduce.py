@@ -44,7 +44,7 @@ import torch
 from policies.rules.backup import BackupGate
 from policies.rules.balance import BatchBalancer
 from policies.rules.batches import rows as batch_rows
-from policies.rules.modes import StepResult, check_finite
+from policies.rules.modes import StepResult
 from policies.rules.powersgd import PowerSgd
 from policies.rules.recipe import Recipe
 from policies.rules.tasks import Classification, Task
@@ -305,9 +305,9 @@ def allreduce_step(
     comm_s = time.perf_counter() - t0
     loss_sum, rows, more_total, pause_total = buckets.slots.tolist()
     mean_loss = loss_sum / rows if rows else 0.0
-    check_finite(mean_loss)
+    applies = recipe.finite(mean_loss)  # every replica alike: the loss is the step's across replicas
     summed = buckets.figures.tolist() if figures is not None else None
-    if rows:
+    if rows and applies:
         norm = None
         if buckets.measure:
             buckets.summed_norm2_last = buckets.summed_norm2()

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from policies.rules.batches import rows
-from policies.rules.modes import ShardClient, StepResult, check_finite
+from policies.rules.modes import ShardClient, StepResult
 from policies.rules.recipe import Recipe
 from policies.rules.sharding import FlatParams
 from policies.rules.tasks import Classification, Task
@@ -75,11 +75,11 @@ class DownpourWorker:
 
         self.flat.grads.zero_()
         loss = self.recipe.backward(self.model, self.task, x, y)
-        check_finite(loss)  # never push a non-finite gradient
-        for group in self.local.param_groups:
-            group["lr"] = self.lr * self.lr_factor
-        if self.recipe.apply(self.local, norm=None).applied:  # clipped; fp16: skipped on inf/NaN
-            self.acc.add_(self.flat.grads)
+        if self.recipe.finite(loss):  # never push a non-finite gradient
+            for group in self.local.param_groups:
+                group["lr"] = self.lr * self.lr_factor
+            if self.recipe.apply(self.local, norm=None).applied:  # clipped; fp16: skipped on inf/NaN
+                self.acc.add_(self.flat.grads)
         self.step_count += 1
 
         if self.step_count % self.n_push == 0:

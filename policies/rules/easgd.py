@@ -38,7 +38,7 @@ import torch
 
 from policies.decisions.lr_scaling import easgd_alpha
 from policies.rules.batches import rows
-from policies.rules.modes import ShardClient, StepResult, check_finite
+from policies.rules.modes import ShardClient, StepResult
 from policies.rules.recipe import Recipe
 from policies.rules.sharding import FlatParams
 from policies.rules.tasks import Classification, Task
@@ -79,9 +79,9 @@ class EasgdWorker:
         if x is not None:
             self.flat.grads.zero_()
             loss_value = self.recipe.backward(self.model, self.task, x, y)  # the gradient at x, before any elastic move
-            check_finite(loss_value)
+            applies = self.recipe.finite(loss_value)
         else:  # sync only: this replica's data ran out, the others' has not
-            loss_value = float("nan")
+            loss_value, applies = float("nan"), False
         comm_s, go_on = 0.0, True
         if self.variant == "async" and self.step_count % self.tau == 0:
             t0 = time.perf_counter()
@@ -104,7 +104,8 @@ class EasgdWorker:
             go_on = active > 0
             comm_s = time.perf_counter() - t0
         if x is not None:
-            self.recipe.apply(self.optimizer)  # clipped; fp16: skipped on inf/NaN
+            if applies:
+                self.recipe.apply(self.optimizer)  # clipped; fp16: skipped on inf/NaN
             self.step_count += 1
         self.epoch_step += 1
         if self.variant == "async":

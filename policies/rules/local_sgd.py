@@ -47,7 +47,7 @@ from policies.rules.allreduce import BufferSync, Reducer, reducer_group
 from policies.rules.balance import near_even, split, track_speed
 from policies.rules.batches import rows as batch_rows
 from policies.rules.recipe import Recipe
-from policies.rules.modes import StepResult, check_finite
+from policies.rules.modes import StepResult
 from policies.rules.tasks import Classification, Task
 
 ROUND_SLOTS = 3  # after the model's moves: rows since the last round, "has a batch this step", "pause"
@@ -198,8 +198,8 @@ class LocalSgdWorker:
             n = batch_rows(y)
             self.optimizer.zero_grad(set_to_none=False)
             loss_value = self.recipe.backward(self.model, self.task, x, y)
-            check_finite(loss_value)
-            self.recipe.apply(self.optimizer)  # clipped; fp16: skipped on inf/NaN
+            if self.recipe.finite(loss_value):
+                self.recipe.apply(self.optimizer)  # clipped; fp16: skipped on inf/NaN
             self.rows_since += n
             self.real_since += 1
         self.since += 1

@@ -11,7 +11,6 @@ to the parameter shards only through `ShardClient`: Ray actors in production
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Protocol
 
 import torch
@@ -37,12 +36,6 @@ class StepResult(NamedTuple):
     ready_at: float = 0.0  # allreduce: when this replica's backward pass was done (time.perf_counter)
     with_more: int = 0  # allreduce: how many replicas have another batch after this step
     dropped: Optional[int] = None  # allreduce with backup replicas: this replica's rows, when its gradient was late
-
-
-def check_finite(loss: float) -> None:
-    """A non-finite loss ends the run before the step is applied (FloatingPointError)."""
-    if not math.isfinite(loss):
-        raise FloatingPointError(f"the loss is {loss}")
 
 
 class ShardClient(Protocol):

@@ -227,13 +227,27 @@ class Recipe:
         self.clip = clip
         self.device_type = (device or torch.device("cpu")).type
         self.scaler = torch.amp.GradScaler(self.device_type) if precision == "fp16" else None
-        self.skipped = 0  # fp16 steps skipped for inf/NaN gradients
+        self.skipped = 0  # steps skipped: fp16's for inf/NaN gradients, and non-finite losses on probation
+        self.skip_nonfinite = False  # a switch on probation (set by the replica each epoch): see `finite`
         self.last = StepFacts()
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], device: Optional[torch.device] = None) -> "Recipe":
         return cls(int(cfg["data"].get("accumulate", 1)), cfg["model"].get("precision", "fp32"),
                    cfg["optimizer"].get("clip_grad_norm"), device)
+
+    def finite(self, loss: float) -> bool:
+        """Whether the step with this loss may be applied. A non-finite loss raises
+        FloatingPointError (the replica reports the run diverged and it ends), except while a
+        switch is on probation (`skip_nonfinite`): then the step is skipped, not applied and
+        counted in `skipped`, and the switch's guard rolls it back at the epoch's end (its
+        evaluated loss risen, or not finite)."""
+        if math.isfinite(loss):
+            return True
+        if not self.skip_nonfinite:
+            raise FloatingPointError(f"the loss is {loss}")
+        self.skipped += 1
+        return False
 
     def autocast(self):
         dtype = PRECISIONS[self.precision]

@@ -2,6 +2,7 @@
 mid-epoch switch keeps the data epoch whole, and recovery works in the mode switched to."""
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -206,8 +207,7 @@ def phases_run(tmp_path, phases, epochs, **strategy):
 
 
 ALLREDUCE_2 = {"mode": "allreduce", "until": {"epochs": 2}}
-HURTING = {"mode": "downpour", "optimizer": {"momentum": 0.8}}  # untranslated shard momentum: a phase that hurts
-MARGIN = 0.2  # how much it hurts is the asynchrony's doing: 6-14x the loss most runs, once too little for 1.5x
+HURTING = {"mode": "downpour", "optimizer": {"lr": 1e12}}  # the shards' rate: the loss is not finite within steps
 
 
 @pytest.mark.full
@@ -224,14 +224,16 @@ def test_entering_downpour_with_the_jobs_momentum_is_translated_and_does_not_col
 
 
 def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_cluster, tmp_path):
-    """A downpour phase that takes momentum 0.8 on its shards (its own setting, so not translated):
-    test accuracy falls to 0.5-0.66 in its first epoch, its test loss 6-14x the loss at the switch
-    (0.9 made the loss nan before the epoch's end in some runs: a divergence, not this test's
-    subject); that epoch's end finds the test loss far above the loss at the switch, and the run
-    goes back to allreduce with the model from before the switch, and stays there."""
-    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=4, rollback_margin=MARGIN)
+    """A downpour phase whose shards step at lr 1e12: within steps of the switch the loss is not
+    finite. On probation that does not end the run (it would outside one: a divergence); the
+    steps are skipped, that epoch's end finds the test loss not finite or far above the loss at
+    the switch, and the run goes back to allreduce with the model from before the switch, and
+    stays there."""
+    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=4)
     [rolled] = events(result, "switch_rolled_back")
-    assert rolled["back_to"] == "allreduce" and rolled["test_loss_now"] > rolled["test_loss_at_switch"] * (1 + MARGIN)
+    now, at = rolled["test_loss_now"], rolled["test_loss_at_switch"]
+    assert rolled["back_to"] == "allreduce" and (not math.isfinite(now) or now > at * 1.5), rolled
+    assert rolled["skipped_steps"] > 0, rolled  # non-finite losses on probation: skipped, the run went on
     switches = events(result, "mode_switch")
     assert [(s["from"], s["to"], s["rule"]) for s in switches] == [("allreduce", "downpour", "until epochs"),
                                                                    ("downpour", "allreduce", "rollback")]
@@ -246,7 +248,7 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
 def test_a_run_that_stops_at_the_rollback_ends_with_the_model_from_before_the_switch(ray_cluster, tmp_path):
     """The stop comes at the same epoch end that finds the switch hurt: the rollback is carried
     out first, so the final model and figures are those from before the switch."""
-    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=3, rollback_margin=MARGIN)
+    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=3)
     [rolled] = events(result, "switch_rolled_back")
     first, back = events(result, "mode_switch")
     assert back["rule"] == "rollback" and result.epochs == 3 and "epochs" in result.stop_reason

@@ -231,3 +231,46 @@ def test_fp16_skips_a_step_with_an_inf_gradient_and_lowers_the_scale():
 def test_an_unknown_precision_is_an_error():
     with pytest.raises(RecipeError, match="model.precision"):
         Recipe(precision="fp8")
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_non_finite_loss_ends_the_run_except_on_a_switchs_probation_where_the_step_is_skipped(replicas):
+    """allreduce's rule (every replica judges the same summed loss): off probation a non-finite
+    loss raises before the step is applied; on probation the step is skipped on every replica
+    alike (the parameters and the momentum untouched, `skipped` counted) and a finite step after
+    it is applied."""
+    data = batches(3, 4 * replicas)
+    poisoned = data[1][0].clone()
+    poisoned[0, 0] = float("inf")  # this step's loss is not finite
+    for probation in (False, True):
+        reducer = ThreadSum(replicas)
+        models = [model() for _ in range(replicas)]
+        recipes = [Recipe() for _ in range(replicas)]
+        kept = {}
+
+        def body(rank):
+            m, r = models[rank], recipes[rank]
+            r.skip_nonfinite = probation
+            opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+            w = AllReduceWorker(m, opt, 1 << 20, reducer.for_rank(rank), recipe=r)
+            for t, (x, y) in enumerate(data):
+                x = poisoned if t == 1 else x
+                if t == 1:
+                    kept[rank] = ([p.detach().clone() for p in m.parameters()],
+                                  [opt.state[p]["momentum_buffer"].clone() for p in m.parameters()])
+                step = w.step(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4], more=t < 2)
+                if t == 1:
+                    assert not math.isfinite(step.loss)
+                    params, moms = kept[rank]
+                    assert all(torch.equal(a, b) for a, b in zip(params, m.parameters()))
+                    assert all(torch.equal(a, opt.state[p]["momentum_buffer"]) for a, p in zip(moms, m.parameters()))
+
+        if not probation:
+            with pytest.raises(FloatingPointError, match="the loss is (nan|inf)"):
+                run_replicas(replicas, body)
+            continue
+        run_replicas(replicas, body)
+        assert [r.skipped for r in recipes] == [1] * replicas
+        for m in models:  # the last step was applied: the parameters moved on from before the skipped one
+            assert all(torch.isfinite(p).all() for p in m.parameters())
+            assert not all(torch.equal(a, b) for a, b in zip(kept[0][0], m.parameters()))
