@@ -24,10 +24,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Long soaks (marker `soak`) run only when the marker expression asks for them."""
+    """Soaks (marker `soak`: the long ones, and the short allreduce and easgd ones) run only when
+    the marker expression asks for them."""
     if "soak" in (config.getoption("markexpr") or ""):
         return
-    skip = pytest.mark.skip(reason="long soak: run with -m soak (docs/reliability.md)")
+    skip = pytest.mark.skip(reason="soak: run with -m soak (docs/reliability.md)")
     for item in items:
         if "soak" in item.keywords:
             item.add_marker(skip)

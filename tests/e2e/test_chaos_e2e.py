@@ -81,14 +81,13 @@ def test_a_kill_during_a_grow_is_repaired(ray_cluster, tmp_path):
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("mid_epoch", [False, True])
-def test_a_kill_during_a_switch_is_repaired_and_the_switch_carried_out(ray_cluster, tmp_path, mid_epoch):
-    """examples/mnist_phases.yaml (downpour -> allreduce -> easgd; the first switch at an epoch's
-    end, or mid-epoch when its `until` is steps): replica 1's process SIGKILLed while the first
-    switch is carried out."""
+def test_a_kill_during_a_switch_is_repaired_and_the_switch_carried_out(ray_cluster, tmp_path):
+    """examples/mnist_phases.yaml (downpour -> allreduce -> easgd) with the first switch mid-epoch
+    (its `until` in steps): replica 1's process SIGKILLed while the first switch is carried out.
+    (A kill in the middle of a switch at an epoch's end: tests/integration/test_switching_ray.py.)"""
     extra = [("strategy.phases=[{mode: downpour, n_push: 4, optimizer: {lr: 0.0125, momentum: 0.5}, "
               "until: {steps: 100}}, {mode: allreduce, until: {test_accuracy: 0.96}}, {mode: easgd, tau: 8, "
-              "momentum: 0.9}]")] if mid_epoch else []
+              "momentum: 0.9}]")]
     # 8 epochs, the example's: allreduce reaches the 0.96 that ends its phase in its second or
     # third epoch, far below its plateau
     cfg = compound_config(tmp_path, "phases", "stop.epochs=8", *extra)
