@@ -16,6 +16,9 @@ Sides:
               replicas - 1 gradients; the last one's dropped)
   local_sgd   examples/mnist_local_sgd.yaml (local steps, models averaged every 8 steps)
   local_bal   examples/mnist_local_sgd.yaml with strategy.balance true (periods by speed)
+  gossip      examples/mnist_local_sgd.yaml with strategy.mode gossip, period 1 (each replica
+              averages its model with its two ring neighbours' after every step; with 2
+              replicas both neighbours are the other one)
   adaptive    examples/mnist_adaptive.yaml (local SGD with balanced periods; easgd only for a
               straggler the balance cannot absorb); its own straggler window replaced by the
               situation's
@@ -49,7 +52,7 @@ s_per_epoch = train_to_target_s / the epochs it took (speed without the luck of 
 first crosses 97%: the accuracy plateaus near it, so the epoch count moves with the data order).
 Ratios (medians over repetitions; above 1: the first side is faster):
   <situation>:allreduce_vs_<adaptive side>, <situation>:best_fixed_vs_<adaptive side> (best of
-  the fixed sides run), <situation>:allreduce_vs_<local_sgd | local_bal | backup>,
+  the fixed sides run), <situation>:allreduce_vs_<local_sgd | local_bal | backup | gossip>,
   <situation>:ray_train_vs_<side>.
 
     python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...] [--sides SIDE,...] [--reps N]
@@ -76,6 +79,7 @@ OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce
         "backup": ("mnist_allreduce.yaml", ["strategy.backup_replicas=1"]),
         "downpour": ("mnist_downpour.yaml", []), "easgd": ("mnist_easgd.yaml", []),
         "local_sgd": ("mnist_local_sgd.yaml", []), "local_bal": ("mnist_local_sgd.yaml", ["strategy.balance=true"]),
+        "gossip": ("mnist_local_sgd.yaml", ["strategy.mode=gossip", "strategy.period=1"]),
         "adaptive": ("mnist_adaptive.yaml", []),
         "adaptive_allreduce": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce"]),
         "adaptive_backup": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce",
@@ -90,7 +94,7 @@ OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce
         "adaptive_h4": ("mnist_adaptive.yaml", ["strategy.period=4"])}
 ADAPTIVE = ("adaptive", "adaptive_allreduce", "adaptive_backup", "adaptive_spread", "adaptive_lspread", "adaptive_h4")
 OPT_IN = ("adaptive_lspread", "adaptive_h4")  # run only when --sides names them
-FIXED = ("allreduce", "balanced", "backup", "downpour", "easgd", "local_sgd", "local_bal")
+FIXED = ("allreduce", "balanced", "backup", "downpour", "easgd", "local_sgd", "local_bal", "gossip")
 SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)), "four": (4, (3, 3.0)),
               "extreme": (2, (1, 20.0))}
 DEFAULT = ("none", "window", "hetero", "four")
@@ -219,7 +223,7 @@ def main() -> None:
             fixed = [med[s] for s in FIXED if s in med]
             if fixed:
                 ratios[f"{situation}:best_fixed_vs_{adaptive}"] = min(fixed) / med[adaptive]
-        for side in ("local_sgd", "local_bal", "backup"):
+        for side in ("local_sgd", "local_bal", "backup", "gossip"):
             if side in med and "allreduce" in med:
                 ratios[f"{situation}:allreduce_vs_{side}"] = med["allreduce"] / med[side]
         if "ray_train" in med:

@@ -286,7 +286,10 @@ def test_a_checkpoint_written_while_a_shard_is_stopped_says_what_it_lacks(ray_cl
 def test_a_replica_killed_while_a_shard_is_stopped_is_repaired_and_the_shard_rebuilt(ray_cluster, tmp_path):
     """Two faults at once in downpour: shard 0 SIGSTOPped, then replica 1 SIGKILLed. Telling the
     shards to forget the dead replica meets the stopped shard's silence: that is a value (the
-    shard is left to the health check, which rebuilds it), not an error that ends the run."""
+    shard is left to the health check, which rebuilds it), not an error that ends the run. The
+    stopped shard is found by its unanswered pings and rebuilt from its snapshot, the replicas
+    replaying into it; no replica is taken for hung, and an update lost has a cause (the dead
+    replica's pushes in flight)."""
     cfg = job_config(strategy={"mode": "downpour", "timeout_s": 30}, stop={"epochs": 2}, data={"batch_size": 8},
                      scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 2},
                      tracking={"progress_interval_s": 0, "log_every_steps": 1},
@@ -298,4 +301,9 @@ def test_a_replica_killed_while_a_shard_is_stopped_is_repaired_and_the_shard_reb
     assert [f["kind"] for f in inj.fired] == ["hang_shard", "kill_replica"]
     kinds = [e["kind"] for e in result.events]
     assert "replica_replaced" in kinds and "shard_rebuilt" in kinds, kinds
+    [failed] = [e for e in result.events if e["kind"] == "replica_failed"]
+    assert (failed["rank"], failed["cause"]) == (1, "died"), failed
+    rebuilt = [e for e in result.events if e["kind"] == "shard_rebuilt"]
+    assert rebuilt[0]["shard"] == 0 and "no answer" in rebuilt[0]["detected_by"], rebuilt
+    assert all(e.get("lost_updates", 0) == 0 or e.get("lost_causes") for e in rebuilt), rebuilt
     assert result.epochs == 2 and math.isfinite(result.final.test_loss)
