@@ -23,6 +23,7 @@ step's approximation but not the replicas' agreement (P and Q' are sums every re
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import torch
@@ -103,6 +104,8 @@ class PowerSgd:
                 g.copy_(first[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
             tail.copy_(first[offset:])
+            if not math.isfinite(float(tail[0])):  # the step's loss (the same sum on every replica): it is not
+                return                             # applied, and its error and factors must not be kept either
             qs = [ms[i].t() @ ps[k] for k, i in enumerate(self.compressed)]
             if qs:
                 second = torch.cat([q.reshape(-1) for q in qs])

@@ -247,6 +247,7 @@ class Recipe:
         if not self.skip_nonfinite:
             raise FloatingPointError(f"the loss is {loss}")
         self.skipped += 1
+        self.last = StepFacts(None, False)  # no gradient norm to report for it
         return False
 
     def autocast(self):
