@@ -24,8 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_collection_modifyitems(config, items):
-    """Soaks (marker `soak`: the long ones, and the short allreduce and easgd ones) run only when
-    the marker expression asks for them."""
+    """Soaks (marker `soak`: the short and the long ones, and the sharded node drops) run only
+    when the marker expression asks for them."""
     if "soak" in (config.getoption("markexpr") or ""):
         return
     skip = pytest.mark.skip(reason="soak: run with -m soak (docs/reliability.md)")
