@@ -137,13 +137,15 @@ def test_downpour_to_easgd_carries_the_shards_contents_over(ray_cluster):
 
 
 @pytest.mark.full
-def test_a_mid_epoch_switch_pauses_at_partition_boundaries_and_serves_every_row_once(ray_cluster):
+def test_a_mid_epoch_switch_pauses_at_partition_boundaries_and_serves_every_row_once(ray_cluster, tmp_path):
     """allreduce for 1 s, then downpour: the switch lands inside the first epoch (replicas slowed
     20 ms per step: 100 steps per epoch, over 2 s); the epoch goes on where it was and still uses
-    each row once."""
+    each row once. A checkpoint inside the epoch is due after every step (every_steps 1): the
+    switch is still made inside the epoch (before, the checkpoint due at every tick closed the
+    gate first and the switch waited for the epoch's end), and the rows stay once."""
     ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}}, {"mode": "downpour"}], trace_ids=True,
                      faults={"slow_replicas": {0: 0.02, 1: 0.02}}, data={"batch_size": 8, "partitions": 16},
-                     optimizer={"momentum": 0.5})
+                     optimizer={"momentum": 0.5}, checkpoint={"every_steps": 1, "storage": str(tmp_path / "ck")})
 
     class States:
         seen: list = []
@@ -162,6 +164,7 @@ def test_a_mid_epoch_switch_pauses_at_partition_boundaries_and_serves_every_row_
     [switch] = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
     assert switch["mid_epoch"] and switch["epoch"] == 1 and (switch["from"], switch["to"]) == ("allreduce", "downpour")
     assert switch["test_accuracy_after"] == switch["test_accuracy_before"]
+    assert any(e["kind"] == "checkpoint" and e.get("in_epoch") for e in ctl.tracker.events)
     assert_carried(switch, "passes", "state", "verify", "gate", "reopen")
     # the after-state-change callback saw the switch as its own state, between two Running ones
     assert States.seen[0] == ("Starting", "Running", None)
