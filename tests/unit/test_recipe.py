@@ -233,12 +233,12 @@ def test_an_unknown_precision_is_an_error():
         Recipe(precision="fp8")
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_a_non_finite_loss_ends_the_run_except_on_a_switchs_probation_where_the_step_is_skipped(replicas):
+@pytest.mark.parametrize("replicas,compression", [(1, "none"), (2, "none"), (2, "powersgd")])
+def test_a_non_finite_loss_ends_the_run_except_on_a_switchs_probation_where_the_step_is_skipped(replicas, compression):
     """allreduce's rule (every replica judges the same summed loss): off probation a non-finite
     loss raises before the step is applied; on probation the step is skipped on every replica
     alike (the parameters and the momentum untouched, `skipped` counted) and a finite step after
-    it is applied."""
+    it is applied and finite (PowerSGD's error feedback did not keep the skipped step's NaN)."""
     data = batches(3, 4 * replicas)
     poisoned = data[1][0].clone()
     poisoned[0, 0] = float("inf")  # this step's loss is not finite
@@ -252,7 +252,8 @@ def test_a_non_finite_loss_ends_the_run_except_on_a_switchs_probation_where_the_
             m, r = models[rank], recipes[rank]
             r.skip_nonfinite = probation
             opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-            w = AllReduceWorker(m, opt, 1 << 20, reducer.for_rank(rank), recipe=r)
+            w = AllReduceWorker(m, opt, 1 << 20, reducer.for_rank(rank), batch=4, compression=compression,
+                                powersgd_rank=1, recipe=r)
             for t, (x, y) in enumerate(data):
                 x = poisoned if t == 1 else x
                 if t == 1:
