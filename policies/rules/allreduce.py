@@ -437,7 +437,7 @@ class AllReduceWorker:
         self.figures = StepFigures(rank, world, balancer)
         self.batch_share = self.batch if balancer is not None else None
         if self.powersgd_rank is not None:  # grads are views into the new buckets: a compressor over them
-            self.exchange = partial(PowerSgd(self.params, self.powersgd_rank).reduce, self.reducer,
+            self.exchange = partial(PowerSgd(self.params, self.powersgd_rank, self.recipe).reduce, self.reducer,
                                     self.buckets.buffers[0][-self.buckets.tail:], world)
         self.group = group
 

@@ -62,10 +62,12 @@ def floats_sent(shapes: Sequence[Sequence[int]], rank: int) -> int:
 class PowerSgd:
     """The compressor of one replica: its Q per compressed parameter and its error feedback."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], rank: int) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], rank: int, recipe: Any = None) -> None:
+        """`recipe`: the replica's (policies/rules/recipe.py); while it skips non-finite losses
+        (a switch on probation) a step whose loss is not finite keeps no error feedback."""
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
-        self.params, self.rank = list(params), int(rank)
+        self.params, self.rank, self.recipe = list(params), int(rank), recipe
         gen = torch.Generator().manual_seed(SEED)
         self.compressed: list[int] = []
         self.plain: list[int] = []
@@ -88,6 +90,7 @@ class PowerSgd:
     def reduce(self, reducer: Any, tail: torch.Tensor, world: int) -> None:
         """Replace every parameter's `.grad` (this replica's summed gradient) with the
         approximated sum over the replicas, and sum `tail` in place along (float32)."""
+        skipping = self.recipe is not None and self.recipe.skip_nonfinite  # else no host sync for the check
         with torch.no_grad():
             ms = {i: self._matrix(i) + self.error[i] for i in self.compressed}
             ps = [ms[i] @ self.q[i] for i in self.compressed]
@@ -104,8 +107,8 @@ class PowerSgd:
                 g.copy_(first[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
             tail.copy_(first[offset:])
-            if not math.isfinite(float(tail[0])):  # the step's loss (the same sum on every replica): it is not
-                return                             # applied, and its error and factors must not be kept either
+            if skipping and not math.isfinite(float(tail[0])):  # the step's loss, summed alike on every replica:
+                return  # not applied, so its error and factors are not kept (off probation it ends the run)
             qs = [ms[i].t() @ ps[k] for k, i in enumerate(self.compressed)]
             if qs:
                 second = torch.cat([q.reshape(-1) for q in qs])

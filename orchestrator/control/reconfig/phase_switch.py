@@ -98,7 +98,7 @@ def check_guard(run: "RunContext", pending: Pending, epoch: int, metrics: dict[s
         pending.guard = None
         run.policies.switch.roll_back(g.phase)  # the policy's place is the policy's to move; it decides no more
         numbers = {f"{name}_at_switch": round(g.loss, 4), f"{name}_now": round(loss, 4), "margin": margin}
-        skipped = sum(s.get("skipped_steps", 0) for s in run.ledger.signals.values())  # non-finite losses on probation
+        skipped = sum(s.get("skipped_steps", 0) for s in run.ledger.signals.values())  # on probation (and fp16 ones)
         if skipped:
             numbers["skipped_steps"] = skipped
         reason = (f"{name} {loss:.4f} in {run.phase.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
@@ -166,7 +166,7 @@ class Switching(Change):
         # each step idempotent: set_mode on a replica in the new phase rebuilds the same worker)
         group.set_strategy(self.new_strategy)
         run.phase.set(self.new_strategy)
-        until = seg.epoch + (1 if seg.begun else 0) if self.guard is not None else -1  # the guard's last epoch
+        until = seg.epoch + self.guard.checks - 1 if self.guard is not None else -1  # the last epoch the guard judges
         self.carried = group.call(ranks, "set_mode", self.new_strategy, self.old_spec.sharded, until, what="set mode")
         if self.new_spec.process_group and any(c["local_optimizer"] == "carried" for c in self.carried):
             # into allreduce: every replica must take the same step, so the momentum each kept
