@@ -72,18 +72,21 @@ class ModelReplica:
         self.has_buffers = any(True for _ in self.model.buffers())
         self.rates = Rates(config["optimizer"].get("schedule"), config.get("schedule_steps", 1))  # schedule x ramp
         self.recipe = Recipe.from_config(config, self.device)  # micro-batches, precision, clipping (policies/rules/recipe.py)
-        self.probation_until = -1  # a switch's probation: non-finite losses skipped through this epoch (set_mode)
+        self.probation_until = config.get("probation_until", -1)  # a switch's: non-finite losses skipped (set_mode)
         if config.get("multi_phase"):  # torch.optim's first use imports ~1 s of modules: not in a switch
             torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
         if rank is not None:
             self.assign(rank, world_size)
 
-    def assign(self, rank: int, world_size: int, strategy: Optional[dict[str, Any]] = None) -> int:
+    def assign(self, rank: int, world_size: int, strategy: Optional[dict[str, Any]] = None,
+               probation_until: int = -1) -> int:
         """Take a rank: build the mode's worker (a spare does this when it is put to use).
-        `strategy`: the phase's strategy when it is not the one the replica was built with.
-        Returns the process id (the controller and fault injection address the process by it)."""
+        `strategy`, `probation_until`: the phase's strategy when it is not the one the replica was
+        built with, and its switch's probation (set_mode). Returns the process id (the
+        controller and fault injection address the process by it)."""
         if strategy is not None:
             self._take_strategy(strategy)
+            self.probation_until = probation_until
         self.rank, self.world_size = rank, world_size
         faults = self.cfg["faults"]
         link = EmulatedLink(faults["link_gbps"], faults["link_latency_us"]) if faults.get("link_gbps") else None

@@ -45,9 +45,10 @@ class ReplicaGroup:
         self.on_wait: Optional[Callable[[], bool]] = None  # called while the driver waits on replicas; True: a rebuild
         self.timeout_s = config.strategy.timeout_s
 
-    def set_strategy(self, strategy: dict[str, Any]) -> None:
-        """The phase that runs now: new actors and spares put to use take its update rule."""
-        self.raw["strategy"] = strategy
+    def set_strategy(self, strategy: dict[str, Any], probation_until: int = -1) -> None:
+        """The phase that runs now: new actors and spares put to use take its update rule, and
+        its switch's probation (the last epoch in which a non-finite loss skips the step)."""
+        self.raw["strategy"], self.raw["probation_until"] = strategy, probation_until
         self.spec = mode_spec(strategy["mode"])
 
     # ---- actors --------------------------------------------------------------------------
@@ -151,7 +152,8 @@ class ReplicaGroup:
         _kill(self.joining.pop(rank, None))  # a grow's replica of the same rank: the rank is this one's
         for spare in self.spare_pool.take(draining):  # the pool keeps its size whatever this one does
             try:
-                self.pids[rank] = self._get(spare.assign.remote(rank, self.cfg.scaling.replicas, self.raw["strategy"]),
+                self.pids[rank] = self._get(spare.assign.remote(rank, self.cfg.scaling.replicas, self.raw["strategy"],
+                                                                self.raw["probation_until"]),
                                             "spare", self.timeout_s)
                 actor, how = spare, "spare"
                 break

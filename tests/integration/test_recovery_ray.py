@@ -108,11 +108,11 @@ def test_allreduce_replicas_stay_identical_after_a_replacement_and_keep_their_ac
 
 
 def test_a_hung_replica_is_killed_and_replaced(ray_cluster, tmp_path):
-    cfg = job_config(scaling={"replicas": 2, "cpus_per_replica": 0.5}, stop={"epochs": 3}, data={"batch_size": 8},
+    cfg = job_config(scaling={"replicas": 2, "cpus_per_replica": 0.5}, stop={"epochs": 2}, data={"batch_size": 8},
                      tracking={"progress_interval_s": 0, "log_every_steps": 1}, fault_tolerance={"hang_timeout_s": 3},
                      checkpoint={"storage": str(tmp_path / "ck")})
     result, inj, ids, _ = fit_with(cfg, [Fault("hang_replica", 1, at_step=30)])
-    assert inj.fired and result.epochs == 3
+    assert inj.fired and result.epochs == 2
     failed = events(result, "replica_failed")  # a loaded machine may see another pause past 3 s too
     assert failed[0]["cause"] == "hung" and failed[0]["rank"] == 1
     assert events(result, "replica_replaced")[0]["ranks"] == [1]

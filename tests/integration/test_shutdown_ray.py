@@ -156,7 +156,7 @@ def arm(state: str, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("state,sig", [
-    (s, signal.SIGTERM) if s in ("running", "switching")  # make test: a run stepping and one reconfiguring
+    (s, signal.SIGTERM) if s == "switching"  # make test: a run reconfiguring (one stepping: tests/e2e/test_cli_e2e.py)
     else pytest.param(s, signal.SIGTERM, marks=pytest.mark.full)
     for s in ("starting", "running", "between_epochs", "repairing", "shrinking", "switching", "growing", "checkpointing")]
     + [pytest.param("repairing", signal.SIGINT, marks=pytest.mark.full),

@@ -198,14 +198,14 @@ def test_a_replica_killed_after_a_switch_is_replaced_in_the_new_mode(ray_cluster
     assert result.final.test_accuracy > 0.9
 
 
-def phases_run(tmp_path, phases, epochs, **strategy):
+def phases_run(tmp_path, phases, epochs, faults=(), **strategy):
     """The main example's CNN, data and optimizer (sgd, lr 0.05, momentum 0.9) in phases."""
     cfg = job_config(strategy={"phases": phases, **strategy}, stop={"epochs": epochs, "target_accuracy": None},
                      model={"factory": "examples.models:mnist_cnn"}, data={"source": "builtin:mnist5k", "batch_size": 64},
                      scaling={"replicas": 2, "cpus_per_replica": 0.5},
                      optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
                      checkpoint={"storage": str(tmp_path / "ck")})
-    result, _, _, _ = fit_with(cfg, [])
+    result, _, _, _ = fit_with(cfg, list(faults))
     return result
 
 
@@ -250,9 +250,14 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
 @pytest.mark.full
 def test_a_run_that_stops_at_the_rollback_ends_with_the_model_from_before_the_switch(ray_cluster, tmp_path):
     """The stop comes at the same epoch end that finds the switch hurt: the rollback is carried
-    out first, so the final model and figures are those from before the switch."""
-    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=3)
+    out first, so the final model and figures are those from before the switch. Replica 1 is
+    SIGKILLed on the hurting phase's probation (~31 steps an epoch: step 70 is inside epoch 3):
+    its replacement joins on probation too, skipping the non-finite steps instead of failing."""
+    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=3, faults=[Fault("kill_replica", 1, at_step=70)])
     [rolled] = events(result, "switch_rolled_back")
+    [failed] = events(result, "replica_failed")
+    [replaced] = events(result, "replica_replaced")
+    assert failed["cause"] == "died" and failed["epoch"] == replaced["epoch"] == 3, (failed, replaced)
     first, back = events(result, "mode_switch")
     assert back["rule"] == "rollback" and result.epochs == 3 and "epochs" in result.stop_reason
     assert result.final.test_accuracy == first["test_accuracy_before"] == back["test_accuracy_after"]

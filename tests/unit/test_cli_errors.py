@@ -190,7 +190,9 @@ def test_slow_replica_rank_that_does_not_exist(tmp_path, capsys, monkeypatch):
     assert_one_line(code, err, "faults.slow_replicas: no replica of rank 2")
 
 
-@pytest.mark.parametrize("source", ["file:///no/such/dir", "s3://bucket/data?region=us-east-1&scheme=http&endpoint_override=127.0.0.1:PORT"])
+@pytest.mark.parametrize("source", [  # an s3:// store waits out its client's retries (~6 s): tests/unit/test_sources.py in make test
+    "file:///no/such/dir",
+    pytest.param("s3://bucket/data?region=us-east-1&scheme=http&endpoint_override=127.0.0.1:PORT", marks=pytest.mark.full)])
 def test_remote_source_that_cannot_be_listed(tmp_path, capsys, monkeypatch, source):
     code, err = run_cli(tmp_path, capsys, monkeypatch, GOOD, [f"data.source={source.replace('PORT', str(closed_port()))}"])
     assert_one_line(code, err, "data.source: ")

@@ -794,6 +794,7 @@ def test_sweep_files(harness, spec, sets):
 # ---- through `python -m orchestrator`: the process's own stderr ------------------------------------
 
 @pytest.mark.timeout(240)
+@pytest.mark.full  # ~12 s of CLI processes: make test meets exit 2 in tests/unit/test_cli_errors.py
 def test_subprocess_no_traceback_for_hostile_input(tmp_path):
     """The regressions above as a user meets them: exit 2, one line, no traceback."""
     env = dict(os.environ, PYTHONPATH=REPO)

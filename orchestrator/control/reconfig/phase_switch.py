@@ -164,9 +164,9 @@ class Switching(Change):
         # the commit point: from here the replicas run the new rule, so the controller does too (a
         # replica lost in the call is replaced in the new phase; the switch is carried out again,
         # each step idempotent: set_mode on a replica in the new phase rebuilds the same worker)
-        group.set_strategy(self.new_strategy)
-        run.phase.set(self.new_strategy)
         until = seg.epoch + self.guard.checks - 1 if self.guard is not None else -1  # the last epoch the guard judges
+        group.set_strategy(self.new_strategy, until)  # a replacement or a grow's replica joins on probation too
+        run.phase.set(self.new_strategy)
         self.carried = group.call(ranks, "set_mode", self.new_strategy, self.old_spec.sharded, until, what="set mode")
         if self.new_spec.process_group and any(c["local_optimizer"] == "carried" for c in self.carried):
             # into allreduce: every replica must take the same step, so the momentum each kept
