@@ -9,6 +9,7 @@ replica failure is ever seen, no step is lost, every training row is used once i
 and the run finishes its epochs."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -38,7 +39,8 @@ def drain(cluster, node_hex: str, seconds: int) -> None:
 def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure(own_cluster, tmp_path):
     ck = tmp_path / "ck"
     cfg = JobConfig.from_yaml(f"{REPO}/examples/mnist_allreduce.yaml", [
-        "stop.epochs=12", "stop.target_accuracy=null", "checkpoint.every_epochs=1", f"checkpoint.storage={ck}",
+        "stop.epochs=60", "stop.target_accuracy=null",  # the test ends it 2 epochs after the node goes
+        "checkpoint.every_epochs=1", f"checkpoint.storage={ck}",
         'faults.slow_replicas={0: 0.04, 1: 0.04}', "tracking.progress_interval_s=0",
         f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
     trainer = ElasticTrainer(cfg, show_progress=False)
@@ -56,6 +58,8 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     assert run.alive(), run.out  # the node goes while the run still trains: a replica left there would fail
     [victim] = [n for n in own_cluster.worker_nodes if n.node_id == node]
     own_cluster.remove_node(victim)  # the node goes at its deadline, as a preempted instance does
+    last = ctl.totals.epochs + 2  # the run ends 2 epochs after the node went, however fast this host is
+    ctl.stop_policy = dataclasses.replace(ctl.stop_policy, epochs=last)
     result = run.result(timeout_s=300)
     kinds = [e["kind"] for e in result.events]
     assert "replica_failed" not in kinds and "failure_decision" not in kinds, \
@@ -64,7 +68,7 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     assert moved["ranks"] == [1] and moved["steps_lost"] == 0 and moved["causes"] == {"1": "preempted"}, moved
     assert moved["nodes"] == {"1": node} and 0 < moved["deadline_left_s"]["1"] <= DEADLINE_S, moved
     assert moved["evacuate_s"] < DEADLINE_S, moved  # stepping again elsewhere before the node went
-    assert ctl.group.nodes[1] != node and result.epochs == 12 and ctl.totals.replica_restarts == 0
+    assert ctl.group.nodes[1] != node and result.epochs == last and ctl.totals.replica_restarts == 0
     [seen] = [e for e in result.events if e["kind"] == "driver_node_draining"]
     assert seen["node"] == head and 0 < seen["deadline_left_s"] <= DEADLINE_S, seen
     for_drain = [e for e in result.events if e["kind"] == "checkpoint" and (e.get("in_epoch") or {}).get("for")]
