@@ -19,6 +19,10 @@ Sides:
   gossip      examples/mnist_local_sgd.yaml with strategy.mode gossip, period 1 (each replica
               averages its model with its two ring neighbours' after every step; with 2
               replicas both neighbours are the other one)
+  batch16     examples/mnist_allreduce.yaml with data.batch_size 16 (lr 0.05 as it is); only with --sides
+  adaptive_batch  the same from 16 rows a replica with data.adaptive_batch {max: 128} (the batch
+              grows with the measured gradient noise, the rate with the batch: docs/modes.md
+              "Adaptive batch size"); only with --sides
   adaptive    examples/mnist_adaptive.yaml (local SGD with balanced periods; easgd only for a
               straggler the balance cannot absorb); its own straggler window replaced by the
               situation's
@@ -52,7 +56,8 @@ s_per_epoch = train_to_target_s / the epochs it took (speed without the luck of 
 first crosses 97%: the accuracy plateaus near it, so the epoch count moves with the data order).
 Ratios (medians over repetitions; above 1: the first side is faster):
   <situation>:allreduce_vs_<adaptive side>, <situation>:best_fixed_vs_<adaptive side> (best of
-  the fixed sides run), <situation>:allreduce_vs_<local_sgd | local_bal | backup | gossip>,
+  the fixed sides run), <situation>:allreduce_vs_<local_sgd | local_bal | backup | gossip |
+  adaptive_batch | batch16>, <situation>:batch16_vs_adaptive_batch,
   <situation>:ray_train_vs_<side>.
 
     python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...] [--sides SIDE,...] [--reps N]
@@ -80,6 +85,8 @@ OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce
         "downpour": ("mnist_downpour.yaml", []), "easgd": ("mnist_easgd.yaml", []),
         "local_sgd": ("mnist_local_sgd.yaml", []), "local_bal": ("mnist_local_sgd.yaml", ["strategy.balance=true"]),
         "gossip": ("mnist_local_sgd.yaml", ["strategy.mode=gossip", "strategy.period=1"]),
+        "batch16": ("mnist_allreduce.yaml", ["data.batch_size=16"]),
+        "adaptive_batch": ("mnist_allreduce.yaml", ["data.batch_size=16", "data.adaptive_batch={max: 128}"]),
         "adaptive": ("mnist_adaptive.yaml", []),
         "adaptive_allreduce": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce"]),
         "adaptive_backup": ("mnist_adaptive.yaml", ["strategy.adaptive.sync_mode=allreduce",
@@ -93,7 +100,7 @@ OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce
                                                      "strategy.adaptive.recover_ratio=1.2"]),
         "adaptive_h4": ("mnist_adaptive.yaml", ["strategy.period=4"])}
 ADAPTIVE = ("adaptive", "adaptive_allreduce", "adaptive_backup", "adaptive_spread", "adaptive_lspread", "adaptive_h4")
-OPT_IN = ("adaptive_lspread", "adaptive_h4")  # run only when --sides names them
+OPT_IN = ("adaptive_lspread", "adaptive_h4", "batch16", "adaptive_batch")  # run only when --sides names them
 FIXED = ("allreduce", "balanced", "backup", "downpour", "easgd", "local_sgd", "local_bal", "gossip")
 SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)), "four": (4, (3, 3.0)),
               "extreme": (2, (1, 20.0))}
@@ -118,7 +125,8 @@ def ours(side: str, tmp: str, replicas: int, seed: int, slow: Optional[dict]) ->
             "switches": [{k: e.get(k) for k in ("from", "to", "rule", "at_step")}
                          for e in r.events if e["kind"] == "mode_switch"],
             "rebalances": sum(1 for e in r.events if e["kind"] == "batch_rebalanced"),
-            "dropped_rows": sum(e["dropped_rows"] for e in r.events if e["kind"] == "backup_drops")}
+            "dropped_rows": sum(e["dropped_rows"] for e in r.events if e["kind"] == "backup_drops"),
+            "batch_changes": [[e["epoch"], e["batch_to"]] for e in r.events if e["kind"] == "batch_size_changed"]}
 
 
 def ray_train(tmp: str, replicas: int, seed: int, slow: Optional[dict]) -> dict[str, Any]:
@@ -223,7 +231,9 @@ def main() -> None:
             fixed = [med[s] for s in FIXED if s in med]
             if fixed:
                 ratios[f"{situation}:best_fixed_vs_{adaptive}"] = min(fixed) / med[adaptive]
-        for side in ("local_sgd", "local_bal", "backup", "gossip"):
+        if "batch16" in med and "adaptive_batch" in med:
+            ratios[f"{situation}:batch16_vs_adaptive_batch"] = med["batch16"] / med["adaptive_batch"]
+        for side in ("local_sgd", "local_bal", "backup", "gossip", "adaptive_batch", "batch16"):
             if side in med and "allreduce" in med:
                 ratios[f"{situation}:allreduce_vs_{side}"] = med["allreduce"] / med[side]
         if "ray_train" in med:

@@ -215,6 +215,15 @@ def interval_evaluation(replica: "LoopHost", epoch: int) -> Evaluation:
     return Evaluation(replica.rank, epoch, replica.step, sums)
 
 
+def rebatch(replica: "LoopHost", batch: int) -> None:
+    """data.adaptive_batch: the next segment's batches hold `batch` rows (x data.accumulate), and
+    allreduce's worker fits its buckets to the new global batch at its next step."""
+    if batch != replica.cfg["data"]["batch_size"]:
+        replica.cfg["data"]["batch_size"] = batch
+        if hasattr(replica.worker, "batch"):
+            replica.worker.batch, replica.worker.group = batch * int(replica.cfg["data"].get("accumulate", 1)), None
+
+
 def follow_share(replica: "LoopHost", base_batch: int) -> None:
     """Cut the next batches at the worker's share of the global batch (load-balanced
     allreduce's `batch_share`; `base_batch` when it has none), completing a short last batch

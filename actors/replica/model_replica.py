@@ -80,15 +80,13 @@ class ModelReplica:
 
     def assign(self, rank: int, world_size: int, strategy: Optional[dict[str, Any]] = None,
                probation_until: int = -1) -> int:
-        """Take a rank: build the mode's worker (a spare does this when it is put to use).
-        `strategy`, `probation_until`: the phase's strategy when it is not the one the replica was
-        built with, and its switch's probation (set_mode). Returns the process id (the
-        controller and fault injection address the process by it)."""
+        """Take a rank: build the mode's worker (a spare does this when put to use). `strategy`,
+        `probation_until`: the phase's strategy when not the one the replica was built with, and its
+        switch's probation (set_mode). Returns the process id (the controller and faults address it)."""
         if strategy is not None:
             self._take_strategy(strategy)
             self.probation_until = probation_until
-        self.rank, self.world_size = rank, world_size
-        faults = self.cfg["faults"]
+        self.rank, self.world_size, faults = rank, world_size, self.cfg["faults"]
         link = EmulatedLink(faults["link_gbps"], faults["link_latency_us"]) if faults.get("link_gbps") else None
         self.reducer = ProcessGroupReducer(link)
         self.slow = [w for w in self.cfg["faults"]["slow_replicas"] if w["rank"] == rank]
@@ -177,8 +175,10 @@ class ModelReplica:
     def set_lr_scale(self, ramp: dict[str, float]) -> Optional[float]:
         """From now on, modes with a global batch step at optimizer.lr times the factor the
         resize schedule gives (policies/decisions/lr_scaling.py: a ramp from `start` at step `from_step` to
-        `target` over `steps` steps). Returns the rate the next step uses (None: no local optimizer)."""
-        self.rates.ramp = dict(ramp)
+        `target` over `steps` steps), on `batch_size` rows (data.adaptive_batch). Returns the rate
+        the next step uses (None: no local optimizer)."""
+        self.rates.ramp = {k: v for k, v in ramp.items() if k != "batch_size"}
+        epoch_loop.rebatch(self, int(ramp.get("batch_size") or self.cfg["data"]["batch_size"]))
         self.apply_lr()
         return self.current_lr()
 

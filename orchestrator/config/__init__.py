@@ -9,8 +9,9 @@ written from these models by orchestrator/cli/config_docs.py.
 """
 from orchestrator.config.job import (MAX_YAML_VALUES, JobConfig, apply_overrides, describe_validation_error,
                                      yaml_shape_problem)
-from orchestrator.config.sections import (RUN_NAME, CheckpointConfig, DataConfig, ModelConfig, OptimizerConfig,
+from orchestrator.config.sections import (RUN_NAME, CheckpointConfig, DataConfig, ModelConfig,
                                           RunConfig, Section, StopConfig, TargetConfig, TaskConfig, TrackingConfig)
+from orchestrator.config.optim import OptimizerConfig, ScheduleConfig
 from orchestrator.config.fleet import FaultsConfig, FaultToleranceConfig, ScalingConfig, SlowWindow
 from orchestrator.config.strategy import (MODE_OPTIONS, UNTIL_COUNTS, AdaptiveConfig, PhaseConfig, PhaseOptimizer,
                                           StrategyConfig)

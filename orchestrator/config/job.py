@@ -14,8 +14,9 @@ from pydantic import Field, ValidationError, model_validator
 
 from orchestrator.errors import ConfigError
 
-from orchestrator.config.sections import (CheckpointConfig, DataConfig, EvalConfig, ModelConfig, OptimizerConfig, RunConfig, Section,
+from orchestrator.config.sections import (CheckpointConfig, DataConfig, EvalConfig, ModelConfig, RunConfig, Section,
                                           StopConfig, TaskConfig, TrackingConfig)
+from orchestrator.config.optim import OptimizerConfig
 from orchestrator.config.fleet import FaultsConfig, FaultToleranceConfig, ScalingConfig
 from orchestrator.config.strategy import UNTIL_COUNTS, StrategyConfig
 from policies.decisions.stop import Target
@@ -141,6 +142,23 @@ class JobConfig(Section):
         if missing:
             raise ValueError(f"faults.slow_replicas: no replica of rank {missing[0]}; ranks are 0.."
                              f"{self.scaling.replicas - 1} (scaling.replicas {self.scaling.replicas})")
+        return self
+
+    @model_validator(mode="after")
+    def _adaptive_batch_fits(self) -> "JobConfig":
+        """data.adaptive_batch measures the noise across equal shares of one allreduce phase."""
+        a, plan = self.data.adaptive_batch, self.strategy.plan()
+        if a is None:
+            return self
+        why = ("needs one allreduce phase (no strategy.phases or switch)" if len(plan) > 1 or plan[0]["mode"] !=
+               "allreduce" else "needs equal shares (no strategy.balance or backup_replicas)"
+               if plan[0]["balance"] or plan[0]["backup_replicas"] else "needs scaling.replicas >= 2 (the noise is "
+               "measured across replicas)" if self.scaling.replicas < 2 else None)
+        if why is None and self.data.batch_size * a.factor > a.max:
+            why = (f"max ({a.max}) leaves no room to grow data.batch_size ({self.data.batch_size}) by factor "
+                   f"({a.factor})")
+        if why is not None:
+            raise ValueError(f"data.adaptive_batch: {why}")
         return self
 
     @model_validator(mode="after")

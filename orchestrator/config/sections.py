@@ -46,6 +46,15 @@ class ModelConfig(Section):
         return v
 
 
+class AdaptiveBatchConfig(Section):
+    """data.adaptive_batch: allreduce's batch grows with the measured gradient noise
+    (policies/decisions/batch_size.py, docs/modes.md "Adaptive batch size")."""
+
+    max: int = Field(gt=0, description="The largest batch per replica (at least data.batch_size, where it starts).")
+    factor: int = Field(2, ge=2, description="Each growth multiplies the batch by this, while the result is at most "
+                        "max.")
+
+
 class DataConfig(Section):
     source: str = Field(
         "builtin:mnist5k",
@@ -111,6 +120,12 @@ class DataConfig(Section):
     batch_size: int = Field(64, gt=0, description="Samples per step per replica (per micro-batch with accumulate > "
                             "1); the last batch of each partition is shorter when the partition's rows are not a "
                             "multiple.")
+    adaptive_batch: Optional[AdaptiveBatchConfig] = Field(
+        None, description="{max, factor}: at each epoch's end the batch (per replica, from data.batch_size) is "
+        "multiplied by factor while the gradient noise scale measured across the replicas is at least the grown "
+        "global batch, and the learning rate follows it (scaling.lr_scaling, scaling.lr_warmup_steps). allreduce "
+        "in one phase, 2 or more replicas, equal shares. Also written data.batch_size: {adaptive: {min, max}}."
+    )
     accumulate: int = Field(
         1, ge=1, description="Micro-batches per optimizer step: a step takes accumulate x batch_size rows as this "
         "many forward and backward passes, gradients summed, then one optimizer step (one reduction in allreduce, "
@@ -130,6 +145,21 @@ class DataConfig(Section):
     )
     shuffle: bool = Field(True, description="Reshuffle partition order and rows within partitions every epoch "
                           "(file sources: partitions are contiguous row ranges, so this is a local shuffle).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _adaptive_spelling(cls, raw: Any) -> Any:
+        """data.batch_size: {adaptive: {min, max[, factor]}} is data.batch_size min with data.adaptive_batch."""
+        size = raw.get("batch_size") if isinstance(raw, dict) else None
+        if not isinstance(size, dict):
+            return raw
+        inner = size.get("adaptive")
+        if set(size) != {"adaptive"} or not isinstance(inner, dict) or not {"min", "max"} <= set(inner):
+            raise ValueError("batch_size: give a number, or {adaptive: {min: N, max: M}} (optionally factor)")
+        if "adaptive_batch" in raw:
+            raise ValueError("batch_size: {adaptive: ...} and adaptive_batch are the same setting: give one")
+        rest = {k: v for k, v in inner.items() if k != "min"}
+        return {**raw, "batch_size": inner["min"], "adaptive_batch": rest}
 
     @field_validator("source")
     @classmethod
@@ -189,81 +219,6 @@ class TargetConfig(Section):
     metric: str = Field(min_length=1, description="A metric the task produces (e.g. test_r2) or train_loss.")
     goal: Literal["max", "min"] = Field(description="max: reached at value or above; min: at value or below.")
     value: float = Field(description="The target value.")
-
-
-class ScheduleConfig(Section):
-    """A factor on optimizer.lr by optimizer step (policies/rules/recipe.py Schedule, docs/training.md)."""
-
-    name: str = Field(
-        "constant", min_length=1, description="constant, linear, cosine, step or exponential; any "
-        "torch.optim.lr_scheduler class by name (e.g. OneCycleLR, with its arguments in kwargs); or "
-        "'module:function' called as function(step, steps) -> factor, counted after the warm-up."
-    )
-    warmup: float = Field(
-        0, ge=0, description="Warm-up steps, the factor rising linearly to 1: < 1 a fraction of the run's planned "
-        "optimizer steps, >= 1 a count."
-    )
-    min_factor: float = Field(
-        0.0, ge=0, le=1, description="The floor: linear and cosine end at it, no schedule goes below it."
-    )
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="step: step_size (default a third of the steps) and gamma (0.1); "
-        "exponential: gamma (0.999); a torch.optim.lr_scheduler class: its own arguments."
-    )
-
-    @model_validator(mode="after")
-    def _known(self) -> "ScheduleConfig":
-        from policies.rules.recipe import RecipeError, Schedule
-
-        try:
-            schedule = Schedule(self.model_dump(), 1000)
-            schedule.factor(schedule.warmup)  # the first step after the warm-up: built and called once
-        except RecipeError as exc:
-            raise ValueError(str(exc).removeprefix("config error: optimizer.schedule.name: ")
-                             .removeprefix("config error: optimizer.schedule: ")) from None
-        return self
-
-
-class OptimizerConfig(Section):
-    name: str = Field(
-        "sgd", min_length=1, description="Any torch.optim class by its lower-case name (sgd, adamw, adam, rmsprop, "
-        "nadam, adagrad, ...) or 'module:Class' (a torch.optim.Optimizer subclass). allreduce and local SGD replicas "
-        "step with it; downpour shards apply it to their slices (an element-wise optimizer shards exactly; lbfgs, "
-        "adafactor, muon and sparseadam are refused there); easgd replicas take their local steps with it (sgd: "
-        "plain or, with strategy.momentum > 0, EAMSGD's Nesterov momentum; others need strategy.momentum 0)."
-    )
-    lr: float = Field(0.05, gt=0, description="Learning rate (per step, for the global batch).")
-    momentum: float = Field(
-        0.9, ge=0, lt=1, description="SGD momentum (sgd in allreduce and on downpour shards; easgd uses "
-        "strategy.momentum instead); other optimizers take theirs in kwargs."
-    )
-    weight_decay: float = Field(0.0, ge=0, description="The optimizer's own weight decay (an L2 penalty added to the "
-                                "gradient for sgd and adam, decoupled for adamw).")
-    kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="More arguments for the optimizer's class, e.g. {betas: [0.9, 0.95], "
-        "eps: 1e-8} for adamw."
-    )
-    schedule: Optional[ScheduleConfig] = Field(
-        None, description="{name, warmup, min_factor, kwargs}: the learning rate's factor by optimizer step, the "
-        "same clock in every mode, e.g. {name: cosine, warmup: 0.05, min_factor: 0.1}; a resize's linear scaling "
-        "multiplies it. Default: constant."
-    )
-    clip_grad_norm: Optional[float] = Field(
-        None, gt=0, description="Cap the gradient's global 2-norm at this: the reduced gradient in allreduce (equal "
-        "to clipping in one process), each step's own gradient in the other modes. The norm before clipping is "
-        "logged (grad_norm) either way."
-    )
-
-    @field_validator("name")
-    @classmethod
-    def _resolvable(cls, v: str) -> str:
-        from policies.rules.recipe import RecipeError, optimizer_class
-
-        try:
-            optimizer_class(v)
-        except RecipeError as exc:
-            raise ValueError(str(exc).removeprefix("config error: optimizer.name: ")) from None
-        return v
 
 
 class EvalConfig(Section):

@@ -45,6 +45,7 @@ from policies.decisions.failure import FailurePolicy
 from policies.decisions.leases import MAX_GRANT, first_grant_messages
 from policies.rules.recipe import planned_steps
 from policies.rules.registry import ModeSpec, mode_spec
+from policies.decisions.batch_size import AdaptiveBatch
 from policies.decisions.stop import BestWatch, ChanceWatch, StopPolicy
 from policies.decisions.switching import SwitchPolicy, entering_optimizer, make_switch_policy
 from policies.rules.tasks import split_metric, sum_stats
@@ -114,6 +115,7 @@ class Policies:
     switch: SwitchPolicy
     best: BestWatch  # checkpoint.keep_best, stop.early_stopping
     chance: Optional[ChanceWatch]  # a classification run's loss at chance: diverged
+    batch: Optional[AdaptiveBatch] = None  # data.adaptive_batch
 
 
 def make_policies(config: JobConfig, metric: str, task: Any, dataset: Dataset) -> Policies:
@@ -126,7 +128,8 @@ def make_policies(config: JobConfig, metric: str, task: Any, dataset: Dataset) -
         switch=make_switch_policy(config.strategy, config.metric_goals()),
         best=BestWatch(metric, config.metric_goals()[metric], early.min_delta if early else 0.0,
                        early.patience if early else None),
-        chance=ChanceWatch(classes) if getattr(task, "name", "") == "classification" and classes > 1 else None)
+        chance=ChanceWatch(classes) if getattr(task, "name", "") == "classification" and classes > 1 else None,
+        batch=AdaptiveBatch(config.data.batch_size, a.max, a.factor) if (a := config.data.adaptive_batch) else None)
 
 
 def shards_optimizer(config: JobConfig) -> Any:

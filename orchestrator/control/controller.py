@@ -88,6 +88,7 @@ class Controller:
         `policies` (failure, stop, switch, best, chance) are passed in, else the config's."""
         self.context = ctx = RunContext(config, dataset, tracker, t0, display, trace_ids, resume, interrupts, policies)
         ctx.fleet.elastic = Elasticity(ctx)  # growing and shrinking with the cluster
+        ctx.position.register("batch_size", ctx.fleet.elastic.batch)  # before the rate, which follows it
         ctx.position.register("lr_schedule", ctx.fleet.elastic)  # every resize's learning-rate segment
         # while the driver waits on replicas (a repair, a switch, an evaluation): a dead shard or
         # partition server is still noticed and rebuilt, so a replica waiting for one is not left

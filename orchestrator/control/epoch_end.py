@@ -5,7 +5,7 @@ shard whatever else the driver is doing."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from orchestrator.control.checkpointing import report_written
 from orchestrator.control.reconfig import phase_switch
@@ -145,6 +145,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
         why = run.policies.chance.observe(loss) if run.policies.chance is not None and loss is not None else None
         if why is not None:
             raise TrainingError(f"epoch {epoch}: training diverged: {why}; the last checkpoint is kept")
+        adapt_batch(run, epoch, figures.get("gradient_diversity"))  # before the checkpoint, which keeps it
         ck = cfg.checkpoint
         best = run.policies.best.observe(epoch, judged) and ck.keep_best  # the best epoch so far: kept as best.pt
         if best or checkpoint_due(epoch, time.perf_counter(), max(run.checkpoints.last_s, run.ledger.train_started),
@@ -212,6 +213,24 @@ def interval_evaluation(run: "RunContext", seg: EpochSegment, rank: int, item: d
 
 LR_POINTS = 200  # at most this many (step, lr) points per epoch_end event
 STEP_FIGURES = ("compute_s", "comm_s", "wait_s", "batch_rows")  # per replica, from its progress rows
+
+
+def adapt_batch(run: "RunContext", epoch: int, diversity: Optional[float]) -> None:
+    """data.adaptive_batch: the epoch's gradient noise decides whether the replicas' batch grows
+    for the next epoch (policies/decisions/batch_size.py); the rate follows it (elastic.rebatch)."""
+    rule, elastic = run.policies.batch, run.fleet.elastic
+    if rule is None:
+        return
+    members, before, at = len(run.fleet.group.ranks), elastic.batch.value, run.ledger.totals.steps
+    grown = rule.decide(diversity, members, before)
+    if grown is not None:
+        lr = elastic.rebatch(max(run.ledger.progress.values(), default=0), grown[0])
+        run.report.event("batch_size_changed", epoch=epoch, batch_from=before, batch_to=grown[0],
+                         global_batch=grown[0] * members, noise_scale=round(grown[1], 1),
+                         gradient_diversity=round(diversity, 4), **lr)
+        run.report.say(f"batch {before} -> {grown[0]} per replica (gradient noise scale {grown[1]:.0f} rows >= "
+                       f"{grown[0] * members}); learning rate -> {lr['lr_target']:g}")
+    run.report.metrics([("batch_size", elastic.batch.value, at)])
 
 
 def step_metric_rows(progress: list[dict]) -> list[tuple[str, float, int]]:

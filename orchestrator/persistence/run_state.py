@@ -9,6 +9,7 @@ state and step) plus the run's position: named parts, each a `Stateful` owner of
     failure          the failure policy's restart budget (policies/decisions/failure.py)
     phases           which mode ran when
     train_elapsed_s  the training clock; wall_elapsed_s the run's
+    batch_size       the replicas' batch (data.adaptive_batch grows it; orchestrator/control/reconfig/elastic.py)
     lr_schedule      every resize's learning-rate segment (orchestrator/control/reconfig/elastic.py)
     shards           each shard's server-optimizer state (orchestrator/fleet/shard_group.py)
     best             the best epoch so far (checkpoint.keep_best, stop.early_stopping)

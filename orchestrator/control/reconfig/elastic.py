@@ -67,6 +67,19 @@ class Joining:
 
 
 @dataclass
+class BatchSize:
+    """The "batch_size" part: the replicas' batch now (data.adaptive_batch grows it from data.batch_size)."""
+
+    value: int
+
+    def state_dict(self) -> int:
+        return self.value
+
+    def load_state_dict(self, value: int) -> None:
+        self.value = int(value)
+
+
+@dataclass
 class Elasticity:
     run: "RunContext"
     lost_nodes: set[str] = field(default_factory=set)
@@ -81,6 +94,12 @@ class Elasticity:
         s = self.run.cfg.scaling
         self.policy = make_scaling_policy(s)
         self.lr = LrSchedule(1.0, s.replicas, s.lr_scaling, s.lr_warmup_steps)  # a factor over optimizer.lr
+        self.batch = BatchSize(self.run.cfg.data.batch_size)
+
+    def units(self, replicas: int) -> int:
+        """The global batch in the schedule's units (scaling.replicas x data.batch_size rows are
+        scaling.replicas units): replicas, times the batch's growth (data.adaptive_batch)."""
+        return replicas * self.batch.value // self.run.cfg.data.batch_size
 
     # ---- looking at the cluster ----------------------------------------------------------
     def view(self, exclude: frozenset = frozenset()) -> ClusterView:
@@ -275,12 +294,18 @@ class Elasticity:
         default all). Returns the event's learning-rate fields."""
         step = max(step, self.lr.segments[-1].from_step)  # asynchronous replicas' steps differ: never back
         before = self.lr.lr_at(step)
-        self.lr.resize(step, replicas)
+        self.lr.resize(step, self.units(replicas))
         self.send_lr(ranks)
         seg = self.lr.segments[-1]
         base = self.run.shard_optimizer(self.run.phase.strategy)[1]
         return {"lr_rule": self.lr.rule, "lr_before": round(base * before, 6), "lr_target": round(base * seg.target_lr, 6),
                 "lr_warmup_steps": seg.ramp_steps, "lr_applies": self.run.phase.spec.global_batch}
+
+    def rebatch(self, step: int, batch: int) -> dict[str, Any]:
+        """data.adaptive_batch grew the replicas' batch from `step` on: the rate follows the global
+        batch as on a resize, and every replica (and any started later) takes the batch."""
+        self.batch.value = self.run.fleet.group.raw["data"]["batch_size"] = batch
+        return self.follow(step, len(self.run.fleet.group.ranks))
 
     def state_dict(self) -> list[list]:
         """A checkpoint's part: every resize's learning-rate segment."""
@@ -293,7 +318,8 @@ class Elasticity:
         """A resumed run: the schedule as the checkpoint kept it, moved to the replica count the
         run starts again with, and sent to the replicas."""
         self.lr.load_state_dict(segments)
-        members = len(self.run.fleet.group.ranks)
+        self.run.fleet.group.raw["data"]["batch_size"] = self.batch.value  # its part loads first
+        members = self.units(len(self.run.fleet.group.ranks))
         if self.lr.replicas != members:
             step = max(self.run.ledger.progress.values(), default=0)
             self.lr.resize(max(step, self.lr.segments[-1].from_step), members)
@@ -304,7 +330,8 @@ class Elasticity:
         if len(self.lr.segments) < 2:
             return  # never resized: every replica steps at optimizer.lr
         seg = self.lr.segments[-1]
-        ramp = {"from_step": seg.from_step, "start": seg.start_lr, "target": seg.target_lr, "steps": seg.ramp_steps}
+        ramp = {"from_step": seg.from_step, "start": seg.start_lr, "target": seg.target_lr, "steps": seg.ramp_steps,
+                "batch_size": self.batch.value}
         group = self.run.fleet.group
         group.call(ranks or group.ranks, "set_lr_scale", ramp, what="learning rate")
 
