@@ -225,6 +225,8 @@ def adapt_batch(run: "RunContext", epoch: int, diversity: Optional[float]) -> No
     grown = rule.decide(diversity, members, before)
     if grown is not None:
         lr = elastic.rebatch(max(run.ledger.progress.values(), default=0), grown[0])
+        b, rows = grown[0] * run.cfg.data.accumulate, run.fleet.data.rows  # the display's estimate, as at the start
+        run.ledger.steps_per_epoch = -(-sum(-(-r // b) for r in rows) // members)
         run.report.event("batch_size_changed", epoch=epoch, batch_from=before, batch_to=grown[0],
                          global_batch=grown[0] * members, noise_scale=round(grown[1], 1),
                          gradient_diversity=round(diversity, 4), **lr)
