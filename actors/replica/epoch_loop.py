@@ -284,7 +284,7 @@ class StepWindow:
     def add(self, figures: dict[str, Any]) -> None:
         for k in self.sums:
             v = figures.get(k)
-            if v is not None:
+            if v is not None and math.isfinite(v):  # an fp16 step whose gradient overflowed: no figure
                 self.sums[k] += v
                 self.counts[k] += 1
 

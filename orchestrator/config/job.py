@@ -153,7 +153,8 @@ class JobConfig(Section):
         why = ("needs one allreduce phase (no strategy.phases or switch)" if len(plan) > 1 or plan[0]["mode"] !=
                "allreduce" else "needs equal shares (no strategy.balance or backup_replicas)"
                if plan[0]["balance"] or plan[0]["backup_replicas"] else "needs scaling.replicas >= 2 (the noise is "
-               "measured across replicas)" if self.scaling.replicas < 2 else None)
+               "measured across replicas)" if self.scaling.replicas < 2 else "needs the replicas' own gradient norms, "
+               "which strategy.compression powersgd does not measure" if plan[0]["compression"] == "powersgd" else None)
         if why is None and self.data.batch_size * a.factor > a.max:
             why = (f"max ({a.max}) leaves no room to grow data.batch_size ({self.data.batch_size}) by factor "
                    f"({a.factor})")

@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from orchestrator.control.checkpointing import report_written
+from orchestrator.control import starting
 from orchestrator.control.reconfig import phase_switch
 from orchestrator.errors import MemberLost, TrainingError
 from orchestrator.control.failures import lost_meanwhile
@@ -145,7 +146,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
         why = run.policies.chance.observe(loss) if run.policies.chance is not None and loss is not None else None
         if why is not None:
             raise TrainingError(f"epoch {epoch}: training diverged: {why}; the last checkpoint is kept")
-        adapt_batch(run, epoch, figures.get("gradient_diversity"))  # before the checkpoint, which keeps it
+        lost = adapt_batch(run, seg, figures.get("gradient_diversity"))  # before the checkpoint, which keeps it
         ck = cfg.checkpoint
         best = run.policies.best.observe(epoch, judged) and ck.keep_best  # the best epoch so far: kept as best.pt
         if best or checkpoint_due(epoch, time.perf_counter(), max(run.checkpoints.last_s, run.ledger.train_started),
@@ -153,12 +154,12 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
             try:
                 written = run.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s, named="best.pt" if best else None,
                                          wait=False)  # stored in the background while the next epoch trains
-                tot.checkpoint, lost = written.path, written.lost
+                tot.checkpoint, lost = written.path, lost + written.lost
                 if best:
                     run.ledger.best_model = run.last_state["model"]
                     run.report.event("best_checkpoint", epoch=epoch, metric=run.metric, value=judged[run.metric])
             except TrainingError as exc:  # every member stopped or died meanwhile, or the store failed
-                lost = [exc] if isinstance(exc, MemberLost) else []
+                lost = lost + ([exc] if isinstance(exc, MemberLost) else [])
                 run.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
                 run.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
     decision = run.policies.stop.decide(EpochSnapshot(epoch, judged, time.perf_counter() - run.ledger.train_started))
@@ -215,24 +216,30 @@ LR_POINTS = 200  # at most this many (step, lr) points per epoch_end event
 STEP_FIGURES = ("compute_s", "comm_s", "wait_s", "batch_rows")  # per replica, from its progress rows
 
 
-def adapt_batch(run: "RunContext", epoch: int, diversity: Optional[float]) -> None:
+def adapt_batch(run: "RunContext", seg: EpochSegment, diversity: Optional[float]) -> list[MemberLost]:
     """data.adaptive_batch: the epoch's gradient noise decides whether the replicas' batch grows
-    for the next epoch (policies/decisions/batch_size.py); the rate follows it (elastic.rebatch)."""
+    for the next epoch (policies/decisions/batch_size.py); the rate follows it (elastic.rebatch).
+    Not after an epoch whose membership changed (its figure mixes group sizes). Returns the
+    members lost while they were told (repaired before the next epoch, as the checkpoint's)."""
     rule, elastic = run.policies.batch, run.fleet.elastic
     if rule is None:
-        return
+        return []
     members, before, at = len(run.fleet.group.ranks), elastic.batch.value, run.ledger.totals.steps
-    grown = rule.decide(diversity, members, before)
+    grown = None if seg.disturbed else rule.decide(diversity, members, before, run.cfg.data.accumulate)
+    lost: list[MemberLost] = []
     if grown is not None:
-        lr = elastic.rebatch(max(run.ledger.progress.values(), default=0), grown[0])
-        b, rows = grown[0] * run.cfg.data.accumulate, run.fleet.data.rows  # the display's estimate, as at the start
-        run.ledger.steps_per_epoch = -(-sum(-(-r // b) for r in rows) // members)
-        run.report.event("batch_size_changed", epoch=epoch, batch_from=before, batch_to=grown[0],
+        try:
+            lr = elastic.rebatch(max(run.ledger.progress.values(), default=0), grown[0])
+        except MemberLost as exc:  # the others were told (one fan-out); the newcomer is told as it joins
+            lr, lost = {}, [exc]
+        starting.estimate_steps(run)  # the display's
+        run.report.event("batch_size_changed", epoch=seg.epoch, batch_from=before, batch_to=grown[0],
                          global_batch=grown[0] * members, noise_scale=round(grown[1], 1),
                          gradient_diversity=round(diversity, 4), **lr)
         run.report.say(f"batch {before} -> {grown[0]} per replica (gradient noise scale {grown[1]:.0f} rows >= "
-                       f"{grown[0] * members}); learning rate -> {lr['lr_target']:g}")
+                       f"{grown[0] * run.cfg.data.accumulate * members}); learning rate -> {lr.get('lr_target', '(told as the replica joins)')}")
     run.report.metrics([("batch_size", elastic.batch.value, at)])
+    return lost
 
 
 def step_metric_rows(progress: list[dict]) -> list[tuple[str, float, int]]:

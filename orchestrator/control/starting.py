@@ -61,8 +61,7 @@ def start(run: "RunContext") -> EpochSegment:
     # in-memory data: partitions put once; a file source: only its plan (orchestrator/data/placement.py)
     run.fleet.data = place_data(run.dataset, cfg.data.partitions or 4 * n, cfg.data.seed)
     rows = run.fleet.data.rows
-    bs = cfg.data.batch_size
-    run.ledger.steps_per_epoch = -(-sum(-(-r // bs) for r in rows) // n)  # the display's estimate
+    estimate_steps(run)
     run.phase.lease_plan = (rows, n, cfg.data.seed, run.phase.pinned, cfg.data.shuffle)
     # a run that can switch modes (or checkpoints inside its epochs) is granted one partition at a
     # time: every partition boundary is a point where a replica can hear a pause (two at a time
@@ -82,6 +81,7 @@ def start(run: "RunContext") -> EpochSegment:
                     "start_epoch": 1}]
     if run.resume is not None:
         restore(run, run.resume)
+        estimate_steps(run)  # data.adaptive_batch: at the batch it had grown to
     run.report.event("started", metric=run.metric, task=cfg.task.name, replicas=n, spares=cfg.fault_tolerance.spares,
                       steps_per_epoch=run.ledger.steps_per_epoch, partitions=len(rows),
                       rows_per_partition=[min(rows), max(rows)], startup_s=round(run.ledger.totals.startup_s, 3))
@@ -91,6 +91,15 @@ def start(run: "RunContext") -> EpochSegment:
     run.report.metrics([("replicas_alive", n, at), ("replica_restarts", run.ledger.totals.replica_restarts, at),
                          ("mode", phase_switch.MODE_CODES[run.phase.spec.name], at)])
     return run.begin_epoch(run.ledger.totals.epochs + 1)
+
+
+def estimate_steps(run: "RunContext") -> None:
+    """The display's steps per epoch per replica: every partition cut into steps of the batch
+    (x data.accumulate), shared among the replicas."""
+    b = run.fleet.elastic.batch.value * run.cfg.data.accumulate
+    n = len(run.fleet.group.ranks) or run.cfg.scaling.replicas
+    run.ledger.steps_per_epoch = -(-sum(-(-r // b) for r in run.fleet.data.rows) // n)
+
 
 def restore(run: "RunContext", state: dict[str, Any]) -> None:
     """Go on from a checkpoint: every replica loads its model, optimizer state and step; the

@@ -57,11 +57,17 @@ class AdaptiveBatch:
             raise ValueError(f"need 1 <= base <= max_batch and factor >= 2, got {self.base}, {self.max_batch}, "
                              f"{self.factor}")
 
-    def decide(self, diversity: Optional[float], replicas: int, batch: int) -> Optional[tuple[int, float]]:
-        """(the new per-replica batch, the noise scale it was decided on), or None to keep `batch`."""
-        if diversity is None or replicas < 2 or batch * self.factor > self.max_batch:
+    def decide(self, diversity: Optional[float], replicas: int, batch: int,
+               accumulate: int = 1) -> Optional[tuple[int, float]]:
+        """(the new per-replica batch, the noise scale in rows it was decided on), or None to keep
+        `batch`. A step's gradient is over batch x `accumulate` rows (data.accumulate); no
+        figure (None, not finite: e.g. an epoch whose every step overflowed in fp16) keeps it."""
+        if diversity is None or not math.isfinite(diversity) or diversity <= 0 or replicas < 2:
             return None
-        b_noise = noise_scale(diversity, replicas, batch)
-        if replicas * batch * self.factor > b_noise:
+        if batch * self.factor > self.max_batch:
+            return None
+        rows = batch * accumulate
+        b_noise = noise_scale(diversity, replicas, rows)
+        if replicas * rows * self.factor > b_noise:
             return None
         return batch * self.factor, b_noise

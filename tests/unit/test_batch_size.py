@@ -48,6 +48,9 @@ def test_the_batch_grows_by_its_factor_while_the_grown_global_batch_is_within_th
     assert rule.decide(0.99, 2, 64) == (128, pytest.approx(64 * 0.98 / 0.01))
     assert rule.decide(0.999, 2, 128) is None  # at max: 256 would pass it
     assert rule.decide(None, 2, 16) is None and rule.decide(0.99, 1, 16) is None  # unmeasured; one replica
+    assert rule.decide(float("nan"), 2, 16) is None and rule.decide(float("inf"), 2, 16) is None  # fp16 overflow
+    # data.accumulate k: a step's gradient is over 16 k rows; the noise scale is in rows, the decision the same
+    assert rule.decide(0.9, 2, 16, accumulate=4) == (32, pytest.approx(512.0))
     assert AdaptiveBatch(16, 100, 4).decide(0.999, 2, 16) == (64, pytest.approx(16 * 0.998 / 0.001))
     with pytest.raises(ValueError):
         AdaptiveBatch(16, 8)
@@ -62,6 +65,7 @@ def test_the_config_takes_either_spelling_and_refuses_what_it_cannot_measure():
              ({"data": {"adaptive_batch": {"max": 128}}, "strategy": {"balance": True}}, "equal shares"),
              ({"data": {"adaptive_batch": {"max": 128}}, "strategy": {"backup_replicas": 1}}, "equal shares"),
              ({"data": {"adaptive_batch": {"max": 128}}, "scaling": {"replicas": 1}}, "scaling.replicas >= 2"),
+             ({"data": {"adaptive_batch": {"max": 128}}, "strategy": {"compression": "powersgd"}}, "powersgd"),
              ({"data": {"adaptive_batch": {"max": 100}}}, "max (100) leaves no room to grow data.batch_size (64)"),
              ({"data": {"adaptive_batch": {"max": 128, "factor": 1}}}, "data.adaptive_batch.factor: Input should be"),
              ({"data": {"batch_size": {"adaptive": {"min": 8, "max": 64}}, "adaptive_batch": {"max": 64}}},
