@@ -236,8 +236,9 @@ def adapt_batch(run: "RunContext", seg: EpochSegment, diversity: Optional[float]
         run.report.event("batch_size_changed", epoch=seg.epoch, batch_from=before, batch_to=grown[0],
                          global_batch=grown[0] * members, noise_scale=round(grown[1], 1),
                          gradient_diversity=round(diversity, 4), **lr)
+        rows, rate = grown[0] * run.cfg.data.accumulate * members, lr.get("lr_target", "(told as replicas join)")
         run.report.say(f"batch {before} -> {grown[0]} per replica (gradient noise scale {grown[1]:.0f} rows >= "
-                       f"{grown[0] * run.cfg.data.accumulate * members}); learning rate -> {lr.get('lr_target', '(told as the replica joins)')}")
+                       f"{rows}); learning rate -> {rate}")
     run.report.metrics([("batch_size", elastic.batch.value, at)])
     return lost
 
