@@ -150,14 +150,15 @@ class JobConfig(Section):
         a, plan = self.data.adaptive_batch, self.strategy.plan()
         if a is None:
             return self
-        why = ("needs one allreduce phase (no strategy.phases or switch)" if len(plan) > 1 or plan[0]["mode"] !=
-               "allreduce" else "needs equal shares (no strategy.balance or backup_replicas)"
-               if plan[0]["balance"] or plan[0]["backup_replicas"] else "needs scaling.replicas >= 2 (the noise is "
-               "measured across replicas)" if self.scaling.replicas < 2 else "needs the replicas' own gradient norms, "
-               "which strategy.compression powersgd does not measure" if plan[0]["compression"] == "powersgd" else None)
-        if why is None and self.data.batch_size * a.factor > a.max:
-            why = (f"max ({a.max}) leaves no room to grow data.batch_size ({self.data.batch_size}) by factor "
-                   f"({a.factor})")
+        phase = plan[0]
+        refusals = [(len(plan) > 1 or phase["mode"] != "allreduce", "needs one allreduce phase (no strategy.phases or switch)"),
+                    (phase["balance"] or phase["backup_replicas"], "needs equal shares (no strategy.balance or backup_replicas)"),
+                    (self.scaling.replicas < 2, "needs scaling.replicas >= 2 (the noise is measured across replicas)"),
+                    (phase["compression"] == "powersgd", "needs the replicas' own gradient norms, which strategy.compression "
+                     "powersgd does not measure"),
+                    (self.data.batch_size * a.factor > a.max, f"max ({a.max}) leaves no room to grow data.batch_size "
+                     f"({self.data.batch_size}) by factor ({a.factor})")]
+        why = next((reason for refused, reason in refusals if refused), None)
         if why is not None:
             raise ValueError(f"data.adaptive_batch: {why}")
         return self
