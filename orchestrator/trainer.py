@@ -42,6 +42,7 @@ def check_inputs(config: JobConfig, data: Any = None) -> Union[Dataset, Streamed
         make_optimizer(config.optimizer.model_dump(), model.parameters())
     except RecipeError as exc:
         raise ConfigError(str(exc)) from None
+    check_memory_budget(config, model)
     dataset = _load_checked_data(config, data)
     example = dataset.example(2)  # decoded rows (a file source's first rows: it is only planned, not read)
     check_model_and_task(config, model, example.x, example.y, dataset.num_classes)
@@ -49,6 +50,26 @@ def check_inputs(config: JobConfig, data: Any = None) -> Union[Dataset, Streamed
     if isinstance(dataset, Dataset) and parts > dataset.train_rows:
         raise ConfigError(f"config error: data.partitions: {parts} partitions for {dataset.train_rows} train rows")
     return dataset
+
+
+def check_memory_budget(config: JobConfig, model: Any) -> None:
+    """scaling.memory_per_replica_mb: a replica's parameters, gradients and optimizer state fit it
+    (policies/rules/fsdp.py estimate_bytes), in every mode the run takes; ConfigError otherwise."""
+    budget = config.scaling.memory_per_replica_mb
+    if budget is None:
+        return
+    from policies.rules.fsdp import estimate_bytes
+
+    n, opt = config.scaling.replicas, config.optimizer.model_dump()
+    for mode in dict.fromkeys(config.strategy.modes()):
+        need = estimate_bytes(model, opt, n, split=mode == "fsdp") / 1e6
+        if need > budget:
+            hint = ("" if mode == "fsdp" else
+                    f"; strategy.mode fsdp splits them across the replicas "
+                    f"({estimate_bytes(model, opt, n, split=True) / 1e6:.1f} MB a replica at {n} replicas)")
+            raise ConfigError(f"config error: scaling.memory_per_replica_mb: {mode} needs {need:.1f} MB a replica for "
+                              f"the parameters, gradients and {config.optimizer.name} state of {config.model.factory}, "
+                              f"over the budget of {budget:g} MB{hint}")
 
 
 def _load_checked_data(config: JobConfig, data: Any) -> Union[Dataset, StreamedDataset]:

@@ -19,7 +19,6 @@ Actors import only `actors` and `policies`, never the driver package.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from datetime import timedelta
@@ -42,6 +41,8 @@ from policies.rules.batches import as_tensors, forward, rows as batch_rows, slic
 from policies.rules.recipe import Recipe
 from policies.rules.registry import Transport, build_worker, mode_spec
 from policies.rules.tasks import add_stats, load_task
+from actors.replica.reference import load_reference, reference_loaded
+from actors.replica.rehearsal import rehearse
 from actors.replica.straggler import replica_device, sleep_unless_late, straggler_delay
 
 @ray.remote
@@ -105,7 +106,8 @@ class ModelReplica:
             self.client = RayShardClient(self.shards, s["max_in_flight"], s["timeout_s"])
         self.worker, self.flat = build_worker(self.model, self.cfg, self.rank, self.world_size,
                                               Transport(self.reducer, self.client if self.spec.sharded else None, self.task,
-                                                        self.recipe))
+                                                        self.recipe, rebuild=self._fresh_model, adopt=self._adopt,
+                                                        sample=self._one_row))
         self.apply_lr()
         if self.slow and getattr(self.worker, "straggles_inside", False):
             self.worker.straggle = self.slow_down  # backups: the delay before the gradient is ready, cut short when late
@@ -144,23 +146,20 @@ class ModelReplica:
         set_momentum_buffers(self.worker.optimizer, {k: torch.from_numpy(v).to(self.device) for k, v in flat.items()})
 
     def _load_reference(self) -> None:
-        """The shards' reference parameters and averaged buffers into the model: straight into
-        the flat parameter buffer when this replica has one, else through a temporary one."""
-        with torch.no_grad():
-            if self.flat is not None:
-                self.client.pull(self.flat.params)
-            else:
-                params = [p for p in self.model.parameters() if p.requires_grad]
-                flat = torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=self.device)
-                self.client.pull(flat)
-                offset = 0
-                for p in params:
-                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
-            if self.has_buffers:
-                buffers = dict(self.model.named_buffers())
-                for name, value in self.client.buffers().items():
-                    buffers[name].copy_(torch.from_numpy(value))
+        load_reference(self)
+
+    def _fresh_model(self) -> torch.nn.Module:
+        """The factory's model (fsdp: a regroup shards a fresh one)."""
+        m = self.cfg["model"]
+        return build_model(m["factory"], m["kwargs"], self.cfg["data"]["seed"]).to(self.device)
+
+    def _adopt(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def _one_row(self) -> tuple[Any, Any]:
+        """One row of this replica's test slice: an empty fsdp step's input before any batch."""
+        x, y = next(self.test_batches())
+        return slice_rows(x, 0, 1), slice_rows(y, 0, 1)
 
     def slow_down(self, step_s: float, late: Optional[Callable[[], bool]] = None) -> None:
         """faults.slow_replicas: sleep as the windows active now say (a deliberate straggler;
@@ -200,26 +199,9 @@ class ModelReplica:
         return self.step
 
     def warm_up(self, sample: list, rows: int = 32) -> float:
-        """A spare's rehearsal: one forward, backward and optimizer step on `rows` rows of
-        `sample` (a ref wrapped in a list) and a one-member gloo group, so the replica that takes
-        over pays none of the one-time set-up (torch.optim's first use imports ~1 s of modules;
-        gloo's first group; allocator, kernels). The model's state is put back as it was.
-        Returns the seconds."""
-        t0 = time.perf_counter()
-        data = ray.get(sample[0], timeout=self.cfg["strategy"]["timeout_s"])
-        saved = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        x = to_device(as_tensors(tree_map(lambda a: a[:rows].copy(), data["x"])), self.device)
-        y = to_device(as_tensors(tree_map(lambda a: a[:rows].copy(), data["y"])), self.device)
-        self.model.train()
-        self.task.loss(forward(self.model, x), y).backward()
-        torch.optim.SGD(self.model.parameters(), lr=0.0).step()
-        for p in self.model.parameters():
-            p.grad = None
-        self.model.load_state_dict(saved)
-        if self.spec.process_group and self.device.type == "cpu":
-            store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
-            dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=30)).allreduce([torch.zeros(1)]).wait()
-        return time.perf_counter() - t0
+        """A spare's rehearsal (actors/replica/rehearsal.py): one step on `rows` rows of `sample` (a
+        ref in a list) and a one-member gloo group, the model put back as it was. Returns the seconds."""
+        return rehearse(self, sample, rows)
 
     # ---- process group -------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -237,7 +219,7 @@ class ModelReplica:
         store = dist.TCPStore(addr, port, world_size, group_rank == 0, timeout=timeout)
         prefixed = dist.PrefixStore(f"generation-{generation}", store)
         backend = group_backend(self.device, self.cfg["scaling"]["gpus_per_replica"])
-        pg = new_process_group(prefixed, group_rank, world_size, backend, timeout)
+        pg = new_process_group(prefixed, group_rank, world_size, backend, timeout, default=self.spec.split_state)
         self.reducer.configure(prefixed, pg, timeout_s, keep=store)  # group rank 0 hosts the store: kept with the group
         self.generation, self.world_size = generation, world_size
         return group_rank
@@ -257,7 +239,13 @@ class ModelReplica:
 
     # ---- state transfer ------------------------------------------------------------------
     def export_state(self) -> dict[str, Any]:
-        """This replica's own parameters, buffers and optimizer state, and its step count."""
+        """This replica's own parameters, buffers and optimizer state, and its step count (fsdp:
+        the whole model's, a collective; None on every rank but 0)."""
+        full = getattr(self.worker, "full_state", None)
+        if full is not None:
+            state = full()
+            return None if state is None else {**state, "step": self.step, "worker": None,
+                                               "recipe": self.recipe.state_dict()}
         opt = getattr(self.worker, "optimizer", None)
         return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
                 "optimizer": opt.state_dict() if opt is not None else None, "step": self.step,
@@ -269,12 +257,17 @@ class ModelReplica:
         export = getattr(self.worker, "export", None)
         return export() if export is not None else None
 
-    def load_state(self, state: dict[str, Any]) -> int:
-        """Become a copy of the replica `state` was exported from (allreduce's state transfer)."""
-        self.model.load_state_dict(state["model"])
+    def load_state(self, state: Optional[dict[str, Any]]) -> int:
+        """Become a copy of the replica `state` was exported from (allreduce's state transfer; fsdp:
+        the whole model's, sharded at the next step; None: the factory's initial model at step 0)."""
         opt = getattr(self.worker, "optimizer", None)
-        if opt is not None and state["optimizer"] is not None:
-            opt.load_state_dict(state["optimizer"])
+        if hasattr(self.worker, "load_full"):
+            self.worker.load_full(None if state is None else {"model": state["model"], "optimizer": state["optimizer"]})
+            state = state or {"step": 0}
+        else:
+            self.model.load_state_dict(state["model"])
+            if opt is not None and state["optimizer"] is not None:
+                opt.load_state_dict(state["optimizer"])
         load = getattr(self.worker, "load", None)
         if load is not None:
             load(state.get("worker"))
@@ -349,10 +342,12 @@ class ModelReplica:
         """The task's evaluation sums (policies/rules/tasks.py) over this replica's slice of the test
         split; the driver adds every replica's and finishes them into metrics. Batches of
         data.batch_size: small batches stay in cache and run ~2x faster than one big one on CPU."""
-        self.model.eval()
+        whole = getattr(self.worker, "evaluation_model", None)  # fsdp: a full copy (a collective)
+        model = whole() if whole is not None else self.model
+        model.eval()
         sums: dict[str, Any] = {}
         for x, y in self.test_batches():
-            sums = add_stats(sums, self.task.evaluate(forward(self.model, x), y))
+            sums = add_stats(sums, self.task.evaluate(forward(model, x), y))
         return sums
 
     # ---- state ---------------------------------------------------------------------------
@@ -373,28 +368,15 @@ class ModelReplica:
             return self.evaluate()
 
     def state(self) -> dict[str, Any]:
-        """The mode's reference model (plus this replica's optimizer) for a checkpoint."""
+        """The mode's reference model (plus this replica's optimizer) for a checkpoint (fsdp: the
+        whole model's, a collective; None on every rank but 0)."""
+        if self.spec.split_state:
+            return self.export_state()
         with self._reference_loaded():
             model = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         opt = getattr(self.worker, "optimizer", None)
         return {"model": model, "optimizer": opt.state_dict() if opt is not None else None, "step": self.step,
                 "worker": self._worker_state(), "recipe": self.recipe.state_dict()}
 
-    @contextlib.contextmanager
     def _reference_loaded(self):
-        if self.flat is None:  # allreduce: every replica already holds the reference
-            yield
-            return
-        local = self.flat.params.clone()
-        local_buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
-        self.client.pull(self.flat.params)
-        reference_buffers = self.client.buffers() if local_buffers else {}
-        buffers = dict(self.model.named_buffers())
-        for name, value in reference_buffers.items():
-            buffers[name].detach().copy_(torch.from_numpy(value))
-        try:
-            yield
-        finally:
-            self.flat.params.copy_(local)
-            for name, value in local_buffers.items():
-                buffers[name].detach().copy_(value)
+        return reference_loaded(self)

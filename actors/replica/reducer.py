@@ -38,10 +38,19 @@ def group_backend(device: torch.device, gpus_per_replica: float) -> str:
     return "nccl" if device.type == "cuda" and gpus_per_replica >= 1 else "gloo"
 
 
-def new_process_group(store: Any, group_rank: int, world_size: int, backend: str, timeout: timedelta) -> Any:
-    """A process group of `backend` over `store` (a generation's PrefixStore), as a replica joins one."""
+def new_process_group(store: Any, group_rank: int, world_size: int, backend: str, timeout: timedelta,
+                      default: bool = False) -> Any:
+    """A process group of `backend` over `store` (a generation's PrefixStore), as a replica joins one.
+    `default`: the process's default group (fsdp: torch's DTensor and FSDP collectives address
+    registered groups only), the previous generation's destroyed first (no collective of it is
+    in flight: the replica left it when a step failed, or it is between segments)."""
     import torch.distributed as dist
 
+    if default:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group(backend, store=store, rank=group_rank, world_size=world_size, timeout=timeout)
+        return dist.group.WORLD
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, group_rank, world_size)
     return dist.ProcessGroupGloo(store, group_rank, world_size, timeout)

@@ -19,6 +19,13 @@ class ScalingConfig(Section):
         "reserved and left idle). 1: each replica has its own GPU and allreduce/local_sgd reduce with NCCL; a "
         "fraction (e.g. 0.5): replicas share a GPU and reduce with gloo (NCCL cannot put two ranks on one GPU)."
     )
+    memory_per_replica_mb: Optional[float] = Field(
+        None, gt=0, description="A replica's memory budget (MB) for the model's parameters, gradients and optimizer "
+        "state, checked before anything starts: allreduce and the other modes hold all of it in every replica, "
+        "(2 + the optimizer's tensors per parameter) x the parameters' bytes; fsdp a 1/replicas slice plus the "
+        "largest sharded unit whole. A run over it is refused in one line naming the budget (docs/modes.md, "
+        "\"fsdp\"). None: no check."
+    )
     shards: int = Field(
         1, ge=1, description="ParameterShard actors (downpour, easgd); they reserve no CPU; at most one per "
         "model parameter."

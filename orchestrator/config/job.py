@@ -50,6 +50,15 @@ class JobConfig(Section):
         if self.optimizer.name == "lbfgs":
             raise ValueError("optimizer.name: lbfgs needs a closure that re-evaluates the whole batch's loss, which no "
                              "mode's step gives; choose a first-order optimizer (sgd, adamw, ...)")
+        if "fsdp" in self.strategy.modes():
+            refusals = [(len(self.strategy.plan()) > 1, "is one mode for the whole run (no strategy.phases or switch): "
+                         "its state is split across the replicas, which no other mode takes"),
+                        (self.model.precision == "fp16", "takes model.precision fp32 or bf16 (fp16's loss scaler is "
+                         "not applied to split gradients)"),
+                        (self.model.compile, "does not take model.compile (the model is rebuilt and re-sharded on a regroup)")]
+            refused = next((reason for bad, reason in refusals if bad), None)
+            if refused is not None:
+                raise ValueError(f"strategy.mode fsdp {refused}")
         if "downpour" in self.strategy.modes() and why is not None:
             raise ValueError(f"optimizer.name: downpour's shards apply the optimizer to their slices, and "
                              f"{self.optimizer.name} {why}; choose an element-wise one (sgd, adamw, adagrad, ...)")

@@ -15,8 +15,9 @@ MODE_OPTIONS = {
     "easgd": ("tau", "alpha", "variant", "momentum"),
     "local_sgd": ("period", "outer_lr", "outer_momentum", "balance"),
     "gossip": ("period",),
+    "fsdp": (),
 }
-ModeName = Literal["allreduce", "downpour", "easgd", "local_sgd", "gossip"]
+ModeName = Literal["allreduce", "downpour", "easgd", "local_sgd", "gossip", "fsdp"]
 UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
 
 
@@ -142,7 +143,8 @@ class StrategyConfig(Section):
         "allreduce", description="Synchronization mode: allreduce (synchronous data parallel), downpour "
         "(asynchronous SGD via parameter shards), easgd (elastic averaging), local_sgd (local steps, the models "
         "averaged every strategy.period steps) or gossip (decentralized: every strategy.period steps each replica "
-        "averages with its two ring neighbours); see docs/modes.md."
+        "averages with its two ring neighbours) or fsdp (allreduce's update with the parameters, gradients and optimizer "
+        "state split across the replicas: torch's fully_shard; one mode for the whole run); see docs/modes.md."
     )
     timeout_s: float = Field(
         60.0, gt=0, description="Timeout of each call to the parameter shards and the partition server, and of the replicas' control calls (collectives and progress: fault_tolerance.hang_timeout_s)."

@@ -42,6 +42,11 @@ def take(run: "RunContext", tag: str, timeout_s: float, named: Optional[str] = N
     if not ranks:
         raise TrainingError(f"checkpoint {tag}: no replica left to take the model from")
     lost = []
+    if run.phase.spec.split_state:  # fsdp: gathered whole from every member (a lost one: MemberLost)
+        from orchestrator.control.reconfig.repair import whole_state
+
+        state = whole_state(run, ranks, f"checkpoint {tag}")
+        ranks = []
     for i, rank in enumerate(ranks):  # a member that does not answer (hung, dying): the next one's copy
         try:
             state = run.fleet.group.call([rank], "state", what=f"checkpoint {tag}", timeout_s=timeout_s)[0]

@@ -19,6 +19,9 @@ and the replicas never branch on a mode's name:
   slowest replica at a push, `max_lead`);
 - `global_batch`: each update is the mean gradient over every replica's batch (allreduce), so
   the learning rate follows the replica count on a resize (scaling.lr_scaling);
+- `split_state`: the parameters, gradients and optimizer state are split across the replicas
+  (fsdp): state leaves them whole through a collective on every member, and after a failure
+  every member goes on from the last checkpoint (a lost slice exists nowhere else);
 - `survivors_keep_state`: after a failure in a lock-step mode only newcomers copy a survivor
   (local_sgd: replicas differ between rounds by design, and step counts with balanced periods;
   the first round in the new group reconciles them); else a survivor that applied a step the
@@ -36,6 +39,7 @@ from policies.rules.allreduce import AllReduceWorker
 from policies.rules.downpour import DownpourWorker
 from policies.rules.easgd import EasgdWorker, default_alpha
 from policies.rules.factory import make_optimizer
+from policies.rules.fsdp import FsdpWorker, fsdp_metrics
 from policies.rules.gossip import GossipWorker, gossip_metrics
 from policies.rules.local_sgd import LocalSgdWorker, local_sgd_metrics
 from policies.rules.sharding import FlatParams
@@ -50,6 +54,9 @@ class Transport:
     client: Any = None
     task: Any = None  # the loss every mode's rule calls (policies/rules/tasks.py)
     recipe: Any = None  # the step's micro-batches, precision and clipping (policies/rules/recipe.py)
+    rebuild: Any = None  # fsdp: a fresh model from the factory (a regroup shards a new one)
+    adopt: Any = None  # fsdp: hands the replica the model it now trains
+    sample: Any = None  # fsdp: one row to take an empty step on before any batch was seen
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,8 @@ class ModeSpec:
     balanced_share: str = "batch_rows"  # strategy.balance splits the batch (rows a step) or local SGD's "period"
     survivors_keep_state: bool = False  # after a failure survivors keep their own state (the next round reconciles)
     epoch_events: Callable[[list[SegmentEnd]], list[dict[str, Any]]] = lambda stats: []  # the mode's own events
+    split_state: bool = False  # the model's state is split across the replicas (fsdp): it leaves them only whole, through
+    # a collective on every member; a failure loses a slice, so every member goes on from the last checkpoint
 
     def leases_pinned(self, strategy: dict[str, Any], shares: Optional[list[int]] = None) -> bool:
         """Pinned leasing, unless the strategy balances the work (strategy.balance) and the
@@ -105,6 +114,12 @@ def _local_sgd_worker(model, flat, cfg, rank, world, transport):
 def _gossip_worker(model, flat, cfg, rank, world, transport):
     return GossipWorker(model, make_optimizer(cfg["optimizer"], model.parameters()), transport.reducer,
                         cfg["strategy"]["period"], transport.task, recipe=transport.recipe)
+
+
+def _fsdp_worker(model, flat, cfg, rank, world, transport):
+    return FsdpWorker(model, cfg["optimizer"], transport.reducer, transport.task, transport.recipe,
+                      rebuild=transport.rebuild, adopt=transport.adopt, sample=transport.sample,
+                      batch=int(cfg["data"]["batch_size"]) * int(cfg["data"].get("accumulate", 1)))
 
 
 def _downpour_worker(model, flat, cfg, rank, world, transport):
@@ -181,6 +196,9 @@ MODES: dict[str, ModeSpec] = {
     "gossip": ModeSpec("gossip", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
                        server_optimizer=lambda name: name, build_worker=_gossip_worker, metrics=gossip_metrics,
                        survivors_keep_state=True),
+    "fsdp": ModeSpec("fsdp", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
+                     server_optimizer=lambda name: name, build_worker=_fsdp_worker, metrics=fsdp_metrics,
+                     global_batch=True, split_state=True),
 }
 
 

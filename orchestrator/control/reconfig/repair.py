@@ -101,6 +101,7 @@ class Repair(Change):
         self.shrink = [d for d in plan.decisions if isinstance(d, Drop) and d.shrink]
         self.donor_step = 0
         self.from_checkpoint: Optional[int] = None
+        self.whole: Optional[dict[str, Any]] = None  # split state (fsdp): gathered before a planned move
 
     def membership(self, run: "RunContext", seg: EpochSegment) -> None:
         group = run.fleet.group
@@ -133,6 +134,9 @@ class Repair(Change):
     def hand_off(self, run: "RunContext", seg: EpochSegment) -> None:
         """Newcomers (and any survivor that applied a step the others did not) copy a survivor."""
         group, newcomers = run.fleet.group, self.newcomers
+        if run.phase.spec.split_state:
+            self.split_hand_off(run, seg)
+            return
         donor, self.donor_step = pick_donor(run, self.plan, self.survivors)
         if donor is None and newcomers and not run.phase.spec.sharded:  # allreduce's state lived only in the replicas
             if run.last_state is None:
@@ -153,6 +157,22 @@ class Repair(Change):
             behind = [] if run.phase.spec.survivors_keep_state else \
                 [r for r in self.survivors if self.plan.steps_at_interrupt.get(r, self.donor_step) != self.donor_step]
             group.transfer_state(donor, self.replaced + behind)
+
+    def split_hand_off(self, run: "RunContext", seg: EpochSegment) -> None:
+        """Split state (fsdp): every member, survivors too, loads one whole state and re-shards it
+        over the new group: the one gathered before a planned move, else the last checkpoint's (a
+        failure took a slice that exists nowhere else; none yet: the initial model)."""
+        import ray
+
+        state = self.whole if self.whole is not None else run.last_state
+        if self.whole is None:
+            self.from_checkpoint = state["step"] if state is not None else 0
+            run.report.say(f"a replica holding a slice of the model is gone: every replica goes on from the "
+                           f"{'last checkpoint' if state is not None else 'initial model'} (replica step "
+                           f"{self.from_checkpoint}); the steps since are lost")
+        ref = ray.put(state)
+        self.donor_step = run.fleet.group.call(run.fleet.group.ranks, "load_state", ref,
+                                               what="the whole model's state", peers=False)[0]
 
     def regroup(self, run: "RunContext") -> bool:
         # a smaller group too: EASGD's rounds and alpha follow it
@@ -197,6 +217,13 @@ class Repair(Change):
         run.report.say(f"{'replaced' if replaced else 'dropped'} replica(s) {replaced or dropped} "
                        f"({', '.join(self.how.values()) or 'no replacement'}); generation {run.fleet.group.generation}")
         return event
+
+
+def whole_state(run: "RunContext", ranks: list[int], what: str) -> dict[str, Any]:
+    """Split state (fsdp): the model's state gathered whole from every member of `ranks` (a
+    collective; group rank 0 answers it, the others None)."""
+    states = run.fleet.group.call(ranks, "export_state", what=what)
+    return next(s for s in states if s is not None)
 
 
 def pick_donor(run: "RunContext", plan: Plan, survivors: list[int]) -> tuple[Any, int]:

@@ -1,0 +1,133 @@
+"""fsdp's rule (policies/rules/fsdp.py) on a real two-process gloo group, no Ray: the steps equal
+one process training on the union of the replicas' batches; plus its pure parts (units, the
+memory estimate, the config's refusals)."""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+
+from policies.rules.fsdp import estimate_bytes, optimizer_slots, shard_units
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(6, 16)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(2)])
+        self.act = torch.nn.ReLU()
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        x = self.act(self.embed(x))
+        for b in self.blocks:
+            x = self.act(b(x))
+        return self.head(x)
+
+
+SPEC = {"name": "adamw", "lr": 0.01, "weight_decay": 0.01, "momentum": 0.0}
+
+
+def batches(seed: int = 1) -> list[list]:
+    """Per step, each rank's (x, y) or None (its data ran out): uneven rows, an empty step."""
+    g = torch.Generator().manual_seed(seed)
+
+    def b(n):
+        return (torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+    return [[b(5), b(3)], [b(4), b(4)], [b(6), None], [b(2), b(7)]]
+
+
+def _rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from actors.replica.reducer import ProcessGroupReducer, new_process_group
+    from policies.rules.fsdp import FsdpWorker
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
+    pg = new_process_group(store, rank, world, "gloo", timedelta(seconds=30), default=True)
+    reducer = ProcessGroupReducer()
+    reducer.configure(store, pg, 30.0)
+    worker = FsdpWorker(Net(), SPEC, reducer, rebuild=Net, adopt=lambda m: None)
+    steps = batches()
+    for i, step in enumerate(steps):
+        mine = step[rank]
+        more = any(s[rank] is not None for s in steps[i + 1:])
+        x, y = mine if mine is not None else (None, None)
+        result = worker.step(x, y, more)
+    stats = worker.end_epoch()
+    probe = torch.randn(4, 6, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        evaluated = worker.evaluation_model()(probe)
+    state = worker.full_state()
+    torch.save({"state": state, "bytes": stats["state_bytes"], "loss": result.loss, "rows": result.rows,
+                "evaluated": evaluated}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_two_replicas_step_as_one_process_on_the_union_of_their_batches(tmp_path):
+    import torch.multiprocessing as mp
+
+    from actors.replica.reducer import free_port
+
+    mp.spawn(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
+    assert r1["state"] is None  # the whole state comes from group rank 0 only
+
+    ref = Net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.01)
+    for step in batches():
+        xs = [s for s in step if s is not None]
+        x, y = torch.cat([s[0] for s in xs]), torch.cat([s[1] for s in xs])
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+    for name, value in ref.state_dict().items():
+        assert torch.allclose(r0["state"]["model"][name], value, atol=1e-5), name
+    moments = r0["state"]["optimizer"]["state"]
+    for name, p in ref.named_parameters():
+        assert torch.allclose(moments[name]["exp_avg"], opt.state[p]["exp_avg"], atol=1e-6), name
+    assert r0["loss"] == pytest.approx(float(loss), rel=1e-5) and r0["rows"] == 9
+    probe = torch.randn(4, 6, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = ref(probe)
+    assert torch.allclose(r0["evaluated"], expected, atol=1e-5) and torch.allclose(r1["evaluated"], expected, atol=1e-5)
+    # each replica holds about half of the parameters, gradients and AdamW's two moments
+    whole = 4 * sum(p.numel() * 4 for p in ref.parameters())
+    for r in (r0, r1):
+        assert 0.45 * whole <= r["bytes"] <= 0.6 * whole
+
+
+def test_units_slots_and_the_memory_estimate():
+    net = Net()
+    assert shard_units(net) == [net.embed, net.blocks[0], net.blocks[1], net.head]  # the ModuleList's children; ReLU holds none
+    assert optimizer_slots(SPEC) == 2 and optimizer_slots({**SPEC, "name": "sgd", "momentum": 0.9}) == 1
+    assert optimizer_slots({**SPEC, "name": "sgd"}) == 0
+    size = sum(p.numel() * 4 for p in net.parameters())
+    assert estimate_bytes(net, SPEC, 4, split=False) == 4 * size
+    largest = (16 * 16 + 16) * 4
+    assert estimate_bytes(net, SPEC, 4, split=True) == -(-4 * size // 4) + 2 * largest
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"strategy": {"phases": [{"mode": "fsdp", "until": {"epochs": 1}}, {"mode": "allreduce"}]}},
+     "one mode for the whole run"),
+    ({"strategy": {"mode": "fsdp"}, "model": {"precision": "fp16"}}, "fp32 or bf16"),
+    ({"strategy": {"mode": "fsdp"}, "model": {"compile": True}}, "model.compile"),
+])
+def test_fsdp_refuses_what_it_cannot_take(change, message):
+    import yaml
+
+    from orchestrator.config import JobConfig
+
+    raw = yaml.safe_load(open("examples/mnist_allreduce.yaml"))
+    raw["strategy"] = {k: v for k, v in raw.get("strategy", {}).items() if k not in ("mode", "phases")}
+    for section, values in change.items():
+        raw.setdefault(section, {}).update(values)
+    with pytest.raises(Exception, match=message):
+        JobConfig.from_dict(raw)
+    assert JobConfig.from_yaml("examples/mnist_allreduce.yaml", ["strategy.mode=fsdp"]).strategy.mode == "fsdp"
