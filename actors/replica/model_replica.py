@@ -148,9 +148,12 @@ class ModelReplica:
     def _load_reference(self) -> None:
         load_reference(self)
 
-    def _fresh_model(self) -> torch.nn.Module:
-        """The factory's model (fsdp: a regroup shards a fresh one)."""
+    def _fresh_model(self, meta: bool = False) -> torch.nn.Module:
+        """The factory's model (fsdp: a regroup shards a fresh one); `meta`: on the meta device, no storage."""
         m = self.cfg["model"]
+        if meta:
+            with torch.device("meta"):
+                return build_model(m["factory"], m["kwargs"], self.cfg["data"]["seed"])
         return build_model(m["factory"], m["kwargs"], self.cfg["data"]["seed"]).to(self.device)
 
     def _adopt(self, model: torch.nn.Module) -> None:

@@ -110,14 +110,14 @@ def local(t: Any) -> torch.Tensor:
 
 
 class FsdpWorker:
-    """The replica-side loop body of fsdp (policies/rules/modes.py's shape). `rebuild()`: a fresh
-    unsharded model from the factory; `adopt(model)`: the replica takes it as its model (after a
+    """The replica-side loop body of fsdp (policies/rules/modes.py's shape). `rebuild(meta=False)`: a
+    fresh unsharded model from the factory (meta: on the meta device, no storage); `adopt(model)`: the replica takes it as its model (after a
     regroup); `sample()`: one row (x, y) to step on when this replica never had a batch."""
 
     lock_step = True
 
     def __init__(self, model: torch.nn.Module, spec: dict[str, Any], reducer: Any, task: Optional[Task] = None,
-                 recipe: Optional[Recipe] = None, rebuild: Optional[Callable[[], torch.nn.Module]] = None,
+                 recipe: Optional[Recipe] = None, rebuild: Optional[Callable[..., torch.nn.Module]] = None,
                  adopt: Optional[Callable[[torch.nn.Module], None]] = None,
                  sample: Optional[Callable[[], tuple[Any, Any]]] = None, batch: int = 0) -> None:
         self.model, self.spec, self.reducer = model, spec, reducer
@@ -204,8 +204,11 @@ class FsdpWorker:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        copy = self.rebuild()
-        copy.load_state_dict(full)
+        copy = self.rebuild(meta=True)  # no storage of its own: it takes the gathered tensors
+        copy.load_state_dict(full, assign=True)
+        if any(t.is_meta for t in [*copy.parameters(), *copy.buffers()]):  # a non-persistent buffer: built whole
+            copy = self.rebuild()
+            copy.load_state_dict(full)
         return copy
 
     def state_bytes(self) -> int:

@@ -51,7 +51,11 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     pg = new_process_group(store, rank, world, "gloo", timedelta(seconds=30), default=True)
     reducer = ProcessGroupReducer()
     reducer.configure(store, pg, 30.0)
-    worker = FsdpWorker(Net(), SPEC, reducer, rebuild=Net, adopt=lambda m: None)
+    def rebuild(meta=False):
+        with torch.device("meta" if meta else "cpu"):
+            return Net()
+
+    worker = FsdpWorker(Net(), SPEC, reducer, rebuild=rebuild, adopt=lambda m: None)
     steps = batches()
     for i, step in enumerate(steps):
         mine = step[rank]
