@@ -199,7 +199,13 @@ def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: "bool 
         return
     if replica.flat is not None and replica.has_buffers:  # the reference model's buffers: the replicas' averaged
         replica.client.set_buffers(replica.rank, replica.local_buffers())
-    evaluation = replica.evaluate() if replica.flat is None else None  # sharded modes: see evaluate_reference
+    try:
+        evaluation = replica.evaluate() if replica.flat is None else None  # sharded modes: see evaluate_reference
+    except Interrupted as exc:  # fsdp evaluates in lock step: a peer lost meanwhile
+        replica.leave_group()
+        yield segment_end(replica, "interrupted", epoch, steps, samples, train_s, comm_s, consumed, loss, rows,
+                          reason=str(exc))
+        return
     replica.cursor = None
     yield segment_end(replica, "epoch", epoch, steps, samples, train_s, comm_s, consumed, loss, rows,
                             eval=evaluation, mode=mode_stats, partitions=list(replica.reader.read),

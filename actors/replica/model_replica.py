@@ -148,12 +148,9 @@ class ModelReplica:
     def _load_reference(self) -> None:
         load_reference(self)
 
-    def _fresh_model(self, meta: bool = False) -> torch.nn.Module:
-        """The factory's model (fsdp: a regroup shards a fresh one); `meta`: on the meta device, no storage."""
+    def _fresh_model(self) -> torch.nn.Module:
+        """The factory's model (fsdp: a regroup shards a fresh one)."""
         m = self.cfg["model"]
-        if meta:
-            with torch.device("meta"):
-                return build_model(m["factory"], m["kwargs"], self.cfg["data"]["seed"])
         return build_model(m["factory"], m["kwargs"], self.cfg["data"]["seed"]).to(self.device)
 
     def _adopt(self, model: torch.nn.Module) -> None:
@@ -345,12 +342,13 @@ class ModelReplica:
         """The task's evaluation sums (policies/rules/tasks.py) over this replica's slice of the test
         split; the driver adds every replica's and finishes them into metrics. Batches of
         data.batch_size: small batches stay in cache and run ~2x faster than one big one on CPU."""
-        whole = getattr(self.worker, "evaluation_model", None)  # fsdp: a full copy (a collective)
-        model = whole() if whole is not None else self.model
-        model.eval()
+        self.model.eval()
         sums: dict[str, Any] = {}
-        for x, y in self.test_batches():
-            sums = add_stats(sums, self.task.evaluate(forward(model, x), y))
+        lock_step = getattr(self.worker, "in_lock_step", None)  # fsdp: every member runs as many forwards
+        for x, y in (self.test_batches() if lock_step is None else lock_step(self.test_batches())):
+            out = forward(self.model, x)
+            if y is not None:  # (fsdp's padding: no rows of this replica's)
+                sums = add_stats(sums, self.task.evaluate(out, y))
         return sums
 
     # ---- state ---------------------------------------------------------------------------

@@ -26,15 +26,15 @@ state (a collective: every member is called, rank 0 returns it); `load_full` tak
 state and applies it when the worker (re)shards over its group. A regroup (a failure, a
 resize) rebuilds the model from the factory, loads the full state the controller sends (the
 last checkpoint's: a lost replica's slice exists nowhere else), and shards it over the new
-group. Evaluation gathers the full parameters into a plain copy (`evaluation_model`), so each
-replica evaluates its own test slice without collectives.
+group. Evaluation runs the sharded model in lock step (`in_lock_step`): each replica its own test
+slice, padded with forwards on one row so every member gathers each unit as often.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -110,8 +110,8 @@ def local(t: Any) -> torch.Tensor:
 
 
 class FsdpWorker:
-    """The replica-side loop body of fsdp (policies/rules/modes.py's shape). `rebuild(meta=False)`: a
-    fresh unsharded model from the factory (meta: on the meta device, no storage); `adopt(model)`: the replica takes it as its model (after a
+    """The replica-side loop body of fsdp (policies/rules/modes.py's shape). `rebuild()`: a fresh
+    unsharded model from the factory; `adopt(model)`: the replica takes it as its model (after a
     regroup); `sample()`: one row (x, y) to step on when this replica never had a batch."""
 
     lock_step = True
@@ -130,7 +130,6 @@ class FsdpWorker:
         self.pending: Optional[dict[str, Any]] = None  # a full state to load when (re)sharding
         self.dummy: Optional[tuple[Any, Any]] = None  # one row of the last batch: an empty step's input
         self.last: dict[str, Any] = {}
-        self.for_evaluation: Optional[torch.nn.Module] = None  # gathered at the epoch's end
 
     # ---- sharding ----------------------------------------------------------------------
     def _fit_group(self) -> None:
@@ -191,25 +190,22 @@ class FsdpWorker:
         self.pending = state if state is not None else {"model": self.rebuild().state_dict(), "optimizer": None}
         self.group = None  # re-shard at the next step even in a group of the same shape
 
-    def evaluation_model(self) -> torch.nn.Module:
-        """A plain copy with the full parameters, for evaluating without collectives: the one
-        gathered at the epoch's end, else gathered now (a collective: every member evaluates at
-        the same step)."""
-        copy, self.for_evaluation = self.for_evaluation, None
-        return copy if copy is not None else self._gathered()
-
-    def _gathered(self) -> torch.nn.Module:
-        if not self.sharded or self.pending is not None:
-            return self.model
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        copy = self.rebuild(meta=True)  # no storage of its own: it takes the gathered tensors
-        copy.load_state_dict(full, assign=True)
-        if any(t.is_meta for t in [*copy.parameters(), *copy.buffers()]):  # a non-persistent buffer: built whole
-            copy = self.rebuild()
-            copy.load_state_dict(full)
-        return copy
+    def in_lock_step(self, batches: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
+        """Evaluation's batches with every member running as many forwards (each unit's
+        parameters are gathered for its forward, as in training): before each, a 1-float sum of
+        "I have another batch"; a member whose slice ran out runs a row of padding, yielded with
+        targets None (not counted). A failed collective is an interruption."""
+        it = iter(batches)
+        with collectives("evaluation"):
+            while True:
+                batch = next(it, None)
+                (holding,) = self._sum([float(batch is not None)])
+                if holding == 0:
+                    return
+                if batch is not None:
+                    yield batch
+                else:
+                    yield (self.dummy if self.dummy is not None else self.sample())[0], None
 
     def state_bytes(self) -> int:
         """This replica's bytes of parameters, gradients and optimizer state (its slices)."""
@@ -270,10 +266,6 @@ class FsdpWorker:
         pass
 
     def end_epoch(self) -> dict[str, Any]:
-        """The epoch's state bytes; the full parameters gathered for the evaluation that follows
-        (here, where a failed collective is an interruption of the epoch's end)."""
-        with collectives("gathering the model for evaluation"):
-            self.for_evaluation = self._gathered()
         return {"state_bytes": self.state_bytes()}
 
 
