@@ -29,6 +29,21 @@ MMAP_BYTES = 32 << 20
 def keep_heap() -> bool:
     """Fix glibc's trim and mmap thresholds for this process (see the module docstring).
     Returns whether both were set (False: not Linux, or no glibc that takes them)."""
+    return _thresholds(TRIM_BYTES, MMAP_BYTES)
+
+
+def return_big_buffers() -> bool:
+    """The other way round, for fsdp's replicas: every allocation of 1 MiB or more gets a mapping
+    of its own, unmapped when freed, and free heap above 1 MiB is trimmed. A sharded step makes
+    and frees a unit's gathered parameters and gradients several times (tens of MB each): kept
+    in the heap (keep_heap, or glibc's own thresholds, which rise to the largest block freed)
+    they held a replica's resident memory ~4 x the model's bytes above its slices, and it crept
+    up step by step; given back, it stays at the slices plus one unit (measured:
+    docs/benchmarks.md, "fsdp")."""
+    return _thresholds(1 << 20, 1 << 20)
+
+
+def _thresholds(trim_bytes: int, mmap_bytes: int) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -36,6 +51,6 @@ def keep_heap() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    trim = mallopt(M_TRIM_THRESHOLD, TRIM_BYTES)
-    mmap = mallopt(M_MMAP_THRESHOLD, MMAP_BYTES)
+    trim = mallopt(M_TRIM_THRESHOLD, trim_bytes)
+    mmap = mallopt(M_MMAP_THRESHOLD, mmap_bytes)
     return bool(trim) and bool(mmap)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from actors.replica import epoch_loop
-from actors.replica.heap import keep_heap
+from actors.replica.heap import keep_heap, return_big_buffers
 from actors.partitions.reader import PartitionReader
 from actors.replica.rates import Rates
 from actors.replica.reducer import EmulatedLink, ProcessGroupReducer, free_port, group_backend, new_process_group
@@ -50,7 +50,8 @@ class ModelReplica:
     def __init__(self, rank: Optional[int], world_size: int, config: dict[str, Any], shards: Any = None) -> None:
         """`rank` None: a spare (see `assign`). `shards`: the shard directory (sharded modes)."""
         self.cfg = config
-        keep_heap()  # a step's activations are reused, not given back and faulted in again (actors/replica/heap.py)
+        # a step's activations are reused, not given back and faulted in again; fsdp gives its gathered units back
+        (return_big_buffers if mode_spec(config["strategy"]["mode"]).split_state else keep_heap)()  # (actors/replica/heap.py)
         torch.set_num_threads(max(1, int(config["scaling"]["cpus_per_replica"])))
         self.device = replica_device(config["scaling"]["gpus_per_replica"])
         self.model = build_model(config["model"]["factory"], config["model"]["kwargs"], config["data"]["seed"]).to(self.device)

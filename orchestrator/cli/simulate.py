@@ -96,9 +96,15 @@ def simulate(cfg: Any, replicas: list[int], stragglers: Stragglers, run: Optiona
     if st.compression != "none":  # allreduce's gradients travel in half precision, or as low-rank factors
         cal = replace(cal, allreduce_bytes_per_param=allreduce_bytes_per_param(cfg),
                       source=f"{cal.source}; all-reduce in {st.compression}")
+    from orchestrator.models import build_model
+    from policies.rules.fsdp import shard_units
+
+    model = build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed)
+    units = len(shard_units(model)) + any(True for _ in model.parameters(recurse=False))  # the root's own, if any
     shape = ModeShape(period=period or st.period, tau=period or st.tau, shards=cfg.scaling.shards, n_push=st.n_push,
                       n_fetch=st.n_fetch,
-                      backups=max([p["backup_replicas"] for p in st.plan() if p["mode"] == "allreduce"] or [0]) or 1)
+                      backups=max([p["backup_replicas"] for p in st.plan() if p["mode"] == "allreduce"] or [0]) or 1,
+                      units=units)
     return cal, table(replicas, cal, stragglers, shape)
 
 

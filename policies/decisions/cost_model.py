@@ -25,6 +25,11 @@ The alpha-beta model per step, n replicas:
   traffic);
 - easgd (S shards, an exchange every tau steps: M up and M down): as downpour with
   1/n_push + 1/n_fetch = 2/tau;
+- fsdp (U units): allreduce's wait for the slowest, then per unit two all-gathers of its
+  parameters (forward, backward) and a reduce-scatter of its gradients, each (n-1)/n of its
+  bytes: 3 (n-1)/n M beta + 3 U (n-1) alpha, plus two small all-reduces (the step's rows and
+  flags, its loss), 4 (n-1) alpha; a replica holds 1/n of the parameters, gradients and
+  optimizer state (`extra["state_share"]`);
 - backup (allreduce with b backup replicas): the wait is for the (n - b)-th fastest replica
   instead of the slowest, the ring is the same, and a step trains on (n - b) x b rows;
 - single: one replica, compute only.
@@ -44,7 +49,7 @@ from typing import Any, Optional
 import numpy as np
 
 BYTES_PER_PARAM = 4
-MODES = ("single", "allreduce", "backup", "local_sgd", "gossip", "downpour", "easgd")
+MODES = ("single", "allreduce", "backup", "local_sgd", "gossip", "fsdp", "downpour", "easgd")
 SAMPLES = 4000  # draws for an expected maximum with jitter (a fixed seed: the same answer every time)
 
 
@@ -109,6 +114,7 @@ class ModeShape:
     n_push: int = 1
     n_fetch: int = 1
     backups: int = 1  # allreduce with backup replicas: the step applies the first n - backups gradients
+    units: int = 4  # fsdp: the sharded units (each a gather before its forward and its backward, a reduce-scatter after)
 
 
 @dataclass
@@ -198,6 +204,13 @@ def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),
         comm = ring_allreduce_s(ring, n) * slowdown(cal, n) / h
         step = c + comm
         return Prediction(mode, n, step, c, comm, n * b / step, extra={"period": h})
+    if mode == "fsdp":  # per unit: two all-gathers and a reduce-scatter, (n-1)/n of its bytes each; two small sums
+        c = max_compute(cal, n, s)
+        u = max(1, shape.units)
+        comm = 0.0 if n <= 1 else (3 * (n - 1) / n * cal.model_bytes * cal.beta_s_per_byte
+                                   + (3 * u + 4) * (n - 1) * cal.alpha_s) * slowdown(cal, n)
+        step = c + comm
+        return Prediction(mode, n, step, c, comm, n * b / step, extra={"units": u, "state_share": 1 / n})
     if mode == "gossip":  # a round: the model to each ring neighbour and theirs back, and a 3-float all-reduce
         h = max(1, shape.period)
         c = max_compute(cal, n, s, block=h)

@@ -31,8 +31,11 @@ def grow_run(tmp_path, mode, lr_scaling):
     return trainer.fit(), trainer
 
 
-def test_allreduce_grows_to_max_replicas_and_the_rate_follows_the_rule(ray_cluster, tmp_path):
-    result, trainer = grow_run(tmp_path, "allreduce", "linear")
+@pytest.mark.parametrize("mode", ["allreduce", pytest.param("fsdp", marks=pytest.mark.full)])
+def test_allreduce_grows_to_max_replicas_and_the_rate_follows_the_rule(ray_cluster, tmp_path, mode):
+    """(fsdp too: the whole model gathered from the member, every replica re-sharding it over the
+    new group, each then holding half of the state it held alone.)"""
+    result, trainer = grow_run(tmp_path, mode, "linear")
     [grow] = [e for e in result.events if e["kind"] == "resize"]
     assert grow["direction"] == "grow" and grow["old_size"] == 1 and grow["new_size"] == 2, grow
     assert grow["ranks"] == [1] and grow["resize_s"] > 0 and grow["lr_rule"] == "linear"
@@ -52,6 +55,9 @@ def test_allreduce_grows_to_max_replicas_and_the_rate_follows_the_rule(ray_clust
     assert len(ramp) == 10 and all(LR < v < 2 * LR for _, v in ramp[:-1])
     assert [v for _, v in ramp] == sorted(v for _, v in ramp)
     assert result.final.test_accuracy > 0.9
+    if mode == "fsdp":
+        held = [e["replica_state_mb"] for e in ends]
+        assert held[-1] == pytest.approx(held[0] / 2, rel=0.02), held
 
 
 

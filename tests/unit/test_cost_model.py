@@ -240,3 +240,16 @@ def test_the_shard_path_option_refuses_an_unknown_value_and_a_modelled_link():
         calibration(cfg, shard_path="there")
     with pytest.raises(ConfigError, match="--bandwidth-gbps"):
         calibration(cfg, bandwidth_gbps=1.0, shard_path="here")
+
+
+def test_fsdp_pays_one_and_a_half_rings_of_bytes_and_three_messages_a_unit():
+    """fsdp: per unit two all-gathers and a reduce-scatter, (n-1)/n of its bytes each, and two
+    small all-reduces; one replica is the single step; a replica holds 1/n of the state."""
+    cal = Calibration(params=1_000_000, batch=64, compute_s=0.01, alpha_s=5e-5, beta_s_per_byte=1e-9)
+    one = predict("fsdp", 1, cal)
+    assert one.comm_s == 0.0 and one.step_s == pytest.approx(cal.compute_s)
+    for n in (2, 8, 1024):
+        p = predict("fsdp", n, cal, shape=ModeShape(units=5))
+        want = 3 * (n - 1) / n * cal.model_bytes * cal.beta_s_per_byte + (3 * 5 + 4) * (n - 1) * cal.alpha_s
+        assert p.comm_s == pytest.approx(want) and p.extra["state_share"] == pytest.approx(1 / n)
+        assert p.comm_s > predict("allreduce", n, cal).comm_s  # more bytes and more messages than the ring
