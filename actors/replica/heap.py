@@ -33,13 +33,15 @@ def keep_heap() -> bool:
 
 
 def return_big_buffers() -> bool:
-    """The other way round, for fsdp's replicas: every allocation of 1 MiB or more gets a mapping
-    of its own, unmapped when freed, and free heap above 1 MiB is trimmed. A sharded step makes
-    and frees a unit's gathered parameters and gradients several times (tens of MB each): kept
-    in the heap (keep_heap, or glibc's own thresholds, which rise to the largest block freed)
-    they held a replica's resident memory ~4 x the model's bytes above its slices, and it crept
-    up step by step; given back, it stays at the slices plus one unit (measured:
-    docs/benchmarks.md, "fsdp")."""
+    """The other way round, for fsdp's replicas on the CPU: every allocation of 1 MiB or more
+    gets a mapping of its own, unmapped when freed, and free heap above 1 MiB is trimmed. A
+    sharded step makes and frees a unit's gathered parameters and gradients several times (tens
+    of MB each): kept in the heap (keep_heap, or glibc's own thresholds, which rise to the
+    largest block freed) they held a replica's resident memory at ~8 x the model's bytes above
+    its slices (2 replicas, a 51 MB model: 850 MB against 422), creeping up step by step; given
+    back, it stays at the slices plus about a unit. The price is time: every step faults its
+    buffers in afresh (2.7x the step there; docs/benchmarks.md, "fsdp_memory"). fsdp exists for
+    models that do not fit, so memory comes first."""
     return _thresholds(1 << 20, 1 << 20)
 
 

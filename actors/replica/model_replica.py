@@ -50,10 +50,12 @@ class ModelReplica:
     def __init__(self, rank: Optional[int], world_size: int, config: dict[str, Any], shards: Any = None) -> None:
         """`rank` None: a spare (see `assign`). `shards`: the shard directory (sharded modes)."""
         self.cfg = config
-        # a step's activations are reused, not given back and faulted in again; fsdp gives its gathered units back
-        (return_big_buffers if mode_spec(config["strategy"]["mode"]).split_state else keep_heap)()  # (actors/replica/heap.py)
         torch.set_num_threads(max(1, int(config["scaling"]["cpus_per_replica"])))
         self.device = replica_device(config["scaling"]["gpus_per_replica"])
+        # a step's activations are reused, not given back and faulted in again; fsdp on the CPU gives its
+        # gathered units back instead (actors/replica/heap.py)
+        split = mode_spec(config["strategy"]["mode"]).split_state and self.device.type == "cpu"
+        (return_big_buffers if split else keep_heap)()
         self.model = build_model(config["model"]["factory"], config["model"]["kwargs"], config["data"]["seed"]).to(self.device)
         if config["model"].get("compile"):  # once per replica process: a switch or a reload keeps the compiled forward
             self.model.forward = torch.compile(self.model.forward)  # the module's own state_dict keys stay

@@ -23,6 +23,7 @@ from tests.integration.test_recovery_ray import events, fit_with
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.full  # make test: the rule against the same reference without Ray (tests/unit/test_fsdp.py)
 def test_fsdp_steps_equal_one_process_on_the_union_of_the_batches(ray_cluster):
     """One epoch of fsdp over 2 replicas: the whole model gathered from them equals one process
     applying SGD with momentum to the mean gradient of each step's rows (the traced row ids),
