@@ -19,6 +19,7 @@ from orchestrator.errors import TrainingError
 from orchestrator.fleet.outcomes import DIED, RAISED, Outcome, describe, gather
 
 ATTEMPTS = 3  # a call every shard must answer: asked again after a rebuild at most this many times
+REBUILD_WAIT_S = 60.0  # the least a rebuild is waited for: a new actor's process start, seconds to tens on a loaded host
 
 
 class ShardGroup:
@@ -283,13 +284,15 @@ class ShardGroup:
 
     def rebuild_now(self, indices: list[int], why: str, timeout_s: float) -> None:
         """Rebuild shards `indices` now (a live one that did not answer is stopped first) and wait
-        until each is up again, at most `timeout_s`; their rebuild events come with the next
-        poll()."""
+        until each is up again, at most `timeout_s` or REBUILD_WAIT_S, whichever is longer (the
+        call's own timeout bounds an answer, not a process start); their rebuild events come
+        with the next poll()."""
         now = time.monotonic()
         for i in indices:
             slot = self._slots[i]
             if slot.state == "up":  # stopped (SIGSTOP), stuck: a rebuild replaces it
                 self._stop(i, slot, why, now)
+        timeout_s = max(timeout_s, REBUILD_WAIT_S)
         deadline = time.monotonic() + timeout_s
         while any(self._slots[i].state != "up" for i in indices):
             if time.monotonic() > deadline:
