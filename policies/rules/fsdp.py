@@ -119,11 +119,10 @@ class FsdpWorker:
     def __init__(self, model: torch.nn.Module, spec: dict[str, Any], reducer: Any, task: Optional[Task] = None,
                  recipe: Optional[Recipe] = None, rebuild: Optional[Callable[..., torch.nn.Module]] = None,
                  adopt: Optional[Callable[[torch.nn.Module], None]] = None,
-                 sample: Optional[Callable[[], tuple[Any, Any]]] = None, batch: int = 0) -> None:
+                 sample: Optional[Callable[[], tuple[Any, Any]]] = None) -> None:
         self.model, self.spec, self.reducer = model, spec, reducer
         self.task, self.recipe = task or Classification(), recipe or Recipe()
         self.rebuild, self.adopt, self.sample = rebuild, adopt, sample
-        self.batch = batch
         self.optimizer = make_optimizer(spec, model.parameters())  # the unsharded model's until the first step
         self.group: Optional[tuple[int, int]] = None
         self.sharded = False

@@ -118,8 +118,7 @@ def _gossip_worker(model, flat, cfg, rank, world, transport):
 
 def _fsdp_worker(model, flat, cfg, rank, world, transport):
     return FsdpWorker(model, cfg["optimizer"], transport.reducer, transport.task, transport.recipe,
-                      rebuild=transport.rebuild, adopt=transport.adopt, sample=transport.sample,
-                      batch=int(cfg["data"]["batch_size"]) * int(cfg["data"].get("accumulate", 1)))
+                      rebuild=transport.rebuild, adopt=transport.adopt, sample=transport.sample)
 
 
 def _downpour_worker(model, flat, cfg, rank, world, transport):
