@@ -12,6 +12,8 @@ Sides:
   balanced    examples/mnist_allreduce.yaml with strategy.balance true (batch shares by speed)
   downpour    examples/mnist_downpour.yaml
   easgd       examples/mnist_easgd.yaml
+  hogwild     examples/mnist_hogwild.yaml (the replicas write one shared-memory vector in place;
+              all on this one node)
   backup      examples/mnist_allreduce.yaml with strategy.backup_replicas 1 (each step the first
               replicas - 1 gradients; the last one's dropped)
   local_sgd   examples/mnist_local_sgd.yaml (local steps, models averaged every 8 steps)
@@ -57,7 +59,7 @@ first crosses 97%: the accuracy plateaus near it, so the epoch count moves with 
 Ratios (medians over repetitions; above 1: the first side is faster):
   <situation>:allreduce_vs_<adaptive side>, <situation>:best_fixed_vs_<adaptive side> (best of
   the fixed sides run), <situation>:allreduce_vs_<local_sgd | local_bal | backup | gossip |
-  adaptive_batch | batch16>, <situation>:batch16_vs_adaptive_batch,
+  adaptive_batch | batch16>, <situation>:batch16_vs_adaptive_batch, <situation>:downpour_vs_hogwild,
   <situation>:ray_train_vs_<side>.
 
     python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...] [--sides SIDE,...] [--reps N]
@@ -83,6 +85,7 @@ TARGET, PARTITIONS, EPOCHS = 0.97, 32, 30
 OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce.yaml", ["strategy.balance=true"]),
         "backup": ("mnist_allreduce.yaml", ["strategy.backup_replicas=1"]),
         "downpour": ("mnist_downpour.yaml", []), "easgd": ("mnist_easgd.yaml", []),
+        "hogwild": ("mnist_hogwild.yaml", []),
         "local_sgd": ("mnist_local_sgd.yaml", []), "local_bal": ("mnist_local_sgd.yaml", ["strategy.balance=true"]),
         "gossip": ("mnist_local_sgd.yaml", ["strategy.mode=gossip", "strategy.period=1"]),
         "batch16": ("mnist_allreduce.yaml", ["data.batch_size=16"]),
@@ -101,7 +104,7 @@ OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce
         "adaptive_h4": ("mnist_adaptive.yaml", ["strategy.period=4"])}
 ADAPTIVE = ("adaptive", "adaptive_allreduce", "adaptive_backup", "adaptive_spread", "adaptive_lspread", "adaptive_h4")
 OPT_IN = ("adaptive_lspread", "adaptive_h4", "batch16", "adaptive_batch")  # run only when --sides names them
-FIXED = ("allreduce", "balanced", "backup", "downpour", "easgd", "local_sgd", "local_bal", "gossip")
+FIXED = ("allreduce", "balanced", "backup", "downpour", "easgd", "hogwild", "local_sgd", "local_bal", "gossip")
 SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)), "four": (4, (3, 3.0)),
               "extreme": (2, (1, 20.0))}
 DEFAULT = ("none", "window", "hetero", "four")
@@ -231,6 +234,8 @@ def main() -> None:
             fixed = [med[s] for s in FIXED if s in med]
             if fixed:
                 ratios[f"{situation}:best_fixed_vs_{adaptive}"] = min(fixed) / med[adaptive]
+        if "downpour" in med and "hogwild" in med:
+            ratios[f"{situation}:downpour_vs_hogwild"] = med["downpour"] / med["hogwild"]
         if "batch16" in med and "adaptive_batch" in med:
             ratios[f"{situation}:batch16_vs_adaptive_batch"] = med["batch16"] / med["adaptive_batch"]
         for side in ("local_sgd", "local_bal", "backup", "gossip", "adaptive_batch", "batch16"):

@@ -14,7 +14,9 @@ def load_reference(replica: Any) -> None:
     """The shards' reference parameters and averaged buffers into the model: straight into the
     flat parameter buffer when the replica has one, else through a temporary one."""
     with torch.no_grad():
-        if replica.flat is not None:
+        if getattr(replica.worker, "holds_reference", False):
+            pass  # hogwild: the parameters are the shared vector already
+        elif replica.flat is not None:
             replica.client.pull(replica.flat.params)
         else:
             params = [p for p in replica.model.parameters() if p.requires_grad]
@@ -34,8 +36,8 @@ def load_reference(replica: Any) -> None:
 def reference_loaded(replica: Any) -> Iterator[None]:
     """The reference loaded while the block runs (allreduce and the other unsharded modes:
     every replica already holds it, nothing moves)."""
-    if replica.flat is None:
-        yield
+    if replica.flat is None or getattr(replica.worker, "holds_reference", False):
+        yield  # hogwild's direct replicas: the parameters are the shared vector (its buffers are the replica's)
         return
     local = replica.flat.params.clone()
     local_buffers = {name: b.detach().clone() for name, b in replica.model.named_buffers()}

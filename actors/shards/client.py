@@ -242,6 +242,20 @@ class RayShardClient:
     def buffers(self) -> dict:
         return self._call(0, "buffers")
 
+    def shared_values(self) -> Optional[tuple[torch.Tensor, int]]:
+        """hogwild: (the one shard's values mapped into this process, the pid holding them), or
+        None when this process is on another node (or there are several shards, or the mapping
+        cannot be opened): it then pushes and pulls as downpour does."""
+        if len(self.handles) != 1:
+            return None
+        node, pid, fd, n = self._call(0, "mapping")
+        if node != ray.get_runtime_context().get_node_id():
+            return None
+        try:
+            return torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=n, dtype=torch.float32), pid
+        except (OSError, RuntimeError):  # not readable from here (another user, a different /proc)
+            return None
+
     # ---- recovery ------------------------------------------------------------------------
     def _get(self, i: int, handle, ref, method: str, *args):
         try:

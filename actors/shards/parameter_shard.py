@@ -79,6 +79,7 @@ class ParameterShard:
         self.clients: set[str] = set()  # the clients that reconnected (replayed their logs) to this incarnation
         self.seen = self.state.version  # the predecessor's newest version a reconnecting client saw
         self._rounds: dict[int, _Round] = {}
+        self._memfd: Optional[int] = None  # hogwild: the shared-memory file the values live in (`mapping`)
 
     # ---- replicas ------------------------------------------------------------------------
     async def pull(self) -> tuple[int, np.ndarray]:
@@ -172,6 +173,19 @@ class ParameterShard:
 
     async def buffers(self) -> dict:
         return average_buffers(self.state.buffers)
+
+    async def mapping(self) -> tuple[str, int, int, int]:
+        """hogwild (policies/rules/hogwild.py): (this shard's node, its pid, the fd of the memory
+        file its values live in, how many) for replicas on the same node to map and write in place.
+        The first call moves the values into an anonymous memory file (memfd: nothing on disk,
+        gone with the last process that maps it); replicas open it as /proc/<pid>/fd/<fd>."""
+        n = self.state.values.numel()
+        if self._memfd is None:
+            fd = os.memfd_create(f"shard-g{self.generation}")
+            os.ftruncate(fd, max(4 * n, 4))
+            self.state.share(torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=n, dtype=torch.float32))
+            self._memfd = fd
+        return ray.get_runtime_context().get_node_id(), os.getpid(), self._memfd, n
 
     # ---- driver --------------------------------------------------------------------------
     async def pid(self) -> int:

@@ -199,7 +199,7 @@ def calibrate_shard_path(cfg: Any, params: int, rounds: int = SHARD_ROUNDS) -> t
         versions = client.pull(flat)
         for i in range(3 + rounds):
             t = time.perf_counter()
-            if mode == "downpour":
+            if mode in ("downpour", "hogwild"):  # hogwild's replicas off the shard's node push and pull
                 client.push(grad, versions, 0, i + 1, False)
                 client.completed()
                 versions = client.pull(flat)

@@ -104,8 +104,14 @@ def simulate(cfg: Any, replicas: list[int], stragglers: Stragglers, run: Optiona
     shape = ModeShape(period=period or st.period, tau=period or st.tau, shards=cfg.scaling.shards, n_push=st.n_push,
                       n_fetch=st.n_fetch,
                       backups=max([p["backup_replicas"] for p in st.plan() if p["mode"] == "allreduce"] or [0]) or 1,
-                      units=units)
+                      units=units, node_replicas=node_replicas(cfg))
     return cal, table(replicas, cal, stragglers, shape)
+
+
+def node_replicas(cfg: Any) -> int:
+    """hogwild's direct writers: the replicas one node like this host holds beside the shard
+    (its CPUs over scaling.cpus_per_replica); the rest reach the shard over the link."""
+    return max(1, int((os.cpu_count() or 1) / max(cfg.scaling.cpus_per_replica, 1e-9)))
 
 
 def parse_replicas(text: str) -> list[int]:

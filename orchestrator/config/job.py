@@ -59,9 +59,13 @@ class JobConfig(Section):
             refused = next((reason for bad, reason in refusals if bad), None)
             if refused is not None:
                 raise ValueError(f"strategy.mode fsdp {refused}")
-        if "downpour" in self.strategy.modes() and why is not None:
-            raise ValueError(f"optimizer.name: downpour's shards apply the optimizer to their slices, and "
+        pushed = [m for m in ("downpour", "hogwild") if m in self.strategy.modes()]
+        if pushed and why is not None:
+            raise ValueError(f"optimizer.name: {pushed[0]}'s shards apply the optimizer to their slices, and "
                              f"{self.optimizer.name} {why}; choose an element-wise one (sgd, adamw, adagrad, ...)")
+        if "hogwild" in self.strategy.modes() and self.scaling.shards != 1:
+            raise ValueError(f"scaling.shards: hogwild keeps the whole parameter vector in one shard's shared memory; "
+                             f"set it to 1 (got {self.scaling.shards})")
         return self
 
     @model_validator(mode="after")

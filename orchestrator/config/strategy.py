@@ -17,7 +17,7 @@ MODE_OPTIONS = {
     "gossip": ("period",),
     "fsdp": (),
 }
-ModeName = Literal["allreduce", "downpour", "easgd", "local_sgd", "gossip", "fsdp"]
+ModeName = Literal["allreduce", "downpour", "easgd", "local_sgd", "gossip", "fsdp", "hogwild"]
 UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
 
 
@@ -93,9 +93,10 @@ class AdaptiveConfig(Section):
         "allreduce", description="The mode while no replica straggles: allreduce, or local_sgd (the models averaged "
         "every strategy.period steps; with balance, each replica's period follows its speed)."
     )
-    async_mode: Literal["downpour", "easgd", "backup"] = Field(
+    async_mode: Literal["downpour", "easgd", "hogwild", "backup"] = Field(
         "easgd", description="The mode while one does, so the others do not wait for it: easgd (as variant async "
-        "with the strategy.* easgd options) or downpour, asynchronous; or backup: allreduce with "
+        "with the strategy.* easgd options), downpour or hogwild (one node's replicas writing one shared vector), "
+        "asynchronous; or backup: allreduce with "
         "strategy.backup_replicas (at least 1) backup replicas and no balancing, each step applying the first "
         "gradients and dropping the late ones, entered only when its predicted trained rows per second beat the "
         "synchronous mode's (see probe_s)."
@@ -144,7 +145,8 @@ class StrategyConfig(Section):
         "(asynchronous SGD via parameter shards), easgd (elastic averaging), local_sgd (local steps, the models "
         "averaged every strategy.period steps) or gossip (decentralized: every strategy.period steps each replica "
         "averages with its two ring neighbours) or fsdp (allreduce's update with the parameters, gradients and optimizer "
-        "state split across the replicas: torch's fully_shard; one mode for the whole run); see docs/modes.md."
+        "state split across the replicas: torch's fully_shard; one mode for the whole run) or hogwild (lock-free writes of "
+        "one shared-memory parameter vector by the replicas on its node; the others push and pull); see docs/modes.md."
     )
     timeout_s: float = Field(
         60.0, gt=0, description="Timeout of each call to the parameter shards and the partition server, and of the replicas' control calls (collectives and progress: fault_tolerance.hang_timeout_s)."

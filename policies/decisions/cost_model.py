@@ -30,6 +30,10 @@ The alpha-beta model per step, n replicas:
   bytes: 3 (n-1)/n M beta + 3 U (n-1) alpha, plus two small all-reduces (the step's rows and
   flags, its loss), 4 (n-1) alpha; a replica holds 1/n of the parameters, gradients and
   optimizer state (`extra["state_share"]`);
+- hogwild (one shard, k = min(n, node_replicas) replicas on its node): those k step at their own
+  speed with nothing on the wire (the step's read and write of M bytes of memory are left out, as
+  is contention for the vector's cache lines); the other n - k are downpour with n_push = n_fetch
+  = 1 through the one shard, its link capping them at b / (2 M beta) samples/s;
 - backup (allreduce with b backup replicas): the wait is for the (n - b)-th fastest replica
   instead of the slowest, the ring is the same, and a step trains on (n - b) x b rows;
 - single: one replica, compute only.
@@ -49,7 +53,7 @@ from typing import Any, Optional
 import numpy as np
 
 BYTES_PER_PARAM = 4
-MODES = ("single", "allreduce", "backup", "local_sgd", "gossip", "fsdp", "downpour", "easgd")
+MODES = ("single", "allreduce", "backup", "local_sgd", "gossip", "fsdp", "downpour", "easgd", "hogwild")
 SAMPLES = 4000  # draws for an expected maximum with jitter (a fixed seed: the same answer every time)
 
 
@@ -115,6 +119,7 @@ class ModeShape:
     n_fetch: int = 1
     backups: int = 1  # allreduce with backup replicas: the step applies the first n - backups gradients
     units: int = 4  # fsdp: the sharded units (each a gather before its forward and its backward, a reduce-scatter after)
+    node_replicas: Optional[int] = None  # hogwild: replicas on the shard's node, writing it directly (None: all)
 
 
 @dataclass
@@ -218,6 +223,8 @@ def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),
         comm = (exchange + 2 * (n - 1) * cal.alpha_s) * slowdown(cal, n) / h
         step = c + comm
         return Prediction(mode, n, step, c, comm, n * b / step, extra={"period": h})
+    if mode == "hogwild":
+        return _hogwild(n, cal, s, shape)
     if mode == "downpour":
         per_step_exchanges = 1 / max(1, shape.n_push) + 1 / max(1, shape.n_fetch)
     else:  # easgd: M up and M down every tau steps
@@ -232,6 +239,21 @@ def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),
     rate = min(replicas_rate, cap)
     return Prediction(mode, n, n * b / rate if bound == "shards" else step, c, comm, rate, bound,
                       extra={"shards": shape.shards, "shard_cap_samples_per_s": cap if math.isfinite(cap) else None})
+
+
+def _hogwild(n: int, cal: Calibration, s: Stragglers, shape: ModeShape) -> Prediction:
+    """Direct writers at compute speed; the rest push and pull every step through the one shard."""
+    b, c = cal.batch, mean_compute(cal, n, s)
+    local = n if shape.node_replicas is None else max(0, min(n, shape.node_replicas))
+    remote = n - local
+    comm = 2 * (cal.model_bytes * cal.shard_beta + cal.alpha_s) * slowdown(cal, n)
+    shard_s = 2 * cal.model_bytes * cal.shard_beta
+    cap = b / shard_s if shard_s > 0 else math.inf
+    remote_rate = min(remote * b / (c + comm), cap) if remote else 0.0
+    rate = local * b / c + remote_rate
+    bound = "shards" if remote and remote * b / (c + comm) > cap else "replicas"
+    return Prediction("hogwild", n, (local * c + remote * (c + comm)) / n, c, remote * comm / n, rate, bound,
+                      extra={"direct": local, "through_shard": remote})
 
 
 def table(replicas: list[int], cal: Calibration, s: Stragglers = Stragglers(), shape: ModeShape = ModeShape(),

@@ -19,6 +19,8 @@ and the replicas never branch on a mode's name:
   slowest replica at a push, `max_lead`);
 - `global_batch`: each update is the mean gradient over every replica's batch (allreduce), so
   the learning rate follows the replica count on a resize (scaling.lr_scaling);
+- `holds_reference` (a worker's attribute, hogwild): the model's parameters are the shards'
+  shared vector itself, so loading or evaluating the reference moves nothing;
 - `split_state`: the parameters, gradients and optimizer state are split across the replicas
   (fsdp): state leaves them whole through a collective on every member, and after a failure
   every member goes on from the last checkpoint (a lost slice exists nowhere else);
@@ -41,6 +43,7 @@ from policies.rules.easgd import EasgdWorker, default_alpha
 from policies.rules.factory import make_optimizer
 from policies.rules.fsdp import FsdpWorker, fsdp_metrics
 from policies.rules.gossip import GossipWorker, gossip_metrics
+from policies.rules.hogwild import HogwildWorker, hogwild_metrics
 from policies.rules.local_sgd import LocalSgdWorker, local_sgd_metrics
 from policies.rules.sharding import FlatParams
 
@@ -129,6 +132,17 @@ def _downpour_worker(model, flat, cfg, rank, world, transport):
                           **({"recipe": transport.recipe} if transport.recipe is not None else {}))
 
 
+def _hogwild_worker(model, flat, cfg, rank, world, transport):
+    """Direct writes into the shard's shared vector, or (another node, a GPU) downpour's pushes
+    and pulls every step (policies/rules/hogwild.py)."""
+    s = cfg["strategy"]
+    fallback = {**cfg, "strategy": {**s, "n_fetch": 1, "n_push": 1, "max_staleness": None, "staleness_lr": False,
+                                    "warmstart_steps": 0}}
+    return HogwildWorker(model, flat, make_optimizer(cfg["optimizer"], model.parameters()), transport.client.shared_values,
+                         _downpour_worker(model, flat, fallback, rank, world, transport), transport.task,
+                         **({"recipe": transport.recipe} if transport.recipe is not None else {}))
+
+
 def _easgd_worker(model, flat, cfg, rank, world, transport):
     s, opt = cfg["strategy"], cfg["optimizer"]
     if opt["name"] == "sgd":  # EAMSGD when strategy.momentum > 0
@@ -195,6 +209,8 @@ MODES: dict[str, ModeSpec] = {
     "gossip": ModeSpec("gossip", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
                        server_optimizer=lambda name: name, build_worker=_gossip_worker, metrics=gossip_metrics,
                        survivors_keep_state=True),
+    "hogwild": ModeSpec("hogwild", sharded=True, pinned=False, process_group=False, lock_step=lambda s: False,
+                        server_optimizer=lambda name: name, build_worker=_hogwild_worker, metrics=hogwild_metrics),
     "fsdp": ModeSpec("fsdp", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
                      server_optimizer=lambda name: name, build_worker=_fsdp_worker, metrics=fsdp_metrics,
                      global_batch=True, split_state=True),

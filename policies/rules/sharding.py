@@ -61,6 +61,19 @@ class FlatParams:
             offset += k
         self.numel = n
         self.device = device
+        self._views = params
+
+    def rebind(self, values: torch.Tensor) -> None:
+        """Make the parameters views into `values` (the same layout; hogwild: the shared vector)
+        instead of the flat tensor they view now. Nothing is copied: they take its contents."""
+        if values.numel() != self.numel or values.dtype != torch.float32:
+            raise ValueError(f"rebind to {values.numel()} {values.dtype} values; the parameters are {self.numel} float32")
+        offset = 0
+        for p in self._views:
+            k = p.numel()
+            p.data = values[offset : offset + k].view_as(p)
+            offset += k
+        self.params = values
 
 
 def average_buffers(by_rank: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -134,6 +147,13 @@ class ShardState:
         version."""
         self._step(grad, staleness, staleness_lr)
         return self.version
+
+    def share(self, values: torch.Tensor) -> None:
+        """Keep the slice in `values` from now on (hogwild: a shared-memory mapping other processes
+        write too): the contents copied in, the optimizer's state kept."""
+        values.copy_(self.values)
+        self.values = values
+        self._param.data = values
 
     def welcome(self, rank: int, step: int) -> None:
         """A replacement replica takes a rank: active again (even if forgotten) at clock `step`."""

@@ -108,7 +108,7 @@ def test_bad_stragglers_and_modes_are_refused():
     with pytest.raises(ValueError):
         Stragglers(factor=0.5)
     with pytest.raises(ValueError):
-        predict("hogwild", 2, CAL)
+        predict("no-such-mode", 2, CAL)
 
 
 def test_half_precision_halves_the_ring_all_reduce_bandwidth_term():
@@ -253,3 +253,17 @@ def test_fsdp_pays_one_and_a_half_rings_of_bytes_and_three_messages_a_unit():
         want = 3 * (n - 1) / n * cal.model_bytes * cal.beta_s_per_byte + (3 * 5 + 4) * (n - 1) * cal.alpha_s
         assert p.comm_s == pytest.approx(want) and p.extra["state_share"] == pytest.approx(1 / n)
         assert p.comm_s > predict("allreduce", n, cal).comm_s  # more bytes and more messages than the ring
+
+
+def test_hogwild_writers_on_the_shards_node_pay_nothing_and_the_others_are_downpour_through_one_shard():
+    """hogwild: every replica on the shard's node steps at compute speed with nothing on the wire;
+    those beyond `node_replicas` push and pull every step (downpour with n_push = n_fetch = 1 and
+    one shard), the shard's link capping them."""
+    cal = Calibration(params=1_000_000, batch=64, compute_s=0.01, alpha_s=5e-5, beta_s_per_byte=1e-9)
+    for n in (1, 4, 1024):
+        p = predict("hogwild", n, cal)
+        assert p.comm_s == 0.0 and p.samples_per_s == pytest.approx(n * 64 / 0.01) and p.extra["through_shard"] == 0
+    mixed = predict("hogwild", 1024, cal, shape=ModeShape(node_replicas=8))
+    remote = predict("downpour", 1016, cal, shape=ModeShape(shards=1))
+    assert mixed.extra == {"direct": 8, "through_shard": 1016} and mixed.bound == remote.bound == "shards"
+    assert mixed.samples_per_s == pytest.approx(8 * 64 / 0.01 + remote.samples_per_s)

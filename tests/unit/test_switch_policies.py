@@ -95,16 +95,17 @@ def test_with_balancing_a_straggler_past_the_share_bounds_goes_asynchronous_with
     assert (back.mode, back.rule) == ("allreduce", "recovered") and back.numbers["predicted_gain"] < 0
 
 
-def test_adaptive_goes_asynchronous_while_a_replica_straggles_and_back_when_it_recovers():
+@pytest.mark.parametrize("mode", ["downpour", "hogwild"])
+def test_adaptive_goes_asynchronous_while_a_replica_straggles_and_back_when_it_recovers(mode):
     assert [p["mode"] for p in adaptive().plan] == ["allreduce", "easgd"]  # the default asynchronous mode
-    pol = adaptive(async_mode="downpour")
-    assert isinstance(pol, AdaptivePolicy) and [p["mode"] for p in pol.plan] == ["allreduce", "downpour"]
+    pol = adaptive(async_mode=mode)
+    assert isinstance(pol, AdaptivePolicy) and [p["mode"] for p in pol.plan] == ["allreduce", mode]
     even = {0: 0.010, 1: 0.011}
     slow = {0: 0.010, 1: 0.031}
     assert pol.decide(obs(elapsed_s=4, compute_s=even)) is None
     assert pol.decide(obs(elapsed_s=5, compute_s=slow)) is None  # once is not enough (patience 2)
     sw = pol.decide(obs(elapsed_s=6, compute_s=slow))
-    assert (sw.mode, sw.rule, sw.numbers["slowest_rank"]) == ("downpour", "straggler", 1)
+    assert (sw.mode, sw.rule, sw.numbers["slowest_rank"]) == (mode, "straggler", 1)
     assert sw.numbers["ratio"] == pytest.approx(3.1) and sw.numbers["threshold"] == 2.0
     assert pol.decide(obs(elapsed_s=7, compute_s=even)) is None
     assert pol.decide(obs(elapsed_s=8, compute_s=even)) is None  # min_phase_s: 2 s since the switch

@@ -1,0 +1,73 @@
+"""hogwild on real Ray actors: the replicas on the shard's node map its shared-memory vector and
+write their steps into it with no lock and no message; a SIGKILLed replica is replaced and maps
+it again; a SIGKILLed shard is rebuilt from its snapshot and the replicas map the new one."""
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.testing.chaos import Fault, FaultInjector
+
+pytestmark = pytest.mark.ray
+
+
+def test_hogwild_trains_the_main_example_to_its_target_through_a_replica_and_a_shard_kill(ray_cluster, tmp_path):
+    """examples/mnist_allreduce.yaml with strategy.mode=hogwild on 2 replicas (one node: both write
+    the vector directly); replica 1 SIGKILLed in the first epoch, the shard's process in the
+    second: the run reaches the example's target, every update of every epoch went straight into
+    the shared vector, and the replicas mapped the rebuilt shard's."""
+    from orchestrator.config import JobConfig
+    from orchestrator.trainer import ElasticTrainer
+    from tests.conftest import REPO
+
+    cfg = JobConfig.from_yaml(f"{REPO}/examples/mnist_allreduce.yaml", [
+        "strategy.mode=hogwild", "scaling.cpus_per_replica=0.5", "stop.epochs=12", f"checkpoint.storage={tmp_path}/ck",
+        "tracking.progress_interval_s=0", "tracking.log_every_steps=2",
+        f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    faults = [Fault("kill_replica", 1, at_step=20), Fault("kill_shard", 0, at_step=60)]
+    with FaultInjector(lambda: trainer.controller, faults) as inj:
+        result = trainer.fit()
+    assert [f["kind"] for f in inj.fired] == ["kill_replica", "kill_shard"], inj.fired
+    assert all("error" not in f for f in inj.fired)
+    assert result.mode == "hogwild" and result.time_to_target_s is not None, result.final
+    [replaced] = [e for e in result.events if e["kind"] == "replica_replaced"]
+    assert replaced["ranks"] == [1] and replaced["survivors_kept"] == [0]
+    [rebuilt] = [e for e in result.events if e["kind"] == "shard_rebuilt"]
+    assert rebuilt["shard"] == 0
+    ends = [e for e in result.events if e["kind"] == "epoch_end"]
+    assert all(e["direct_share"] == 1.0 and e["updates_per_s"] > 0 for e in ends), ends
+    assert sum(e["shard_remaps"] for e in ends) >= 1, ends
+
+
+@pytest.mark.full  # make test: the phases path is the downpour one (tests/integration/test_switching_ray.py)
+def test_switched_into_and_out_of_mid_epoch_every_row_once_and_the_replicas_identical_after(ray_cluster):
+    """allreduce -> hogwild -> allreduce inside one epoch: the shared vector is seeded from the
+    replicas, written by both, and let go of at the second switch (each replica's parameters its
+    own copy again, equal across replicas); every train row is trained once in each epoch."""
+    import numpy as np
+
+    from tests.integration.test_switching_ray import controller, replica_flats
+
+    ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}}, {"mode": "hogwild", "until": {"steps": 60}},
+                      {"mode": "allreduce"}],
+                     trace_ids=True, faults={"slow_replicas": {0: 0.02, 1: 0.02}},
+                     data={"batch_size": 8, "partitions": 16}, optimizer={"momentum": 0.9})
+    try:
+        ctl.step()
+        for _ in range(2):
+            ctl.run_epoch()
+        status = ctl.finish_epochs()
+        flats = replica_flats(ctl)
+    finally:
+        ctl.shutdown()
+    switches = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
+    assert [(e["from"], e["to"]) for e in switches] == [("allreduce", "hogwild"), ("hogwild", "allreduce")]
+    assert all(e["mid_epoch"] for e in switches)
+    for e in switches:
+        assert e["test_accuracy_after"] == e["test_accuracy_before"]
+    n_train = len(ctl.dataset.train)
+    for epoch in ctl.consumed:
+        rows = [i for steps in epoch.values() for batch in steps for i in batch]
+        assert sorted(rows) == sorted(set(rows)) and len(rows) == n_train
+    assert status["complete"]
+    np.testing.assert_array_equal(flats[0], flats[1])
