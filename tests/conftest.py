@@ -34,6 +34,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Seconds per test file (setup, call and teardown summed), the slowest 25: where the suite's
+    time goes, for keeping make test and make test-all inside their budgets."""
+    per_file: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if hasattr(report, "duration") and hasattr(report, "nodeid") and report.nodeid:
+                path = report.nodeid.split("::")[0]
+                per_file[path] = per_file.get(path, 0.0) + report.duration
+    if not per_file:
+        return
+    terminalreporter.write_sep("=", "seconds per test file (slowest 25)")
+    for path, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+
+
 @pytest.fixture(scope="session")
 def _mlflow_schema(tmp_path_factory):
     """One sqlite MLflow store created by MLflow itself, its tables made: each Ray and end-to-end

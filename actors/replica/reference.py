@@ -35,13 +35,16 @@ def load_reference(replica: Any) -> None:
 @contextlib.contextmanager
 def reference_loaded(replica: Any) -> Iterator[None]:
     """The reference loaded while the block runs (allreduce and the other unsharded modes:
-    every replica already holds it, nothing moves)."""
-    if replica.flat is None or getattr(replica.worker, "holds_reference", False):
-        yield  # hogwild's direct replicas: the parameters are the shared vector (its buffers are the replica's)
+    every replica already holds it, nothing moves; hogwild's direct replicas: the parameters
+    are the shared vector already, only the averaged buffers move)."""
+    if replica.flat is None:
+        yield
         return
-    local = replica.flat.params.clone()
+    direct = getattr(replica.worker, "holds_reference", False)
+    local = None if direct else replica.flat.params.clone()
     local_buffers = {name: b.detach().clone() for name, b in replica.model.named_buffers()}
-    replica.client.pull(replica.flat.params)
+    if not direct:
+        replica.client.pull(replica.flat.params)
     reference_buffers = replica.client.buffers() if local_buffers else {}
     buffers = dict(replica.model.named_buffers())
     for name, value in reference_buffers.items():
@@ -49,6 +52,7 @@ def reference_loaded(replica: Any) -> Iterator[None]:
     try:
         yield
     finally:
-        replica.flat.params.copy_(local)
+        if local is not None:
+            replica.flat.params.copy_(local)
         for name, value in local_buffers.items():
             buffers[name].detach().copy_(value)

@@ -18,7 +18,7 @@ replica's own (a checkpoint holds one replica's); the shard's, for the pushes, i
 Recovery: the shard is rebuilt from its last snapshot like any other (orchestrator/fleet/
 shard_group.py); a direct replica notices its process gone (a signal-0 probe each step, no call)
 and maps the new incarnation, so the updates written directly since that snapshot are lost (at
-most `fault_tolerance.snapshot_every_s` of them). A replica killed loses nothing: what it wrote
+most `fault_tolerance.shard_snapshot_every_s` of them). A replica killed loses nothing: what it wrote
 is in the vector.
 """
 from __future__ import annotations
