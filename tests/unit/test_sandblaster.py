@@ -1,0 +1,100 @@
+"""Sandblaster's coordinator: L-BFGS through shard operations equals torch.optim.LBFGS."""
+from __future__ import annotations
+
+import pytest
+import torch
+from sklearn.datasets import load_digits
+
+from policies.rules.sandblaster import LbfgsCoordinator, LocalSlices, SliceVectors, combine
+from policies.rules.sharding import shard_bounds
+
+
+def problem(seed=0):
+    """Softmax regression on sklearn's digits (full batch): a smooth convex problem."""
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32)
+    y = torch.tensor(y)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+    return model, x, y
+
+
+def flat_grad_and_loss(model, x, y):
+    model.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]), float(loss.detach())
+
+
+def reference(**opt):
+    """torch.optim.LBFGS, one .step() (max_iter iterations), on the same start."""
+    model, x, y = problem()
+    lbfgs = torch.optim.LBFGS(model.parameters(), **opt)
+
+    def closure():
+        lbfgs.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    lbfgs.step(closure)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def sandblaster(shards, **opt):
+    """The coordinator over `shards` slices; the "replica" computes the full-batch gradient at x
+    (assembled from the slices) and sets each shard's slice of it."""
+    model, x, y = problem()
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    bounds = shard_bounds(flat.numel(), shards)
+    slices = [SliceVectors(flat[lo:hi].clone()) for lo, hi in bounds]
+
+    def evaluate():
+        torch.nn.utils.vector_to_parameters(torch.cat([s.v["x"] for s in slices]), params)
+        g, loss = flat_grad_and_loss(model, x, y)
+        for (lo, hi), s in zip(bounds, slices):
+            s.set("g", g[lo:hi].clone())
+        return loss
+
+    coordinator = LbfgsCoordinator(LocalSlices(slices), **opt)
+    while coordinator.iteration(evaluate()):
+        pass
+    return torch.cat([s.v["x"] for s in slices]), coordinator, slices
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_twenty_iterations_equal_torch_lbfgs(shards):
+    want = reference(lr=1.0, max_iter=20, history_size=10)
+    got, coordinator, _ = sandblaster(shards, lr=1.0, max_iter=20, history_size=10)
+    assert coordinator.n_iter == 20 and coordinator.why == "max_iter"
+    assert torch.allclose(got, want, atol=1e-4), float((got - want).abs().max())
+    start = problem()[0]
+    moved = torch.cat([p.detach().reshape(-1) for p in start.parameters()])
+    assert float((got - moved).abs().max()) > 0.1  # it did move: the equality is not of two starts
+
+
+def test_history_is_bounded_and_dropped_on_the_shards():
+    _, coordinator, slices = sandblaster(2, lr=1.0, max_iter=12, history_size=3)
+    assert len(coordinator.history) == 3
+    for s in slices:  # x, g, d, g_prev and the three newest (s, y) pairs: older pairs are dropped
+        assert sorted(s.v) == sorted(["x", "g", "d", "g_prev"] + [n for pair in coordinator.history for n in pair[:2]])
+
+
+def test_a_tolerance_ends_the_run_before_max_iter():
+    _, coordinator, _ = sandblaster(2, lr=1.0, max_iter=20, tolerance_change=1e-2)
+    assert coordinator.done and coordinator.why != "max_iter" and coordinator.n_iter < 20, coordinator.why
+
+
+def test_partial_scalars_combine_across_shards():
+    a, b = torch.randn(10), torch.randn(10)
+    parts = [SliceVectors(a[:4].clone()), SliceVectors(a[4:].clone())]
+    for p, piece in zip(parts, (b[:4], b[4:])):
+        p.set("b", piece.clone())
+    ops = [("dot", "x", "b"), ("absmax", "x"), ("axpy", "x", 2.0, "b"), ("abssum", "x")]
+    whole = combine(ops, LocalSlices(parts).run(ops))
+    assert whole[0] == pytest.approx(float(a.dot(b)), rel=1e-6)
+    assert whole[1] == pytest.approx(float(a.abs().max()))
+    assert whole[2] == pytest.approx(float((a + 2 * b).abs().sum()), rel=1e-6)
+    with pytest.raises(ValueError, match="unknown shard operation"):
+        parts[0].run([("norm", "x")])
