@@ -38,16 +38,21 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Seconds per test file (setup, call and teardown summed), the slowest 25: where the suite's
     time goes, for keeping make test and make test-all inside their budgets."""
     per_file: dict[str, float] = {}
+    outside_full = 0.0  # the share of this run make test would have run (tests not marked `full`)
     for reports in terminalreporter.stats.values():
         for report in reports:
             if hasattr(report, "duration") and hasattr(report, "nodeid") and report.nodeid:
                 path = report.nodeid.split("::")[0]
                 per_file[path] = per_file.get(path, 0.0) + report.duration
+                if "full" not in getattr(report, "keywords", {}):
+                    outside_full += report.duration
     if not per_file:
         return
     terminalreporter.write_sep("=", "seconds per test file (slowest 25)")
     for path, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:25]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+    terminalreporter.write_line(f"{sum(per_file.values()):8.1f}s  in all; {outside_full:.1f}s in tests not marked "
+                                f"`full` (make test's share, its session start-ups aside)")
 
 
 @pytest.fixture(scope="session")

@@ -27,8 +27,8 @@ class ScalingConfig(Section):
         "\"fsdp\"). None: no check."
     )
     shards: int = Field(
-        1, ge=1, description="ParameterShard actors (downpour, easgd); they reserve no CPU; at most one per "
-        "model parameter."
+        1, ge=1, description="ParameterShard actors (downpour, easgd; hogwild takes exactly 1); they reserve no CPU; "
+        "at most one per model parameter."
     )
     min_replicas: int = Field(
         1, ge=1, description="The fewest replicas the run goes on with when a dead replica is not replaced "

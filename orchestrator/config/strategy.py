@@ -16,6 +16,7 @@ MODE_OPTIONS = {
     "local_sgd": ("period", "outer_lr", "outer_momentum", "balance"),
     "gossip": ("period",),
     "fsdp": (),
+    "hogwild": ("max_in_flight",),  # the replicas off the shard's node push as downpour does
 }
 ModeName = Literal["allreduce", "downpour", "easgd", "local_sgd", "gossip", "fsdp", "hogwild"]
 UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase

@@ -252,7 +252,8 @@ def _hogwild(n: int, cal: Calibration, s: Stragglers, shape: ModeShape) -> Predi
     remote_rate = min(remote * b / (c + comm), cap) if remote else 0.0
     rate = local * b / c + remote_rate
     bound = "shards" if remote and remote * b / (c + comm) > cap else "replicas"
-    return Prediction("hogwild", n, (local * c + remote * (c + comm)) / n, c, remote * comm / n, rate, bound,
+    # a step's seconds as the rate implies them (a shard-bound writer waits for the shard: downpour's n b / rate)
+    return Prediction("hogwild", n, n * b / rate if rate > 0 else c, c, remote * comm / n, rate, bound,
                       extra={"direct": local, "through_shard": remote})
 
 

@@ -73,8 +73,17 @@ class HogwildWorker:
 
     @property
     def holds_reference(self) -> bool:
-        """The model's parameters are the shared vector itself (nothing to pull or put back)."""
+        """The model's parameters are the shared vector itself (nothing to pull or put back).
+        Asked before an evaluation or a checkpoint: a lost holder's vector is let go of first (and
+        its successor's mapped), so neither reads an orphaned vector."""
+        self._follow_holder()
         return self.holder is not None
+
+    def _follow_holder(self) -> None:
+        if self.holder is not None and not process_alive(self.holder):  # the shard was lost: map its successor
+            self.release()
+            self._bind()
+            self.remaps += 1
 
     def _bind(self) -> None:
         shared = self.share() if self.flat.device.type == "cpu" else None
@@ -87,10 +96,7 @@ class HogwildWorker:
         self.flat.rebind(values)
 
     def step(self, x: Any, y: Any, more: bool = False, pause: bool = False) -> StepResult:
-        if self.holder is not None and not process_alive(self.holder):  # the shard was lost: map its successor
-            self.release()
-            self._bind()
-            self.remaps += 1
+        self._follow_holder()
         if self.holder is None:
             self.remote.lr_factor = self.lr_factor
             result = self.remote.step(x, y, more, pause)

@@ -15,10 +15,11 @@ One iteration, the same arithmetic as `torch.optim.LBFGS` without a line search 
     d <- H_diag q;  for i oldest..newest: b_i <- rho_i y_i.d;  d <- d + (a_i - b_i) s_i
     t <- lr (the first iteration: min(1, 1 / |g|_1) lr);  x <- x + t d
 
-`SliceVectors` is one shard's side (pure torch, run inside the shard actor); `LbfgsCoordinator`
-the coordinator's, over anything with `run(ops) -> per-shard answers` (`LocalSlices` in one
-process; the shard actors through Ray). Equal to torch.optim.LBFGS on the same problem:
-tests/unit/test_sandblaster.py.
+`SliceVectors` is one shard's side (pure torch); `LbfgsCoordinator` the coordinator's, over
+anything with `run(ops) -> per-shard answers` (`LocalSlices`: every slice in one process). Equal
+to torch.optim.LBFGS on the same problem: tests/unit/test_sandblaster.py. This is the
+algorithm's core only: no mode runs it yet (the shard actors' side, the replicas' gradient tasks
+and their backups are to come; docs/modes.md lists the modes that run).
 """
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ SCALAR_OPS = {"dot", "absmax", "abssum"}
 
 class SliceVectors:
     """One shard's named vectors over its slice [lo, hi) of the flat parameters, and the
-    operations on them (`run`). `x` is the slice of the parameters; `g` its gradient's, written
-    by `set` (the sum of the replicas' pushes, divided by the rows)."""
+    operations on them (`run`). `x` is the slice of the parameters; `g` the slice of the
+    gradient at x, written by `set` before each `LbfgsCoordinator.iteration`."""
 
     def __init__(self, x: torch.Tensor) -> None:
         self.v: dict[str, torch.Tensor] = {"x": x}
@@ -102,8 +103,9 @@ class LbfgsCoordinator:
     """L-BFGS through shard operations: the coordinator's state is scalars and vector names.
 
     Use: the gradient at the current x is on the shards as "g" and `loss` is the loss there;
-    `iteration(loss)` either says the run is done (False) or moves x on the shards (True), after
-    which the caller computes the gradient at the new x into "g" and calls it again."""
+    `iteration(loss)` returns True when it moved x and wants the gradient at the new x (into "g",
+    then call it again), False when the run is done (`why`; at max_iter x was moved first and,
+    as torch does, nothing is evaluated there)."""
 
     slices: Slices
     lr: float = 1.0
@@ -163,7 +165,7 @@ class LbfgsCoordinator:
         self.prev_loss = loss
         if self.n_iter == 1:
             [gsum] = self._ask(("abssum", "g"))
-            self.t = min(1.0, 1.0 / gsum) * self.lr
+            self.t = (min(1.0, 1.0 / gsum) if gsum > 0 else 1.0) * self.lr
         else:
             self.t = self.lr
         [gtd] = self._ask(("dot", "g", "d"))

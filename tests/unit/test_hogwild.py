@@ -21,9 +21,21 @@ from policies.rules.sharding import FlatParams, ShardState
 from tests.unit.local_shards import LocalShardClient
 
 
+_FDS: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_memfds():
+    yield
+    while _FDS:
+        os.close(_FDS.pop())
+
+
 def memfd_vector(values: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The vector in an anonymous memory file, as ParameterShard.mapping keeps it: (mapping, fd)."""
+    """The vector in an anonymous memory file, as ParameterShard.mapping keeps it: (mapping, fd);
+    the fd is closed after the test (the mapping outlives it)."""
     fd = os.memfd_create("test-hogwild")
+    _FDS.append(fd)
     os.ftruncate(fd, 4 * values.numel())
     mapped = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=values.numel(), dtype=torch.float32)
     mapped.copy_(values)
@@ -109,19 +121,32 @@ def test_a_replica_that_cannot_map_the_vector_pushes_and_pulls_every_step():
     assert stats["direct_steps"] == 0 and stats["pushes"] == 4
 
 
-def test_a_lost_holder_is_noticed_and_the_successors_vector_mapped():
+def lost_holder():
+    """A worker bound to a vector whose holder is gone, and the vector its successor hands out
+    (the rebuilt shard restored an older snapshot: zeros here)."""
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     assert not process_alive(gone.pid) and process_alive(os.getpid())
     start = torch.cat([p.detach().reshape(-1) for p in model().parameters()])
     old, _ = memfd_vector(start)
-    new, _ = memfd_vector(start * 0)  # the rebuilt shard restored an older snapshot (zeros here)
+    new, _ = memfd_vector(start * 0)
     handed = iter([(old, gone.pid), (new, os.getpid())])
-    w = worker(model(), lambda: next(handed))
+    return worker(model(), lambda: next(handed)), start, old, new
+
+
+def test_a_lost_holder_is_noticed_and_the_successors_vector_mapped():
+    w, start, old, new = lost_holder()
     x, y = batches(1)[0]
     w.step(x, y)  # the holder is found gone before the step: the step goes into the new vector
     assert torch.equal(old, start) and not torch.equal(new, start * 0)
     assert w.end_epoch()["remaps"] == 1
+
+
+def test_a_lost_holder_is_noticed_before_an_evaluation_or_a_checkpoint_reads_the_model():
+    w, start, old, new = lost_holder()
+    assert w.holds_reference  # asked before evaluating: the orphaned vector let go of, the successor's mapped
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in w.model.parameters()]), new)
+    assert w.remaps == 1
 
 
 SOLVE = """
@@ -149,17 +174,23 @@ def test_processes_writing_one_vector_at_once_without_locks_solve_least_squares(
     x, flags = shared[:n], shared[n:]
     path = f"/proc/{os.getpid()}/fd/{fd}"
     procs = [subprocess.Popen([sys.executable, "-c", SOLVE, path, str(n), str(seed), "20000"]) for seed in range(3)]
-    deadline = time.monotonic() + 120
-    while not bool((flags[:3] == 1).all()) and time.monotonic() < deadline and all(p.poll() is None for p in procs):
-        time.sleep(0.01)
-    flags[3] = 1.0  # every process steps at once from here
-    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    try:
+        deadline = time.monotonic() + 120
+        while not bool((flags[:3] == 1).all()) and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.01)
+        flags[3] = 1.0  # every process steps at once from here
+        assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     torch.testing.assert_close(x, torch.linspace(-1, 1, n), rtol=0, atol=1e-2)
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["strategy.mode=hogwild", "scaling.shards=2"], "scaling.shards: hogwild keeps the whole parameter vector in one shard"),
-    (["strategy.mode=hogwild", "optimizer.name=lbfgs"], "lbfgs"),
+    (["strategy.mode=hogwild", "optimizer.name=adafactor"], "hogwild's shards apply the optimizer to their slices, and adafactor"),
 ])
 def test_hogwild_configs_that_cannot_work_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):
