@@ -64,10 +64,16 @@ def test_a_model_over_the_budget_trains_with_fsdp_survives_a_kill_and_resumes(ra
     SIGKILLed in epoch 2 is replaced and every replica goes on from the newest checkpoint (one
     taken inside the epoch); the
     run reaches its accuracy, and a run resumed from its checkpoint re-shards it and goes on."""
-    sections = dict(model=WIDE, optimizer={"name": "adamw", "lr": 1e-3, "weight_decay": 0.0}, data={"batch_size": 64},
+    # every step's progress sent at once and a partition boundary every ~3 steps: the driver sees
+    # checkpoint.every_steps come due early in epoch 1 and the replicas pause soon after it (with
+    # rows every 10 steps sent once a second and 4 partitions a replica, a slow host could see
+    # the first due only when the epoch was ending, and take no checkpoint inside it)
+    sections = dict(model=WIDE, optimizer={"name": "adamw", "lr": 1e-3, "weight_decay": 0.0},
+                    data={"batch_size": 64, "partitions": 16},
                     scaling={"replicas": 2, "cpus_per_replica": 0.5, "memory_per_replica_mb": 2.5},
                     checkpoint={"storage": str(tmp_path / "ck")}, run={"name": "fsdp"},
-                    tracking={"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"})
+                    tracking={"tracking_uri": f"sqlite:///{tmp_path}/mlflow.db", "log_every_steps": 1,
+                              "progress_interval_s": 0})
     model = build_model(WIDE["factory"], WIDE["kwargs"], 0)
     spec = {"name": "adamw", "lr": 1e-3, "weight_decay": 0.0}
     whole, split = estimate_bytes(model, spec, 2, split=False) / 1e6, estimate_bytes(model, spec, 2, split=True) / 1e6
