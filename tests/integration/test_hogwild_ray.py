@@ -39,37 +39,3 @@ def test_hogwild_trains_its_example_through_a_replica_and_a_shard_kill(ray_clust
     ends = [e for e in result.events if e["kind"] == "epoch_end"]
     assert all(e["direct_share"] == 1.0 and e["updates_per_s"] > 0 for e in ends), ends
     assert sum(e["shard_remaps"] for e in ends) >= 1, ends
-
-
-@pytest.mark.full  # make test: the phases path is the downpour one (tests/integration/test_switching_ray.py)
-def test_switched_into_and_out_of_mid_epoch_every_row_once_and_the_replicas_identical_after(ray_cluster):
-    """allreduce -> hogwild -> allreduce inside one epoch: the shared vector is seeded from the
-    replicas, written by both, and let go of at the second switch (each replica's parameters its
-    own copy again, equal across replicas); every train row is trained once in each epoch."""
-    import numpy as np
-
-    from tests.integration.test_switching_ray import controller, replica_flats
-
-    ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}}, {"mode": "hogwild", "until": {"steps": 60}},
-                      {"mode": "allreduce"}],
-                     trace_ids=True, faults={"slow_replicas": {0: 0.02, 1: 0.02}},
-                     data={"batch_size": 8, "partitions": 16}, optimizer={"momentum": 0.9})
-    try:
-        ctl.step()
-        for _ in range(2):
-            ctl.run_epoch()
-        status = ctl.finish_epochs()
-        flats = replica_flats(ctl)
-    finally:
-        ctl.shutdown()
-    switches = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
-    assert [(e["from"], e["to"]) for e in switches] == [("allreduce", "hogwild"), ("hogwild", "allreduce")]
-    assert all(e["mid_epoch"] for e in switches)
-    for e in switches:
-        assert e["test_accuracy_after"] == e["test_accuracy_before"]
-    n_train = len(ctl.dataset.train)
-    for epoch in ctl.consumed:
-        rows = [i for steps in epoch.values() for batch in steps for i in batch]
-        assert sorted(rows) == sorted(set(rows)) and len(rows) == n_train
-    assert status["complete"]
-    np.testing.assert_array_equal(flats[0], flats[1])

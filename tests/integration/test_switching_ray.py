@@ -137,14 +137,18 @@ def test_downpour_to_easgd_carries_the_shards_contents_over(ray_cluster):
 
 
 @pytest.mark.full
-def test_a_mid_epoch_switch_pauses_at_partition_boundaries_and_serves_every_row_once(ray_cluster, tmp_path):
-    """allreduce for 1 s, then downpour: the switch lands inside the first epoch (replicas slowed
-    20 ms per step: 100 steps per epoch, over 2 s); the epoch goes on where it was and still uses
-    each row once. A checkpoint inside the epoch is due after every step (every_steps 1): the
-    switch is still made inside the epoch (before, the checkpoint due at every tick closed the
-    gate first and the switch waited for the epoch's end), and the rows stay once."""
-    ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}}, {"mode": "downpour"}], trace_ids=True,
-                     faults={"slow_replicas": {0: 0.02, 1: 0.02}}, data={"batch_size": 8, "partitions": 16},
+def test_mid_epoch_switches_pause_at_partition_boundaries_and_serve_every_row_once(ray_cluster, tmp_path):
+    """allreduce for 1 s, downpour for 20 steps, hogwild for 20, then allreduce: the switches
+    land inside the first epoch (replicas slowed 20 ms per step, ~100 steps an epoch, 50-row
+    partitions: a pause within ~7 steps); the epoch goes on where it was and still uses each row
+    once. Entering hogwild, the shared vector holds the shards' values; leaving it, each replica's
+    parameters become its own copy, equal across replicas. A checkpoint inside the epoch is due
+    after every step (every_steps 1): the switches are still made inside the epoch (before, the
+    checkpoint due at every tick closed the gate first and a switch waited for the epoch's end),
+    and the rows stay once."""
+    ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}}, {"mode": "downpour", "until": {"steps": 20}},
+                      {"mode": "hogwild", "until": {"steps": 20}}, {"mode": "allreduce"}], trace_ids=True,
+                     faults={"slow_replicas": {0: 0.02, 1: 0.02}}, data={"batch_size": 8, "partitions": 32},
                      optimizer={"momentum": 0.5}, checkpoint={"every_steps": 1, "storage": str(tmp_path / "ck")})
 
     class States:
@@ -159,24 +163,29 @@ def test_a_mid_epoch_switch_pauses_at_partition_boundaries_and_serves_every_row_
         ctl.run_epoch()
         ctl.run_epoch()
         status = ctl.finish_epochs()  # the last epoch's final completions reported: the ledger's verdict
+        flats = replica_flats(ctl)
     finally:
         ctl.shutdown()
-    [switch] = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
-    assert switch["mid_epoch"] and switch["epoch"] == 1 and (switch["from"], switch["to"]) == ("allreduce", "downpour")
-    assert switch["test_accuracy_after"] == switch["test_accuracy_before"]
+    switches = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
+    assert [(e["from"], e["to"]) for e in switches] == [("allreduce", "downpour"), ("downpour", "hogwild"),
+                                                        ("hogwild", "allreduce")], switches
+    assert all(e["mid_epoch"] for e in switches) and switches[0]["epoch"] == 1
+    for e in switches:
+        assert e["test_accuracy_after"] == e["test_accuracy_before"]
     assert any(e["kind"] == "checkpoint" and e.get("in_epoch") for e in ctl.tracker.events)
-    assert_carried(switch, "passes", "state", "verify", "gate", "reopen")
+    assert_carried(switches[0], "passes", "state", "verify", "gate", "reopen")
     # the after-state-change callback saw the switch as its own state, between two Running ones
     assert States.seen[0] == ("Starting", "Running", None)
     at = States.seen.index(("Running", "Reconfiguring", "SwitchPlan"))
     assert States.seen[at + 1] == ("Reconfiguring", "Running", None)
     n_train = len(ctl.dataset.train)
-    for epoch in ctl.consumed:  # every train row exactly once per epoch, across the switch
+    for epoch in ctl.consumed:  # every train row exactly once per epoch, across the switches
         rows = [i for steps in epoch.values() for batch in steps for i in batch]
         assert sorted(rows) == sorted(set(rows)) and len(rows) == n_train
     assert status["complete"]
-    assert ctl.phases[0]["mode"] == "allreduce" and ctl.phases[1]["mode"] == "downpour"
+    assert [p["mode"] for p in ctl.phases] == ["allreduce", "downpour", "hogwild", "allreduce"]
     assert ctl.phases[0]["end_step"] == ctl.phases[1]["start_step"] > 0
+    np.testing.assert_array_equal(flats[0], flats[1])  # hogwild let go of: each replica's own copy, equal
 
 
 @pytest.mark.full
