@@ -161,14 +161,12 @@ class LbfgsCoordinator:
             self.slices.run([("scaled", "d", -1.0, "g")])
         else:
             self._direction()
-        self.slices.run([("scaled", "g_prev", 1.0, "g")])
         self.prev_loss = loss
+        gsum, gtd = self._ask(("scaled", "g_prev", 1.0, "g"), ("abssum", "g"), ("dot", "g", "d"))
         if self.n_iter == 1:
-            [gsum] = self._ask(("abssum", "g"))
             self.t = (min(1.0, 1.0 / gsum) if gsum > 0 else 1.0) * self.lr
         else:
             self.t = self.lr
-        [gtd] = self._ask(("dot", "g", "d"))
         if gtd > -self.tolerance_change:
             return self._finish("directional derivative above -tolerance_change")
         self.slices.run([("axpy", "x", self.t, "d")])
@@ -183,22 +181,24 @@ class LbfgsCoordinator:
         s, y = f"s{sid}", f"y{sid}"
         ys, yy = self._ask(("scaled", y, 1.0, "g"), ("axpy", y, -1.0, "g_prev"), ("scaled", s, self.t, "d"),
                            ("dot", y, s), ("dot", y, y))
+        pending: list[tuple] = []  # operations that answer nothing ride with the next call that asks
         if ys > 1e-10:
             if len(self.history) == self.history_size:
                 old_s, old_y, _ = self.history.pop(0)
-                self.slices.run([("drop", old_s), ("drop", old_y)])
+                pending += [("drop", old_s), ("drop", old_y)]
             self.history.append((s, y, 1.0 / ys))
             self.h_diag = ys / yy
         else:
-            self.slices.run([("drop", s), ("drop", y)])
-        self.slices.run([("scaled", "d", -1.0, "g")])  # q, built in d's place
+            pending += [("drop", s), ("drop", y)]
+        pending.append(("scaled", "d", -1.0, "g"))  # q, built in d's place
         al = [0.0] * len(self.history)
         for i in range(len(self.history) - 1, -1, -1):
             s_i, y_i, rho = self.history[i]
-            [sq] = self._ask(("dot", s_i, "d"))
+            [sq] = self._ask(*pending, ("dot", s_i, "d"))
             al[i] = sq * rho
-            self.slices.run([("axpy", "d", -al[i], y_i)])
-        self.slices.run([("scaled", "d", self.h_diag, "d")])
+            pending = [("axpy", "d", -al[i], y_i)]
+        pending.append(("scaled", "d", self.h_diag, "d"))
         for i, (s_i, y_i, rho) in enumerate(self.history):
-            [yr] = self._ask(("dot", y_i, "d"))
-            self.slices.run([("axpy", "d", al[i] - yr * rho, s_i)])
+            [yr] = self._ask(*pending, ("dot", y_i, "d"))
+            pending = [("axpy", "d", al[i] - yr * rho, s_i)]
+        self.slices.run(pending)
