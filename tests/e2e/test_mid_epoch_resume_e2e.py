@@ -1,5 +1,6 @@
-"""End to end, in allreduce (lock-step: a replica pauses part way through a partition) and Downpour
-(asynchronous, the model in the shards): a named run checkpointing inside its epochs (`checkpoint.every_steps`) whose driver's
+"""End to end, in Downpour (asynchronous, the model in the shards; the lock-step modes' pause part
+way through a partition, checkpointed inside an epoch and resumed: tests/integration/test_fsdp_ray.py
+and tests/integration/test_mid_epoch_ray.py): a named run checkpointing inside its epochs (`checkpoint.every_steps`) whose driver's
 process group is SIGKILLed part way through epoch 2 (after a checkpoint inside it, and steps
 past that checkpoint) is started again with the same command: it goes on inside epoch 2, in the
 same MLflow run, and every training row of epoch 2 is trained exactly once across the crash (the
@@ -53,9 +54,9 @@ def past_the_newest_checkpoint(ck, rows) -> list[dict]:
     return [x for x in traced(rows) if x["epoch"] == 2 and x["step"] > place["replica_steps"][x["rank"]]]
 
 
-@pytest.mark.full  # ~1 min each: two drivers on the session's head
-@pytest.mark.parametrize("example", ["mnist_allreduce.yaml", "mnist_downpour.yaml"])
-def test_a_run_killed_inside_an_epoch_goes_on_inside_it_and_trains_each_row_once(ray_head, tmp_path, example):
+@pytest.mark.full  # ~80 s: two drivers on the session's head
+def test_a_run_killed_inside_an_epoch_goes_on_inside_it_and_trains_each_row_once(ray_head, tmp_path):
+    example = "mnist_downpour.yaml"
     env = dict(ray_head.env, RAY_ADDRESS=ray_head.address, PYTHONPATH=REPO)
     env.pop("MLFLOW_TRACKING_URI", None)
     ck, first, second = tmp_path / "ck", tmp_path / "rows1", tmp_path / "rows2"

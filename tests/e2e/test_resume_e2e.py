@@ -100,7 +100,8 @@ def test_a_stopped_job_resubmitted_from_an_edited_directory_goes_on_in_the_same_
     again: the second job goes on from the first one's checkpoint in the same MLflow run, because
     the default relative `checkpoint.storage` and MLflow's default store were put under
     $ORCHESTRATOR_HOME instead of the first job's temporary package directory. (Before, the
-    second job said "no checkpoint yet, starting it".)"""
+    second job said "no checkpoint yet, starting it".) The stopped job left its record: the MLflow
+    run KILLED with every event so far in events.jsonl, the job STOPPED."""
     from tests.e2e.conftest import submit
 
     work, home = tmp_path / "work", tmp_path / "home"
@@ -136,6 +137,20 @@ def test_a_stopped_job_resubmitted_from_an_edited_directory_goes_on_in_the_same_
     logs = job("logs", "storage-1").stdout
     assert f"checkpoints go to {home}/runs/checkpoints" in logs and f"sqlite:///{home}/mlflow.db" in logs, logs[-3000:]
     assert "done:" not in logs, logs[-3000:]  # stopped before its end
+    from mlflow.tracking import MlflowClient
+
+    # `ray job stop` (SIGTERM, SIGKILL ~3 s later): the MLflow run keeps its record, KILLED, and
+    # events.jsonl with every event so far and one `ended`
+    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
+    [experiment] = [e for e in client.search_experiments() if e.name == "job-storage"]
+    [stopped] = client.search_runs([experiment.experiment_id])
+    assert stopped.info.status == "KILLED", stopped.info
+    with open(client.download_artifacts(stopped.info.run_id, "events.jsonl", str(tmp_path / "dl"))) as f:
+        kinds = [json.loads(line) for line in f if line.strip()]
+    assert kinds[0]["kind"] == "started" and "epoch_end" in [e["kind"] for e in kinds], kinds
+    assert [e["status"] for e in kinds if e["kind"] == "ended"] == ["KILLED"], kinds  # (the interrupt's checkpoint may follow it)
+    status = job("status", "storage-1")
+    assert "storage-1' was stopped" in status.stdout + status.stderr, (status.stdout + status.stderr)[-2000:]
 
     (work / "notes.txt").write_text("edited\n")  # another package hash: another temporary directory
     second = submit(ray_head, entry, options=("--submission-id", "storage-2", *options))
@@ -143,9 +158,5 @@ def test_a_stopped_job_resubmitted_from_an_edited_directory_goes_on_in_the_same_
     assert second.returncode == 0, out[-3000:]
     assert "run nightly: resuming MLflow run" in out and "no checkpoint yet" not in out, out[-3000:]
     assert "done: epochs: 4 >= stop.epochs (4)" in out, out[-3000:]
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{home}/mlflow.db")
-    [experiment] = [e for e in client.search_experiments() if e.name == "job-storage"]
     [run] = client.search_runs([experiment.experiment_id])  # one MLflow run across the two jobs
     assert run.info.status == "FINISHED" and run.info.run_id in out, out[-2000:]

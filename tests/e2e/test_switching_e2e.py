@@ -25,6 +25,7 @@ AT_SWITCH = 0.0
 NEXT_EPOCH = 0.015
 
 
+@pytest.mark.full  # make test switches modes in tests/integration/test_switching_ray.py and test_tasks_ray.py
 def test_phases_example_switches_where_configured_and_reaches_97(ray_head, mlflow_server, tmp_path):
     out = tmp_path / "result.json"
     env = dict(ray_head.env, RAY_ADDRESS=ray_head.address, PYTHONPATH=REPO)

@@ -59,7 +59,8 @@ def ids_of(consumed_epoch):
     return sorted(i for steps in consumed_epoch.values() for step in steps for i in step)
 
 
-@pytest.mark.parametrize("replicas", [pytest.param(1, marks=pytest.mark.full), 3])  # 2 replicas: every other Ray test
+@pytest.mark.full  # make test: every row once per epoch through a kill, below
+@pytest.mark.parametrize("replicas", [1, 3])  # 2 replicas: every other Ray test
 def test_every_row_exactly_once_per_epoch(ray_cluster, parquet_dir, tmp_path, replicas):
     cfg = blob_job(parquet_dir, strategy={"mode": "downpour"}, stop={"epochs": 2},
                    scaling={"replicas": replicas, "cpus_per_replica": 0.5, "shards": 1},

@@ -1,6 +1,6 @@
-"""Local SGD and gossip on real Ray actors and gloo groups: switched into and out of mid-epoch with
-every row trained once, and a SIGKILLed replica replaced with the replicas identical at the
-epoch's end; gossip trains the main example to its target through a kill."""
+"""Local SGD and gossip on real Ray actors and gloo groups: a SIGKILLed replica replaced with the
+replicas identical at the epoch's end; gossip trains the main example to its target through a
+kill. (Both switched into and out of mid-epoch: tests/integration/test_switching_ray.py.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -8,41 +8,10 @@ import pytest
 import ray
 
 from orchestrator.testing.chaos import Fault, FaultInjector
-from tests.conftest import assert_carried
 from tests.integration.test_recovery_ray import actor_ids
 from tests.integration.test_switching_ray import controller, replica_flats
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.mark.full
-@pytest.mark.parametrize("mode", ["local_sgd", "gossip"])
-def test_switched_into_and_out_of_mid_epoch_every_row_once_and_the_replicas_identical(ray_cluster, mode):
-    ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}},
-                      {"mode": mode, "period": 3, "until": {"steps": 60}}, {"mode": "allreduce"}],
-                     trace_ids=True, faults={"slow_replicas": {0: 0.02, 1: 0.02}},
-                     data={"batch_size": 8, "partitions": 16}, optimizer={"momentum": 0.9})
-    try:
-        ctl.step()
-        for _ in range(2):  # both switches fall inside epoch 1 (~205 steps); epoch 2 runs after them
-            ctl.run_epoch()
-        status = ctl.finish_epochs()
-        flats = replica_flats(ctl)
-    finally:
-        ctl.shutdown()
-    switches = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
-    assert [(e["from"], e["to"]) for e in switches] == [("allreduce", mode), (mode, "allreduce")]
-    assert all(e["mid_epoch"] for e in switches)
-    for e in switches:  # the replicas were identical at the pause: evaluated alike before and after
-        assert e["test_accuracy_after"] == e["test_accuracy_before"]
-        assert "carried" in e["local_optimizer"][0]
-        assert_carried(e, "passes", "state", "gate", "reopen")
-    n_train = len(ctl.dataset.train)
-    for epoch in ctl.consumed:  # every train row exactly once per epoch, across both switches
-        rows = [i for steps in epoch.values() for batch in steps for i in batch]
-        assert sorted(rows) == sorted(set(rows)) and len(rows) == n_train
-    assert status["complete"]
-    np.testing.assert_array_equal(flats[0], flats[1])
 
 
 def test_balanced_a_slow_replica_takes_fewer_steps_and_a_killed_one_is_replaced(ray_cluster):

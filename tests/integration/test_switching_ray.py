@@ -138,15 +138,19 @@ def test_downpour_to_easgd_carries_the_shards_contents_over(ray_cluster):
 
 @pytest.mark.full
 def test_mid_epoch_switches_pause_at_partition_boundaries_and_serve_every_row_once(ray_cluster, tmp_path):
-    """allreduce for 1 s, downpour for 20 steps, hogwild for 20, then allreduce: the switches
-    land inside the first epoch (replicas slowed 20 ms per step, ~100 steps an epoch, 50-row
-    partitions: a pause within ~7 steps); the epoch goes on where it was and still uses each row
-    once. Entering hogwild, the shared vector holds the shards' values; leaving it, each replica's
-    parameters become its own copy, equal across replicas. A checkpoint inside the epoch is due
+    """allreduce for 1 s, local SGD (period 3) for 15 steps, gossip (period 3) for 15, downpour for
+    20, hogwild for 20, then allreduce: the switches land inside the first epoch (replicas slowed
+    20 ms per step, ~205 steps an epoch, ~100-row partitions: a pause within ~7 steps); the epoch
+    goes on where it was and still uses each row once. The replicas are identical at every pause
+    (evaluated alike before and after), local SGD and gossip carry each replica's own momentum in
+    and out; entering hogwild, the shared vector holds the shards' values; leaving it, each
+    replica's parameters become its own copy, equal across replicas. A checkpoint inside the epoch is due
     after every step (every_steps 1): the switches are still made inside the epoch (before, the
     checkpoint due at every tick closed the gate first and a switch waited for the epoch's end),
     and the rows stay once."""
-    ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}}, {"mode": "downpour", "until": {"steps": 20}},
+    ctl = controller([{"mode": "allreduce", "until": {"seconds": 1.0}},
+                      {"mode": "local_sgd", "period": 3, "until": {"steps": 15}},
+                      {"mode": "gossip", "period": 3, "until": {"steps": 15}}, {"mode": "downpour", "until": {"steps": 20}},
                       {"mode": "hogwild", "until": {"steps": 20}}, {"mode": "allreduce"}], trace_ids=True,
                      faults={"slow_replicas": {0: 0.02, 1: 0.02}}, data={"batch_size": 8, "partitions": 32},
                      optimizer={"momentum": 0.5}, checkpoint={"every_steps": 1, "storage": str(tmp_path / "ck")})
@@ -167,13 +171,16 @@ def test_mid_epoch_switches_pause_at_partition_boundaries_and_serve_every_row_on
     finally:
         ctl.shutdown()
     switches = [e for e in ctl.tracker.events if e["kind"] == "mode_switch"]
-    assert [(e["from"], e["to"]) for e in switches] == [("allreduce", "downpour"), ("downpour", "hogwild"),
-                                                        ("hogwild", "allreduce")], switches
+    modes = ["allreduce", "local_sgd", "gossip", "downpour", "hogwild", "allreduce"]
+    assert [(e["from"], e["to"]) for e in switches] == list(zip(modes, modes[1:])), switches
     assert all(e["mid_epoch"] for e in switches) and switches[0]["epoch"] == 1
-    for e in switches:
-        assert e["test_accuracy_after"] == e["test_accuracy_before"]
+    for e in switches:  # the replicas were identical at the pause: evaluated alike before and after
+        assert e["test_accuracy_after"] == e["test_accuracy_before"], e
+    for e in switches[:2]:  # into local SGD, local SGD into gossip: each replica's own momentum carried
+        assert "carried" in e["local_optimizer"][0], e["local_optimizer"]
+        assert_carried(e, "passes", "state", "gate", "reopen")
     assert any(e["kind"] == "checkpoint" and e.get("in_epoch") for e in ctl.tracker.events)
-    assert_carried(switches[0], "passes", "state", "verify", "gate", "reopen")
+    assert_carried(switches[3], "passes", "state", "verify", "gate", "reopen")
     # the after-state-change callback saw the switch as its own state, between two Running ones
     assert States.seen[0] == ("Starting", "Running", None)
     at = States.seen.index(("Running", "Reconfiguring", "SwitchPlan"))
@@ -183,7 +190,7 @@ def test_mid_epoch_switches_pause_at_partition_boundaries_and_serve_every_row_on
         rows = [i for steps in epoch.values() for batch in steps for i in batch]
         assert sorted(rows) == sorted(set(rows)) and len(rows) == n_train
     assert status["complete"]
-    assert [p["mode"] for p in ctl.phases] == ["allreduce", "downpour", "hogwild", "allreduce"]
+    assert [p["mode"] for p in ctl.phases] == modes
     assert ctl.phases[0]["end_step"] == ctl.phases[1]["start_step"] > 0
     np.testing.assert_array_equal(flats[0], flats[1])  # hogwild let go of: each replica's own copy, equal
 
