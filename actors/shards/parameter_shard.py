@@ -38,6 +38,7 @@ import ray
 import torch
 
 from actors.buffers import array_view
+from policies.rules.sandblaster import GradientPass, SliceVectors
 from policies.rules.sharding import ShardState, average_buffers
 
 
@@ -80,6 +81,7 @@ class ParameterShard:
         self.seen = self.state.version  # the predecessor's newest version a reconnecting client saw
         self._rounds: dict[int, _Round] = {}
         self._memfd: Optional[int] = None  # hogwild: the shared-memory file the values live in (`mapping`)
+        self._lbfgs: Optional[tuple[SliceVectors, GradientPass]] = None  # sandblaster: this slice's vectors
 
     # ---- replicas ------------------------------------------------------------------------
     async def pull(self) -> tuple[int, np.ndarray]:
@@ -186,6 +188,44 @@ class ParameterShard:
             self.state.share(torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=n, dtype=torch.float32))
             self._memfd = fd
         return ray.get_runtime_context().get_node_id(), os.getpid(), self._memfd, n
+
+    # ---- sandblaster (policies/rules/sandblaster.py) ----------------------------------------
+    def _sandblaster(self) -> tuple[SliceVectors, GradientPass]:
+        """This slice's L-BFGS vectors ("x" is the shard's own values, moved in place) and the
+        current pass's gradient sum; made on first use."""
+        if self._lbfgs is None:
+            self._lbfgs = (SliceVectors(self.state.values), GradientPass(self.state.values.numel()))
+        vectors, grads = self._lbfgs
+        vectors.v["x"] = self.state.values  # the values tensor itself (hogwild or a reseed may have replaced it)
+        return vectors, grads
+
+    async def gradient_pass(self, pass_id: int) -> None:
+        """Open the gradient pass `pass_id`: task gradients of any other pass are dropped from now on."""
+        self._sandblaster()[1].begin(pass_id)
+
+    async def add_gradient(self, pass_id: int, task_id: int, grad_sum: np.ndarray) -> bool:
+        """A task's gradient summed over its rows, this shard's slice of it: True if it counted
+        (the first copy of the task in this pass), False if dropped."""
+        return self._sandblaster()[1].add(pass_id, task_id, torch.from_numpy(np.asarray(grad_sum, dtype=np.float32)))
+
+    async def finish_gradient(self, rows: int) -> list[int]:
+        """"g" <- the pass's gradient sum / rows; returns the tasks it holds (the caller checks
+        that every task of the pass is there, once)."""
+        vectors, grads = self._sandblaster()
+        g, tasks = grads.finish(rows)
+        vectors.set("g", g)
+        return tasks
+
+    async def lbfgs(self, ops: list) -> list[float]:
+        """Run the coordinator's operations on this slice (SliceVectors.run): its partial scalars."""
+        out = self._sandblaster()[0].run(ops)
+        if any(op[0] == "axpy" and op[1] == "x" for op in ops):
+            self.state.version += 1  # the values moved: a pull sees a new version
+        return out
+
+    async def lbfgs_forget(self) -> None:
+        """Drop every vector but x (the direction, the gradients, the s/y history)."""
+        self._lbfgs = None
 
     # ---- driver --------------------------------------------------------------------------
     async def pid(self) -> int:

@@ -15,11 +15,20 @@ One iteration, the same arithmetic as `torch.optim.LBFGS` without a line search 
     d <- H_diag q;  for i oldest..newest: b_i <- rho_i y_i.d;  d <- d + (a_i - b_i) s_i
     t <- lr (the first iteration: min(1, 1 / |g|_1) lr);  x <- x + t d
 
-`SliceVectors` is one shard's side (pure torch); `LbfgsCoordinator` the coordinator's, over
-anything with `run(ops) -> per-shard answers` (`LocalSlices`: every slice in one process). Equal
-to torch.optim.LBFGS on the same problem: tests/unit/test_sandblaster.py. This is the
-algorithm's core only: no mode runs it yet (the shard actors' side, the replicas' gradient tasks
-and their backups are to come; docs/modes.md lists the modes that run).
+The gradient at x is the sum of many small tasks (a slice of rows each): `TaskHandout` gives
+the next task to whichever worker asks first (so a fast worker takes more of them), and once
+none is left unstarted it hands a backup copy of the task expected to finish last to a worker
+that is free. Every task's gradient sum goes to every shard, which keeps the first copy of each
+task of the pass and drops the rest (`GradientPass`): each task counted exactly once whichever
+copy of it finishes first; a copy from an earlier pass is dropped too.
+
+`SliceVectors` and `GradientPass` are one shard's side (pure torch; actors/shards/parameter_shard.py
+runs them on the shard's own values); `LbfgsCoordinator` the coordinator's, over anything with
+`run(ops) -> per-shard answers` (`LocalSlices`: every slice in one process; `ShardSlices` in
+actors/shards/client.py: the real shards). Equal to torch.optim.LBFGS on the same problem:
+tests/unit/test_sandblaster.py (in one process), tests/integration/test_sandblaster_ray.py (real
+shards, gradient tasks on Ray workers with a straggler and its backup). No mode of the registry
+runs it yet (docs/modes.md lists the modes that run).
 """
 from __future__ import annotations
 
@@ -202,3 +211,102 @@ class LbfgsCoordinator:
             [yr] = self._ask(*pending, ("dot", y_i, "d"))
             pending = [("axpy", "d", al[i] - yr * rho, s_i)]
         self.slices.run(pending)
+
+
+class GradientPass:
+    """One shard's sum of the gradient tasks of the current pass over its slice.
+
+    `begin(pass_id)` opens a pass (dropping whatever an earlier one left); `add` takes a task's
+    gradient sum over the slice once: the first copy of a task (a backup may send a second)
+    counts, later copies and copies from another pass are dropped. `finish(rows)` gives the mean
+    gradient (the sum over every task / the rows they covered) and the task ids it holds."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pass_id = -1
+        self.sum = torch.zeros(n, dtype=torch.float64)
+        self.tasks: set[int] = set()
+        self.dropped = 0
+
+    def begin(self, pass_id: int) -> None:
+        self.pass_id = pass_id
+        self.sum.zero_()
+        self.tasks.clear()
+
+    def add(self, pass_id: int, task_id: int, grad_sum: torch.Tensor) -> bool:
+        if pass_id != self.pass_id or task_id in self.tasks:
+            self.dropped += 1
+            return False
+        if grad_sum.numel() != self.n:
+            raise ValueError(f"sandblaster: task {task_id}'s gradient has {grad_sum.numel()} values; the slice {self.n}")
+        self.sum.add_(grad_sum.double())
+        self.tasks.add(task_id)
+        return True
+
+    def finish(self, rows: int) -> tuple[torch.Tensor, list[int]]:
+        if rows <= 0:
+            raise ValueError(f"sandblaster: a pass over {rows} rows")
+        return (self.sum / rows).float(), sorted(self.tasks)
+
+
+def task_bounds(rows: int, task_rows: int) -> list[tuple[int, int]]:
+    """The pass's rows [0, rows) cut into tasks of task_rows rows (the last may be shorter)."""
+    if rows <= 0 or task_rows <= 0:
+        raise ValueError(f"sandblaster: {rows} rows in tasks of {task_rows}")
+    return [(lo, min(lo + task_rows, rows)) for lo in range(0, rows, task_rows)]
+
+
+@dataclass
+class TaskHandout:
+    """Who computes which gradient task of one pass, by speed, with backups for the stragglers.
+
+    `next(worker, now)` is a free worker asking for work: the next unstarted task, in order (a
+    fast worker comes back sooner and so takes more); once every task has started, a backup copy
+    of the unfinished task expected to end last (started earliest, by the worker slowest per row,
+    as `rate` has measured it), when it has fewer than `max_copies` copies running and not on a
+    worker already computing it; None when there is nothing to give. `finished(task, worker,
+    now)` reports a copy done: True for the first copy of the task (the one that counts), False
+    for a later one; the worker's rows per second are measured from it."""
+
+    tasks: list[tuple[int, int]]
+    max_copies: int = 2
+    started: dict[int, list[tuple[str, float]]] = field(default_factory=dict)  # task -> [(worker, start)]
+    done: dict[int, str] = field(default_factory=dict)  # task -> the worker whose copy counted
+    rate: dict[str, float] = field(default_factory=dict)  # worker -> rows per second (the newest task)
+    backups: int = 0
+    _cursor: int = 0
+
+    def next(self, worker: str, now: float) -> int | None:
+        if self._cursor < len(self.tasks):
+            task = self._cursor
+            self._cursor += 1
+            self.started[task] = [(worker, now)]
+            return task
+        candidates = [t for t, copies in self.started.items() if t not in self.done and len(copies) < self.max_copies
+                      and all(w != worker for w, _ in copies)]
+        if not candidates:
+            return None
+        task = max(candidates, key=lambda t: self._expected_end(t))
+        self.started[task].append((worker, now))
+        self.backups += 1
+        return task
+
+    def _expected_end(self, task: int) -> float:
+        lo, hi = self.tasks[task]
+        worker, start = self.started[task][0]
+        rate = self.rate.get(worker)
+        return start + (hi - lo) / rate if rate else float("inf")  # not measured yet: assume the worst
+
+    def finished(self, task: int, worker: str, now: float) -> bool:
+        for w, start in self.started.get(task, []):
+            if w == worker and now > start:
+                lo, hi = self.tasks[task]
+                self.rate[worker] = (hi - lo) / (now - start)
+        if task in self.done:
+            return False
+        self.done[task] = worker
+        return True
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == len(self.tasks)

@@ -5,7 +5,8 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from policies.rules.sandblaster import LbfgsCoordinator, LocalSlices, SliceVectors, combine
+from policies.rules.sandblaster import (GradientPass, LbfgsCoordinator, LocalSlices, SliceVectors, TaskHandout, combine,
+                                       task_bounds)
 from policies.rules.sharding import shard_bounds
 
 
@@ -98,3 +99,48 @@ def test_partial_scalars_combine_across_shards():
     assert whole[2] == pytest.approx(float((a + 2 * b).abs().sum()), rel=1e-6)
     with pytest.raises(ValueError, match="unknown shard operation"):
         parts[0].run([("norm", "x")])
+
+
+def test_a_pass_counts_each_task_once_and_drops_copies_and_other_passes():
+    g = GradientPass(3)
+    g.begin(7)
+    assert g.add(7, 0, torch.tensor([1.0, 2.0, 3.0]))
+    assert g.add(7, 1, torch.tensor([1.0, 0.0, -1.0]))
+    assert not g.add(7, 1, torch.tensor([9.0, 9.0, 9.0]))  # a backup's copy of task 1: dropped
+    assert not g.add(6, 2, torch.tensor([9.0, 9.0, 9.0]))  # a late copy from the pass before
+    mean, tasks = g.finish(4)
+    assert tasks == [0, 1] and torch.equal(mean, torch.tensor([0.5, 0.5, 0.5])) and g.dropped == 2
+    g.begin(8)  # a new pass starts from nothing
+    assert g.add(8, 1, torch.ones(3)) and g.finish(1)[1] == [1]
+    with pytest.raises(ValueError, match="has 2 values; the slice 3"):
+        g.add(8, 2, torch.ones(2))
+    with pytest.raises(ValueError, match="over 0 rows"):
+        g.finish(0)
+
+
+def test_tasks_go_to_whoever_asks_and_the_straggler_gets_a_backup():
+    tasks = task_bounds(1000, 300)
+    assert tasks == [(0, 300), (300, 600), (600, 900), (900, 1000)]
+    h = TaskHandout(tasks)
+    assert h.next("slow", 0.0) == 0 and h.next("fast", 0.0) == 1
+    assert h.finished(1, "fast", 0.1) and h.rate["fast"] == pytest.approx(3000)
+    assert h.next("fast", 0.1) == 2 and h.finished(2, "fast", 0.2)
+    assert h.next("fast", 0.2) == 3 and h.finished(3, "fast", 0.25)
+    # nothing unstarted: the fast worker backs up the slow one's task, once
+    assert h.next("fast", 0.25) == 0 and h.backups == 1
+    assert h.next("fast", 0.25) is None  # it is already computing the only unfinished task
+    assert h.next("third", 0.25) is None  # max_copies (2) running
+    assert h.finished(0, "fast", 0.35) and h.complete
+    assert not h.finished(0, "slow", 3.0)  # the straggler's copy came second: it does not count
+    assert h.done == {0: "fast", 1: "fast", 2: "fast", 3: "fast"} and h.rate["slow"] == pytest.approx(100)
+    with pytest.raises(ValueError):
+        task_bounds(0, 10)
+
+
+def test_the_backup_goes_to_the_task_expected_to_end_last():
+    h = TaskHandout(task_bounds(300, 100))
+    h.rate.update({"a": 1000.0, "b": 10.0})
+    assert [h.next(w, 0.0) for w in ("a", "b", "c")] == [0, 1, 2]  # c never measured: assumed the slowest
+    assert h.finished(0, "a", 0.1)
+    assert h.next("a", 0.1) == 2  # c's task (no rate: infinite) before b's (ends at 10 s)
+    assert h.next("d", 0.1) == 1
