@@ -342,37 +342,3 @@ class RayShardClient:
             self._acknowledged(i, p.generation, version, durable, "grad", p.payload, staleness, p.staleness_lr,
                                p.nbytes)
 
-
-class ShardSlices:
-    """The sandblaster coordinator's way to the shards (policies/rules/sandblaster.py `Slices`):
-    every shard runs the same operations on its slice, one call each, answered within
-    `timeout_s`; a shard that dies or does not answer is an error naming it."""
-
-    def __init__(self, handles: list, timeout_s: float = 30.0) -> None:
-        self.handles, self.timeout_s = list(handles), timeout_s
-
-    def _all(self, refs: list, what: str) -> list:
-        try:
-            return ray.get(refs, timeout=self.timeout_s)
-        except (GetTimeoutError, RayActorError) as exc:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            silent = [i for i, r in enumerate(refs) if r not in ready]
-            raise RuntimeError(f"sandblaster: shard(s) {silent or '?'} gave no {what} within {self.timeout_s:.0f}s "
-                               f"({type(exc).__name__})") from exc
-
-    def run(self, ops) -> list[list[float]]:
-        ops = list(ops)
-        return self._all([h.lbfgs.remote(ops) for h in self.handles], "answer to their operations")
-
-    def begin_pass(self, pass_id: int) -> None:
-        self._all([h.gradient_pass.remote(pass_id) for h in self.handles], "start of the gradient pass")
-
-    def finish_pass(self, rows: int, tasks: int) -> None:
-        """Every shard's "g" from the pass; each must hold every task 0..tasks-1 exactly once."""
-        held = self._all([h.finish_gradient.remote(rows) for h in self.handles], "gradient")
-        for shard, ids in enumerate(held):
-            if ids != list(range(tasks)):
-                raise RuntimeError(f"sandblaster: shard {shard} holds {len(ids)} of the pass's {tasks} task gradients")
-
-    def values(self) -> np.ndarray:
-        return np.concatenate(self._all([h.values.remote() for h in self.handles], "values"))

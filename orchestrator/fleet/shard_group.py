@@ -384,3 +384,31 @@ def all_answers(outs: dict[int, Outcome], what: str = "") -> list:
         missing = describe({f"shard {i}": o for i, o in outs.items()})
         raise TrainingError(f"{what}: {missing}" if what else missing)
     return [o.value for o in outs.values()]
+
+
+class ShardSlices:
+    """The sandblaster coordinator's way to the shards (policies/rules/sandblaster.py `Slices`):
+    every shard runs the same call on its slice, all answered within `timeout_s`
+    (`outcomes.gather`), or TrainingError naming each shard that died or gave no answer."""
+
+    def __init__(self, handles: list, timeout_s: float = 30.0) -> None:
+        self.handles, self.timeout_s = list(handles), timeout_s
+
+    def _all(self, method: str, *args: Any, what: str) -> list:
+        refs = {i: getattr(h, method).remote(*args) for i, h in enumerate(self.handles)}
+        return all_answers(gather(refs, self.timeout_s), f"sandblaster: {what}")
+
+    def run(self, ops) -> list[list[float]]:
+        return self._all("lbfgs", list(ops), what="the shards' operations")
+
+    def begin_pass(self, pass_id: int) -> None:
+        self._all("gradient_pass", pass_id, what="the start of a gradient pass")
+
+    def finish_pass(self, rows: int, tasks: int) -> None:
+        """Every shard's "g" from the pass; each must hold every task 0..tasks-1 exactly once."""
+        for shard, ids in enumerate(self._all("finish_gradient", rows, what="the pass's gradient")):
+            if ids != list(range(tasks)):
+                raise TrainingError(f"sandblaster: shard {shard} holds {len(ids)} of the pass's {tasks} task gradients")
+
+    def values(self) -> np.ndarray:
+        return np.concatenate(self._all("values", what="the shards' values"))

@@ -25,7 +25,7 @@ copy of it finishes first; a copy from an earlier pass is dropped too.
 `SliceVectors` and `GradientPass` are one shard's side (pure torch; actors/shards/parameter_shard.py
 runs them on the shard's own values); `LbfgsCoordinator` the coordinator's, over anything with
 `run(ops) -> per-shard answers` (`LocalSlices`: every slice in one process; `ShardSlices` in
-actors/shards/client.py: the real shards). Equal to torch.optim.LBFGS on the same problem:
+orchestrator/fleet/shard_group.py: the real shards). Equal to torch.optim.LBFGS on the same problem:
 tests/unit/test_sandblaster.py (in one process), tests/integration/test_sandblaster_ray.py (real
 shards, gradient tasks on Ray workers with a straggler and its backup). No mode of the registry
 runs it yet (docs/modes.md lists the modes that run).
@@ -273,7 +273,6 @@ class TaskHandout:
     started: dict[int, list[tuple[str, float]]] = field(default_factory=dict)  # task -> [(worker, start)]
     done: dict[int, str] = field(default_factory=dict)  # task -> the worker whose copy counted
     rate: dict[str, float] = field(default_factory=dict)  # worker -> rows per second (the newest task)
-    backups: int = 0
     _cursor: int = 0
 
     def next(self, worker: str, now: float) -> int | None:
@@ -288,7 +287,6 @@ class TaskHandout:
             return None
         task = max(candidates, key=lambda t: self._expected_end(t))
         self.started[task].append((worker, now))
-        self.backups += 1
         return task
 
     def _expected_end(self, task: int) -> float:
@@ -306,6 +304,11 @@ class TaskHandout:
             return False
         self.done[task] = worker
         return True
+
+    @property
+    def backups(self) -> int:
+        """Backup copies handed out."""
+        return sum(len(copies) - 1 for copies in self.started.values())
 
     @property
     def complete(self) -> bool:

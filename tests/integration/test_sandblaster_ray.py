@@ -13,8 +13,8 @@ import pytest
 import ray
 import torch
 
-from actors.shards.client import ShardSlices
 from actors.shards.parameter_shard import create_shards
+from orchestrator.fleet.shard_group import ShardSlices
 from policies.rules.sandblaster import LbfgsCoordinator, TaskHandout, task_bounds
 from policies.rules.sharding import shard_bounds
 from tests.unit.test_sandblaster import problem, reference
