@@ -71,6 +71,9 @@ def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: "bool 
     step is skipped and counted (`skipped_steps`); any other error leaves the process
     group first, so peers are not left waiting."""
     replica.model.train()
+    begin = getattr(replica.worker, "begin_segment", None)  # sandblaster: the pass is the epoch
+    if begin is not None:
+        begin(epoch)
     replica.recipe.skip_nonfinite = epoch <= replica.probation_until  # a switch on probation (Recipe.finite)
     cur = replica.cursor if resume and replica.cursor is not None and replica.cursor["epoch"] == epoch else None
     base_batch = int(replica.cfg["data"]["batch_size"]) * int(replica.cfg["data"].get("accumulate", 1))  # micro-batches x k

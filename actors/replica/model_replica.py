@@ -110,7 +110,7 @@ class ModelReplica:
         self.worker, self.flat = build_worker(self.model, self.cfg, self.rank, self.world_size,
                                               Transport(self.reducer, self.client if self.spec.sharded else None, self.task,
                                                         self.recipe, rebuild=self._fresh_model, adopt=self._adopt,
-                                                        sample=self._one_row))
+                                                        sample=self._one_row, where=lambda: self.reader.out[0]))
         self.apply_lr()
         if self.slow and getattr(self.worker, "straggles_inside", False):
             self.worker.straggle = self.slow_down  # backups: the delay before the gradient is ready, cut short when late
@@ -339,6 +339,19 @@ class ModelReplica:
         this replica this epoch; a Ray streaming generator of progress rows and the segment's end
         (the loop and its arguments: actors/replica/epoch_loop.py)."""
         yield from epoch_loop.run_epoch(self, epoch, log_every, trace_ids, first_grant, resume, announce)
+
+    def gradient_tasks(self, pass_id: int, partitions: list[int]) -> list[bool]:
+        """sandblaster: tasks (partitions) of pass `pass_id` computed here, outside the epoch's
+        loop, and pushed to the shards: the coordinator's fill-in of tasks no shard holds. For
+        each, whether it counted."""
+        out = []
+        for p in partitions:
+            part = self.reader.source.get(p)
+            try:
+                out.append(self.worker.fill(pass_id, p, ((x, y) for x, y, _ in self.reader.batches({"partition": p, "seed": 0}, part))))
+            finally:
+                self.reader.source.release(p)
+        return out
 
     @torch.inference_mode()
     def evaluate(self) -> dict[str, Any]:

@@ -236,6 +236,18 @@ class RayShardClient:
                 raise Interrupted(f"synchronous round {round_id} was aborted on shard {i}")
         return torch.from_numpy(np.concatenate([c for c, _ in replies])).to(x.device), replies[0][1]
 
+    def add_gradient(self, pass_id: int, task_id: int, grad_sum: torch.Tensor, loss_sum: float, rows: int) -> bool:
+        """sandblaster: a task's gradient sum to every shard (its slice), with the task's loss sum
+        and rows, waited for; True if some shard counted it (False: every shard already had it).
+        A shard rebuilt meanwhile is reconnected to and sent it again (its pass's sums were lost
+        with it; the coordinator has the missing tasks computed again)."""
+        flat = host_array(grad_sum)
+        handles = list(self.handles)
+        refs = [h.add_gradient.remote(pass_id, task_id, flat[lo:hi], loss_sum, rows)
+                for h, (lo, hi) in zip(handles, self.bounds)]
+        return any([self._get(i, handles[i], ref, "add_gradient", pass_id, task_id, flat[lo:hi], loss_sum, rows)
+                    for i, ((lo, hi), ref) in enumerate(zip(self.bounds, refs))])
+
     def set_buffers(self, rank: int, buffers: dict) -> None:
         self._call(0, "set_buffers", rank, buffers)
 

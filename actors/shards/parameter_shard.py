@@ -203,10 +203,17 @@ class ParameterShard:
         """Open the gradient pass `pass_id`: task gradients of any other pass are dropped from now on."""
         self._sandblaster()[1].begin(pass_id)
 
-    async def add_gradient(self, pass_id: int, task_id: int, grad_sum: np.ndarray) -> bool:
-        """A task's gradient summed over its rows, this shard's slice of it: True if it counted
-        (the first copy of the task in this pass), False if dropped."""
-        return self._sandblaster()[1].add(pass_id, task_id, torch.from_numpy(np.asarray(grad_sum, dtype=np.float32)))
+    async def add_gradient(self, pass_id: int, task_id: int, grad_sum: np.ndarray, loss_sum: float = 0.0,
+                           rows: int = 0) -> bool:
+        """A task's gradient summed over its rows, this shard's slice of it (with the task's
+        loss sum and rows): True if it counted (the first copy of the task in this pass), False
+        if dropped."""
+        return self._sandblaster()[1].add(pass_id, task_id, torch.tensor(np.asarray(grad_sum), dtype=torch.float32),
+                                          loss_sum, rows)
+
+    async def gradient_held(self) -> tuple[int, list[int], float, int]:
+        """(the open pass, the tasks it holds, their loss sum, their rows)."""
+        return self._sandblaster()[1].held()
 
     async def finish_gradient(self, rows: int) -> list[int]:
         """"g" <- the pass's gradient sum / rows; returns the tasks it holds (the caller checks
@@ -224,8 +231,10 @@ class ParameterShard:
         return out
 
     async def lbfgs_forget(self) -> None:
-        """Drop every vector but x (the direction, the gradients, the s/y history)."""
-        self._lbfgs = None
+        """Drop every vector but x (the direction, the last gradient, the s/y history); the
+        open pass's task sums are kept."""
+        if self._lbfgs is not None:
+            self._lbfgs[0].v = {"x": self.state.values}
 
     # ---- driver --------------------------------------------------------------------------
     async def pid(self) -> int:

@@ -104,7 +104,7 @@ def simulate(cfg: Any, replicas: list[int], stragglers: Stragglers, run: Optiona
     shape = ModeShape(period=period or st.period, tau=period or st.tau, shards=cfg.scaling.shards, n_push=st.n_push,
                       n_fetch=st.n_fetch,
                       backups=max([p["backup_replicas"] for p in st.plan() if p["mode"] == "allreduce"] or [0]) or 1,
-                      units=units, node_replicas=node_replicas(cfg))
+                      units=units, node_replicas=node_replicas(cfg), history=st.history_size)
     return cal, table(replicas, cal, stragglers, shape)
 
 

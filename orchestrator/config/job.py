@@ -47,9 +47,23 @@ class JobConfig(Section):
         from policies.rules.recipe import shardable
 
         why = shardable(self.optimizer.name)
-        if self.optimizer.name == "lbfgs":
+        if self.optimizer.name == "lbfgs" and self.strategy.modes() != ["sandblaster"]:
             raise ValueError("optimizer.name: lbfgs needs a closure that re-evaluates the whole batch's loss, which no "
-                             "mode's step gives; choose a first-order optimizer (sgd, adamw, ...)")
+                             "mode's step gives; choose a first-order optimizer (sgd, adamw, ...), or strategy.mode "
+                             "sandblaster (full-batch L-BFGS over the replicas)")
+        if "sandblaster" in self.strategy.modes():
+            refusals = [(len(self.strategy.plan()) > 1, "is one mode for the whole run (no strategy.phases or switch): "
+                         "its L-BFGS history lives on the shards and means nothing to another mode"),
+                        (self.checkpoint.every_steps > 0 or self.checkpoint.every_s > 0,
+                         "checkpoints at pass (epoch) ends only: set checkpoint.every_steps and every_s to 0 (a pass's "
+                         "task sums are not in a checkpoint)"),
+                        (self.optimizer.schedule is not None, "takes no optimizer.schedule (its step is L-BFGS's: "
+                         "strategy.step_size)"),
+                        (self.data.adaptive_batch is not None, "takes no data.adaptive_batch (each pass's gradient is "
+                         "the whole epoch's)")]
+            refused = next((reason for bad, reason in refusals if bad), None)
+            if refused is not None:
+                raise ValueError(f"strategy.mode sandblaster {refused}")
         if "fsdp" in self.strategy.modes():
             refusals = [(len(self.strategy.plan()) > 1, "is one mode for the whole run (no strategy.phases or switch): "
                          "its state is split across the replicas, which no other mode takes"),

@@ -17,8 +17,9 @@ MODE_OPTIONS = {
     "gossip": ("period",),
     "fsdp": (),
     "hogwild": ("max_in_flight",),  # the replicas off the shard's node push as downpour does
+    "sandblaster": (),  # one mode for the whole run: its options (step_size, history_size) are strategy.* only
 }
-ModeName = Literal["allreduce", "downpour", "easgd", "local_sgd", "gossip", "fsdp", "hogwild"]
+ModeName = Literal["allreduce", "downpour", "easgd", "local_sgd", "gossip", "fsdp", "hogwild", "sandblaster"]
 UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
 
 
@@ -147,7 +148,9 @@ class StrategyConfig(Section):
         "averaged every strategy.period steps) or gossip (decentralized: every strategy.period steps each replica "
         "averages with its two ring neighbours) or fsdp (allreduce's update with the parameters, gradients and optimizer "
         "state split across the replicas: torch's fully_shard; one mode for the whole run) or hogwild (lock-free writes of "
-        "one shared-memory parameter vector by the replicas on its node; the others push and pull); see docs/modes.md."
+        "one shared-memory parameter vector by the replicas on its node; the others push and pull) or sandblaster (full-batch "
+        "L-BFGS: the replicas compute each pass's gradient in tasks, a coordinator on the driver moves the shards' "
+        "parameters once per epoch; one mode for the whole run); see docs/modes.md."
     )
     timeout_s: float = Field(
         60.0, gt=0, description="Timeout of each call to the parameter shards and the partition server, and of the replicas' control calls (collectives and progress: fault_tolerance.hang_timeout_s)."
@@ -224,6 +227,12 @@ class StrategyConfig(Section):
         0.0, ge=0, lt=1, description="local_sgd: Nesterov momentum of the outer step on the global model (DiLoCo; "
         "its paper uses 0.9 with outer_lr 0.7); 0: none."
     )
+    step_size: float = Field(
+        1.0, gt=0, description="sandblaster: L-BFGS's step (torch.optim.LBFGS's lr; the first iteration's is "
+        "min(1, 1/|g|_1) times it). optimizer.* is not used by sandblaster.")
+    history_size: int = Field(
+        10, ge=1, description="sandblaster: the (s, y) pairs L-BFGS keeps, each a vector the size of the model split "
+        "across the shards (the coordinator holds scalars only).")
     phases: Optional[list[PhaseConfig]] = Field(
         None, description="A run in phases, each {mode, that mode's options, until}: e.g. [{mode: downpour, n_push: "
         "4, until: {epochs: 2}}, {mode: allreduce, until: {test_accuracy: 0.96}}, {mode: easgd, tau: 8}]. `until`: "

@@ -80,6 +80,8 @@ class Phase:
     lease_plan: tuple = ()  # (rows, replicas, seed, pinned, shuffle): the grants' pure plan (policies/decisions/leases.py)
     max_grant: int = MAX_GRANT
     phases: list[dict[str, Any]] = field(default_factory=list)  # the result JSON's record of which mode ran when
+    coordinator: Any = None  # sandblaster: the L-BFGS coordinator's scalars (orchestrator/control/passes.py)
+    coordinator_generations: list[int] = field(default_factory=list)  # the shards' incarnations it ran on
 
     def set(self, strategy: dict[str, Any]) -> None:
         """The phase that runs now: its strategy, its mode's registry entry, lock-step or not."""

@@ -12,9 +12,10 @@ from orchestrator.control import starting
 from orchestrator.control.reconfig import phase_switch
 from orchestrator.errors import MemberLost, TrainingError
 from orchestrator.control.failures import lost_meanwhile
+from orchestrator.control.passes import coordinate_pass
 from orchestrator.control.states import EpochSegment, Finishing, Pending, Running
 from policies.decisions.checkpointing import due as checkpoint_due
-from policies.decisions.stop import EpochSnapshot
+from policies.decisions.stop import EpochSnapshot, StopDecision
 
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
@@ -82,6 +83,9 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     epoch = seg.epoch
     stats = seg.merged()
     finals = [s for s in stats if s.eval is not None or s.mode is not None]
+    converged, pass_figures = None, {}
+    if run.phase.spec.coordinated:  # sandblaster: the pass's L-BFGS iteration moves x before it is evaluated
+        pass_figures, converged = coordinate_pass(run, epoch)
     if run.phase.spec.sharded:  # evaluate the reference (server copy / center) once all are done
         evals = run.fleet.group.call(run.fleet.group.ranks, "evaluate_reference", what="evaluation",
                                 timeout_s=cfg.strategy.timeout_s)
@@ -97,6 +101,8 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     tot.train_s += counts["train_s"]
     tot.comm_s += counts["comm_s"]
     tot.train_loss = finals[0].loss if finals else stats[0].loss
+    if pass_figures:  # sandblaster: the loss at the pass's x over every train row
+        tot.train_loss = pass_figures["pass_loss"]
     tot.metrics = metrics
     judged = {**metrics, "train_loss": tot.train_loss}
     if run.trace_ids:
@@ -120,6 +126,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     extra = run.phase.spec.metrics(mine) if mine else {}  # a rank that ended the epoch before a switch: not its figures
     if run.fleet.shard_group is not None:
         extra.update(run.phase.spec.shard_metrics(run.fleet.shard_group))
+    extra.update(pass_figures)
     rows_out += [(k, v, tot.steps) for k, v in extra.items()]
     for event in run.phase.spec.epoch_events(mine) if mine else []:
         run.report.event(event.pop("kind"), epoch=epoch, **event)
@@ -163,6 +170,8 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
                 run.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
                 run.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
     decision = run.policies.stop.decide(EpochSnapshot(epoch, judged, time.perf_counter() - run.ledger.train_started))
+    if converged is not None and not decision.stop:
+        decision = StopDecision(True, converged)
     if not decision.stop and not rolling_back:
         decision = run.policies.best.stop() or decision  # stop.early_stopping
     if decision.stop:

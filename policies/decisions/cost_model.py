@@ -34,6 +34,14 @@ The alpha-beta model per step, n replicas:
   speed with nothing on the wire (the step's read and write of M bytes of memory are left out, as
   is contention for the vector's cache lines); the other n - k are downpour with n_push = n_fetch
   = 1 through the one shard, its link capping them at b / (2 M beta) samples/s;
+- sandblaster (S shards; a pass of R/b batches in tasks of k batches, one L-BFGS iteration with
+  h history pairs per pass): each replica computes at its own speed from one shared queue of
+  tasks (the sum of the replicas' rates, as downpour's), pushes M bytes per task (M/k per step)
+  and pulls M once per pass; the pass ends with a wait for the last task (the slowest replica's
+  k steps, less a mean one's) and the coordinator's 2 h + 6 round trips to the shards (alpha
+  each, scalars only), both spread over the pass's R / (n b) steps per replica. The shards take
+  every task's M/S bytes: at most k b / ((M/S) beta) samples/s. One update per pass, whatever n:
+  the samples/s here are gradient rows, not updates;
 - backup (allreduce with b backup replicas): the wait is for the (n - b)-th fastest replica
   instead of the slowest, the ring is the same, and a step trains on (n - b) x b rows;
 - single: one replica, compute only.
@@ -53,7 +61,7 @@ from typing import Any, Optional
 import numpy as np
 
 BYTES_PER_PARAM = 4
-MODES = ("single", "allreduce", "backup", "local_sgd", "gossip", "fsdp", "downpour", "easgd", "hogwild")
+MODES = ("single", "allreduce", "backup", "local_sgd", "gossip", "fsdp", "downpour", "easgd", "hogwild", "sandblaster")
 SAMPLES = 4000  # draws for an expected maximum with jitter (a fixed seed: the same answer every time)
 
 
@@ -120,6 +128,9 @@ class ModeShape:
     backups: int = 1  # allreduce with backup replicas: the step applies the first n - backups gradients
     units: int = 4  # fsdp: the sharded units (each a gather before its forward and its backward, a reduce-scatter after)
     node_replicas: Optional[int] = None  # hogwild: replicas on the shard's node, writing it directly (None: all)
+    task_steps: int = 4  # sandblaster: batches in a task (a partition's rows / b)
+    pass_steps: int = 64  # sandblaster: batches in a pass over the train rows (R / b)
+    history: int = 10  # sandblaster: L-BFGS's history pairs (the coordinator's round trips per iteration)
 
 
 @dataclass
@@ -225,6 +236,8 @@ def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),
         return Prediction(mode, n, step, c, comm, n * b / step, extra={"period": h})
     if mode == "hogwild":
         return _hogwild(n, cal, s, shape)
+    if mode == "sandblaster":
+        return _sandblaster(n, cal, s, shape)
     if mode == "downpour":
         per_step_exchanges = 1 / max(1, shape.n_push) + 1 / max(1, shape.n_fetch)
     else:  # easgd: M up and M down every tau steps
@@ -255,6 +268,27 @@ def _hogwild(n: int, cal: Calibration, s: Stragglers, shape: ModeShape) -> Predi
     # a step's seconds as the rate implies them (a shard-bound writer waits for the shard: downpour's n b / rate)
     return Prediction("hogwild", n, n * b / rate if rate > 0 else c, c, remote * comm / n, rate, bound,
                       extra={"direct": local, "through_shard": remote})
+
+
+def _sandblaster(n: int, cal: Calibration, s: Stragglers, shape: ModeShape) -> Prediction:
+    """Tasks from one shared queue at each replica's speed; a push per task, a pull and the
+    coordinator's round trips per pass; the wait for the pass's last task."""
+    b, c = cal.batch, mean_compute(cal, n, s)
+    k = max(1, shape.task_steps)
+    per_replica = max(1.0, shape.pass_steps / n)  # a replica's steps in one pass
+    wire = cal.model_bytes * cal.shard_beta + cal.alpha_s
+    coordinator = (2 * shape.history + 6) * cal.alpha_s
+    tail = k * max(0.0, max_compute(cal, n, s) - c)  # the last task's wait, beyond a mean replica's
+    comm = (wire / k + (wire + coordinator + tail) / per_replica) * slowdown(cal, n)
+    step = c + comm
+    replicas_rate = n * b / step
+    shard_s = (cal.model_bytes / max(1, shape.shards)) * cal.shard_beta / k
+    cap = b / shard_s if shard_s > 0 else math.inf
+    bound = "shards" if cap < replicas_rate else "replicas"
+    rate = min(replicas_rate, cap)
+    return Prediction("sandblaster", n, n * b / rate if bound == "shards" else step, c, comm, rate, bound,
+                      extra={"shards": shape.shards, "updates_per_pass": 1,
+                             "shard_cap_samples_per_s": cap if math.isfinite(cap) else None})
 
 
 def table(replicas: list[int], cal: Calibration, s: Stragglers = Stragglers(), shape: ModeShape = ModeShape(),

@@ -24,6 +24,8 @@ and the replicas never branch on a mode's name:
 - `split_state`: the parameters, gradients and optimizer state are split across the replicas
   (fsdp): state leaves them whole through a collective on every member, and after a failure
   every member goes on from the last checkpoint (a lost slice exists nowhere else);
+- `coordinated`: the replicas only compute the pass's gradient, in tasks the shards sum; the
+  driver's coordinator moves the shards' values at every epoch's end (sandblaster);
 - `survivors_keep_state`: after a failure in a lock-step mode only newcomers copy a survivor
   (local_sgd: replicas differ between rounds by design, and step counts with balanced periods;
   the first round in the new group reconciles them); else a survivor that applied a step the
@@ -45,6 +47,7 @@ from policies.rules.fsdp import FsdpWorker, fsdp_metrics
 from policies.rules.gossip import GossipWorker, gossip_metrics
 from policies.rules.hogwild import HogwildWorker, hogwild_metrics
 from policies.rules.local_sgd import LocalSgdWorker, local_sgd_metrics
+from policies.rules.sandblaster import SandblasterWorker, sandblaster_metrics
 from policies.rules.sharding import FlatParams
 
 
@@ -60,6 +63,7 @@ class Transport:
     rebuild: Any = None  # fsdp: a fresh model from the factory (a regroup shards a new one)
     adopt: Any = None  # fsdp: hands the replica the model it now trains
     sample: Any = None  # fsdp: one row to take an empty step on before any batch was seen
+    where: Any = None  # sandblaster: () -> the (partition, rows) of the batch being trained (the reader's)
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ class ModeSpec:
     balanced_share: str = "batch_rows"  # strategy.balance splits the batch (rows a step) or local SGD's "period"
     survivors_keep_state: bool = False  # after a failure survivors keep their own state (the next round reconciles)
     epoch_events: Callable[[list[SegmentEnd]], list[dict[str, Any]]] = lambda stats: []  # the mode's own events
+    coordinated: bool = False  # sandblaster: the replicas compute gradient tasks; the driver's coordinator
+    # moves x on the shards at each epoch's end (one L-BFGS iteration per pass: orchestrator/control/passes.py)
     split_state: bool = False  # the model's state is split across the replicas (fsdp): it leaves them only whole, through
     # a collective on every member; a failure loses a slice, so every member goes on from the last checkpoint
 
@@ -141,6 +147,11 @@ def _hogwild_worker(model, flat, cfg, rank, world, transport):
     return HogwildWorker(model, flat, make_optimizer(cfg["optimizer"], model.parameters()), transport.client.shared_values,
                          _downpour_worker(model, flat, fallback, rank, world, transport), transport.task,
                          **({"recipe": transport.recipe} if transport.recipe is not None else {}))
+
+
+def _sandblaster_worker(model, flat, cfg, rank, world, transport):
+    """A gradient worker: partition sums to the shards; the driver's coordinator moves x."""
+    return SandblasterWorker(model, flat, transport.client, transport.where, transport.task, transport.recipe)
 
 
 def _easgd_worker(model, flat, cfg, rank, world, transport):
@@ -214,6 +225,10 @@ MODES: dict[str, ModeSpec] = {
     "fsdp": ModeSpec("fsdp", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
                      server_optimizer=lambda name: name, build_worker=_fsdp_worker, metrics=fsdp_metrics,
                      global_batch=True, split_state=True),
+    "sandblaster": ModeSpec("sandblaster", sharded=True, pinned=False, process_group=False, lock_step=lambda s: False,
+                            server_optimizer=lambda name: "sgd",  # the shards' optimizer is never applied: x moves by
+                            build_worker=_sandblaster_worker,    # the coordinator's operations
+                            metrics=sandblaster_metrics, coordinated=True),
 }
 
 

@@ -32,10 +32,14 @@ runs it yet (docs/modes.md lists the modes that run).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
+
+from policies.rules.batches import rows as batch_rows
+from policies.rules.modes import StepResult
 
 # Operations a shard performs on its slice. Each is a tuple (name, *args); names of vectors are
 # strings. Those marked -> answer one partial scalar, in order.
@@ -218,8 +222,11 @@ class GradientPass:
 
     `begin(pass_id)` opens a pass (dropping whatever an earlier one left); `add` takes a task's
     gradient sum over the slice once: the first copy of a task (a backup may send a second)
-    counts, later copies and copies from another pass are dropped. `finish(rows)` gives the mean
-    gradient (the sum over every task / the rows they covered) and the task ids it holds."""
+    counts, later copies and copies from an earlier pass are dropped; a copy from a later pass
+    opens that pass (the mode's replicas number passes by epoch, so the first push of an epoch
+    opens it). With each counted task come its loss sum and rows (`loss_sum`, `rows`: the
+    pass's loss). `finish(rows)` gives the mean gradient (the sum over every task / the rows
+    they covered) and the task ids it holds."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -227,13 +234,18 @@ class GradientPass:
         self.sum = torch.zeros(n, dtype=torch.float64)
         self.tasks: set[int] = set()
         self.dropped = 0
+        self.loss_sum = 0.0
+        self.rows = 0
 
     def begin(self, pass_id: int) -> None:
         self.pass_id = pass_id
         self.sum.zero_()
         self.tasks.clear()
+        self.loss_sum, self.rows = 0.0, 0
 
-    def add(self, pass_id: int, task_id: int, grad_sum: torch.Tensor) -> bool:
+    def add(self, pass_id: int, task_id: int, grad_sum: torch.Tensor, loss_sum: float = 0.0, rows: int = 0) -> bool:
+        if pass_id > self.pass_id:
+            self.begin(pass_id)
         if pass_id != self.pass_id or task_id in self.tasks:
             self.dropped += 1
             return False
@@ -241,7 +253,13 @@ class GradientPass:
             raise ValueError(f"sandblaster: task {task_id}'s gradient has {grad_sum.numel()} values; the slice {self.n}")
         self.sum.add_(grad_sum.double())
         self.tasks.add(task_id)
+        self.loss_sum += float(loss_sum)
+        self.rows += int(rows)
         return True
+
+    def held(self) -> tuple[int, list[int], float, int]:
+        """(pass, the tasks it holds, their loss sum, their rows)."""
+        return self.pass_id, sorted(self.tasks), self.loss_sum, self.rows
 
     def finish(self, rows: int) -> tuple[torch.Tensor, list[int]]:
         if rows <= 0:
@@ -313,3 +331,125 @@ class TaskHandout:
     @property
     def complete(self) -> bool:
         return len(self.done) == len(self.tasks)
+
+
+@dataclass
+class SandblasterWorker:
+    """One replica's part in `strategy.mode: sandblaster`: a gradient worker, never a stepper.
+
+    A pass is an epoch. At its first step the replica pulls x from the shards; each step adds
+    its batch's gradient, summed over the batch's rows, to the sum of the partition the batch
+    comes from (`where()`: the reader's (partition, rows) of the batch being trained); when the
+    next partition begins (or the segment ends) the finished partition's sum goes to every
+    shard as task `partition` of pass `epoch`, with its loss sum and rows, and is acknowledged
+    before the replica goes on. The model's parameters never move here: the coordinator moves
+    x on the shards once every task of the pass is in (orchestrator/control/passes.py).
+
+    The partition server hands partitions to whichever replica asks first, so a faster replica
+    computes more tasks; a partition served again (its replica died) is a second copy of the
+    task, which the shards drop if the first was pushed. `fill(pass_id, partition, batches)`
+    computes one task outside the epoch's loop: the coordinator's fill-in of a task no shard
+    holds (a replica lost between reporting a partition and pushing its sum)."""
+
+    model: torch.nn.Module
+    flat: Any  # FlatParams
+    client: Any  # RayShardClient
+    where: Callable[[], list[tuple[int, int]]]
+    task: Any = None
+    recipe: Any = None
+    lock_step = False
+
+    def __post_init__(self) -> None:
+        self.pass_id: Optional[int] = None
+        self.fresh = True  # pull x before the next step
+        self.part: Optional[int] = None
+        self.sum = torch.zeros_like(self.flat.grads)
+        self.loss_sum, self.rows = 0.0, 0
+        self.pushed = self.counted = 0
+
+    def begin_segment(self, epoch: int) -> None:
+        """The epoch loop starts (or resumes) a segment of pass `epoch`."""
+        if epoch != self.pass_id:
+            self.pass_id, self.fresh, self.part = epoch, True, None
+            self._reset()
+
+    def _reset(self) -> None:
+        self.sum.zero_()
+        self.loss_sum, self.rows = 0.0, 0
+
+    def _pull(self) -> float:
+        t = time.perf_counter()
+        if self.fresh:
+            self.client.pull(self.flat.params)
+            self.fresh = False
+        return time.perf_counter() - t
+
+    def _gradient(self, x: Any, y: Any) -> float:
+        """The batch's gradient summed over its rows into the task's sum; the batch's mean loss."""
+        self.flat.grads.zero_()
+        loss = self.recipe.backward(self.model, self.task, x, y, summed=True)
+        if not self.recipe.finite(loss):
+            raise FloatingPointError(f"the loss is {loss} at the pass's parameters")
+        n = batch_rows(y)
+        self.sum.add_(self.flat.grads)
+        self.loss_sum += loss * n
+        self.rows += n
+        return loss
+
+    def _push(self) -> float:
+        t = time.perf_counter()
+        counted = self.client.add_gradient(self.pass_id, self.part, self.sum, self.loss_sum, self.rows)
+        self.pushed += 1
+        self.counted += int(counted)
+        self.part = None
+        self._reset()
+        return time.perf_counter() - t
+
+    def step(self, x: Any, y: Any, more: bool = False, pause: bool = False) -> StepResult:
+        if self.pass_id is None:
+            raise RuntimeError("sandblaster: a step before the pass began (begin_segment)")
+        comm = self._pull()
+        parts = self.where()
+        if len(parts) != 1:
+            raise RuntimeError(f"sandblaster: a batch from {len(parts)} partitions (a task is one partition)")
+        partition = parts[0][0]
+        if self.part is not None and partition != self.part:
+            comm += self._push()
+        self.part = partition
+        loss = self._gradient(x, y)
+        return StepResult(loss, comm, batch_rows(y), more)
+
+    def fill(self, pass_id: int, partition: int, batches: Any) -> bool:
+        """Task `partition` of pass `pass_id` computed over `batches` and pushed; True if it counted."""
+        self.begin_segment(pass_id)
+        if self.part is not None:
+            self._push()
+        self._pull()
+        self.part = partition
+        for x, y in batches:
+            self._gradient(x, y)
+        before = self.counted
+        self._push()
+        return self.counted > before
+
+    def end_epoch(self) -> dict[str, Any]:
+        """The segment's last partition pushed; x is pulled again at the next step (the
+        coordinator moves it once the pass is complete)."""
+        if self.part is not None:
+            self._push()
+        self.fresh = True
+        stats = {"tasks_pushed": self.pushed, "tasks_counted": self.counted}
+        self.pushed = self.counted = 0
+        return stats
+
+    def release(self) -> None:
+        if self.part is not None:
+            self._push()
+
+
+def sandblaster_metrics(stats: list) -> dict[str, float]:
+    """`duplicate_tasks`: task sums the shards dropped this epoch (a partition served again)."""
+    modes = [s.mode for s in stats if "tasks_pushed" in s.mode]
+    if not modes:
+        return {}
+    return {"duplicate_tasks": sum(m["tasks_pushed"] - m["tasks_counted"] for m in modes)}

@@ -104,3 +104,71 @@ def test_sandblaster_through_real_shards_and_tasks_equals_torch_lbfgs(ray_cluste
     # the straggler's tasks were backed up (in 20 passes; which copy wins a pass, and how many
     # tasks each worker takes, depend on when Ray starts their processes, so they are not asserted)
     assert sum(h.backups for h in passes) > 0
+
+
+ITERATIONS = 8  # passes, each one L-BFGS iteration
+
+
+def lbfgs_reference(cfg, dataset, iterations: int, restart_at: int | None = None) -> np.ndarray:
+    """torch.optim.LBFGS on the whole train split (the mean loss), from the run's initial model;
+    `restart_at`: the iteration from which a fresh LBFGS (no history) goes on from where it is."""
+    from orchestrator.models import build_model
+
+    model = build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed)
+    x, y = torch.from_numpy(dataset.train.x), torch.from_numpy(dataset.train.y)
+    runs = [iterations] if restart_at is None else [restart_at - 1, iterations - restart_at + 1]
+    for n in [r for r in runs if r > 0]:
+        lbfgs = torch.optim.LBFGS(model.parameters(), lr=cfg.strategy.step_size, max_iter=n, max_eval=2 * n + 1,
+                                  history_size=cfg.strategy.history_size)  # max_eval: never the limit (the mode has none)
+
+        def closure():
+            lbfgs.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        lbfgs.step(closure)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+
+def test_sandblaster_mode_equals_torch_lbfgs_through_a_killed_replica_and_shard(ray_cluster, tmp_path):
+    """`strategy.mode: sandblaster` through ElasticTrainer.fit: two replicas compute each pass's
+    gradient a partition at a time (replica 1 a straggler, so replica 0 takes more), two shards
+    hold x and the history, the driver's coordinator moves x once per epoch. Replica 1 is
+    SIGKILLed inside a pass and replaced: its partition is served again and each task counts once.
+    Later shard 0 is SIGKILLed inside a pass: rebuilt from its snapshot (x as of the last
+    iteration), it lacks the tasks pushed before its death, which the replicas compute again at
+    the pass's end (`filled_tasks`), and its history is gone, so every shard drops its own and the
+    coordinator starts afresh (`history_resets`). The final model equals torch.optim.LBFGS's on
+    the whole train split, restarted (a fresh LBFGS from where it was) at the same iteration."""
+    from orchestrator.data.in_memory import load_source
+    from orchestrator.trainer import ElasticTrainer
+    from orchestrator.testing.chaos import Fault, FaultInjector
+    from tests.conftest import job_config
+
+    cfg = job_config(model={"factory": "examples.models:mnist_mlp", "kwargs": {"in_features": 64, "hidden": 32}},
+                     data={"source": "builtin:digits", "batch_size": 64, "partitions": 12},
+                     strategy={"mode": "sandblaster", "history_size": 10, "timeout_s": 30},
+                     scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 2},
+                     stop={"epochs": ITERATIONS}, faults={"slow_replicas": {1: 0.02}},
+                     tracking={"log_every_steps": 1, "progress_interval_s": 0,
+                               "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
+                     checkpoint={"storage": str(tmp_path / "ck")})
+    trainer = ElasticTrainer(cfg, show_progress=False)
+    faults = [Fault("kill_replica", 1, at_step=40), Fault("kill_shard", 0, at_step=85)]
+    with FaultInjector(lambda: trainer.controller, faults) as inj:
+        result = trainer.fit()
+    assert [f["kind"] for f in inj.fired] == ["kill_replica", "kill_shard"], inj.fired
+    assert all("error" not in f for f in inj.fired), inj.fired
+    assert any(e["kind"] == "replica_replaced" and e["ranks"] == [1] for e in result.events)
+    assert any(e["kind"] == "shard_rebuilt" and e["shard"] == 0 for e in result.events)
+    ends = [e for e in result.events if e["kind"] == "epoch_end"]
+    assert result.mode == "sandblaster" and len(ends) == ITERATIONS
+    fast, slow = ends[0]["steps_by_rank"]
+    assert fast > slow  # the tasks went to whoever asked first: the straggler computed fewer
+    [reset] = [e["epoch"] for e in ends if e["history_resets"]]
+    assert ends[reset - 1]["filled_tasks"] >= 1  # the rebuilt shard's lost task sums, computed again
+    model = torch.load(result.checkpoint, weights_only=True)["model"]
+    final = np.concatenate([model[k].reshape(-1).numpy() for k in model])
+    dataset = load_source(cfg.data.source, cfg.data.seed)
+    np.testing.assert_allclose(final, lbfgs_reference(cfg, dataset, ITERATIONS, restart_at=reset), atol=1e-4, rtol=1e-4)

@@ -267,3 +267,21 @@ def test_hogwild_writers_on_the_shards_node_pay_nothing_and_the_others_are_downp
     remote = predict("downpour", 1016, cal, shape=ModeShape(shards=1))
     assert mixed.extra == {"direct": 8, "through_shard": 1016} and mixed.bound == remote.bound == "shards"
     assert mixed.samples_per_s == pytest.approx(8 * 64 / 0.01 + remote.samples_per_s)
+
+
+def test_sandblaster_pays_a_push_per_task_and_the_pass_end_and_the_shards_cap_it():
+    """sandblaster: M bytes pushed per task of k steps, a pull and the coordinator's 2h + 6 round
+    trips per pass spread over a replica's steps of it; the wait for the last task grows with a
+    straggler; the shards' links cap the rate as downpour's do, eased k times."""
+    cal = Calibration(params=1_000_000, batch=64, compute_s=0.01, alpha_s=5e-5, beta_s_per_byte=1e-9)
+    shape = ModeShape(task_steps=4, pass_steps=64, history=10, shards=2)
+    wire = cal.model_bytes * cal.beta_s_per_byte + cal.alpha_s
+    for n in (1, 2, 8):
+        p = predict("sandblaster", n, cal, shape=shape)
+        want = wire / 4 + (wire + 26 * cal.alpha_s) / max(1.0, 64 / n)
+        assert p.comm_s == pytest.approx(want) and p.extra["updates_per_pass"] == 1
+        assert p.samples_per_s == pytest.approx(n * 64 / (0.01 + want))
+    slow = predict("sandblaster", 8, cal, Stragglers(p=1 / 8, factor=4.0, persistent=True), shape)
+    assert slow.comm_s > predict("sandblaster", 8, cal, shape=shape).comm_s  # the pass waits for the straggler's task
+    many = predict("sandblaster", 1024, cal, shape=shape)
+    assert many.bound == "shards" and many.samples_per_s == pytest.approx(64 * 4 / (cal.model_bytes / 2 * 1e-9))

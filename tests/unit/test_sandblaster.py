@@ -144,3 +144,59 @@ def test_the_backup_goes_to_the_task_expected_to_end_last():
     assert h.finished(0, "a", 0.1)
     assert h.next("a", 0.1) == 2  # c's task (no rate: infinite) before b's (ends at 10 s)
     assert h.next("d", 0.1) == 1
+
+
+class InProcessShards:
+    """The shards' side of the pass in this process: each slice's GradientPass and x (what
+    ParameterShard runs), reached the way a replica's RayShardClient reaches the real ones."""
+
+    def __init__(self, x: torch.Tensor, bounds):
+        self.bounds, self.x = bounds, x.clone()
+        self.passes = [GradientPass(hi - lo) for lo, hi in bounds]
+
+    def pull(self, into: torch.Tensor) -> list[int]:
+        into.copy_(self.x)
+        return [0] * len(self.bounds)
+
+    def add_gradient(self, pass_id, task_id, grad_sum, loss_sum, rows) -> bool:
+        return any([p.add(pass_id, task_id, grad_sum[lo:hi], loss_sum, rows)
+                    for p, (lo, hi) in zip(self.passes, self.bounds)])
+
+
+def test_the_mode_s_worker_pushes_one_sum_per_partition_and_a_served_again_partition_counts_once():
+    """SandblasterWorker: batches of partitions 0, 0, 1, then (end of segment) partition 1 again
+    from a second worker; each shard holds tasks 0 and 1 once, with the gradient of the summed
+    loss over their rows, and the pass's loss and rows; the parameters never move."""
+    from policies.rules.recipe import Recipe
+    from policies.rules.sandblaster import SandblasterWorker
+    from policies.rules.sharding import FlatParams
+    from policies.rules.tasks import Classification
+
+    model, x, y = problem()
+    before = [p.detach().clone() for p in model.parameters()]
+    flat = FlatParams(list(model.parameters()))
+    shards = InProcessShards(flat.params.clone(), [(0, 1000), (1000, flat.numel)])
+    batches = [(0, slice(0, 40)), (0, slice(40, 70)), (1, slice(70, 100))]
+    where = []
+    worker = SandblasterWorker(model, flat, shards, lambda: where[-1], Classification(), Recipe())
+    worker.begin_segment(3)
+    for part, rows in batches:
+        where.append([(part, rows.stop - rows.start)])
+        worker.step(x[rows], y[rows])
+    assert worker.end_epoch() == {"tasks_pushed": 2, "tasks_counted": 2}
+    again = SandblasterWorker(model, flat, shards, lambda: [(1, 30)], Classification(), Recipe())
+    assert again.fill(3, 1, [(x[70:100], y[70:100])]) is False  # partition 1's first copy is already in
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+    want = {}
+    for task, rows in ((0, slice(0, 70)), (1, slice(70, 100))):
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[rows]), y[rows], reduction="sum").backward()
+        want[task] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    whole = torch.cat([p.sum for p in shards.passes]).float()
+    torch.testing.assert_close(whole, want[0] + want[1], rtol=1e-4, atol=1e-4)
+    for p in shards.passes:
+        pass_id, tasks, loss_sum, rows = p.held()
+        assert (pass_id, tasks, rows) == (3, [0, 1], 100) and p.dropped == 1
+    full = float(torch.nn.functional.cross_entropy(model(x[:100]), y[:100], reduction="sum"))
+    assert loss_sum == pytest.approx(full, rel=1e-5)

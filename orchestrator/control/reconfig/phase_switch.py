@@ -43,7 +43,7 @@ from policies.decisions.switching import Observation, Switch
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
 
-MODE_CODES = {"allreduce": 0, "downpour": 1, "easgd": 2, "local_sgd": 3, "gossip": 4, "fsdp": 5, "hogwild": 6}  # the MLflow `mode` metric
+MODE_CODES = {"allreduce": 0, "downpour": 1, "easgd": 2, "local_sgd": 3, "gossip": 4, "fsdp": 5, "hogwild": 6, "sandblaster": 7}  # the MLflow `mode` metric
 
 
 def observe(run: "RunContext", epoch_end: bool, metrics: Optional[dict[str, float]] = None) -> Observation:
