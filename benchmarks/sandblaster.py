@@ -11,8 +11,8 @@ same initial model:
   2 replicas (0.5 CPU each), 2 shards, 8 partitions, batch 500; one iteration per epoch (each
   epoch also evaluates the 1,000 test rows and writes its events; no checkpoints).
 Both trajectories are the same iterates (the mode equals torch.optim.LBFGS: tests/integration/
-test_sandblaster_ray.py), so the target, the single side's loss after K iterations, is reached
-at the same iteration by both; what differs is the time. Reported per problem: each side's
+test_sandblaster_ray.py), so the target, the single side's loss at its last evaluated iterate (within 0.1%), is
+reached at the same iteration by both; what differs is the time. Reported per problem: each side's
 seconds to the target (sandblaster: from its first step, `startup_s` left out, and the whole
 `fit()` with start-up), and the ratio single / sandblaster (below 1: the single process is
 faster). What the ratio leaves out: sandblaster's start-up (Ray, actors: ~7 s here, given
@@ -89,9 +89,12 @@ def orchestrated(cfg) -> dict:
             "test_accuracy": result.final.test_accuracy}
 
 
+SAME = 1e-3  # "the same loss": within 0.1% (the two sums of the same gradient differ in their last bits)
+
+
 def reached(losses: list[float], times: list[float], target: float) -> float:
     for loss, t in zip(losses, times):
-        if loss <= target * (1 + 1e-4):
+        if loss <= target * (1 + SAME):
             return t
     return float("nan")
 
@@ -118,9 +121,10 @@ def main() -> None:
                            "sandblaster_s": reached(many["losses"], many["times"], target),
                            "sandblaster_fit_s": reached(many["losses"], many["fit_times"], target),
                            "startup_s": many["startup_s"], "test_accuracy": many["test_accuracy"],
-                           "single_losses": one["losses"], "sandblaster_losses": many["losses"]}
+                           "single_losses": one["losses"], "sandblaster_losses": many["losses"],
+                           "single_times": one["times"], "sandblaster_times": many["times"]}
                     runs.append(run)
-                    print({k: v for k, v in run.items() if not k.endswith("losses")}, flush=True)
+                    print({k: v for k, v in run.items() if not k.endswith(("losses", "times"))}, flush=True)
     finally:
         ray.shutdown()
     ratios, table = {}, {}

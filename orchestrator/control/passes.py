@@ -18,7 +18,7 @@ starts afresh the same way (the history is not in a checkpoint; x is, as the sha
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from orchestrator.errors import TrainingError
 from orchestrator.fleet.shard_group import ShardSlices
@@ -63,22 +63,24 @@ def coordinate_pass(run: "RunContext", epoch: int) -> tuple[dict[str, float], Op
 
 
 def fill_missing(run: "RunContext", slices: ShardSlices, epoch: int, tasks: int) -> int:
-    """Have the live replicas compute the tasks of pass `epoch` that some shard lacks; how many."""
-    filled = 0
+    """Have the live replicas compute the tasks of pass `epoch` that some shard lacks; how many.
+    A replica whose call did not come back (died, hung, raised) is not asked again here: its
+    tasks go to the others in the next round (its own repair is the failure path's)."""
+    filled, ranks, missing = 0, sorted(run.fleet.group.ranks), []
     for _ in range(FILL_ATTEMPTS):
-        held = slices.held()
         everywhere = set(range(tasks))
-        for pass_id, ids, _, _ in held:
+        for pass_id, ids, _, _ in slices.held():
             everywhere &= set(ids) if pass_id == epoch else set()
         missing = sorted(set(range(tasks)) - everywhere)
         if not missing:
             return filled
-        ranks = sorted(run.fleet.group.ranks)
         if not ranks:
             break
         share = {r: missing[i::len(ranks)] for i, r in enumerate(ranks)}
         run.report.event("sandblaster_fill", epoch=epoch, tasks=missing, by_rank={str(r): t for r, t in share.items()})
-        run.fleet.group.outcomes(ranks, "gradient_tasks", what="the pass's missing tasks", peers=False,
-                                 per_rank=lambda r: (epoch, share[r]))
+        outs = run.fleet.group.outcomes(ranks, "gradient_tasks", what="the pass's missing tasks", peers=False,
+                                        per_rank=lambda r: (epoch, share[r]))
+        ranks = [r for r in ranks if outs[r].ok]
         filled += len(missing)
-    raise TrainingError(f"sandblaster: pass {epoch}'s tasks {missing} were not computed after {FILL_ATTEMPTS} rounds")
+    raise TrainingError(f"sandblaster: pass {epoch}'s tasks {missing} were not computed after {FILL_ATTEMPTS} rounds "
+                        f"(replicas left to ask: {ranks})")
