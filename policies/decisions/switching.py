@@ -313,21 +313,26 @@ def make_switch_policy(strategy: Any, goals: Optional[dict[str, str]] = None) ->
     return SchedulePolicy(plan, goals)
 
 
+ASYNC_SHARED = {"downpour": "on the shards", "hogwild": "on the replicas' steps into the shared vector"}
+
+
 def entering_optimizer(mode: str, job: dict[str, Any], phase: Optional[dict[str, Any]], replicas: int,
                        in_phases: bool) -> tuple[dict[str, Any], Optional[str]]:
     """The optimizer settings a phase of `mode` runs with: the job's `optimizer.*` under the
-    phase's own overrides; and, for a phase entering downpour in a run of phases with no
-    `momentum` of its own, the shards' momentum lowered by the momentum the asynchrony adds
-    (n replicas pushing stale gradients act as an implicit momentum of about 1 - 1/n:
-    Mitliagkas et al. 2016, "Asynchrony begets momentum"): max(0, momentum - (1 - 1/n)), so the
-    total stays near the job's. Returns the settings and what was translated (None: nothing)."""
+    phase's own overrides; and, for a phase entering an asynchronous mode whose updates land on
+    one shared copy (downpour's shards; hogwild's shared vector, stepped by each replica's own
+    optimizer) in a run of phases with no `momentum` of its own, the momentum lowered by the
+    momentum the asynchrony adds (n replicas applying stale gradients act as an implicit momentum
+    of about 1 - 1/n: Mitliagkas et al. 2016, "Asynchrony begets momentum"): max(0, momentum -
+    (1 - 1/n)), so the total stays near the job's. Returns the settings and what was translated
+    (None: nothing)."""
     opt = {**job, **(phase or {})}
-    if mode != "downpour" or not in_phases or "momentum" in (phase or {}) or replicas < 2:
+    if mode not in ASYNC_SHARED or not in_phases or "momentum" in (phase or {}) or replicas < 2:
         return opt, None
     implicit = 1 - 1 / replicas
     explicit = max(0.0, round(opt["momentum"] - implicit, 6))
     if explicit == opt["momentum"]:
         return opt, None
-    note = (f"momentum {opt['momentum']:g} -> {explicit:g} on the shards: {replicas} asynchronous replicas add "
+    note = (f"momentum {opt['momentum']:g} -> {explicit:g} {ASYNC_SHARED[mode]}: {replicas} asynchronous replicas add "
             f"about {implicit:g} (1 - 1/n); set this phase's optimizer.momentum to choose it")
     return {**opt, "momentum": explicit}, note

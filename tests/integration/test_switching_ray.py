@@ -143,7 +143,8 @@ def test_mid_epoch_switches_pause_at_partition_boundaries_and_serve_every_row_on
     20 ms per step, ~205 steps an epoch, ~100-row partitions: a pause within ~7 steps); the epoch
     goes on where it was and still uses each row once. The replicas are identical at every pause
     (evaluated alike before and after), local SGD and gossip carry each replica's own momentum in
-    and out; entering hogwild, the shared vector holds the shards' values; leaving it, each
+    and out; entering hogwild, the shared vector holds the shards' values and the replicas'
+    momentum is lowered by what the asynchrony adds; leaving it, each
     replica's parameters become its own copy, equal across replicas. A checkpoint inside the epoch is due
     after every step (every_steps 1): the switches are still made inside the epoch (before, the
     checkpoint due at every tick closed the gate first and a switch waited for the epoch's end),
@@ -181,6 +182,8 @@ def test_mid_epoch_switches_pause_at_partition_boundaries_and_serve_every_row_on
         assert_carried(e, "passes", "state", "gate", "reopen")
     assert any(e["kind"] == "checkpoint" and e.get("in_epoch") for e in ctl.tracker.events)
     assert_carried(switches[3], "passes", "state", "verify", "gate", "reopen")
+    # into hogwild: the replicas' own momentum (they step the shared vector) lowered by what 2 add
+    assert "momentum 0.5 -> 0 on the replicas' steps" in switches[3].get("optimizer_translated", ""), switches
     # the after-state-change callback saw the switch as its own state, between two Running ones
     assert States.seen[0] == ("Starting", "Running", None)
     at = States.seen.index(("Running", "Reconfiguring", "SwitchPlan"))

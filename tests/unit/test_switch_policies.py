@@ -130,7 +130,7 @@ def test_adaptive_needs_two_replicas_reporting_and_uses_the_median_of_the_others
     assert pol.decide(obs(compute_s={0: 0.01, 1: 0.012, 2: 0.03})).numbers["slowest_rank"] == 2
 
 
-def test_entering_downpour_lowers_the_momentum_by_what_the_asynchrony_adds():
+def test_entering_downpour_or_hogwild_lowers_the_momentum_by_what_the_asynchrony_adds():
     from policies.decisions.switching import entering_optimizer
 
     job = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}
@@ -144,6 +144,9 @@ def test_entering_downpour_lowers_the_momentum_by_what_the_asynchrony_adds():
     assert entering_optimizer("downpour", job, {"momentum": 0.7}, 2, True) == ({**job, "momentum": 0.7}, None)
     assert entering_optimizer("downpour", job, None, 2, False) == (job, None)
     assert entering_optimizer("easgd", job, None, 2, True) == (job, None)
+    # hogwild: each replica's own optimizer steps the one shared vector, as stale as downpour's
+    opt, note = entering_optimizer("hogwild", job, None, replicas=2, in_phases=True)
+    assert opt["momentum"] == 0.4 and "replicas' steps into the shared vector" in note
     assert entering_optimizer("downpour", job, {"lr": 0.01}, 1, True) == ({**job, "lr": 0.01}, None)
 
 

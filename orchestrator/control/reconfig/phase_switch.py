@@ -158,9 +158,12 @@ class Switching(Change):
                 values = group.call([ranks[0]], "flat_parameters", what="parameters")[0]
                 run.fleet.shard_group.reseed(values, run.shard_optimizer(self.new_strategy), clocks, timeout_s=timeout_s)
                 self.shards_did = "seeded from the replicas' parameters; server optimizer state reset"
-        self.translated = run.phase_optimizer(self.new_strategy)[1] if self.new_spec.sharded else None
+        (_, momentum, _), self.translated = run.phase_optimizer(self.new_strategy) if self.new_spec.sharded else ((0, 0, 0), None)
         if self.translated:
             run.report.say(f"entering {self.new_spec.name}: {self.translated}")
+            if self.new_spec.name == "hogwild":  # its replicas step the shared vector with their own optimizers
+                own = {**(self.new_strategy.get("optimizer") or {}), "momentum": momentum}
+                self.new_strategy = {**self.new_strategy, "optimizer": own}
         # the commit point: from here the replicas run the new rule, so the controller does too (a
         # replica lost in the call is replaced in the new phase; the switch is carried out again,
         # each step idempotent: set_mode on a replica in the new phase rebuilds the same worker)
