@@ -15,8 +15,8 @@ test_sandblaster_ray.py), so the target, the single side's loss at its last eval
 reached at the same iteration by both; what differs is the time. Reported per problem: each side's
 seconds to the target (sandblaster: from its first step, `startup_s` left out, and the whole
 `fit()` with start-up), and the ratio single / sandblaster (below 1: the single process is
-faster). What the ratio leaves out: sandblaster's start-up (Ray, actors: ~7 s here, given
-apart), and that on this 2-core machine the replicas share the cores one process uses whole;
+faster). What the ratio leaves out: sandblaster's start-up (the actors, the data, the MLflow
+run: ~11 s here, given apart), and that on this 2-core machine the replicas share the cores one process uses whole;
 what it includes: every pass's pull, task pushes, the coordinator's round trips to the shards
 and the per-epoch evaluation.
 
@@ -94,7 +94,7 @@ SAME = 1e-3  # "the same loss": within 0.1% (the two sums of the same gradient d
 
 def reached(losses: list[float], times: list[float], target: float) -> float:
     for loss, t in zip(losses, times):
-        if loss <= target * (1 + SAME):
+        if loss <= target * (1 + SAME) + 5e-5:  # epoch_end events round pass_loss to 4 decimals
             return t
     return float("nan")
 

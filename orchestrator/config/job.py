@@ -57,6 +57,8 @@ class JobConfig(Section):
                         (self.checkpoint.every_steps > 0 or self.checkpoint.every_s > 0,
                          "checkpoints at pass (epoch) ends only: set checkpoint.every_steps and every_s to 0 (a pass's "
                          "task sums are not in a checkpoint)"),
+                        (self.model.precision == "fp16", "takes model.precision fp32 or bf16 (fp16's loss scaler is not "
+                         "applied to the summed gradients it pushes)"),
                         (self.optimizer.schedule is not None, "takes no optimizer.schedule (its step is L-BFGS's: "
                          "strategy.step_size)"),
                         (self.data.adaptive_batch is not None, "takes no data.adaptive_batch (each pass's gradient is "

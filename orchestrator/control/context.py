@@ -47,7 +47,7 @@ from policies.rules.recipe import planned_steps
 from policies.rules.registry import ModeSpec, mode_spec
 from policies.decisions.batch_size import AdaptiveBatch
 from policies.decisions.stop import BestWatch, ChanceWatch, StopPolicy
-from policies.decisions.switching import SwitchPolicy, entering_optimizer, make_switch_policy
+from policies.decisions.switching import SwitchPolicy, entering_optimizer, make_switch_policy, replicas_strategy
 from policies.rules.tasks import split_metric, sum_stats
 
 SHARD_STATE_TIMEOUT_S = 10.0  # the shards' optimizer states for a checkpoint
@@ -82,6 +82,7 @@ class Phase:
     phases: list[dict[str, Any]] = field(default_factory=list)  # the result JSON's record of which mode ran when
     coordinator: Any = None  # sandblaster: the L-BFGS coordinator's scalars (orchestrator/control/passes.py)
     coordinator_generations: list[int] = field(default_factory=list)  # the shards' incarnations it ran on
+    coordinated: Optional[tuple] = None  # (epoch, figures, converged): the last pass's iteration, made once
 
     def set(self, strategy: dict[str, Any]) -> None:
         """The phase that runs now: its strategy, its mode's registry entry, lock-step or not."""
@@ -166,7 +167,9 @@ class RunContext:
             # now, for the phase this start runs in; starting.restore loads every part again, this one included
             self.policies.switch.load_state_dict(resume["run"]["policy"])
         self.phase = Phase(shards_optimizer(config))
-        self.phase.set(self.policies.switch.plan[self.policies.switch.current])
+        plan = self.policies.switch.plan  # hogwild: its replicas' momentum translated, at a start or resume too
+        self.phase.set(replicas_strategy(plan[self.policies.switch.current], config.optimizer.model_dump(),
+                                         config.scaling.replicas, len(plan) > 1)[0])
         self.ledger = Ledger(t0)
         self.report = Reporter(tracker, display, t0)
         group = ReplicaGroup(config, strategy=self.phase.strategy, interrupts=interrupts or Interrupts())
@@ -310,6 +313,8 @@ class RunContext:
         self.phase.pinned = self.phase.spec.leases_pinned(self.phase.strategy, self.phase.batch_shares)
         self.phase.lease_plan = (rows, n, seed, self.phase.pinned, shuffle)  # leasing follows the mode of the phase (and the split)
         place = self.ledger.in_epoch.take_for(epoch)  # a restart from a checkpoint inside this epoch
+        if self.phase.spec.coordinated:  # sandblaster: the pass's task sums are in no checkpoint: the whole pass again
+            place = None
         resume = {"done": place["done"], "skips": place["skips"]} if place is not None else None
         if place is not None:
             seg.carried = {k: place[k] for k in ("steps", "samples", "train_s", "comm_s")}

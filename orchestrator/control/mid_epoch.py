@@ -35,9 +35,12 @@ def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     """A checkpoint inside the epoch when one is due, or when the driver's own node is being
     drained (`driver_drained`): the gate closes. Not while another reconfiguration holds the gate
     or waits, failures wait for their decision, or a member has ended its pass (the epoch is
-    closing: its end checkpoints)."""
+    closing: its end checkpoints); never in sandblaster (a pass's task sums are in no checkpoint:
+    a run goes on from its last epoch end, the whole pass again)."""
     ck = run.cfg.checkpoint
     drained = driver_drained(run, seg)
+    if run.phase.spec.coordinated:
+        return
     if not (ck.every_steps or ck.every_s or drained) or not seg.begun or seg.failures or run.fleet.pause.closed:
         return
     if pending.switch is not None or pending.evacuation is not None or pending.stopping:

@@ -336,3 +336,17 @@ def entering_optimizer(mode: str, job: dict[str, Any], phase: Optional[dict[str,
     note = (f"momentum {opt['momentum']:g} -> {explicit:g} {ASYNC_SHARED[mode]}: {replicas} asynchronous replicas add "
             f"about {implicit:g} (1 - 1/n); set this phase's optimizer.momentum to choose it")
     return {**opt, "momentum": explicit}, note
+
+
+def replicas_strategy(strategy: dict[str, Any], job: dict[str, Any], replicas: int,
+                      in_phases: bool) -> tuple[dict[str, Any], Optional[str]]:
+    """The strategy a phase's replicas run: hogwild's step the shared vector with their own
+    optimizers, so its `entering_optimizer` momentum goes into the phase's optimizer overrides
+    (the shards take it through the same rule); every other mode's as it is. Returns the
+    strategy and what was translated (None: nothing)."""
+    if strategy["mode"] != "hogwild":
+        return strategy, None
+    opt, note = entering_optimizer("hogwild", job, strategy.get("optimizer"), replicas, in_phases)
+    if note is None:
+        return strategy, None
+    return {**strategy, "optimizer": {**(strategy.get("optimizer") or {}), "momentum": opt["momentum"]}}, note

@@ -425,12 +425,14 @@ class SandblasterWorker:
         if self.part is not None:
             self._push()
         self._pull()
+        counts = self.pushed, self.counted  # the epoch's own pushes only (`end_epoch`'s figures)
         self.part = partition
         for x, y in batches:
             self._gradient(x, y)
-        before = self.counted
         self._push()
-        return self.counted > before
+        counted = self.counted > counts[1]
+        self.pushed, self.counted = counts
+        return counted
 
     def end_epoch(self) -> dict[str, Any]:
         """The segment's last partition pushed; x is pulled again at the next step (the

@@ -44,6 +44,7 @@ def test_yaml_round_trip(tmp_path):
      "strategy.mode sandblaster is one mode for the whole run"),
     ({}, ["strategy.mode=sandblaster", "optimizer.schedule={name: cosine}"], "sandblaster takes no optimizer.schedule"),
     ({}, ["strategy.mode=sandblaster", "strategy.history_size=0"], "strategy.history_size"),
+    ({}, ["strategy.mode=sandblaster", "model.precision=fp16"], "sandblaster takes model.precision fp32 or bf16"),
     ({}, ["strategy.mode=downpour", "optimizer.name=adafactor"], "factored"),
     ({}, ["optimizer.schedule={name: cosin}"], "unknown schedule"),
     ({}, ["strategy.mode=ring"], "strategy.mode"),

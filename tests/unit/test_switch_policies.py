@@ -147,6 +147,13 @@ def test_entering_downpour_or_hogwild_lowers_the_momentum_by_what_the_asynchrony
     # hogwild: each replica's own optimizer steps the one shared vector, as stale as downpour's
     opt, note = entering_optimizer("hogwild", job, None, replicas=2, in_phases=True)
     assert opt["momentum"] == 0.4 and "replicas' steps into the shared vector" in note
+    # and the strategy hogwild's replicas run carries it (their own optimizers); other modes' as given
+    from policies.decisions.switching import replicas_strategy
+
+    hog = {"mode": "hogwild", "optimizer": {"lr": 0.01}}
+    assert replicas_strategy(hog, job, 2, True)[0] == {"mode": "hogwild", "optimizer": {"lr": 0.01, "momentum": 0.4}}
+    assert replicas_strategy(hog, job, 2, False) == (hog, None)  # one mode for the run: the job's momentum
+    assert replicas_strategy({"mode": "downpour"}, job, 2, True) == ({"mode": "downpour"}, None)
     assert entering_optimizer("downpour", job, {"lr": 0.01}, 1, True) == ({**job, "lr": 0.01}, None)
 
 

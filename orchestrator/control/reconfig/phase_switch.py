@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from orchestrator.control.reconfig.carrier import Change
 from orchestrator.control.states import EpochSegment, Guard, Pending, SwitchPlan
 from policies.rules.registry import mode_spec
-from policies.decisions.switching import Observation, Switch
+from policies.decisions.switching import Observation, Switch, replicas_strategy
 
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
@@ -158,12 +158,12 @@ class Switching(Change):
                 values = group.call([ranks[0]], "flat_parameters", what="parameters")[0]
                 run.fleet.shard_group.reseed(values, run.shard_optimizer(self.new_strategy), clocks, timeout_s=timeout_s)
                 self.shards_did = "seeded from the replicas' parameters; server optimizer state reset"
-        (_, momentum, _), self.translated = run.phase_optimizer(self.new_strategy) if self.new_spec.sharded else ((0, 0, 0), None)
+        self.translated = run.phase_optimizer(self.new_strategy)[1] if self.new_spec.sharded else None
         if self.translated:
             run.report.say(f"entering {self.new_spec.name}: {self.translated}")
-            if self.new_spec.name == "hogwild":  # its replicas step the shared vector with their own optimizers
-                own = {**(self.new_strategy.get("optimizer") or {}), "momentum": momentum}
-                self.new_strategy = {**self.new_strategy, "optimizer": own}
+        self.new_strategy = replicas_strategy(self.new_strategy, run.cfg.optimizer.model_dump(),
+                                              len(run.fleet.group.members) or run.cfg.scaling.replicas,
+                                              len(run.policies.switch.plan) > 1)[0]  # hogwild: its replicas' own momentum
         # the commit point: from here the replicas run the new rule, so the controller does too (a
         # replica lost in the call is replaced in the new phase; the switch is carried out again,
         # each step idempotent: set_mode on a replica in the new phase rebuilds the same worker)
