@@ -89,8 +89,8 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
         for rank, stream in list(seg.streams.items()):
             if stream in ready:
                 read_item(run, seg, rank, stream)
-        if watch_servers(run, seg.epoch):  # time spent waiting on a server or shard being rebuilt is no hang
-            restart_hang_clocks(seg)
+        if watch_servers(run, seg.epoch) or shards_unconfirmed(run):  # time spent waiting on a server or
+            restart_hang_clocks(seg)  # shard being rebuilt, or not yet known to be stopped, is no hang
         look_after_spares(run, seg.epoch)
         check_hangs(run, seg)
         run.fleet.elastic.tick(seg, switching=pending.switch is not None)
@@ -173,6 +173,14 @@ def read_item(run: "RunContext", seg: EpochSegment, rank: int, stream: Any) -> N
         seg.progress += rows
         last = rows[-1]
         run.report.steps(seg.epoch, last["step_in_epoch"], last["loss"], run.ledger.steps_per_epoch)
+
+
+def shards_unconfirmed(run: "RunContext") -> bool:
+    """A shard has not answered a recent ping (ShardGroup.unconfirmed): after the driver was busy
+    for seconds (a repair's membership step), a replica blocked on a stopped shard must not be
+    taken for hung before the shard's own pings say it is stopped."""
+    group = run.fleet.shard_group
+    return group is not None and group.unconfirmed()
 
 
 def restart_hang_clocks(seg: EpochSegment) -> None:

@@ -139,6 +139,15 @@ class ShardGroup:
         waiting on it."""
         return any(slot.state != "up" or slot.settling for slot in self._slots)
 
+    def unconfirmed(self, now: Optional[float] = None) -> bool:
+        """A live shard has answered no ping sent in the last `hang_s` seconds: whether it is
+        stopped is not known yet (the driver was busy elsewhere, e.g. a repair, and its pings went
+        unchecked), so a replica waiting on it is not to be taken for hung until it is."""
+        if self.hang_s is None:
+            return False
+        now = time.monotonic() if now is None else now
+        return any(s.state == "up" and now - s.answered_at > self.hang_s for s in self._slots)
+
     def settle_all(self, timeout_s: float = 5.0) -> list[dict]:
         """The events of rebuilds still waiting for their clients' replay, as they stand now
         (the run is ending: no more replay will come), after any a control call's rebuild left."""
@@ -165,7 +174,7 @@ class ShardGroup:
             if slot.ping is not None and ray.wait([slot.ping], timeout=0)[0]:
                 _, version, _ = ray.get(slot.ping)
                 slot.known_version = max(version, slot.known_version or 0)
-                slot.ping = None
+                slot.ping, slot.answered_at = None, slot.ping_at
         except RayActorError:
             return self._died(i, slot, "ping", now)
         if slot.ping is not None and self.hang_s is not None and now - slot.ping_at > self.hang_s:

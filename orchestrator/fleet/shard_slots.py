@@ -19,6 +19,7 @@ class Slot:
     last_snapshot_at: float = 0.0
     ping: Any = None
     ping_at: float = 0.0  # when the outstanding ping was sent
+    answered_at: float = 0.0  # when the newest answered ping was sent (0: none yet)
     known_version: Optional[int] = None  # the newest version the driver saw
     state: str = "up"  # up | dead | starting
     dead_at: float = 0.0
