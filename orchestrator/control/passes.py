@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional
 
 from orchestrator.errors import TrainingError
 from orchestrator.fleet.outcomes import describe
-from orchestrator.fleet.shard_group import ShardSlices
+from orchestrator.fleet.shard_slices import ShardSlices
 from policies.rules.sandblaster import LbfgsCoordinator
 
 if TYPE_CHECKING:

@@ -25,7 +25,7 @@ copy of it finishes first; a copy from an earlier pass is dropped too.
 `SliceVectors` and `GradientPass` are one shard's side (pure torch; actors/shards/parameter_shard.py
 runs them on the shard's own values); `LbfgsCoordinator` the coordinator's, over anything with
 `run(ops) -> per-shard answers` (`LocalSlices`: every slice in one process; `ShardSlices` in
-orchestrator/fleet/shard_group.py: the real shards). Equal to torch.optim.LBFGS on the same problem:
+orchestrator/fleet/shard_slices.py: the real shards). Equal to torch.optim.LBFGS on the same problem:
 tests/unit/test_sandblaster.py (in one process), tests/integration/test_sandblaster_ray.py (real
 shards, gradient tasks on Ray workers with a straggler and its backup). No mode of the registry
 runs it yet (docs/modes.md lists the modes that run).

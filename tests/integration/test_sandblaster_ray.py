@@ -14,7 +14,7 @@ import ray
 import torch
 
 from actors.shards.parameter_shard import create_shards
-from orchestrator.fleet.shard_group import ShardSlices
+from orchestrator.fleet.shard_slices import ShardSlices
 from policies.rules.sandblaster import LbfgsCoordinator, TaskHandout, task_bounds
 from policies.rules.sharding import shard_bounds
 from tests.unit.test_sandblaster import problem, reference
