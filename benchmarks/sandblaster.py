@@ -20,7 +20,13 @@ run: ~11 s here, given apart), and that on this 2-core machine the replicas shar
 what it includes: every pass's pull, task pushes, the coordinator's round trips to the shards
 and the per-epoch evaluation.
 
-    python benchmarks/sandblaster.py [--quick] [--json PATH]
+With `--backups`: the MLP problem with replica 1 a straggler (50 ms added to each step), 10 steps a
+partition (batch 50), `strategy.backup_tasks` true against false, interleaved: seconds per pass
+(from the first step to the last epoch's end, over the passes) and the ratio false / true (above
+1: backups pay). Both sides make the same iterates (their pass losses are compared); what the
+ratio leaves out: start-up, the same on both sides.
+
+    python benchmarks/sandblaster.py [--quick] [--backups] [--reps N] [--json PATH]
 """
 from __future__ import annotations
 
@@ -34,15 +40,16 @@ PROBLEMS = {"softmax": ("examples.models:linear", {"in_features": 784, "num_clas
             "mlp": ("examples.models:mnist_mlp", {"hidden": 64})}
 
 
-def config(problem: str, iterations: int, tmp: str):
+def config(problem: str, iterations: int, tmp: str, batch: int = 500, backups: bool = True, slow: list = ()):
     from orchestrator.config import JobConfig
 
     factory, kwargs = PROBLEMS[problem]
     return JobConfig.from_dict({
         "model": {"factory": factory, "kwargs": kwargs},
-        "data": {"source": "builtin:mnist5k", "batch_size": 500, "partitions": 8},
-        "strategy": {"mode": "sandblaster", "history_size": 10, "step_size": 1.0, "timeout_s": 120},
-        "scaling": {"replicas": 2, "cpus_per_replica": 0.5, "shards": 2},
+        "data": {"source": "builtin:mnist5k", "batch_size": batch, "partitions": 8},
+        "strategy": {"mode": "sandblaster", "history_size": 10, "step_size": 1.0, "timeout_s": 120,
+                     "backup_tasks": backups},
+        "scaling": {"replicas": 2, "cpus_per_replica": 0.5, "shards": 2}, "faults": {"slow_replicas": list(slow)},
         "stop": {"epochs": iterations}, "checkpoint": {"every_epochs": 0, "storage": os.path.join(tmp, "ck")},
         "tracking": {"tracking_uri": f"sqlite:///{tmp}/mlflow.db"}})
 
@@ -86,7 +93,38 @@ def orchestrated(cfg) -> dict:
     # an epoch_end's `t` counts from fit(); its pass_loss is the loss at the pass's x (before the move)
     return {"losses": [e["pass_loss"] for e in ends], "times": [e["t"] - result.startup_s for e in ends],
             "fit_times": [e["t"] for e in ends], "startup_s": result.startup_s, "wall_s": wall,
-            "test_accuracy": result.final.test_accuracy}
+            "test_accuracy": result.final.test_accuracy,
+            "backup_tasks": [e.get("backup_tasks", 0) for e in ends],
+            "superseded_tasks": [e.get("superseded_tasks", 0) for e in ends]}
+
+
+STRAGGLER = [{"rank": 1, "delay_s": 0.05}]
+
+
+def backups(args, iterations: int, reps: int) -> None:
+    """--backups: a straggler's late partitions backed up (strategy.backup_tasks) or waited for."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(reps):
+            for on in (True, False):  # interleaved
+                cfg = config("mlp", iterations, os.path.join(tmp, f"{on}-{rep}"), batch=50, backups=on, slow=STRAGGLER)
+                out = orchestrated(cfg)
+                run = {"backup_tasks": on, "rep": rep, "s_per_pass": out["times"][-1] / len(out["times"]),
+                       "losses": out["losses"], "backups": sum(out["backup_tasks"]),
+                       "superseded": sum(out["superseded_tasks"]), "startup_s": out["startup_s"]}
+                runs.append(run)
+                print({k: v for k, v in run.items() if k != "losses"}, flush=True)
+    same = all(r["losses"] == runs[0]["losses"] for r in runs)
+    fig = {}
+    for on in (True, False):
+        mine = [r["s_per_pass"] for r in runs if r["backup_tasks"] == on]
+        fig[str(on).lower()] = {"s_per_pass": median(mine), "range": [min(mine), max(mine)]}
+    ratio = fig["false"]["s_per_pass"] / fig["true"]["s_per_pass"]
+    print(f"\nseconds a pass, medians (range): backups {fig['true']['s_per_pass']:.3f} {fig['true']['range']}, "
+          f"none {fig['false']['s_per_pass']:.3f} {fig['false']['range']}: {ratio:.3f}x; the same iterates: {same}")
+    report("sandblaster-backups", args.quick, {"iterations": iterations, "reps": reps, "straggler": STRAGGLER,
+                                               "same_iterates": same, "runs": runs, "medians": fig},
+           {"mlp_straggler:waited_vs_backed_up_s_per_pass": ratio}, args.json)
 
 
 SAME = 1e-3  # "the same loss": within 0.1% (the two sums of the same gradient differ in their last bits)
@@ -100,12 +138,19 @@ def reached(losses: list[float], times: list[float], target: float) -> float:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], (("--reps", {"type": int, "default": None}),))
+    args = parse_args(__doc__.splitlines()[0], (("--reps", {"type": int, "default": None}),
+                                                ("--backups", {"action": "store_true"})))
     iterations = 10 if args.quick else 30
     reps = args.reps or (1 if args.quick else 3)
     import ray
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    if args.backups:
+        try:
+            backups(args, iterations, reps)
+        finally:
+            ray.shutdown()
+        return
     runs = []
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -145,6 +145,9 @@ class PartitionReader:
         self.out: deque[list[tuple[int, int]]] = deque()  # each batch yielded and not trained yet: (partition, rows)
         self.trained: dict[int, int] = {}  # partition -> rows of its in-epoch order trained (a lease's skip counted)
         self.sizes: dict[int, int] = {}  # partition -> its rows
+        self.drained = False  # the last grant said the pass's queue is empty (sandblaster: its tail)
+        self.backups: set[int] = set()  # partitions granted this pass as backup copies
+        self.dropped: set[int] = set()  # partitions whose rest this replica no longer reads (`drop`)
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="partition-prefetch")
 
     def partitions(self, first: Optional[dict] = None) -> Iterator[tuple[dict, dict]]:
@@ -157,8 +160,10 @@ class PartitionReader:
         which saves every replica a round trip per epoch. `first`: the grant the epoch starts
         with (`policies.decisions.leases.first_grant_messages`)."""
         self.unreported = []
+        self.drained, self.backups, self.dropped = False, set(), set()
         self.source.new_pass()
         grant = self._fetch(first) if first is not None else self._grant([], None)
+        self._heard(grant)
         epoch = grant["leases"][0]["epoch"] if grant["leases"] else None
         finished = []
         while grant.get("pause"):  # a phase switch: stop here, ask again when resumed
@@ -171,7 +176,7 @@ class PartitionReader:
             self.source.want(lease["partition"], [x["partition"] for x in held])
             pending = None
             if not held and not last:  # starting the last partition in hand: ask for more now
-                pending, finished = self.prefetch.submit(self._grant, finished, lease["epoch"]), []
+                pending, finished = self.prefetch.submit(self._grant_heard, finished, lease["epoch"]), []
             yield lease, self.source.get(lease["partition"])
             self.source.release(lease["partition"])  # a streamed partition is let go once trained
             finished.append(lease["partition"])
@@ -184,6 +189,22 @@ class PartitionReader:
                 held.extend(grant["leases"])
                 last = grant["last"]
         self.unreported = finished
+
+    def _heard(self, grant: dict) -> None:
+        """What a grant says of the pass, noted as soon as it arrives (on the helper thread while a
+        partition trains): the queue is empty (`drained`), the backup copies granted."""
+        self.drained = self.drained or bool(grant.get("drained"))
+        self.backups.update(x["partition"] for x in grant.get("leases", ()) if x.get("backup"))
+
+    def _grant_heard(self, completed: list[int], epoch: Optional[int]) -> dict:
+        grant = self._grant(completed, epoch)
+        self._heard(grant)
+        return grant
+
+    def drop(self, partition: int) -> None:
+        """Read no more batches of `partition` this pass (sandblaster: another copy of the task is
+        in); it is still reported completed, as its task is."""
+        self.dropped.add(partition)
 
     def _grant(self, completed: list[int], epoch: Optional[int]) -> dict:
         """The next grant (reporting `completed`), asked again while the server has not yet
@@ -301,7 +322,7 @@ class PartitionReader:
                  else torch.arange(rows))
         cpu = self.device.type == "cpu"
         at = start = min(int(lease.get("skip", 0)), rows)  # rows trained before a restart: not again
-        while at < rows:
+        while at < rows and lease.get("partition") not in self.dropped:
             size = first if at == start and first else self.batch_size
             idx = order[at : at + size]
             at += len(idx)

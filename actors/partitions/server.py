@@ -44,9 +44,10 @@ class PartitionServer:
     re-sent after the server died is applied once."""
 
     def __init__(self, rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool,
-                 max_grant: int = MAX_GRANT, journal: Optional[str] = None, generation: int = 0) -> None:
+                 max_grant: int = MAX_GRANT, backups: bool = False, journal: Optional[str] = None,
+                 generation: int = 0) -> None:
         self.rows, self.journal, self.generation = rows, journal, generation
-        self.ledger = PartitionLedger(len(rows), replicas, seed, pinned, shuffle, max_grant)
+        self.ledger = PartitionLedger(len(rows), replicas, seed, pinned, shuffle, max_grant, backups=backups)
         self.refused: dict[int, str] = {}  # epoch -> why it could not start
         self.pausing = False
         self.answered: dict[str, tuple[Any, Any]] = {}  # caller -> (its last call id, the answer)

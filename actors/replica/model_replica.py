@@ -110,7 +110,8 @@ class ModelReplica:
         self.worker, self.flat = build_worker(self.model, self.cfg, self.rank, self.world_size,
                                               Transport(self.reducer, self.client if self.spec.sharded else None, self.task,
                                                         self.recipe, rebuild=self._fresh_model, adopt=self._adopt,
-                                                        sample=self._one_row, where=lambda: self.reader.out[0]))
+                                                        sample=self._one_row, where=lambda: self.reader.out[0],
+                                                        reader=lambda: self.reader))
         self.apply_lr()
         if self.slow and getattr(self.worker, "straggles_inside", False):
             self.worker.straggle = self.slow_down  # backups: the delay before the gradient is ready, cut short when late

@@ -248,6 +248,17 @@ class RayShardClient:
         return any([self._get(i, handles[i], ref, "add_gradient", pass_id, task_id, flat[lo:hi], loss_sum, rows)
                     for i, ((lo, hi), ref) in enumerate(zip(self.bounds, refs))])
 
+    def task_held(self, pass_id: int, task_id: int, timeout_s: float = 2.0) -> bool:
+        """sandblaster: whether every shard holds task `task_id` of pass `pass_id` (another copy of
+        it is in). An unanswered or dead shard counts as not holding it: the caller goes on
+        computing its copy, which is never wrong, only late."""
+        refs = [h.gradient_held.remote() for h in list(self.handles)]
+        try:
+            held = ray.get(refs, timeout=min(timeout_s, self.timeout_s))
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+        return all(p == pass_id and task_id in tasks for p, tasks, _, _ in held)
+
     def set_buffers(self, rank: int, buffers: dict) -> None:
         self._call(0, "set_buffers", rank, buffers)
 

@@ -233,6 +233,11 @@ class StrategyConfig(Section):
     history_size: int = Field(
         10, ge=1, description="sandblaster: the (s, y) pairs L-BFGS keeps, each a vector the size of the model split "
         "across the shards (the coordinator holds scalars only).")
+    backup_tasks: bool = Field(
+        True, description="sandblaster: once a pass's queue of partitions is empty, a replica that asks for more "
+        "computes a backup copy of a partition another replica still holds (of the replica that has completed fewest); "
+        "the first copy the shards get counts and the other replica drops the rest of its copy. false: a late "
+        "partition is waited for.")
     phases: Optional[list[PhaseConfig]] = Field(
         None, description="A run in phases, each {mode, that mode's options, until}: e.g. [{mode: downpour, n_push: "
         "4, until: {epochs: 2}}, {mode: allreduce, until: {test_accuracy: 0.96}}, {mode: easgd, tau: 8}]. `until`: "

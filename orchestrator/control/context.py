@@ -79,6 +79,7 @@ class Phase:
     batch_shares: Optional[list[int]] = None  # strategy.balance: the split last reported (rows or periods)
     lease_plan: tuple = ()  # (rows, replicas, seed, pinned, shuffle): the grants' pure plan (policies/decisions/leases.py)
     max_grant: int = MAX_GRANT
+    backups: bool = False  # sandblaster's backup copies of late partitions (strategy.backup_tasks)
     phases: list[dict[str, Any]] = field(default_factory=list)  # the result JSON's record of which mode ran when
     coordinator: Any = None  # sandblaster: the L-BFGS coordinator's scalars (orchestrator/control/passes.py)
     coordinator_generations: list[int] = field(default_factory=list)  # the shards' incarnations it ran on
@@ -318,7 +319,7 @@ class RunContext:
         resume = {"done": place["done"], "skips": place["skips"]} if place is not None else None
         if place is not None:
             seg.carried = {k: place[k] for k in ("steps", "samples", "train_s", "comm_s")}
-        first = first_grant_messages(*self.phase.lease_plan, epoch, ranks, self.phase.max_grant, resume)
+        first = first_grant_messages(*self.phase.lease_plan, epoch, ranks, self.phase.max_grant, resume, self.phase.backups)
         with self.fleet.interrupts.whole():
             for rank in ranks:
                 self.open_stream(seg, rank, first_grant=first.get(rank), announce=rank in announce)

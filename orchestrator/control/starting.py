@@ -68,8 +68,11 @@ def start(run: "RunContext") -> EpochSegment:
     # saves calls otherwise)
     ck = cfg.checkpoint
     run.phase.max_grant = 1 if len(run.policies.switch.plan) > 1 or ck.every_steps or ck.every_s else MAX_GRANT
+    # sandblaster: a late partition gets a backup copy (one mode for the whole run, so set once)
+    run.phase.backups = bool(run.phase.spec.coordinated and cfg.strategy.backup_tasks)
     run.fleet.server = ServerLink(*run.phase.lease_plan, run.phase.max_grant, placement=beside_driver(),
-                             hang_s=cfg.fault_tolerance.hang_timeout_s / 2, timeout_s=cfg.strategy.timeout_s)
+                             hang_s=cfg.fault_tolerance.hang_timeout_s / 2, timeout_s=cfg.strategy.timeout_s,
+                             backups=run.phase.backups)
     run.fleet.group.wait_ready()
     run.fleet.group.form()
     run.fleet.group.spare_pool.warm(run.fleet.data.sample)

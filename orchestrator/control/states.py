@@ -27,7 +27,7 @@ from policies.messages import SegmentEnd
 
 
 
-COUNTED = ("dropped_steps", "dropped_rows", "tasks_pushed", "tasks_counted")  # mode figures that are counts: summed over an epoch's segments
+COUNTED = ("dropped_steps", "dropped_rows", "tasks_pushed", "tasks_counted", "tasks_superseded", "tasks_backup")  # mode figures that are counts: summed over an epoch's segments
 
 @dataclass
 class Recovery:

@@ -48,8 +48,8 @@ class Call:
 
 class ServerLink:
     def __init__(self, rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool, max_grant: int,
-                 placement: Any, hang_s: float, timeout_s: float) -> None:
-        self.args = (rows, replicas, seed, pinned, shuffle, max_grant)
+                 placement: Any, hang_s: float, timeout_s: float, backups: bool = False) -> None:
+        self.args = (rows, replicas, seed, pinned, shuffle, max_grant, backups)
         self.dir = tempfile.mkdtemp(prefix="eo-ledger-")
         self.journal = os.path.join(self.dir, "ledger.pkl")
         self.name = f"eo-{uuid.uuid4().hex[:12]}-partitions"

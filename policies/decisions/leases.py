@@ -14,7 +14,11 @@ Pure state and decisions (the `PartitionServer` actor wraps it; tests use it dir
 - the grants an epoch starts with are a pure function of the settings (`first_grants`): the
   driver hands them to the replicas with their epoch call while the server records the same;
 - `release(rank)` (the controller saw the replica die) returns its unfinished leases to the
-  front of the queue; they are served again and recorded as redone.
+  front of the queue; they are served again and recorded as redone;
+- `backups` (sandblaster, whose tasks count once whoever computes them): once the shared queue is
+  empty, a replica that asks gets a backup copy of a partition another replica still holds (the
+  newest lease of the replica that has completed fewest); whichever copy completes first counts,
+  the other's completion changes nothing, and a dead holder's partition stays with its copy.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ class Lease:
     partition: int
     seed: int  # in-partition shuffle seed for this epoch
     skip: int = 0  # rows of the partition's in-epoch order already trained before a restart (resume_epoch)
+    backup: bool = False  # a backup copy of a partition another replica holds (`PartitionLedger.backups`)
 
 
 MAX_GRANT = 2
@@ -40,6 +45,7 @@ MAX_GRANT = 2
 class Grant:
     leases: tuple[Lease, ...]  # empty: nothing left for this replica
     last: bool  # the queue was emptied: asking again this pass would get nothing
+    drained: bool = False  # the shared queue is empty (with backups a replica still asks, for a backup copy)
 
 
 def grant_size(queued: int, sharers: Optional[int], cap: int = MAX_GRANT) -> int:
@@ -66,6 +72,9 @@ class PartitionLedger:
     done: dict[int, int] = field(default_factory=dict)  # partition -> rank that completed it
     redone: list[dict] = field(default_factory=list)  # partitions released by a dead replica
     skips: dict[int, int] = field(default_factory=dict)  # partition -> rows trained before a restart (resume_epoch)
+    backups: bool = False  # shared leasing only: backup copies once the queue is empty (module doc)
+    copies: dict[int, int] = field(default_factory=dict)  # partition -> the rank computing its backup copy
+    order: dict[int, int] = field(default_factory=dict)  # partition -> when it was leased (the epoch's count)
 
     def start_epoch(self, epoch: int, ranks: Optional[list[int]] = None) -> None:
         """Begin `epoch` over the replicas `ranks` (default 0..replicas-1): the membership may
@@ -83,6 +92,7 @@ class PartitionLedger:
         else:
             self.queues = {-1: deque(int(p) for p in order)}
         self.done, self.redone, self.skips = {}, [], {}
+        self.copies, self.order = {}, {}
 
     def resume_epoch(self, epoch: int, ranks: list[int], done: list[int], skips: dict[int, int]) -> None:
         """Begin `epoch` again after a restart from a checkpoint taken inside it: the partitions
@@ -108,28 +118,61 @@ class PartitionLedger:
             return None
         p = queue.popleft()
         self.leased[p] = rank
+        self.order[p] = len(self.order)
+        return self._lease(p)
+
+    def _lease(self, p: int, backup: bool = False) -> Lease:
         return Lease(self.epoch, p, int(np.random.default_rng([self.seed, self.epoch, p]).integers(2**31)),
-                     self.skips.get(p, 0))
+                     self.skips.get(p, 0), backup)
 
     def grant(self, rank: int) -> Grant:
-        """The next partitions for `rank` (see `grant_size`) and whether its queue is now empty."""
+        """The next partitions for `rank` (see `grant_size`) and whether its queue is now empty;
+        with `backups`, once it is, a backup copy (`backup_for`) while there is one to take."""
         queue = self.queues.get(rank if self.pinned else -1) or deque()
         n = grant_size(len(queue), None if self.pinned else self.replicas, self.max_grant)
-        return Grant(tuple(self.lease(rank) for _ in range(n)), not queue)
+        leases = tuple(self.lease(rank) for _ in range(n))
+        if not (self.backups and not self.pinned):
+            return Grant(leases, not queue, not queue)
+        if not leases and not queue:
+            p = self.backup_for(rank)
+            if p is not None:
+                self.copies[p] = rank
+                return Grant((self._lease(p, backup=True),), False, True)
+        return Grant(leases, not queue and self.backup_for(rank) is None, not queue)
+
+    def backup_for(self, rank: int) -> Optional[int]:
+        """The partition `rank` would back up: one another replica holds, with no copy yet, whose
+        holder has completed no more partitions this epoch than `rank` (a slower replica does not
+        back up a faster one), of the holder that has completed fewest (its newest lease: the one
+        expected to end last); None if there is none."""
+        completed = lambda r: sum(1 for d in self.done.values() if d == r)  # noqa: E731
+        mine = completed(rank)
+        held = [p for p, r in self.leased.items() if r != rank and p not in self.copies and completed(r) <= mine]
+        if not held:
+            return None
+        return max(held, key=lambda p: (-completed(self.leased[p]), self.order.get(p, -1)))
 
     def complete(self, rank: int, partition: int) -> None:
-        """`rank` finished `partition`; reported again (a call re-sent to a rebuilt server), nothing."""
-        if self.done.get(partition) == rank and partition not in self.leased:
-            return
-        if self.leased.get(partition) != rank:
+        """`rank` finished `partition` (its lease or its backup copy: the first of the two to
+        complete counts); reported again (a call re-sent to a rebuilt server), or the second copy
+        of a backed-up partition, nothing."""
+        if partition in self.done and partition not in self.leased:
+            if self.done[partition] == rank or self.backups:
+                return
+        if self.leased.get(partition) != rank and self.copies.get(partition) != rank:
             raise ValueError(f"replica {rank} completed partition {partition} it does not hold")
         del self.leased[partition]
+        self.copies.pop(partition, None)
         self.done[partition] = rank
 
     def release(self, rank: int, survivors: Optional[list[int]] = None) -> list[int]:
         """A replica died: its leased partitions go back to be served again (to the front of the
         shared queue, or spread over the `survivors`' pinned queues; `survivors` [rank]: the
         replacement that takes the rank gets them, then the rest of the queue). Returns them."""
+        for p in [p for p, r in self.copies.items() if r == rank]:  # its backup copies: the holders go on
+            del self.copies[p]
+        for p in [p for p, r in self.leased.items() if r == rank and p in self.copies]:
+            self.leased[p] = self.copies.pop(p)  # its backup copy's replica holds it now
         back = sorted(p for p, r in self.leased.items() if r == rank)
         for p in back:
             del self.leased[p]
@@ -161,12 +204,13 @@ class PartitionLedger:
 
 
 def first_grants(partitions: int, replicas: int, seed: int, pinned: bool, shuffle: bool, epoch: int,
-                 ranks: list[int], max_grant: int = MAX_GRANT, resume: Optional[dict[str, Any]] = None) -> dict[int, Grant]:
+                 ranks: list[int], max_grant: int = MAX_GRANT, resume: Optional[dict[str, Any]] = None,
+                 backups: bool = False) -> dict[int, Grant]:
     """The grants an epoch starts with, in `ranks` order: a pure function of the ledger's
     settings, so the driver hands them to the replicas while the server records the same ones
     (`PartitionLedger.start_epoch`, or `resume_epoch` given `resume` {"done", "skips"}, then
     `grant` for each rank in the same order)."""
-    plan = PartitionLedger(partitions, replicas, seed, pinned, shuffle, max_grant)
+    plan = PartitionLedger(partitions, replicas, seed, pinned, shuffle, max_grant, backups=backups)
     if resume is not None:
         plan.resume_epoch(epoch, ranks, resume["done"], resume["skips"])
     else:
@@ -175,16 +219,17 @@ def first_grants(partitions: int, replicas: int, seed: int, pinned: bool, shuffl
 
 
 def grant_message(grant: Grant, rows: list[int]) -> dict[str, Any]:
-    """A grant as it travels: {"leases": [{epoch, partition, seed, rows[, skip]}, ...] (empty:
-    nothing left), "last": the queue is empty}."""
+    """A grant as it travels: {"leases": [{epoch, partition, seed, rows[, skip][, backup]}, ...]
+    (empty: nothing left), "last": asking again gets nothing, "drained": the queue is empty}."""
     return {"leases": [{"epoch": x.epoch, "partition": x.partition, "seed": x.seed, "rows": rows[x.partition],
-                        **({"skip": x.skip} if x.skip else {})} for x in grant.leases], "last": grant.last}
+                        **({"skip": x.skip} if x.skip else {}), **({"backup": True} if x.backup else {})}
+                       for x in grant.leases], "last": grant.last, "drained": grant.drained}
 
 
 def first_grant_messages(rows: list[int], replicas: int, seed: int, pinned: bool, shuffle: bool, epoch: int,
                          ranks: list[int], max_grant: int = MAX_GRANT,
-                         resume: Optional[dict[str, Any]] = None) -> dict[int, dict[str, Any]]:
+                         resume: Optional[dict[str, Any]] = None, backups: bool = False) -> dict[int, dict[str, Any]]:
     """What `PartitionServer.start_epoch(epoch, ranks[, resume])` grants, computed by the driver,
     which hands the grants to the replicas without waiting for the server."""
-    plan = first_grants(len(rows), replicas, seed, pinned, shuffle, epoch, ranks, max_grant, resume)
+    plan = first_grants(len(rows), replicas, seed, pinned, shuffle, epoch, ranks, max_grant, resume, backups)
     return {rank: grant_message(g, rows) for rank, g in plan.items()}

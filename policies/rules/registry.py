@@ -64,6 +64,7 @@ class Transport:
     adopt: Any = None  # fsdp: hands the replica the model it now trains
     sample: Any = None  # fsdp: one row to take an empty step on before any batch was seen
     where: Any = None  # sandblaster: () -> the (partition, rows) of the batch being trained (the reader's)
+    reader: Any = None  # sandblaster: () -> the replica's PartitionReader (its pass's tail, dropping a partition)
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,8 @@ def _hogwild_worker(model, flat, cfg, rank, world, transport):
 
 def _sandblaster_worker(model, flat, cfg, rank, world, transport):
     """A gradient worker: partition sums to the shards; the driver's coordinator moves x."""
-    return SandblasterWorker(model, flat, transport.client, transport.where, transport.task, transport.recipe)
+    return SandblasterWorker(model, flat, transport.client, transport.where, transport.task, transport.recipe,
+                             transport.reader)
 
 
 def _easgd_worker(model, flat, cfg, rank, world, transport):

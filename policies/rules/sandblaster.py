@@ -347,9 +347,14 @@ class SandblasterWorker:
 
     The partition server hands partitions to whichever replica asks first, so a faster replica
     computes more tasks; a partition served again (its replica died) is a second copy of the
-    task, which the shards drop if the first was pushed. `fill(pass_id, partition, batches)`
-    computes one task outside the epoch's loop: the coordinator's fill-in of a task no shard
-    holds (a replica lost between reporting a partition and pushing its sum)."""
+    task, which the shards drop if the first was pushed. In a pass's tail (`reader().drained`:
+    the queue is empty, and with strategy.backup_tasks an idle replica is computing a backup copy
+    of a partition another still holds), before a step on a partition the replica asks the shards
+    whether its task is in already (at a partition's first step, then at most every `CHECK_S`):
+    if so it drops its partial sum and reads no more of that partition (`superseded`; the step
+    trains nothing, `StepResult.dropped`). `fill(pass_id, partition, batches)` computes one task
+    outside the epoch's loop: the coordinator's fill-in of a task no shard holds (a replica lost
+    between reporting a partition and pushing its sum)."""
 
     model: torch.nn.Module
     flat: Any  # FlatParams
@@ -357,7 +362,10 @@ class SandblasterWorker:
     where: Callable[[], list[tuple[int, int]]]
     task: Any = None
     recipe: Any = None
+    reader: Optional[Callable[[], Any]] = None  # () -> the replica's PartitionReader (drained, drop)
     lock_step = False
+
+    CHECK_S = 0.1  # in a pass's tail, how often a partition being computed is checked for another copy
 
     def __post_init__(self) -> None:
         self.pass_id: Optional[int] = None
@@ -365,12 +373,16 @@ class SandblasterWorker:
         self.part: Optional[int] = None
         self.sum = torch.zeros_like(self.flat.grads)
         self.loss_sum, self.rows = 0.0, 0
-        self.pushed = self.counted = 0
+        self.pushed = self.counted = self.superseded_n = 0
+        self.superseded: set[int] = set()  # this pass's partitions another copy of which came in first
+        self.checked: tuple[Optional[int], float] = (None, 0.0)  # (partition, when) last asked about
+        self.last_loss = float("nan")
 
     def begin_segment(self, epoch: int) -> None:
         """The epoch loop starts (or resumes) a segment of pass `epoch`."""
         if epoch != self.pass_id:
             self.pass_id, self.fresh, self.part = epoch, True, None
+            self.superseded, self.checked = set(), (None, 0.0)
             self._reset()
 
     def _reset(self) -> None:
@@ -413,11 +425,34 @@ class SandblasterWorker:
         if len(parts) != 1:
             raise RuntimeError(f"sandblaster: a batch from {len(parts)} partitions (a task is one partition)")
         partition = parts[0][0]
+        if partition in self.superseded:  # the one batch cut ahead of the drop
+            return StepResult(self.last_loss, comm, 0, more, dropped=batch_rows(y))
         if self.part is not None and partition != self.part:
             comm += self._push()
         self.part = partition
-        loss = self._gradient(x, y)
-        return StepResult(loss, comm, batch_rows(y), more)
+        t = time.perf_counter()
+        if self._in_elsewhere(partition):
+            self.superseded.add(partition)
+            self.superseded_n += 1
+            self.part = None
+            self._reset()
+            self.reader().drop(partition)
+            return StepResult(self.last_loss, comm + time.perf_counter() - t, 0, more, dropped=batch_rows(y))
+        comm += time.perf_counter() - t
+        self.last_loss = self._gradient(x, y)
+        return StepResult(self.last_loss, comm, batch_rows(y), more)
+
+    def _in_elsewhere(self, partition: int) -> bool:
+        """In the pass's tail: whether every shard holds this partition's task already (asked at
+        the partition's first step, then at most every CHECK_S)."""
+        reader = self.reader() if self.reader is not None else None
+        if reader is None or not reader.drained:
+            return False
+        now = time.perf_counter()
+        if partition == self.checked[0] and now - self.checked[1] < self.CHECK_S:
+            return False
+        self.checked = (partition, now)
+        return bool(self.client.task_held(self.pass_id, partition))
 
     def fill(self, pass_id: int, partition: int, batches: Any) -> bool:
         """Task `partition` of pass `pass_id` computed over `batches` and pushed; True if it counted."""
@@ -440,8 +475,10 @@ class SandblasterWorker:
         if self.part is not None:
             self._push()
         self.fresh = True
-        stats = {"tasks_pushed": self.pushed, "tasks_counted": self.counted}
-        self.pushed = self.counted = 0
+        reader = self.reader() if self.reader is not None else None
+        stats = {"tasks_pushed": self.pushed, "tasks_counted": self.counted, "tasks_superseded": self.superseded_n,
+                 "tasks_backup": len(reader.backups) if reader is not None else 0}
+        self.pushed = self.counted = self.superseded_n = 0
         return stats
 
     def release(self) -> None:
@@ -450,8 +487,13 @@ class SandblasterWorker:
 
 
 def sandblaster_metrics(stats: list) -> dict[str, float]:
-    """`duplicate_tasks`: task sums the shards dropped this epoch (a partition served again)."""
+    """`duplicate_tasks`: task sums the shards dropped this epoch (a partition served again, a
+    backup copy completed second); `backup_tasks`: backup copies of late partitions the replicas
+    took (strategy.backup_tasks); `superseded_tasks`: copies a replica stopped computing part way
+    because another copy was in (a pass's tail)."""
     modes = [s.mode for s in stats if "tasks_pushed" in s.mode]
     if not modes:
         return {}
-    return {"duplicate_tasks": sum(m["tasks_pushed"] - m["tasks_counted"] for m in modes)}
+    return {"duplicate_tasks": sum(m["tasks_pushed"] - m["tasks_counted"] for m in modes),
+            "backup_tasks": sum(m.get("tasks_backup", 0) for m in modes),
+            "superseded_tasks": sum(m.get("tasks_superseded", 0) for m in modes)}

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.decisions.leases import MAX_GRANT, PartitionLedger, first_grants, grant_size
+from policies.decisions.leases import Grant, MAX_GRANT, PartitionLedger, first_grants, grant_size
 
 
 def run_epoch(ledger, epoch, speeds):
@@ -187,3 +187,42 @@ def test_a_checkpoint_inside_an_epoch_is_due_by_steps_or_seconds():
     assert not due_inside(9, 0.0, every_steps=10, every_s=0) and due_inside(10, 0.0, every_steps=10, every_s=0)
     assert not due_inside(0, 4.9, every_steps=0, every_s=5) and due_inside(0, 5.0, every_steps=0, every_s=5)
     assert due_inside(3, 6.0, every_steps=10, every_s=5)  # either rule
+
+
+def test_backups_copy_the_slowest_holders_newest_lease_once_and_the_first_completion_counts():
+    """sandblaster's backups: once the shared queue is empty a replica asking for more gets a copy
+    of a partition a slower replica holds; the first completion counts, the second changes nothing;
+    a dead holder's partition stays with its copy instead of being served again."""
+    ledger = PartitionLedger(4, 3, seed=0, backups=True)
+    ledger.start_epoch(1)
+    grants = [ledger.grant(r) for r in range(3)]
+    assert [len(g.leases) for g in grants] == [2, 1, 1]
+    assert grants[2].drained and not grants[2].last  # the queue is empty, but a copy may still be asked for
+    ledger = PartitionLedger(5, 3, seed=0, backups=True)
+    ledger.start_epoch(1)
+    a, b, c = [ledger.lease(0), ledger.lease(0)], [ledger.lease(1), ledger.lease(1)], ledger.lease(2)
+    for lease in a:
+        ledger.complete(0, lease.partition)
+    ledger.complete(1, b[0].partition)
+    backup = ledger.grant(0)  # 2 completed; replica 2 (none completed) holds the one expected to end last
+    assert len(backup.leases) == 1 and backup.leases[0].backup and not backup.last and backup.drained
+    assert backup.leases[0].partition == c.partition and ledger.copies == {c.partition: 0}
+    assert backup.leases[0].seed == c.seed  # the same rows in the same order
+    assert ledger.grant(2) == Grant((), True, True)  # replica 2 completed fewest: it backs up nobody
+    again = ledger.grant(0)
+    assert again.leases[0].partition == b[1].partition and again.leases[0].backup
+    assert ledger.grant(0) == Grant((), True, True)  # nothing left to copy
+    ledger.complete(0, c.partition)  # the copy first
+    ledger.complete(2, c.partition)  # the holder's completion: nothing
+    assert ledger.done[c.partition] == 0 and c.partition not in ledger.leased and not ledger.copies.get(c.partition)
+    assert ledger.release(1) == []  # replica 1 died: its partition stays with replica 0's copy
+    assert ledger.leased == {b[1].partition: 0} and ledger.redone == []
+    ledger.complete(0, b[1].partition)
+    assert ledger.epoch_complete
+    ledger.start_epoch(2)  # nothing is left held
+    without = PartitionLedger(4, 3, seed=0)
+    without.start_epoch(1)
+    assert [without.grant(r).last for r in range(3)] == [False, False, True]
+    held = next(iter(without.leased))
+    with pytest.raises(ValueError, match="does not hold"):
+        without.complete((without.leased[held] + 1) % 3, held)

@@ -162,6 +162,9 @@ class InProcessShards:
         return any([p.add(pass_id, task_id, grad_sum[lo:hi], loss_sum, rows)
                     for p, (lo, hi) in zip(self.passes, self.bounds)])
 
+    def task_held(self, pass_id, task_id) -> bool:
+        return all(p.pass_id == pass_id and task_id in p.tasks for p in self.passes)
+
 
 def test_the_mode_s_worker_pushes_one_sum_per_partition_and_a_served_again_partition_counts_once():
     """SandblasterWorker: batches of partitions 0, 0, 1, then (end of segment) partition 1 again
@@ -183,7 +186,7 @@ def test_the_mode_s_worker_pushes_one_sum_per_partition_and_a_served_again_parti
     for part, rows in batches:
         where.append([(part, rows.stop - rows.start)])
         worker.step(x[rows], y[rows])
-    assert worker.end_epoch() == {"tasks_pushed": 2, "tasks_counted": 2}
+    assert worker.end_epoch() == {"tasks_pushed": 2, "tasks_counted": 2, "tasks_superseded": 0, "tasks_backup": 0}
     again = SandblasterWorker(model, flat, shards, lambda: [(1, 30)], Classification(), Recipe())
     assert again.fill(3, 1, [(x[70:100], y[70:100])]) is False  # partition 1's first copy is already in
     for p, b in zip(model.parameters(), before):
@@ -200,3 +203,50 @@ def test_the_mode_s_worker_pushes_one_sum_per_partition_and_a_served_again_parti
         assert (pass_id, tasks, rows) == (3, [0, 1], 100) and p.dropped == 1
     full = float(torch.nn.functional.cross_entropy(model(x[:100]), y[:100], reduction="sum"))
     assert loss_sum == pytest.approx(full, rel=1e-5)
+
+
+class TailReader:
+    """What the worker reads of a PartitionReader: the pass's tail flag and the dropped partitions."""
+
+    def __init__(self):
+        self.drained, self.dropped, self.backups = False, set(), set()
+
+    def drop(self, partition):
+        self.dropped.add(partition)
+
+
+def test_in_a_pass_s_tail_a_copy_already_in_is_dropped_part_way_and_its_partial_sum_never_pushed():
+    """The straggler's partition 2 is backed up by another replica whose whole copy reaches the
+    shards first: the straggler, asking at its next step (the pass's tail), drops its partial sum,
+    reads no more of the partition and trains nothing more of it; the shards hold task 2 once,
+    the backup's sum over all its rows."""
+    from policies.rules.recipe import Recipe
+    from policies.rules.sandblaster import SandblasterWorker
+    from policies.rules.sharding import FlatParams
+    from policies.rules.tasks import Classification
+
+    model, x, y = problem()
+    flat = FlatParams(list(model.parameters()))
+    shards = InProcessShards(flat.params.clone(), [(0, 1000), (1000, flat.numel)])
+    late_reader, backup_reader = TailReader(), TailReader()
+    late = SandblasterWorker(model, flat, shards, lambda: [(2, 20)], Classification(), Recipe(), lambda: late_reader)
+    backup = SandblasterWorker(model, flat, shards, lambda: [(2, 20)], Classification(), Recipe(), lambda: backup_reader)
+    late.begin_segment(5)
+    backup.begin_segment(5)
+    assert late.step(x[0:20], y[0:20]).dropped is None  # before the tail: no question asked
+    late_reader.drained = backup_reader.drained = True
+    backup_reader.backups.add(2)
+    for lo in (0, 20, 40):  # the backup copy, whole (it asks once, at its first step: not in yet)
+        assert backup.step(x[lo:lo + 20], y[lo:lo + 20]).dropped is None
+    assert backup.end_epoch() == {"tasks_pushed": 1, "tasks_counted": 1, "tasks_superseded": 0, "tasks_backup": 1}
+    late.CHECK_S = 0.0
+    out = late.step(x[20:40], y[20:40])
+    assert out.dropped == 20 and out.rows == 0 and late_reader.dropped == {2}
+    assert late.step(x[40:60], y[40:60]).dropped == 20  # the batch cut ahead of the drop: not trained
+    assert late.end_epoch() == {"tasks_pushed": 0, "tasks_counted": 0, "tasks_superseded": 1, "tasks_backup": 0}
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x[:60]), y[:60], reduction="sum").backward()
+    want = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(torch.cat([p.sum for p in shards.passes]).float(), want, rtol=1e-4, atol=1e-4)
+    for p in shards.passes:
+        assert p.held()[1] == [2] and p.held()[3] == 60 and p.dropped == 0
