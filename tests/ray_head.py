@@ -26,7 +26,8 @@ class RayHead:
 
     @classmethod
     def start(cls, num_cpus: int = 4, timeout_s: float = 90.0) -> "RayHead":
-        port, dash = free_port(), free_port()
+        port = free_port()
+        dash = free_port(port)
         temp_dir = tempfile.mkdtemp(prefix="rt_", dir="/tmp")
         token = os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(16)
         env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_USAGE_STATS_ENABLED="0")

@@ -27,7 +27,7 @@ class Written(NamedTuple):
 
 
 def take(run: "RunContext", tag: str, timeout_s: float, named: Optional[str] = None, step: Optional[int] = None,
-         details: Optional[dict[str, Any]] = None, wait: bool = True) -> Written:
+         details: Optional[dict[str, Any]] = None, wait: bool = True, probation: Optional[dict[str, Any]] = None) -> Written:
     """The lowest answering rank's model and optimizer state (all replicas hold the same
     parameters at an epoch's end, or the mode's reference) plus the run's position. The final one
     says the run finished (a named run is not started again from it). `step`: the run's step it
@@ -36,7 +36,8 @@ def take(run: "RunContext", tag: str, timeout_s: float, named: Optional[str] = N
     store that fails raises TrainingError), else written in the background unless
     checkpoint.background is off. Returns the named copy's path if there is one, else the
     store's, and the members found lost on the way (MemberLost each: the caller hands them to
-    the failure policy, never drops them)."""
+    the failure policy, never drops them). `probation`: a switch's guard still judging (its
+    `saved()` form), kept as the state's "probation" so a run resumed from it is on probation too."""
     t = time.perf_counter()
     ranks = run.fleet.group.ranks
     if not ranks:
@@ -60,6 +61,8 @@ def take(run: "RunContext", tag: str, timeout_s: float, named: Optional[str] = N
     unsaved = Position.unsaved(position)
     state.update(epoch=run.ledger.totals.epochs, mlflow_run_id=run.tracker.run_id,
                  config=run.cfg.model_dump(mode="json"), run=position, finished=tag == "final")
+    if probation is not None:
+        state["probation"] = probation
     step = run.ledger.totals.steps if step is None else step
     wait = wait or not run.cfg.checkpoint.background
     fields = {"epoch": run.ledger.totals.epochs, "step": step, **({UNSAVED: unsaved} if unsaved else {}),

@@ -174,6 +174,9 @@ class RunContext:
         self.ledger = Ledger(t0)
         self.report = Reporter(tracker, display, t0)
         group = ReplicaGroup(config, strategy=self.phase.strategy, interrupts=interrupts or Interrupts())
+        held = (resume or {}).get("probation")  # resumed inside a switch's probation: the replicas are on it too
+        if held:
+            group.set_strategy(self.phase.strategy, int(held["until"]))
         # optimizer.schedule's clock: the optimizer steps the run plans (policies/rules/recipe.py planned_steps)
         group.raw["schedule_steps"] = planned_steps(dataset.train_rows, config.data.batch_size,
                                                     config.data.accumulate, config.scaling.replicas, config.stop.epochs)
@@ -345,9 +348,10 @@ class RunContext:
         return status
 
     def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None, step: Optional[int] = None,
-                   details: Optional[dict[str, Any]] = None, wait: bool = True) -> Written:
+                   details: Optional[dict[str, Any]] = None, wait: bool = True,
+                   probation: Optional[dict[str, Any]] = None) -> Written:
         """A checkpoint taken and written (orchestrator/control/checkpointing.py: take)."""
-        return checkpointing.take(self, tag, timeout_s, named, step, details, wait)
+        return checkpointing.take(self, tag, timeout_s, named, step, details, wait, probation)
 
     def halt(self, timeout_s: float) -> None:
         """An interrupted run: the replicas stop at their next partition boundary (the phase

@@ -106,7 +106,7 @@ class Controller:
         state = self.state
         try:
             if isinstance(state, Starting):
-                nxt = Running(starting.start(self.context))
+                nxt = Running(starting.start(self.context), starting.resumed_pending(self.context))
             elif isinstance(state, Running):
                 try:
                     nxt = running.run_segment(self.context, state.segment, state.pending)

@@ -15,7 +15,7 @@ from orchestrator.control.reconfig import phase_switch
 from orchestrator.fleet.cluster import beside_driver
 from orchestrator.data.placement import place_data
 from orchestrator.persistence.run_state import UNSAVED, Position
-from orchestrator.control.states import EpochSegment
+from orchestrator.control.states import EpochSegment, Guard, Pending
 from policies.decisions.leases import MAX_GRANT
 from policies.rules.registry import mode_spec
 
@@ -96,6 +96,14 @@ def start(run: "RunContext") -> EpochSegment:
     return run.begin_epoch(run.ledger.totals.epochs + 1)
 
 
+def resumed_pending(run: "RunContext") -> Pending:
+    """What the run carries into its first epoch: nothing pending, or (resumed from a checkpoint
+    taken while a switch was on probation) that switch's guard, still judging: the epoch ends it
+    has left roll the switch back if the loss rose, as they would have without the restart (the
+    replicas were started on probation until its last epoch: RunContext)."""
+    return Pending(guard=Guard.from_saved((run.resume or {}).get("probation")))
+
+
 def estimate_steps(run: "RunContext") -> None:
     """The display's steps per epoch per replica: every partition cut into steps of the batch
     (x data.accumulate), shared among the replicas."""
@@ -129,7 +137,8 @@ def restore(run: "RunContext", state: dict[str, Any]) -> None:
                            "partitions_begun": len(place["skips"]), "rows_trained": place["samples"]}} if place else {}
     run.report.event("resumed", epoch=run.ledger.totals.epochs, step=run.ledger.totals.steps, replica_step=step, **inside,
                       phase=run.policies.switch.current, mode=run.phase.spec.name,
-                      **({"parts_missing": missing} if missing else {}), **({UNSAVED: unsaved} if unsaved else {}))
+                      **({"parts_missing": missing} if missing else {}), **({UNSAVED: unsaved} if unsaved else {}),
+                      **({"probation_until": int(state["probation"]["until"])} if state.get("probation") else {}))
     for name, why in unsaved.items():
         run.report.say(f"resumed without the checkpoint's {name} part (not saved: {why}); it starts afresh")
     where = (f"inside epoch {place['epoch']} ({len(place['done'])} partitions done, {len(place['skips'])} begun)"

@@ -142,6 +142,17 @@ class Guard:
     state: dict[str, Any]
     loss: float
     checks: int  # epoch ends left to look at
+    until: int = -1  # the last epoch it judges: the replicas skip non-finite steps up to its end
+
+    def saved(self) -> dict[str, Any]:
+        """What a checkpoint keeps of it (a run resumed inside its probation is on probation too)."""
+        return {"phase": self.phase, "mode": self.mode, "state": self.state, "loss": self.loss, "checks": self.checks,
+                "until": self.until}
+
+    @classmethod
+    def from_saved(cls, saved: Optional[dict[str, Any]]) -> Optional["Guard"]:
+        return None if not saved else cls(int(saved["phase"]), str(saved["mode"]), saved["state"],
+                                          float(saved["loss"]), int(saved["checks"]), int(saved["until"]))
 
 
 @dataclass

@@ -31,10 +31,20 @@ from ray.cluster_utils import AutoscalingCluster
 HEAD_NODE_TYPE = "ray.head.default"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ray's own default ports (GCS, dashboard, client server, the dashboard agent's HTTP): a head
+# given one of them for another component refuses to start ("a port number 52365 that is used by
+# other components"), and the kernel's ephemeral range holds 52365
+RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365})
+
+
+def free_port(*taken: int) -> int:
+    """A port free on 127.0.0.1 now, none of Ray's defaults and none of `taken`."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS and port not in taken:
+            return port
 
 
 def wait_for_head(proc: subprocess.Popen, dashboard_url: str, token: str, timeout_s: float, temp_dir: str) -> bool:
@@ -106,7 +116,8 @@ class LocalAutoscalingCluster(AutoscalingCluster):
 
     # ---- start / stop --------------------------------------------------------------------------
     def start(self, timeout_s: float = 90.0) -> "LocalAutoscalingCluster":
-        self.port, dash = free_port(), free_port()
+        self.port = free_port()
+        dash = free_port(self.port)
         self.address = f"127.0.0.1:{self.port}"
         self.dashboard_url = f"http://127.0.0.1:{dash}"
         self.temp_dir = tempfile.mkdtemp(prefix="ras_", dir="/tmp")

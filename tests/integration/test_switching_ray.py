@@ -2,7 +2,9 @@
 mid-epoch switch keeps the data epoch whole, and recovery works in the mode switched to."""
 from __future__ import annotations
 
+import glob
 import math
+import os
 import time
 
 import numpy as np
@@ -217,14 +219,17 @@ def test_a_replica_killed_after_a_switch_is_replaced_in_the_new_mode(ray_cluster
     assert result.final.test_accuracy > 0.9
 
 
-def phases_run(tmp_path, phases, epochs, faults=(), **strategy):
+def phases_config(tmp_path, phases, epochs, checkpoint=None, **strategy):
     """The main example's CNN, data and optimizer (sgd, lr 0.05, momentum 0.9) in phases."""
-    cfg = job_config(strategy={"phases": phases, **strategy}, stop={"epochs": epochs, "target_accuracy": None},
-                     model={"factory": "examples.models:mnist_cnn"}, data={"source": "builtin:mnist5k", "batch_size": 64},
-                     scaling={"replicas": 2, "cpus_per_replica": 0.5},
-                     optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
-                     checkpoint={"storage": str(tmp_path / "ck")})
-    result, _, _, _ = fit_with(cfg, list(faults))
+    return job_config(strategy={"phases": phases, **strategy}, stop={"epochs": epochs, "target_accuracy": None},
+                      model={"factory": "examples.models:mnist_cnn"}, data={"source": "builtin:mnist5k", "batch_size": 64},
+                      scaling={"replicas": 2, "cpus_per_replica": 0.5},
+                      optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
+                      checkpoint={"storage": str(tmp_path / "ck"), **(checkpoint or {})})
+
+
+def phases_run(tmp_path, phases, epochs, faults=(), checkpoint=None, **strategy):
+    result, _, _, _ = fit_with(phases_config(tmp_path, phases, epochs, checkpoint, **strategy), list(faults))
     return result
 
 
@@ -250,8 +255,11 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
     finite. On probation that does not end the run (it would outside one: a divergence); the
     steps are skipped, that epoch's end finds the test loss not finite or far above the loss at
     the switch, and the run goes back to allreduce with the model from before the switch, and
-    stays there."""
-    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=4)
+    stays there. The run checkpoints inside its epochs too: resumed from the one taken inside
+    the probation's epoch, the run is on probation again (the replicas skip the non-finite steps
+    instead of ending the run as diverged) and that epoch's end rolls the switch back."""
+    ck = {"every_steps": 20, "keep": 30}
+    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=4, checkpoint=ck)
     [rolled] = events(result, "switch_rolled_back")
     now, at = rolled["test_loss_now"], rolled["test_loss_at_switch"]
     assert rolled["back_to"] == "allreduce" and (not math.isfinite(now) or now > at * 1.5), rolled
@@ -264,6 +272,25 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
     ends = events(result, "epoch_end")
     assert ends[-1]["test_accuracy"] >= first["test_accuracy_before"]
     assert [p["mode"] for p in result.phases] == ["allreduce", "downpour", "allreduce"]
+
+    from orchestrator.persistence.checkpoint import CheckpointStore
+    from orchestrator.trainer import ElasticTrainer
+
+    inside = sorted(glob.glob(str(tmp_path / "ck" / "*" / f"*-in_epoch_{rolled['epoch']:04d}.pt.json")))
+    assert inside, "no checkpoint was taken inside the probation's epoch"
+    sidecar = inside[-1]
+    store = CheckpointStore(str(tmp_path / "ck"), os.path.basename(os.path.dirname(sidecar)), keep=30)
+    [entry] = [e for e in store.list() if e.name == os.path.basename(sidecar)[: -len(".json")]]
+    state, why = store.verify(entry)
+    assert state is not None and state["probation"]["until"] == rolled["epoch"], why
+    again = ElasticTrainer(phases_config(tmp_path, [ALLREDUCE_2, HURTING], epochs=4, checkpoint=ck), show_progress=False,
+                           resume=state).fit()
+    [resumed] = events(again, "resumed")
+    assert resumed["probation_until"] == rolled["epoch"] and resumed["in_epoch"]["epoch"] == rolled["epoch"]
+    since = again.events[again.events.index(resumed):]  # the run's event log goes on from the first run's
+    [rolled_again] = [e for e in since if e["kind"] == "switch_rolled_back"]
+    assert rolled_again["epoch"] == rolled["epoch"] and rolled_again["back_to"] == "allreduce"
+    assert again.phases[-1]["mode"] == "allreduce" and again.epochs == 4
 
 
 @pytest.mark.full

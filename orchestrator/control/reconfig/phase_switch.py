@@ -168,6 +168,8 @@ class Switching(Change):
         # replica lost in the call is replaced in the new phase; the switch is carried out again,
         # each step idempotent: set_mode on a replica in the new phase rebuilds the same worker)
         until = seg.epoch + self.guard.checks - 1 if self.guard is not None else -1  # the last epoch the guard judges
+        if self.guard is not None:
+            self.guard.until = until
         group.set_strategy(self.new_strategy, until)  # a replacement or a grow's replica joins on probation too
         run.phase.set(self.new_strategy)
         self.carried = group.call(ranks, "set_mode", self.new_strategy, self.old_spec.sharded, until, what="set mode")
