@@ -38,7 +38,8 @@ import ray
 import torch
 
 from actors.buffers import array_view
-from policies.rules.sandblaster import GradientPass, SliceVectors
+from policies.rules.gradient_tasks import GradientPass
+from policies.rules.sandblaster import SliceVectors
 from policies.rules.sharding import ShardState, average_buffers
 
 
@@ -189,7 +190,7 @@ class ParameterShard:
             self._memfd = fd
         return ray.get_runtime_context().get_node_id(), os.getpid(), self._memfd, n
 
-    # ---- sandblaster (policies/rules/sandblaster.py) ----------------------------------------
+    # ---- sandblaster (policies/rules/sandblaster.py, gradient_tasks.py) --------------------
     def _sandblaster(self) -> tuple[SliceVectors, GradientPass]:
         """This slice's L-BFGS vectors ("x" is the shard's own values, moved in place) and the
         current pass's gradient sum; made on first use."""

@@ -1,7 +1,7 @@
 """sandblaster's coordinator on the driver: one L-BFGS iteration at every pass's (epoch's) end.
 
 The replicas computed the pass's gradient as tasks (a partition each) and pushed every task's
-sum to the shards (policies/rules/sandblaster.py `SandblasterWorker`). Here, once every stream
+sum to the shards (policies/rules/gradient_tasks.py `SandblasterWorker`). Here, once every stream
 of the epoch has ended:
 1. the tasks some shard lacks are computed again by the live replicas, one task a call
    (`gradient_tasks`, each within strategy.timeout_s): a replica lost after its partition was

@@ -47,7 +47,7 @@ from policies.rules.fsdp import FsdpWorker, fsdp_metrics
 from policies.rules.gossip import GossipWorker, gossip_metrics
 from policies.rules.hogwild import HogwildWorker, hogwild_metrics
 from policies.rules.local_sgd import LocalSgdWorker, local_sgd_metrics
-from policies.rules.sandblaster import SandblasterWorker, sandblaster_metrics
+from policies.rules.gradient_tasks import SandblasterWorker, sandblaster_metrics
 from policies.rules.sharding import FlatParams
 
 

@@ -15,7 +15,8 @@ import torch
 
 from actors.shards.parameter_shard import create_shards
 from orchestrator.fleet.shard_slices import ShardSlices
-from policies.rules.sandblaster import LbfgsCoordinator, TaskHandout, task_bounds
+from policies.rules.gradient_tasks import TaskHandout, task_bounds
+from policies.rules.sandblaster import LbfgsCoordinator
 from policies.rules.sharding import shard_bounds
 from tests.unit.test_sandblaster import problem, reference
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from policies.rules.sandblaster import (GradientPass, LbfgsCoordinator, LocalSlices, SliceVectors, TaskHandout, combine,
-                                       task_bounds)
+from policies.rules.gradient_tasks import GradientPass, TaskHandout, task_bounds
+from policies.rules.sandblaster import LbfgsCoordinator, LocalSlices, SliceVectors, combine
 from policies.rules.sharding import shard_bounds
 
 
@@ -171,7 +171,7 @@ def test_the_mode_s_worker_pushes_one_sum_per_partition_and_a_served_again_parti
     from a second worker; each shard holds tasks 0 and 1 once, with the gradient of the summed
     loss over their rows, and the pass's loss and rows; the parameters never move."""
     from policies.rules.recipe import Recipe
-    from policies.rules.sandblaster import SandblasterWorker
+    from policies.rules.gradient_tasks import SandblasterWorker
     from policies.rules.sharding import FlatParams
     from policies.rules.tasks import Classification
 
@@ -221,7 +221,7 @@ def test_in_a_pass_s_tail_a_copy_already_in_is_dropped_part_way_and_its_partial_
     reads no more of the partition and trains nothing more of it; the shards hold task 2 once,
     the backup's sum over all its rows."""
     from policies.rules.recipe import Recipe
-    from policies.rules.sandblaster import SandblasterWorker
+    from policies.rules.gradient_tasks import SandblasterWorker
     from policies.rules.sharding import FlatParams
     from policies.rules.tasks import Classification
 
