@@ -267,7 +267,8 @@ def _end_on_interrupt(ctl, tracker, display, t0: float) -> None:
         return
     try:
         ctl.halt(INTERRUPT_RECORD_TIMEOUT_S)
-        path = ctl.checkpoint("interrupted", INTERRUPT_CHECKPOINT_TIMEOUT_S, named="interrupted.pt").path  # and an event
+        path = ctl.checkpoint("interrupted", INTERRUPT_CHECKPOINT_TIMEOUT_S, named="interrupted.pt",
+                              probation=ctl.probation).path  # and an event; a switch on probation stays on it
         display.line(f"interrupted: checkpoint written to {path}")
     except Exception as exc:  # the run is ending either way; say why nothing was saved
         display.line(f"interrupted: no checkpoint ({exc})")

@@ -168,6 +168,12 @@ class Controller:
         pending = getattr(self.state, "pending", None)
         return pending.switch if pending is not None else None
 
+    @property
+    def probation(self) -> Optional[dict[str, Any]]:
+        """The switch guard still judging (the state's), as a checkpoint keeps it, or None."""
+        guard = getattr(getattr(self.state, "pending", None), "guard", None)
+        return guard.saved() if guard is not None else None
+
     def __getattr__(self, name: str) -> Any:
         where = VIEW.get(name)
         if where is None:
