@@ -256,7 +256,8 @@ def _end_on_interrupt(ctl, tracker, display, t0: float) -> None:
     """Ctrl-C / SIGTERM. First the record, within about a second: the MLflow run is marked
     KILLED and events.jsonl written (a SIGKILL may follow soon). Then keep what was learned if
     time allows: the replicas stop at their next partition boundary (RunContext.halt) and rank 0
-    gives its state; the checkpoint's path is added to the run's events."""
+    gives its state; the checkpoint's path is added to the run's events. None while a rollback is
+    pending (the replicas hold the model it undoes: the last checkpoint is kept)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a repeated SIGTERM does not cut this short
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C does
@@ -265,13 +266,16 @@ def _end_on_interrupt(ctl, tracker, display, t0: float) -> None:
         tracker.finish("KILLED", timeout_s=INTERRUPT_RECORD_TIMEOUT_S)
     if tracker is None or not ctl.replicas or ctl.steps_per_epoch == 0:  # never got going
         return
-    try:
-        ctl.halt(INTERRUPT_RECORD_TIMEOUT_S)
-        path = ctl.checkpoint("interrupted", INTERRUPT_CHECKPOINT_TIMEOUT_S, named="interrupted.pt",
-                              probation=ctl.probation).path  # and an event; a switch on probation stays on it
-        display.line(f"interrupted: checkpoint written to {path}")
-    except Exception as exc:  # the run is ending either way; say why nothing was saved
-        display.line(f"interrupted: no checkpoint ({exc})")
+    if ctl.rolling_back:  # the replicas hold the model the rollback undoes: the last checkpoint is the one to go on from
+        display.line("interrupted while a switch was being rolled back: no checkpoint (the last one is kept)")
+    else:
+        try:
+            ctl.halt(INTERRUPT_RECORD_TIMEOUT_S)
+            path = ctl.checkpoint("interrupted", INTERRUPT_CHECKPOINT_TIMEOUT_S, named="interrupted.pt",
+                                  probation=ctl.probation).path  # and an event; a switch on probation stays on it
+            display.line(f"interrupted: checkpoint written to {path}")
+        except Exception as exc:  # the run is ending either way; say why nothing was saved
+            display.line(f"interrupted: no checkpoint ({exc})")
     _log_plot(tracker, INTERRUPT_RECORD_TIMEOUT_S)
     tracker.flush(INTERRUPT_RECORD_TIMEOUT_S)
 

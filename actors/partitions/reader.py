@@ -169,7 +169,7 @@ class PartitionReader:
         while grant.get("pause"):  # a phase switch: stop here, ask again when resumed
             self.unreported = list(finished)
             yield PAUSE
-            grant, finished = self._grant(finished, epoch), []
+            grant, finished = self._grant_heard(finished, epoch), []
         held, last = deque(grant["leases"]), grant["last"]
         while held:
             lease = held.popleft()
@@ -185,7 +185,7 @@ class PartitionReader:
                 while grant.get("pause"):
                     self.unreported = list(finished)  # said with the pause: a replica moved off its node never resumes
                     yield PAUSE
-                    grant, finished = self._grant(finished, lease["epoch"]), []
+                    grant, finished = self._grant_heard(finished, lease["epoch"]), []
                 held.extend(grant["leases"])
                 last = grant["last"]
         self.unreported = finished

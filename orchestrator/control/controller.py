@@ -169,6 +169,12 @@ class Controller:
         return pending.switch if pending is not None else None
 
     @property
+    def rolling_back(self) -> bool:
+        """A rollback was decided and not carried out yet: the replicas hold the model it undoes."""
+        switch = self.pending_switch
+        return switch is not None and switch.rollback is not None
+
+    @property
     def probation(self) -> Optional[dict[str, Any]]:
         """The switch guard still judging (the state's), as a checkpoint keeps it, or None."""
         guard = getattr(getattr(self.state, "pending", None), "guard", None)

@@ -185,13 +185,14 @@ class SandblasterWorker:
         self.pushed = self.counted = self.superseded_n = 0
         self.superseded: set[int] = set()  # this pass's partitions another copy of which came in first
         self.checked: tuple[Optional[int], float] = (None, 0.0)  # (partition, when) last asked about
+        self.backups_said: set[int] = set()  # this pass's backup copies already counted in a segment's figures
         self.last_loss = float("nan")
 
     def begin_segment(self, epoch: int) -> None:
         """The epoch loop starts (or resumes) a segment of pass `epoch`."""
         if epoch != self.pass_id:
             self.pass_id, self.fresh, self.part = epoch, True, None
-            self.superseded, self.checked = set(), (None, 0.0)
+            self.superseded, self.checked, self.backups_said = set(), (None, 0.0), set()
             self._reset()
 
     def _reset(self) -> None:
@@ -243,6 +244,8 @@ class SandblasterWorker:
         if self._in_elsewhere(partition):
             self.superseded.add(partition)
             self.superseded_n += 1
+            if self.rows:  # the dropped copy's loss so far: what the step reports
+                self.last_loss = self.loss_sum / self.rows
             self.part = None
             self._reset()
             self.reader().drop(partition)
@@ -286,7 +289,9 @@ class SandblasterWorker:
         self.fresh = True
         reader = self.reader() if self.reader is not None else None
         stats = {"tasks_pushed": self.pushed, "tasks_counted": self.counted, "tasks_superseded": self.superseded_n,
-                 "tasks_backup": len(reader.backups) if reader is not None else 0}
+                 "tasks_backup": len(set(reader.backups) - self.backups_said) if reader is not None else 0}
+        if reader is not None:  # a pass in segments (a pause): each copy counted in one of them
+            self.backups_said |= set(reader.backups)
         self.pushed = self.counted = self.superseded_n = 0
         return stats
 

@@ -35,7 +35,7 @@ class StepResult(NamedTuple):
     figures: Optional[list] = None  # allreduce: the step's summed figure slots (policies/rules/allreduce.py StepFigures)
     ready_at: float = 0.0  # allreduce: when this replica's backward pass was done (time.perf_counter)
     with_more: int = 0  # allreduce: how many replicas have another batch after this step
-    dropped: Optional[int] = None  # allreduce with backup replicas: this replica's rows, when its gradient was late
+    dropped: Optional[int] = None  # rows not trained on: allreduce's backups (a late gradient), sandblaster's copy already in
 
 
 class ShardClient(Protocol):

@@ -239,6 +239,7 @@ def test_in_a_pass_s_tail_a_copy_already_in_is_dropped_part_way_and_its_partial_
     for lo in (0, 20, 40):  # the backup copy, whole (it asks once, at its first step: not in yet)
         assert backup.step(x[lo:lo + 20], y[lo:lo + 20]).dropped is None
     assert backup.end_epoch() == {"tasks_pushed": 1, "tasks_counted": 1, "tasks_superseded": 0, "tasks_backup": 1}
+    assert backup.end_epoch()["tasks_backup"] == 0  # the pass's next segment (after a pause): counted once
     late.CHECK_S = 0.0
     out = late.step(x[20:40], y[20:40])
     assert out.dropped == 20 and out.rows == 0 and late_reader.dropped == {2}
