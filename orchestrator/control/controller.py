@@ -177,8 +177,8 @@ class Controller:
     @property
     def probation(self) -> Optional[dict[str, Any]]:
         """The switch guard still judging (the state's), as a checkpoint keeps it, or None."""
-        guard = getattr(getattr(self.state, "pending", None), "guard", None)
-        return guard.saved() if guard is not None else None
+        pending = getattr(self.state, "pending", None)
+        return pending.probation() if pending is not None else None
 
     def __getattr__(self, name: str) -> Any:
         where = VIEW.get(name)

@@ -161,7 +161,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
             try:
                 written = run.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s, named="best.pt" if best else None,
                                          wait=False,  # stored in the background while the next epoch trains
-                                         probation=pending.guard.saved() if pending.guard is not None else None)
+                                         probation=pending.probation())
                 tot.checkpoint, lost = written.path, lost + written.lost
                 if best:
                     run.ledger.best_model = run.last_state["model"]

@@ -106,7 +106,7 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
         # newer checkpoint must not replace it in the background before it was written
         written = run.checkpoint(f"in_epoch_{seg.epoch:04d}", run.cfg.strategy.timeout_s,
                                  step=run.ledger.totals.steps + place["steps"], details=details, wait=for_drain,
-                                 probation=pending.guard.saved() if pending.guard is not None else None)
+                                 probation=pending.probation())
         run.ledger.totals.checkpoint = written.path
         for exc in written.lost:
             lost_meanwhile(run, seg, exc, pending)

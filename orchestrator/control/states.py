@@ -179,6 +179,10 @@ class Pending:
     stopping: bool = False
     evacuation: Optional[EvacuationPlan] = None  # members on a drained node: carried out once every replica paused
 
+    def probation(self) -> Optional[dict[str, Any]]:
+        """The guard still judging, as a checkpoint keeps it (`Guard.saved`), or None."""
+        return self.guard.saved() if self.guard is not None else None
+
 
 @dataclass
 class GrowPlan:

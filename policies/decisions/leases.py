@@ -22,7 +22,7 @@ Pure state and decisions (the `PartitionServer` actor wraps it; tests use it dir
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -145,12 +145,12 @@ class PartitionLedger:
         holder has completed no more partitions this epoch than `rank` (a slower replica does not
         back up a faster one), of the holder that has completed fewest (its newest lease: the one
         expected to end last); None if there is none."""
-        completed = lambda r: sum(1 for d in self.done.values() if d == r)  # noqa: E731
-        mine = completed(rank)
-        held = [p for p, r in self.leased.items() if r != rank and p not in self.copies and completed(r) <= mine]
+        completed = Counter(self.done.values())  # rank -> partitions it completed this epoch
+        held = [p for p, r in self.leased.items()
+                if r != rank and p not in self.copies and completed[r] <= completed[rank]]
         if not held:
             return None
-        return max(held, key=lambda p: (-completed(self.leased[p]), self.order.get(p, -1)))
+        return max(held, key=lambda p: (-completed[self.leased[p]], self.order.get(p, -1)))
 
     def complete(self, rank: int, partition: int) -> None:
         """`rank` finished `partition` (its lease or its backup copy: the first of the two to
