@@ -148,6 +148,7 @@ class PartitionReader:
         self.drained = False  # the last grant said the pass's queue is empty (sandblaster: its tail)
         self.backups: set[int] = set()  # partitions granted this pass as backup copies
         self.dropped: set[int] = set()  # partitions whose rest this replica no longer reads (`drop`)
+        self.passes = 0  # partitions() calls: a grant that comes back after its pass was left is not noted
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="partition-prefetch")
 
     def partitions(self, first: Optional[dict] = None) -> Iterator[tuple[dict, dict]]:
@@ -161,6 +162,8 @@ class PartitionReader:
         with (`policies.decisions.leases.first_grant_messages`)."""
         self.unreported = []
         self.drained, self.backups, self.dropped = False, set(), set()
+        self.passes += 1
+        this = self.passes
         self.source.new_pass()
         grant = self._fetch(first) if first is not None else self._grant([], None)
         self._heard(grant)
@@ -169,14 +172,14 @@ class PartitionReader:
         while grant.get("pause"):  # a phase switch: stop here, ask again when resumed
             self.unreported = list(finished)
             yield PAUSE
-            grant, finished = self._grant_heard(finished, epoch), []
+            grant, finished = self._grant_heard(finished, epoch, this), []
         held, last = deque(grant["leases"]), grant["last"]
         while held:
             lease = held.popleft()
             self.source.want(lease["partition"], [x["partition"] for x in held])
             pending = None
             if not held and not last:  # starting the last partition in hand: ask for more now
-                pending, finished = self.prefetch.submit(self._grant_heard, finished, lease["epoch"]), []
+                pending, finished = self.prefetch.submit(self._grant_heard, finished, lease["epoch"], this), []
             yield lease, self.source.get(lease["partition"])
             self.source.release(lease["partition"])  # a streamed partition is let go once trained
             finished.append(lease["partition"])
@@ -185,7 +188,7 @@ class PartitionReader:
                 while grant.get("pause"):
                     self.unreported = list(finished)  # said with the pause: a replica moved off its node never resumes
                     yield PAUSE
-                    grant, finished = self._grant_heard(finished, lease["epoch"]), []
+                    grant, finished = self._grant_heard(finished, lease["epoch"], this), []
                 held.extend(grant["leases"])
                 last = grant["last"]
         self.unreported = finished
@@ -196,9 +199,12 @@ class PartitionReader:
         self.drained = self.drained or bool(grant.get("drained"))
         self.backups.update(x["partition"] for x in grant.get("leases", ()) if x.get("backup"))
 
-    def _grant_heard(self, completed: list[int], epoch: Optional[int]) -> dict:
+    def _grant_heard(self, completed: list[int], epoch: Optional[int], pass_no: int) -> dict:
+        """The next grant, noted if its pass (`pass_no`) is still the reader's: the helper thread's
+        answer to a pass left part way (an interrupted epoch) says nothing of the next one."""
         grant = self._grant(completed, epoch)
-        self._heard(grant)
+        if pass_no == self.passes:
+            self._heard(grant)
         return grant
 
     def drop(self, partition: int) -> None:

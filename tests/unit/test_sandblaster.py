@@ -251,3 +251,35 @@ def test_in_a_pass_s_tail_a_copy_already_in_is_dropped_part_way_and_its_partial_
     torch.testing.assert_close(torch.cat([p.sum for p in shards.passes]).float(), want, rtol=1e-4, atol=1e-4)
     for p in shards.passes:
         assert p.held()[1] == [2] and p.held()[3] == 60 and p.dropped == 0
+
+
+def test_a_grant_answered_after_its_pass_was_left_says_nothing_of_the_next_pass():
+    """The helper thread's grant of a pass left part way (an interrupted epoch) comes back during
+    the next pass: its "queue is empty" and backup copies are not that pass's tail."""
+    import threading
+
+
+    from actors.partitions.reader import PartitionReader
+
+    late = threading.Event()
+
+    class Reader(PartitionReader):
+        def _grant(self, completed, epoch):
+            self.calls += 1
+            if self.calls == 1:  # pass 1 starts with partition 0; the next grant is asked on the helper thread
+                return {"leases": [{"partition": 0, "epoch": 1}], "last": False}
+            if self.calls == 2:  # pass 1's second grant: answered only once pass 2 is under way
+                assert late.wait(10)
+                return {"leases": [{"partition": 1, "epoch": 1, "backup": True}], "last": True, "drained": True}
+            return {"leases": [{"partition": 1, "epoch": 2}], "last": True}  # pass 2: a plain grant
+
+    reader = Reader(object(), [None, None], rank=0, batch_size=2, shuffle=False, device=torch.device("cpu"), timeout_s=5)
+    reader.source.seen = {0: {"rows": 0}, 1: {"rows": 1}}  # mapped already: no object store
+    first = reader.partitions()
+    assert next(first)[0]["partition"] == 0
+    first.close()  # the pass is left (its grant still out)
+    second = reader.partitions()
+    assert next(second)[0]["partition"] == 1
+    late.set()
+    reader.prefetch.shutdown(wait=True)
+    assert not reader.drained and not reader.backups
