@@ -119,8 +119,8 @@ class Controller:
                 nxt = Finished()
             else:
                 return state
-        except BaseException as exc:
-            self.state = Errored(exc)
+        except BaseException as exc:  # what was pending stays readable (the interrupted checkpoint's probation)
+            self.state = Errored(exc, getattr(state, "pending", None))
             self.context.report.state(state, self.state)
             raise
         self.state = nxt

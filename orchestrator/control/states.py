@@ -223,6 +223,7 @@ class Finished:
 @dataclass
 class Errored:
     error: BaseException
+    pending: Optional[Pending] = None  # the state's it left (an interrupt: its checkpoint keeps a switch's guard)
 
 
 State = Union[Starting, Running, Reconfiguring, Finishing, Finished, Errored]

@@ -19,8 +19,8 @@ import pytest
 import ray
 from mlflow.tracking import MlflowClient
 
-from orchestrator.fleet.shard_group import ShardGroup
 from orchestrator.control import running
+from orchestrator.control.reconfig import phase_switch
 from orchestrator.testing.chaos import Fault, FaultInjector
 from orchestrator.persistence.checkpoint import CheckpointStore
 from orchestrator.fleet.replica_group import ReplicaGroup
@@ -141,8 +141,8 @@ def arm(state: str, monkeypatch, tmp_path):
         callbacks.append(SignalOnEvent("failure_decision"))
         faults.append(Fault("kill_replica", 1, at_step=30))
         return cfg_for(tmp_path, fault_tolerance={"max_replica_restarts": 0}), callbacks, faults, True
-    if state == "switching":  # inside allreduce -> easgd: the shards being seeded from the replicas
-        signal_on_call(monkeypatch, ShardGroup, "reseed", nth=1)
+    if state == "switching":  # inside allreduce -> easgd after its commit point: the new mode's model being evaluated
+        signal_on_call(monkeypatch, phase_switch, "evaluate", nth=2)
         phases = [{"mode": "allreduce", "until": {"epochs": 1}}, {"mode": "easgd", "tau": 4}]
         return cfg_for(tmp_path, strategy={"phases": phases}), callbacks, faults, True
     if state == "growing":  # 1 -> 2 replicas: the newcomer's process group forming
@@ -186,6 +186,8 @@ def test_sigterm_in_every_state_ends_killed_and_leaves_nothing(ray_cluster, tmp_
         assert interrupted.exists(), [e for e in events if e["kind"] in ("checkpoint", "ended")]
         path, saved = CheckpointStore(str(tmp_path / "ck"), run.info.run_id, keep=100).latest_good()
         assert path.endswith("-interrupted.pt") and saved["mlflow_run_id"] == run.info.run_id
+        if state == "switching":  # the replicas run easgd on probation: a run resumed from it is on probation too
+            assert saved["probation"]["mode"] == "allreduce" and saved["probation"]["until"] >= 1, saved.get("probation")
     else:
         assert not interrupted.exists()
     wait_gone(lambda: alive_run_actors() - actors_before, "actors")

@@ -170,6 +170,7 @@ class Switching(Change):
         until = seg.epoch + self.guard.checks - 1 if self.guard is not None else -1  # the last epoch the guard judges
         if self.guard is not None:
             self.guard.until = until
+        self.pending.guard = self.guard  # an interrupt from here on leaves a checkpoint of the new mode, on probation
         group.set_strategy(self.new_strategy, until)  # a replacement or a grow's replica joins on probation too
         run.phase.set(self.new_strategy)
         self.carried = group.call(ranks, "set_mode", self.new_strategy, self.old_spec.sharded, until, what="set mode")
@@ -219,7 +220,7 @@ class Switching(Change):
         sw, before, after = self.plan.switch, self.before, self.after
         step = max(run.ledger.progress.values(), default=0)
         run.record_phase(sw, step, before, after)
-        self.pending.switch, self.pending.guard = None, self.guard
+        self.pending.switch = None  # its guard entered the pending at the commit point
         run.report.metrics([("mode", MODE_CODES[self.old_mode], max(step - 1, 0)),
                             ("mode", MODE_CODES[self.new_spec.name], step)])
         phases = (f" (phase {run.phase.phases[-2]['phase']} -> {sw.phase})"
