@@ -110,7 +110,8 @@ class ModelReplica:
         self.worker, self.flat = build_worker(self.model, self.cfg, self.rank, self.world_size,
                                               Transport(self.reducer, self.client if self.spec.sharded else None, self.task,
                                                         self.recipe, rebuild=self._fresh_model, adopt=self._adopt,
-                                                        sample=self._one_row, where=lambda: self.reader.out[0],
+                                                        sample=self._one_row, fetch=self._fetch,
+                                                        where=lambda: self.reader.out[0],
                                                         reader=lambda: self.reader))
         self.apply_lr()
         if self.slow and getattr(self.worker, "straggles_inside", False):
@@ -156,6 +157,10 @@ class ModelReplica:
         """The factory's model (fsdp: a regroup shards a fresh one)."""
         m = self.cfg["model"]
         return build_model(m["factory"], m["kwargs"], self.cfg["data"]["seed"]).to(self.device)
+
+    def _fetch(self, x: Any) -> Any:
+        """A tensor sent by reference (fsdp's state, one object a tensor) as the tensor."""
+        return ray.get(x, timeout=self.cfg["strategy"]["timeout_s"]) if isinstance(x, ray.ObjectRef) else x
 
     def _adopt(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -244,12 +249,10 @@ class ModelReplica:
     # ---- state transfer ------------------------------------------------------------------
     def export_state(self) -> dict[str, Any]:
         """This replica's own parameters, buffers and optimizer state, and its step count (fsdp:
-        the whole model's, a collective; None on every rank but 0)."""
-        full = getattr(self.worker, "full_state", None)
-        if full is not None:
-            state = full()
-            return None if state is None else {**state, "step": self.step, "worker": None,
-                                               "recipe": self.recipe.state_dict()}
+        its slices of the model's, the driver joins the members': policies/rules/split_state.py)."""
+        share = getattr(self.worker, "share", None)
+        if share is not None:
+            return {**share(), "step": self.step, "worker": None, "recipe": self.recipe.state_dict()}
         opt = getattr(self.worker, "optimizer", None)
         return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
                 "optimizer": opt.state_dict() if opt is not None else None, "step": self.step,
@@ -386,8 +389,8 @@ class ModelReplica:
             return self.evaluate()
 
     def state(self) -> dict[str, Any]:
-        """The mode's reference model (plus this replica's optimizer) for a checkpoint (fsdp: the
-        whole model's, a collective; None on every rank but 0)."""
+        """The mode's reference model (plus this replica's optimizer) for a checkpoint (fsdp: this
+        replica's slices: export_state)."""
         if self.spec.split_state:
             return self.export_state()
         with self._reference_loaded():

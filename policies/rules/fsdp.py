@@ -21,12 +21,13 @@ follows", "pause"); a replica whose data ran out takes part in the collectives w
 of its last batch weighted zero, and when no replica has a row left the step is skipped by
 all alike. The step's loss sum is one more float summed after the backward pass.
 
-State leaves a replica only whole: `full_state` gathers the full parameters and optimizer
-state (a collective: every member is called, rank 0 returns it); `load_full` takes a full
-state and applies it when the worker (re)shards over its group. A regroup (a failure, a
-resize) rebuilds the model from the factory, loads the full state the controller sends (the
-last checkpoint's: a lost replica's slice exists nowhere else), and shards it over the new
-group. Evaluation runs the sharded model in lock step (`in_lock_step`): each replica its own test
+State leaves a replica in slices (`share`: its own rows of each split tensor, no collective;
+the driver joins the members', policies/rules/split_state.py) and enters it the same way:
+`load_full` takes a whole state (its tensors one object each) and, once the worker has sharded
+a fresh model over its group, keeps only its rows, one tensor at a time. A regroup (a failure,
+a resize) rebuilds the model from the factory, shards it over the new group, and loads the
+state the controller sends (the last checkpoint's after a failure: a lost replica's slice
+exists nowhere else). Evaluation runs the sharded model in lock step (`in_lock_step`): each replica its own test
 slice, padded with forwards on one row so every member gathers each unit as often.
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ from policies.rules.allreduce import reducer_group
 from policies.rules.batches import forward, rows as batch_rows, slice_rows
 from policies.rules.modes import Interrupted, StepResult
 from policies.rules.recipe import Recipe, make_optimizer
+from policies.rules.split_state import load_sliced, resolved, slices
 from policies.rules.tasks import Classification, Task
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -112,15 +114,18 @@ def local(t: Any) -> torch.Tensor:
 class FsdpWorker:
     """The replica-side loop body of fsdp (policies/rules/modes.py's shape). `rebuild()`: a fresh
     unsharded model from the factory; `adopt(model)`: the replica takes it as its model (after a
-    regroup); `sample()`: one row (x, y) to step on when this replica never had a batch."""
+    regroup); `sample()`: one row (x, y) to step on when this replica never had a batch;
+    `fetch(x)`: a tensor sent by reference (an object store ref) as the tensor, else x."""
 
     lock_step = True
 
     def __init__(self, model: torch.nn.Module, spec: dict[str, Any], reducer: Any, task: Optional[Task] = None,
                  recipe: Optional[Recipe] = None, rebuild: Optional[Callable[..., torch.nn.Module]] = None,
                  adopt: Optional[Callable[[torch.nn.Module], None]] = None,
-                 sample: Optional[Callable[[], tuple[Any, Any]]] = None) -> None:
+                 sample: Optional[Callable[[], tuple[Any, Any]]] = None,
+                 fetch: Optional[Callable[[Any], Any]] = None) -> None:
         self.model, self.spec, self.reducer = model, spec, reducer
+        self.fetch = fetch or (lambda x: x)
         self.task, self.recipe = task or Classification(), recipe or Recipe()
         self.rebuild, self.adopt, self.sample = rebuild, adopt, sample
         self.optimizer = make_optimizer(spec, model.parameters())  # the unsharded model's until the first step
@@ -133,7 +138,7 @@ class FsdpWorker:
     # ---- sharding ----------------------------------------------------------------------
     def _fit_group(self) -> None:
         """At the first step in a group: shard the model over it (a regroup: a fresh model from
-        the factory, the pending full state loaded first)."""
+        the factory), then load the pending whole state's rows this rank holds."""
         group = reducer_group(self.reducer)
         if group == self.group:
             return
@@ -145,8 +150,6 @@ class FsdpWorker:
                 raise RuntimeError("fsdp: the group changed and no full state was loaded to shard over it")
             self.model = self.rebuild()
             self.adopt(self.model)
-        if self.pending is not None and self.pending.get("model") is not None:
-            self.model.load_state_dict(self.pending["model"])
         device = next(self.model.parameters()).device
         mesh = DeviceMesh.from_group(self.reducer.pg, device.type)
         for unit in shard_units(self.model):
@@ -160,32 +163,29 @@ class FsdpWorker:
         self.optimizer = make_optimizer(self.spec, self.model.parameters())
         for g, h in zip(self.optimizer.param_groups, hyper):
             g.update(h)  # the rate the replica set, the schedule's
-        if self.pending is not None and self.pending.get("optimizer") is not None:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-            set_optimizer_state_dict(self.model, self.optimizer, self.pending["optimizer"],
-                                     options=StateDictOptions(full_state_dict=True))
+        if self.pending is not None:
+            load_sliced(self.model, self.optimizer, self.pending, group[0], group[1], self.fetch)
         self.pending, self.group, self.sharded = None, group, True
 
-    def full_state(self) -> Optional[dict[str, Any]]:
-        """The full parameters and optimizer state (FQN-keyed, on the CPU): a collective once
-        sharded, called on every member; rank 0 returns it, the others None."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
+    def share(self) -> dict[str, Any]:
+        """This replica's part of the model's state, no collective: once sharded, its slices
+        ({"slices": {"model", "optimizer"}, "rank"}: split_state.slices, joined by the driver);
+        before (a state loaded, or the model as built, not sharded yet) the whole state it
+        holds ({"whole": ...}: any member's will do)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         if self.pending is not None:  # loaded and not yet sharded: that state is this replica's
-            return self.pending
+            return {"whole": resolved(self.pending, self.fetch)}
         if not self.sharded:
-            return {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-                    "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model = get_model_state_dict(self.model, options=opts)
-        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
-        return {"model": model, "optimizer": optimizer} if self.group[0] == 0 else None
+            return {"whole": {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+                              "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}}
+        return {"slices": {"model": slices(get_model_state_dict(self.model)),
+                           "optimizer": slices(get_optimizer_state_dict(self.model, self.optimizer))},
+                "rank": self.group[0]}
 
     def load_full(self, state: Optional[dict[str, Any]]) -> None:
-        """Take `state` (full_state's; None: the factory's initial model, a fresh optimizer) at
-        the next (re)sharding."""
+        """Take `state` (a whole state, FQN-keyed, its tensors or refs to them; None: the
+        factory's initial model, a fresh optimizer) at the next (re)sharding."""
         self.pending = state if state is not None else {"model": self.rebuild().state_dict(), "optimizer": None}
         self.group = None  # re-shard at the next step even in a group of the same shape
 

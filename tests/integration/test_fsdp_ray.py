@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from orchestrator.control.reconfig.repair import whole_state
 from orchestrator.control.states import Running
 from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
@@ -34,22 +35,23 @@ def test_fsdp_steps_equal_one_process_on_the_union_of_the_batches(ray_cluster):
     try:
         assert isinstance(ctl.step(), Running)
         ctl.run_epoch()
-        states = ctl.group.call(ctl.group.ranks, "export_state", what="state")
+        parts = ctl.group.call(ctl.group.ranks, "export_state", what="state")
+        state = whole_state(ctl.context, ctl.group.ranks, "state")
     finally:
         ctl.shutdown()
-    assert states[1] is None and states[0]["step"] > 5  # the whole model comes from group rank 0
+    assert [p["rank"] for p in parts] == [0, 1] and state["step"] > 5  # each its own slices, joined
     row = {int(i): k for k, i in enumerate(dataset.train.ids)}
     model = build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     consumed = ctl.consumed[0]
-    assert len(consumed[0]) == len(consumed[1]) == states[0]["step"]  # lock step
+    assert len(consumed[0]) == len(consumed[1]) == state["step"]  # lock step
     for step in range(len(consumed[0])):
         idx = [row[i] for rank in (0, 1) for i in consumed[rank][step]]
         model.zero_grad()
         F.cross_entropy(model(torch.from_numpy(dataset.train.x[idx])), torch.from_numpy(dataset.train.y[idx])).backward()
         opt.step()
     for name, value in model.state_dict().items():
-        np.testing.assert_allclose(states[0]["model"][name].numpy(), value.numpy(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(state["model"][name].numpy(), value.numpy(), rtol=1e-4, atol=1e-5)
     seen = [i for steps in consumed.values() for step in steps for i in step]
     assert sorted(seen) == sorted(int(i) for i in dataset.train.ids)
 

@@ -1,6 +1,7 @@
 """fsdp's rule (policies/rules/fsdp.py) on a real two-process gloo group, no Ray: the steps equal
-one process training on the union of the replicas' batches; plus its pure parts (units, the
-memory estimate, the config's refusals)."""
+one process training on the union of the replicas' batches, and the state the replicas give in
+slices, joined, loads into a group of another size (policies/rules/split_state.py); plus its pure
+parts (units, the cut, the memory estimate, the config's refusals)."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from policies.rules.fsdp import estimate_bytes, optimizer_slots, shard_units
+from policies.rules.split_state import join, rows_of
 
 
 class Net(torch.nn.Module):
@@ -68,9 +70,28 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
             if target is not None:
                 outs.append(logits)
     evaluated = torch.cat(outs)
-    state = worker.full_state()
+    state = worker.share()
     torch.save({"state": state, "bytes": stats["state_bytes"], "loss": result.loss, "rows": result.rows,
                 "evaluated": evaluated}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _reload(rank: int, world: int, port: int, out: str) -> None:
+    """A replica of a group of `world` loading the joined whole state (a regroup: load_full, then
+    a step nobody has rows for shards the model and loads its rows), then giving its slices."""
+    import torch.distributed as dist
+
+    from actors.replica.reducer import ProcessGroupReducer, new_process_group
+    from policies.rules.fsdp import FsdpWorker
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
+    pg = new_process_group(store, rank, world, "gloo", timedelta(seconds=30), default=True)
+    reducer = ProcessGroupReducer()
+    reducer.configure(store, pg, 30.0)
+    worker = FsdpWorker(Net(), SPEC, reducer, rebuild=Net, adopt=lambda m: None)
+    worker.load_full(torch.load(os.path.join(out, "whole.pt"), weights_only=False))
+    assert worker.step(None, None).rows == 0
+    torch.save(worker.share(), os.path.join(out, f"again{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -81,7 +102,8 @@ def test_two_replicas_step_as_one_process_on_the_union_of_their_batches(tmp_path
 
     mp.spawn(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
-    assert r1["state"] is None  # the whole state comes from group rank 0 only
+    assert r0["state"]["rank"] == 0 and r1["state"]["rank"] == 1  # each gives its own slices
+    whole = join([r0["state"]["slices"], r1["state"]["slices"]])
 
     ref = Net()
     opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.01)
@@ -93,8 +115,8 @@ def test_two_replicas_step_as_one_process_on_the_union_of_their_batches(tmp_path
         loss.backward()
         opt.step()
     for name, value in ref.state_dict().items():
-        assert torch.allclose(r0["state"]["model"][name], value, atol=1e-5), name
-    moments = r0["state"]["optimizer"]["state"]
+        assert torch.allclose(whole["model"][name], value, atol=1e-5), name
+    moments = whole["optimizer"]["state"]
     for name, p in ref.named_parameters():
         assert torch.allclose(moments[name]["exp_avg"], opt.state[p]["exp_avg"], atol=1e-6), name
     assert r0["loss"] == pytest.approx(float(loss), rel=1e-5) and r0["rows"] == 9
@@ -104,9 +126,32 @@ def test_two_replicas_step_as_one_process_on_the_union_of_their_batches(tmp_path
     assert r0["evaluated"].shape[0] == 1 and r1["evaluated"].shape[0] == 3  # padding forwards are not yielded as batches
     assert torch.allclose(r0["evaluated"], expected[:1], atol=1e-5) and torch.allclose(r1["evaluated"], expected[:3], atol=1e-5)
     # each replica holds about half of the parameters, gradients and AdamW's two moments
-    whole = 4 * sum(p.numel() * 4 for p in ref.parameters())
+    size = 4 * sum(p.numel() * 4 for p in ref.parameters())
     for r in (r0, r1):
-        assert 0.45 * whole <= r["bytes"] <= 0.6 * whole
+        assert 0.45 * size <= r["bytes"] <= 0.6 * size
+
+    # the joined state loads into a group of 3 (a resize): each keeps its rows, and joined again it is the same
+    torch.save(whole, tmp_path / "whole.pt")
+    mp.spawn(_reload, args=(3, free_port(), str(tmp_path)), nprocs=3, join=True)
+    parts = [torch.load(tmp_path / f"again{r}.pt", weights_only=False) for r in range(3)]
+    assert [p["rank"] for p in parts] == [0, 1, 2]
+    again = join([p["slices"] for p in parts])
+    for name, value in whole["model"].items():
+        assert torch.equal(again["model"][name], value), name
+    for name, entries in whole["optimizer"]["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(again["optimizer"]["state"][name][key], value), (name, key)
+    head = parts[2]["slices"]["model"]["head.weight"]  # 3 rows over 3 ranks: one each
+    assert head.shape == (3, 16) and head.local.shape == (1, 16)
+
+
+def test_the_cut_is_torch_chunks():
+    for n, size in [(16, 3), (3, 3), (3, 4), (5, 4), (0, 2), (7, 1)]:
+        chunks = torch.arange(n).chunk(size) if n else ()
+        for rank in range(size):
+            start, end = rows_of(n, rank, size)
+            expected = chunks[rank].tolist() if rank < len(chunks) else []
+            assert list(range(start, end)) == expected, (n, size, rank)
 
 
 def test_units_slots_and_the_memory_estimate():

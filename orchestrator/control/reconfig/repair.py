@@ -162,16 +162,13 @@ class Repair(Change):
         """Split state (fsdp): every member, survivors too, loads one whole state and re-shards it
         over the new group: the one gathered before a planned move, else the last checkpoint's (a
         failure took a slice that exists nowhere else; none yet: the initial model)."""
-        import ray
-
         state = self.whole if self.whole is not None else run.last_state
         if self.whole is None:
             self.from_checkpoint = state["step"] if state is not None else 0
             run.report.say(f"a replica holding a slice of the model is gone: every replica goes on from the "
                            f"{'last checkpoint' if state is not None else 'initial model'} (replica step "
                            f"{self.from_checkpoint}); the steps since are lost")
-        ref = ray.put(state)
-        self.donor_step = run.fleet.group.call(run.fleet.group.ranks, "load_state", ref,
+        self.donor_step = run.fleet.group.call(run.fleet.group.ranks, "load_state", for_loading(run, state),
                                                what="the whole model's state", peers=False)[0]
 
     def regroup(self, run: "RunContext") -> bool:
@@ -220,10 +217,35 @@ class Repair(Change):
 
 
 def whole_state(run: "RunContext", ranks: list[int], what: str) -> dict[str, Any]:
-    """Split state (fsdp): the model's state gathered whole from every member of `ranks` (a
-    collective; group rank 0 answers it, the others None)."""
-    states = run.fleet.group.call(ranks, "export_state", what=what)
-    return next(s for s in states if s is not None)
+    """Split state (fsdp): the model's state whole, joined from every member's slices (each
+    member's own call, no collective: a lost one is MemberLost; policies/rules/split_state.py),
+    or, before the model was sharded, the whole state the first member holds."""
+    import ray
+
+    from policies.rules.split_state import join, resolved
+
+    parts = run.fleet.group.call(ranks, "export_state", what=what)
+    first = parts[0]
+    if "whole" in first:  # loaded and not sharded yet: its tensors may still be the driver's refs
+        whole = resolved(first["whole"], lambda x: ray.get(x, timeout=run.cfg.strategy.timeout_s)
+                         if isinstance(x, ray.ObjectRef) else x)
+    else:
+        whole = join([p["slices"] for p in sorted(parts, key=lambda p: p["rank"])])
+    return {"model": whole["model"], "optimizer": whole["optimizer"], "step": first["step"], "worker": None,
+            "recipe": first["recipe"]}
+
+
+def for_loading(run: "RunContext", state: Optional[dict[str, Any]]) -> Any:
+    """`state` as load_state's argument to many replicas: one object in the store, or with split
+    state (fsdp) each tensor its own, so a replica reads one tensor at a time and keeps its rows."""
+    import ray
+
+    if state is None or not run.phase.spec.split_state:
+        return ray.put(state)
+    from policies.rules.split_state import by_reference
+
+    return {**state, "model": by_reference(state["model"], ray.put),
+            "optimizer": by_reference(state["optimizer"], ray.put)}
 
 
 def pick_donor(run: "RunContext", plan: Plan, survivors: list[int]) -> tuple[Any, int]:
