@@ -49,11 +49,13 @@ def _walk(tree: Any, leaf: Callable[[Any], Any]) -> Any:
 
 def slices(tree: Any) -> Any:
     """`tree` (a sharded state dict) with each DTensor as this replica's `Slice` and every tensor
-    on the CPU, copied (the replica trains on)."""
+    on the CPU: views of the replica's own tensors, not copies (a GPU's are copied), so it
+    holds nothing more while they are sent; the caller asks while the replica is paused (a
+    checkpoint, a grow, a move), and the reply is serialized before it steps again."""
     def leaf(v: Any) -> Any:
         if hasattr(v, "to_local"):
-            return Slice(v.to_local().detach().cpu().clone(), tuple(v.shape))
-        return v.detach().cpu().clone() if torch.is_tensor(v) else v
+            return Slice(v.to_local().detach().cpu(), tuple(v.shape))
+        return v.detach().cpu() if torch.is_tensor(v) else v
     return _walk(tree, leaf)
 
 
