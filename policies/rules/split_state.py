@@ -8,6 +8,11 @@ members' slices in group-rank order (`join`): one whole state, FQN-keyed, the sa
 `get_model_state_dict` / `get_optimizer_state_dict` with full_state_dict give, so checkpoints
 and the final model are plain state dicts.
 
+A replica builds its model on the meta device where it can (`meta_build`: shapes, no memory),
+shards it, and only then gives the slices memory (`to_empty`), which the state it is sent fills:
+a replica never holds the whole parameters, not even at its start (the driver sends every
+replica the factory's initial state as it sends a checkpoint's).
+
 In (`load_sliced`): a whole state, its tensors sent one object each (the driver's
 `by_reference`), is read tensor by tensor after the model is sharded over its new group; each
 replica keeps the rows its group rank holds (`rows_of`: torch.chunk's cut, as DTensor's and
@@ -19,7 +24,7 @@ recovery: resharding is the cut, nothing more).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -37,6 +42,26 @@ def rows_of(n: int, rank: int, size: int) -> tuple[int, int]:
     chunk = -(-n // size) if n else 0
     start = min(rank * chunk, n)
     return start, min(start + chunk, n)
+
+
+def on_meta(model: torch.nn.Module) -> bool:
+    """Whether `model` was built on the meta device (its parameters have shapes and no memory)."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def meta_build(build: Callable[[], torch.nn.Module]) -> Optional[torch.nn.Module]:
+    """The model `build` makes, on the meta device; None where that would lose something: a
+    buffer kept out of the state dict (nothing would fill it), a tensor the factory put on a
+    device of its own, or a factory that cannot build there."""
+    try:
+        with torch.device("meta"):
+            model = build()
+    except Exception:
+        return None
+    tensors = list(model.parameters()) + list(model.buffers())
+    if any(m._non_persistent_buffers_set for m in model.modules()) or not all(t.is_meta for t in tensors):
+        return None
+    return model
 
 
 def _walk(tree: Any, leaf: Callable[[Any], Any]) -> Any:
