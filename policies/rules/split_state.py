@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 
@@ -100,25 +101,45 @@ def join(parts: list[Any]) -> Any:
     return first
 
 
-def by_reference(tree: Any, put: Callable[[torch.Tensor], Any]) -> Any:
-    """`tree` with each tensor of one dimension or more replaced by `put(tensor)` (an object
-    store ref): a replica loading it reads one tensor at a time."""
-    return _walk(tree, lambda v: put(v) if torch.is_tensor(v) and v.dim() > 0 else v)
+def _array(t: torch.Tensor) -> Any:
+    """`t` as a numpy array where numpy has its dtype (the object store hands a reader an array
+    in place, so a replica taking some rows touches only those), else the tensor."""
+    try:
+        return t.detach().cpu().numpy()
+    except TypeError:  # bfloat16 and the like
+        return t
+
+
+def by_reference(tree: Any, put: Callable[[Any], Any]) -> Any:
+    """`tree` with each tensor of one dimension or more replaced by `put(array)` (an object
+    store ref): a replica loading it reads one tensor at a time, and of a split one only its rows."""
+    return _walk(tree, lambda v: put(_array(v)) if torch.is_tensor(v) and v.dim() > 0 else v)
+
+
+def tensor_of(v: Any, rows: Optional[tuple[int, int]] = None) -> Any:
+    """A fetched leaf as a tensor of its own (only `rows` [start, end) of it when given): of an
+    array, only what is taken is copied."""
+    if isinstance(v, np.ndarray):
+        return torch.from_numpy(np.array(v if rows is None else v[rows[0]:rows[1]]))
+    if torch.is_tensor(v) and rows is not None:
+        return v[rows[0]:rows[1]]
+    return v
 
 
 def resolved(tree: Any, fetch: Callable[[Any], Any]) -> Any:
-    """`tree` with every leaf passed through `fetch` (an object store ref: its tensor)."""
-    return _walk(tree, fetch)
+    """`tree` with every leaf passed through `fetch` (an object store ref: its array or tensor), as tensors."""
+    return _walk(tree, lambda v: tensor_of(fetch(v)))
 
 
-def _like(whole: torch.Tensor, current: Any, rank: int, size: int) -> Any:
-    """`whole` as `current` holds it: a DTensor split in dim 0 gets this rank's rows, anything else all of it."""
+def _like(whole: Any, current: Any, rank: int, size: int) -> Any:
+    """`whole` (a tensor or an array) as `current` holds it: a DTensor split in dim 0 gets this
+    rank's rows, anything else all of it."""
     if not hasattr(current, "to_local"):
+        whole = tensor_of(whole)
         return whole.to(current.device) if torch.is_tensor(current) else whole
     from torch.distributed.tensor import DTensor
 
-    start, end = rows_of(whole.shape[0], rank, size)
-    local = whole[start:end].to(current.to_local().device, current.dtype).clone()
+    local = tensor_of(whole, rows_of(whole.shape[0], rank, size)).to(current.to_local().device, current.dtype).clone()
     return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
                               shape=current.shape, stride=current.stride())
 
@@ -145,7 +166,7 @@ def load_sliced(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state:
         per_param[name] = {}
         for key, v in entries.items():
             v = fetch(v)
-            split = torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(p.shape)  # a moment: cut like its parameter
-            per_param[name][key] = _like(v, p, rank, size) if split else v
+            split = len(getattr(v, "shape", ())) > 0 and tuple(v.shape) == tuple(p.shape)  # a moment: cut like its parameter
+            per_param[name][key] = _like(v, p, rank, size) if split else tensor_of(v)
     set_optimizer_state_dict(model, optimizer, {"state": per_param, "param_groups": saved["param_groups"]},
                              options=StateDictOptions(strict=True))
