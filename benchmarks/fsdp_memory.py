@@ -10,8 +10,8 @@ Per run: `replica_state_mb` (fsdp: each replica's parameters, gradients and opti
 the tensors it holds, measured on them; allreduce: the same sum computed from the model, every
 replica holding all of it), and the replicas' peak RSS (VmHWM from /proc, sampled every 0.2 s
 for every `ray::ModelReplica` process; it includes torch itself, ~the same in both modes: the
-largest replica's and the median replica's; an fsdp replica builds its model on the meta device,
-loads only its slices of the initial state, and gives the run's final checkpoint only them), and
+largest replica's and the median replica's; an fsdp replica builds the model whole once before
+sharding it, and gives the run's final checkpoint only its own slices), and
 the seconds of the second epoch's step loop (the slowest replica's).
 
 Ratios (higher is better for fsdp): allreduce's state / fsdp's, allreduce's peak RSS / fsdp's,

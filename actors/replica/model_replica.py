@@ -40,7 +40,6 @@ from policies.rules.factory import build_model, carry_optimizer_state, momentum_
 from policies.rules.batches import as_tensors, forward, rows as batch_rows, slice_rows, to_device, tree_map
 from policies.rules.recipe import Recipe
 from policies.rules.registry import Transport, build_worker, mode_spec
-from policies.rules.split_state import meta_build
 from policies.rules.tasks import add_stats, load_task
 from actors.replica.reference import load_reference, reference_loaded
 from actors.replica.rehearsal import rehearse
@@ -57,7 +56,7 @@ class ModelReplica:
         # gathered units back instead (actors/replica/heap.py)
         split = mode_spec(config["strategy"]["mode"]).split_state and self.device.type == "cpu"
         (return_big_buffers if split else keep_heap)()
-        self.model = self._fresh_model(mode_spec(config["strategy"]["mode"]).split_state)
+        self.model = build_model(config["model"]["factory"], config["model"]["kwargs"], config["data"]["seed"]).to(self.device)
         if config["model"].get("compile"):  # once per replica process: a switch or a reload keeps the compiled forward
             self.model.forward = torch.compile(self.model.forward)  # the module's own state_dict keys stay
         self.task = load_task(config["task"]["name"], config["task"]["kwargs"])
@@ -111,7 +110,7 @@ class ModelReplica:
         self.worker, self.flat = build_worker(self.model, self.cfg, self.rank, self.world_size,
                                               Transport(self.reducer, self.client if self.spec.sharded else None, self.task,
                                                         self.recipe, rebuild=self._fresh_model, adopt=self._adopt,
-                                                        sample=self._one_row, fetch=self._fetch, device=self.device,
+                                                        sample=self._one_row, fetch=self._fetch,
                                                         where=lambda: self.reader.out[0],
                                                         reader=lambda: self.reader))
         self.apply_lr()
@@ -154,17 +153,10 @@ class ModelReplica:
     def _load_reference(self) -> None:
         load_reference(self)
 
-    def _fresh_model(self, split: Optional[bool] = None) -> torch.nn.Module:
-        """The factory's model; with split state (fsdp: at the start, and a regroup shards a fresh
-        one) built on the meta device where it can be (policies/rules/split_state.py: the state
-        sent to the replica fills its slices)."""
+    def _fresh_model(self) -> torch.nn.Module:
+        """The factory's model (fsdp: a regroup shards a fresh one)."""
         m = self.cfg["model"]
-
-        def build() -> torch.nn.Module:
-            return build_model(m["factory"], m["kwargs"], self.cfg["data"]["seed"])
-
-        meta = meta_build(build) if (self.spec.split_state if split is None else split) else None
-        return meta if meta is not None else build().to(self.device)
+        return build_model(m["factory"], m["kwargs"], self.cfg["data"]["seed"]).to(self.device)
 
     def _fetch(self, x: Any) -> Any:
         """A tensor sent by reference (fsdp's state, one object a tensor) as the tensor."""
@@ -365,19 +357,18 @@ class ModelReplica:
                 self.reader.source.release(p)
         return out
 
+    @torch.inference_mode()
     def evaluate(self) -> dict[str, Any]:
         """The task's evaluation sums (policies/rules/tasks.py) over this replica's slice of the test
         split; the driver adds every replica's and finishes them into metrics. Batches of
-        data.batch_size: small batches stay in cache and run ~2x faster than one big one on CPU.
-        In inference mode (fsdp: no_grad, FsdpWorker.in_lock_step)."""
+        data.batch_size: small batches stay in cache and run ~2x faster than one big one on CPU."""
         self.model.eval()
         sums: dict[str, Any] = {}
         lock_step = getattr(self.worker, "in_lock_step", None)  # fsdp: every member runs as many forwards
-        with torch.inference_mode() if lock_step is None else torch.no_grad():
-            for x, y in (self.test_batches() if lock_step is None else lock_step(self.test_batches())):
-                out = forward(self.model, x)
-                if y is not None:  # (fsdp's padding: no rows of this replica's)
-                    sums = add_stats(sums, self.task.evaluate(out, y))
+        for x, y in (self.test_batches() if lock_step is None else lock_step(self.test_batches())):
+            out = forward(self.model, x)
+            if y is not None:  # (fsdp's padding: no rows of this replica's)
+                sums = add_stats(sums, self.task.evaluate(out, y))
         return sums
 
     # ---- state ---------------------------------------------------------------------------

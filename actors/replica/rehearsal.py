@@ -20,11 +20,8 @@ def rehearse(replica: Any, sample: list, rows: int = 32) -> float:
     """The rehearsal on `replica` (a ModelReplica) with `rows` rows of `sample` (a ref wrapped
     in a list). Returns the seconds."""
     t0 = time.perf_counter()
-    model = replica.model
-    if any(p.is_meta for p in model.parameters()):  # fsdp's model before its state is sent: nothing to step on
-        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
-        return time.perf_counter() - t0
     data = ray.get(sample[0], timeout=replica.cfg["strategy"]["timeout_s"])
+    model = replica.model
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     x = to_device(as_tensors(tree_map(lambda a: a[:rows].copy(), data["x"])), replica.device)
     y = to_device(as_tensors(tree_map(lambda a: a[:rows].copy(), data["y"])), replica.device)

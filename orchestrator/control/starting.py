@@ -9,6 +9,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+
 from orchestrator.control.reconfig import phase_switch
 from orchestrator.control.reconfig.repair import for_loading
 from orchestrator.fleet.cluster import beside_driver
@@ -84,9 +85,6 @@ def start(run: "RunContext") -> EpochSegment:
     if run.resume is not None:
         restore(run, run.resume)
         estimate_steps(run)  # data.adaptive_batch: at the batch it had grown to
-    elif run.phase.spec.split_state:  # fsdp: the replicas built their models on the meta device; the initial state fills them
-        run.fleet.group.call(run.fleet.group.ranks, "load_state", for_loading(run, None), what="the initial model",
-                             peers=False)
     run.report.event("started", metric=run.metric, task=cfg.task.name, replicas=n, spares=cfg.fault_tolerance.spares,
                       steps_per_epoch=run.ledger.steps_per_epoch, partitions=len(rows),
                       rows_per_partition=[min(rows), max(rows)], startup_s=round(run.ledger.totals.startup_s, 3))

@@ -24,10 +24,8 @@ all alike. The step's loss sum is one more float summed after the backward pass.
 State leaves a replica in slices (`share`: its own rows of each split tensor, no collective;
 the driver joins the members', policies/rules/split_state.py) and enters it the same way:
 `load_full` takes a whole state (its tensors one object each) and, once the worker has sharded
-a fresh model over its group, keeps only its rows, one tensor at a time. The model is built on
-the meta device where it can be (the replica's `rebuild`), so its slices are the first memory it
-gets: the driver sends the factory's initial state at the start as it sends a checkpoint's. A
-regroup (a failure, a resize) rebuilds the model, shards it over the new group, and loads the
+a fresh model over its group, keeps only its rows, one tensor at a time. A regroup (a failure,
+a resize) rebuilds the model from the factory, shards it over the new group, and loads the
 state the controller sends (the last checkpoint's after a failure: a lost replica's slice
 exists nowhere else). Evaluation runs the sharded model in lock step (`in_lock_step`): each replica its own test
 slice, padded with forwards on one row so every member gathers each unit as often.
@@ -45,7 +43,7 @@ from policies.rules.allreduce import reducer_group
 from policies.rules.batches import forward, rows as batch_rows, slice_rows
 from policies.rules.modes import Interrupted, StepResult
 from policies.rules.recipe import Recipe, make_optimizer
-from policies.rules.split_state import load_sliced, on_meta, resolved, slices
+from policies.rules.split_state import load_sliced, resolved, slices
 from policies.rules.tasks import Classification, Task
 
 CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
@@ -117,8 +115,7 @@ class FsdpWorker:
     """The replica-side loop body of fsdp (policies/rules/modes.py's shape). `rebuild()`: a fresh
     unsharded model from the factory; `adopt(model)`: the replica takes it as its model (after a
     regroup); `sample()`: one row (x, y) to step on when this replica never had a batch;
-    `fetch(x)`: a tensor sent by reference (an object store ref) as the tensor, else x;
-    `device`: where a model built on the meta device is given memory once sharded."""
+    `fetch(x)`: a tensor sent by reference (an object store ref) as the tensor, else x."""
 
     lock_step = True
 
@@ -126,9 +123,8 @@ class FsdpWorker:
                  recipe: Optional[Recipe] = None, rebuild: Optional[Callable[..., torch.nn.Module]] = None,
                  adopt: Optional[Callable[[torch.nn.Module], None]] = None,
                  sample: Optional[Callable[[], tuple[Any, Any]]] = None,
-                 fetch: Optional[Callable[[Any], Any]] = None, device: Optional[torch.device] = None) -> None:
+                 fetch: Optional[Callable[[Any], Any]] = None) -> None:
         self.model, self.spec, self.reducer = model, spec, reducer
-        self.device = device or torch.device("cpu")
         self.fetch = fetch or (lambda x: x)
         self.task, self.recipe = task or Classification(), recipe or Recipe()
         self.rebuild, self.adopt, self.sample = rebuild, adopt, sample
@@ -141,9 +137,8 @@ class FsdpWorker:
 
     # ---- sharding ----------------------------------------------------------------------
     def _fit_group(self) -> None:
-        """At the first step (or evaluation) in a group: shard the model over it (a regroup: a
-        fresh model from the factory, in the train/eval mode the old one was), then load the
-        pending whole state's rows this rank holds."""
+        """At the first step in a group: shard the model over it (a regroup: a fresh model from
+        the factory), then load the pending whole state's rows this rank holds."""
         group = reducer_group(self.reducer)
         if group == self.group:
             return
@@ -153,19 +148,13 @@ class FsdpWorker:
         if self.sharded:
             if self.pending is None:
                 raise RuntimeError("fsdp: the group changed and no full state was loaded to shard over it")
-            training = self.model.training
-            self.model = self.rebuild().train(training)
+            self.model = self.rebuild()
             self.adopt(self.model)
-        meta = on_meta(self.model)
-        if meta and self.pending is None:
-            raise RuntimeError("fsdp: the model was built on the meta device and no state was sent to fill it")
-        device = self.device if meta else next(self.model.parameters()).device
+        device = next(self.model.parameters()).device
         mesh = DeviceMesh.from_group(self.reducer.pg, device.type)
         for unit in shard_units(self.model):
             fully_shard(unit, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
-        if meta:  # memory for this rank's slices only; the pending state fills them
-            self.model.to_empty(device=device)
         for unit in self.model.modules():  # summed, not averaged: the step divides by its rows
             if isinstance(unit, FSDPModule):
                 unit.set_gradient_divide_factor(1.0)
@@ -188,8 +177,6 @@ class FsdpWorker:
         if self.pending is not None:  # loaded and not yet sharded: that state is this replica's
             return {"whole": resolved(self.pending, self.fetch)}
         if not self.sharded:
-            if on_meta(self.model):
-                raise RuntimeError("fsdp: this replica holds no state yet (built on the meta device, nothing sent)")
             return {"whole": {"model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
                               "optimizer": get_optimizer_state_dict(self.model, self.optimizer)}}
         return {"slices": {"model": slices(get_model_state_dict(self.model)),
@@ -199,23 +186,14 @@ class FsdpWorker:
     def load_full(self, state: Optional[dict[str, Any]]) -> None:
         """Take `state` (a whole state, FQN-keyed, its tensors or refs to them; None: the
         factory's initial model, a fresh optimizer) at the next (re)sharding."""
-        if state is None:
-            model = self.rebuild()
-            if on_meta(model):
-                raise RuntimeError("fsdp: no state to load (the factory's model is built on the meta device: the "
-                                   "driver sends the initial state)")
-            state = {"model": model.state_dict(), "optimizer": None}
-        self.pending = state
+        self.pending = state if state is not None else {"model": self.rebuild().state_dict(), "optimizer": None}
         self.group = None  # re-shard at the next step even in a group of the same shape
 
     def in_lock_step(self, batches: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
         """Evaluation's batches with every member running as many forwards (each unit's
         parameters are gathered for its forward, as in training): before each, a 1-float sum of
         "I have another batch"; a member whose slice ran out runs a row of padding, yielded with
-        targets None (not counted). A failed collective is an interruption. Run it under
-        torch.no_grad, not inference mode: FSDP's gathered parameters made by a first forward
-        in inference mode could not be written by the training steps after it."""
-        self._fit_group()  # a state loaded and no step taken yet: it is sharded and loaded first
+        targets None (not counted). A failed collective is an interruption."""
         it = iter(batches)
         with collectives("evaluation"):
             while True:

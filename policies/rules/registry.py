@@ -64,7 +64,6 @@ class Transport:
     adopt: Any = None  # fsdp: hands the replica the model it now trains
     sample: Any = None  # fsdp: one row to take an empty step on before any batch was seen
     fetch: Any = None  # fsdp: a tensor sent by reference (an object store ref) -> the tensor
-    device: Any = None  # fsdp: where a model built on the meta device gets its memory
     where: Any = None  # sandblaster: () -> the (partition, rows) of the batch being trained (the reader's)
     reader: Any = None  # sandblaster: () -> the replica's PartitionReader (its pass's tail, dropping a partition)
 
@@ -131,7 +130,7 @@ def _gossip_worker(model, flat, cfg, rank, world, transport):
 def _fsdp_worker(model, flat, cfg, rank, world, transport):
     return FsdpWorker(model, cfg["optimizer"], transport.reducer, transport.task, transport.recipe,
                       rebuild=transport.rebuild, adopt=transport.adopt, sample=transport.sample,
-                      fetch=transport.fetch, device=transport.device)
+                      fetch=transport.fetch)
 
 
 def _downpour_worker(model, flat, cfg, rank, world, transport):

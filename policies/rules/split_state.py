@@ -8,11 +8,6 @@ members' slices in group-rank order (`join`): one whole state, FQN-keyed, the sa
 `get_model_state_dict` / `get_optimizer_state_dict` with full_state_dict give, so checkpoints
 and the final model are plain state dicts.
 
-A replica builds its model on the meta device where it can (`meta_build`: shapes, no memory),
-shards it, and only then gives the slices memory (`to_empty`), which the state it is sent fills:
-a replica never holds the whole parameters, not even at its start (the driver sends every
-replica the factory's initial state as it sends a checkpoint's).
-
 In (`load_sliced`): a whole state, its tensors sent one object each (the driver's
 `by_reference`), is read tensor by tensor after the model is sharded over its new group; each
 replica keeps the rows its group rank holds (`rows_of`: torch.chunk's cut, as DTensor's and
@@ -24,9 +19,8 @@ recovery: resharding is the cut, nothing more).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
-import numpy as np
 import torch
 
 
@@ -43,26 +37,6 @@ def rows_of(n: int, rank: int, size: int) -> tuple[int, int]:
     chunk = -(-n // size) if n else 0
     start = min(rank * chunk, n)
     return start, min(start + chunk, n)
-
-
-def on_meta(model: torch.nn.Module) -> bool:
-    """Whether `model` was built on the meta device (its parameters have shapes and no memory)."""
-    return any(p.is_meta for p in model.parameters())
-
-
-def meta_build(build: Callable[[], torch.nn.Module]) -> Optional[torch.nn.Module]:
-    """The model `build` makes, on the meta device; None where that would lose something: a
-    buffer kept out of the state dict (nothing would fill it), a tensor the factory put on a
-    device of its own, or a factory that cannot build there."""
-    try:
-        with torch.device("meta"):
-            model = build()
-    except Exception:
-        return None
-    tensors = list(model.parameters()) + list(model.buffers())
-    if any(m._non_persistent_buffers_set for m in model.modules()) or not all(t.is_meta for t in tensors):
-        return None
-    return model
 
 
 def _walk(tree: Any, leaf: Callable[[Any], Any]) -> Any:
@@ -101,45 +75,25 @@ def join(parts: list[Any]) -> Any:
     return first
 
 
-def _array(t: torch.Tensor) -> Any:
-    """`t` as a numpy array where numpy has its dtype (the object store hands a reader an array
-    in place, so a replica taking some rows touches only those), else the tensor."""
-    try:
-        return t.detach().cpu().numpy()
-    except TypeError:  # bfloat16 and the like
-        return t
-
-
-def by_reference(tree: Any, put: Callable[[Any], Any]) -> Any:
-    """`tree` with each tensor of one dimension or more replaced by `put(array)` (an object
-    store ref): a replica loading it reads one tensor at a time, and of a split one only its rows."""
-    return _walk(tree, lambda v: put(_array(v)) if torch.is_tensor(v) and v.dim() > 0 else v)
-
-
-def tensor_of(v: Any, rows: Optional[tuple[int, int]] = None) -> Any:
-    """A fetched leaf as a tensor of its own (only `rows` [start, end) of it when given): of an
-    array, only what is taken is copied."""
-    if isinstance(v, np.ndarray):
-        return torch.from_numpy(np.array(v if rows is None else v[rows[0]:rows[1]]))
-    if torch.is_tensor(v) and rows is not None:
-        return v[rows[0]:rows[1]]
-    return v
+def by_reference(tree: Any, put: Callable[[torch.Tensor], Any]) -> Any:
+    """`tree` with each tensor of one dimension or more replaced by `put(tensor)` (an object
+    store ref): a replica loading it reads one tensor at a time."""
+    return _walk(tree, lambda v: put(v) if torch.is_tensor(v) and v.dim() > 0 else v)
 
 
 def resolved(tree: Any, fetch: Callable[[Any], Any]) -> Any:
-    """`tree` with every leaf passed through `fetch` (an object store ref: its array or tensor), as tensors."""
-    return _walk(tree, lambda v: tensor_of(fetch(v)))
+    """`tree` with every leaf passed through `fetch` (an object store ref: its tensor)."""
+    return _walk(tree, fetch)
 
 
-def _like(whole: Any, current: Any, rank: int, size: int) -> Any:
-    """`whole` (a tensor or an array) as `current` holds it: a DTensor split in dim 0 gets this
-    rank's rows, anything else all of it."""
+def _like(whole: torch.Tensor, current: Any, rank: int, size: int) -> Any:
+    """`whole` as `current` holds it: a DTensor split in dim 0 gets this rank's rows, anything else all of it."""
     if not hasattr(current, "to_local"):
-        whole = tensor_of(whole)
         return whole.to(current.device) if torch.is_tensor(current) else whole
     from torch.distributed.tensor import DTensor
 
-    local = tensor_of(whole, rows_of(whole.shape[0], rank, size)).to(current.to_local().device, current.dtype).clone()
+    start, end = rows_of(whole.shape[0], rank, size)
+    local = whole[start:end].to(current.to_local().device, current.dtype).clone()
     return DTensor.from_local(local, current.device_mesh, current.placements, run_check=False,
                               shape=current.shape, stride=current.stride())
 
@@ -166,7 +120,7 @@ def load_sliced(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state:
         per_param[name] = {}
         for key, v in entries.items():
             v = fetch(v)
-            split = len(getattr(v, "shape", ())) > 0 and tuple(v.shape) == tuple(p.shape)  # a moment: cut like its parameter
-            per_param[name][key] = _like(v, p, rank, size) if split else tensor_of(v)
+            split = torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(p.shape)  # a moment: cut like its parameter
+            per_param[name][key] = _like(v, p, rank, size) if split else v
     set_optimizer_state_dict(model, optimizer, {"state": per_param, "param_groups": saved["param_groups"]},
                              options=StateDictOptions(strict=True))

@@ -226,9 +226,8 @@ def whole_state(run: "RunContext", ranks: list[int], what: str) -> dict[str, Any
 
     parts = run.fleet.group.call(ranks, "export_state", what=what)
     first = parts[0]
-    loaded = [p for p in parts if "whole" in p]
-    if loaded:  # loaded and not sharded yet (every member re-shards it): its tensors may still be the driver's refs
-        whole = resolved(loaded[0]["whole"], lambda x: ray.get(x, timeout=run.cfg.strategy.timeout_s)
+    if "whole" in first:  # loaded and not sharded yet: its tensors may still be the driver's refs
+        whole = resolved(first["whole"], lambda x: ray.get(x, timeout=run.cfg.strategy.timeout_s)
                          if isinstance(x, ray.ObjectRef) else x)
     else:
         whole = join([p["slices"] for p in sorted(parts, key=lambda p: p["rank"])])
@@ -238,20 +237,12 @@ def whole_state(run: "RunContext", ranks: list[int], what: str) -> dict[str, Any
 
 def for_loading(run: "RunContext", state: Optional[dict[str, Any]]) -> Any:
     """`state` as load_state's argument to many replicas: one object in the store, or with split
-    state (fsdp) each tensor its own, so a replica reads one tensor at a time and keeps its rows
-    (None there: the factory's initial model, built here; the replicas build theirs on the meta
-    device and hold nothing until it is sent)."""
+    state (fsdp) each tensor its own, so a replica reads one tensor at a time and keeps its rows."""
     import ray
 
-    if not run.phase.spec.split_state:
+    if state is None or not run.phase.spec.split_state:
         return ray.put(state)
-    from orchestrator.models import build_model
     from policies.rules.split_state import by_reference
-
-    if state is None:
-        cfg = run.cfg
-        state = {"model": build_model(cfg.model.factory, cfg.model.kwargs, cfg.data.seed).state_dict(),
-                 "optimizer": None, "step": 0, "recipe": None, "worker": None}
 
     return {**state, "model": by_reference(state["model"], ray.put),
             "optimizer": by_reference(state["optimizer"], ray.put)}
