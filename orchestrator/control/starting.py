@@ -9,7 +9,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-
 from orchestrator.control.reconfig import phase_switch
 from orchestrator.control.reconfig.repair import for_loading
 from orchestrator.fleet.cluster import beside_driver

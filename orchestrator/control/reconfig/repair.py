@@ -226,8 +226,9 @@ def whole_state(run: "RunContext", ranks: list[int], what: str) -> dict[str, Any
 
     parts = run.fleet.group.call(ranks, "export_state", what=what)
     first = parts[0]
-    if "whole" in first:  # loaded and not sharded yet: its tensors may still be the driver's refs
-        whole = resolved(first["whole"], lambda x: ray.get(x, timeout=run.cfg.strategy.timeout_s)
+    loaded = [p for p in parts if "whole" in p]
+    if loaded:  # loaded and not sharded yet (every member re-shards it): its tensors may still be the driver's refs
+        whole = resolved(loaded[0]["whole"], lambda x: ray.get(x, timeout=run.cfg.strategy.timeout_s)
                          if isinstance(x, ray.ObjectRef) else x)
     else:
         whole = join([p["slices"] for p in sorted(parts, key=lambda p: p["rank"])])
