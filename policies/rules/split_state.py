@@ -1,5 +1,6 @@
-"""fsdp's state on its way out of and into the replicas, in slices: no replica ever holds the
-whole model's parameters and optimizer state at once.
+"""fsdp's state on its way out of and into the replicas, in slices: no replica gathers or
+receives the whole model's parameters and optimizer state (each still builds the model whole
+once, before it shards it).
 
 Out (`slices`, a replica's own call, no collective): each split tensor (a DTensor cut in dim 0,
 FSDP2's Shard(0)) leaves as a `Slice`, the rows this replica holds and the whole tensor's
