@@ -357,18 +357,20 @@ class ModelReplica:
                 self.reader.source.release(p)
         return out
 
-    @torch.inference_mode()
     def evaluate(self) -> dict[str, Any]:
         """The task's evaluation sums (policies/rules/tasks.py) over this replica's slice of the test
         split; the driver adds every replica's and finishes them into metrics. Batches of
-        data.batch_size: small batches stay in cache and run ~2x faster than one big one on CPU."""
-        self.model.eval()
-        sums: dict[str, Any] = {}
-        lock_step = getattr(self.worker, "in_lock_step", None)  # fsdp: every member runs as many forwards
-        for x, y in (self.test_batches() if lock_step is None else lock_step(self.test_batches())):
-            out = forward(self.model, x)
-            if y is not None:  # (fsdp's padding: no rows of this replica's)
-                sums = add_stats(sums, self.task.evaluate(out, y))
+        data.batch_size: small batches stay in cache and run ~2x faster than one big one on CPU.
+        Under inference mode, or the rule's own setting (fsdp: `evaluating`)."""
+        setting = getattr(self.worker, "evaluating", None)
+        with (torch.inference_mode() if setting is None else setting()):
+            self.model.eval()  # (after the setting: fsdp may have sharded in a new model)
+            sums: dict[str, Any] = {}
+            lock_step = getattr(self.worker, "in_lock_step", None)  # fsdp: every member runs as many forwards
+            for x, y in (self.test_batches() if lock_step is None else lock_step(self.test_batches())):
+                out = forward(self.model, x)
+                if y is not None:  # (fsdp's padding: no rows of this replica's)
+                    sums = add_stats(sums, self.task.evaluate(out, y))
         return sums
 
     # ---- state ---------------------------------------------------------------------------

@@ -189,6 +189,17 @@ class FsdpWorker:
         self.pending = state if state is not None else {"model": self.rebuild().state_dict(), "optimizer": None}
         self.group = None  # re-shard at the next step even in a group of the same shape
 
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Evaluation's setting, entered by every member alike: the model this replica holds now
+        (a state loaded since the last step, or a new group, is sharded in first, as a step
+        would), then gradients off through `no_grad`, not `inference_mode`: FSDP keeps the
+        parameters it gathers for a forward, and ones made under inference mode could not be
+        written by the training steps after it."""
+        self._fit_group()
+        with torch.no_grad():
+            yield
+
     def in_lock_step(self, batches: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
         """Evaluation's batches with every member running as many forwards (each unit's
         parameters are gathered for its forward, as in training): before each, a 1-float sum of

@@ -61,8 +61,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         x, y = mine if mine is not None else (None, None)
         result = worker.step(x, y, more)
     stats = worker.end_epoch()
-    probe = torch.randn(4, 6, generator=torch.Generator().manual_seed(9))
-    mine = [(probe[i:i + 1], i) for i in range(1 if rank == 0 else 3)]  # uneven test slices: rank 0 is padded
+    mine = [(PROBE[i:i + 1], i) for i in range(1 if rank == 0 else 3)]  # uneven test slices: rank 0 is padded
     outs = []
     with torch.inference_mode():
         for x, target in worker.in_lock_step(mine):
@@ -76,9 +75,13 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _reload(rank: int, world: int, port: int, out: str) -> None:
+PROBE = torch.randn(4, 6, generator=torch.Generator().manual_seed(9))
+
+
+def _reload(rank: int, world: int, port: int, out: str, evaluate_first: bool) -> None:
     """A replica of a group of `world` loading the joined whole state (a regroup: load_full, then
-    a step nobody has rows for shards the model and loads its rows), then giving its slices."""
+    a step nobody has rows for, or an evaluation, shards the model and loads its rows), giving its
+    slices, then training a step."""
     import torch.distributed as dist
 
     from actors.replica.reducer import ProcessGroupReducer, new_process_group
@@ -90,8 +93,16 @@ def _reload(rank: int, world: int, port: int, out: str) -> None:
     reducer.configure(store, pg, 30.0)
     worker = FsdpWorker(Net(), SPEC, reducer, rebuild=Net, adopt=lambda m: None)
     worker.load_full(torch.load(os.path.join(out, "whole.pt"), weights_only=False))
-    assert worker.step(None, None).rows == 0
+    if evaluate_first:  # as ModelReplica.evaluate does, before any step: the setting the rule asks for
+        setting = getattr(worker, "evaluating", None)
+        with (torch.inference_mode() if setting is None else setting()):
+            evaluated = [worker.model(x) for x, _ in worker.in_lock_step([(PROBE, None)])]
+        torch.save(torch.cat(evaluated), os.path.join(out, f"evaluated{rank}.pt"))
+    else:
+        assert worker.step(None, None).rows == 0
     torch.save(worker.share(), os.path.join(out, f"again{rank}.pt"))
+    x, y = batches(seed=rank + 5)[0][0]
+    assert torch.isfinite(torch.tensor(worker.step(x, y).loss))  # training goes on after either
     dist.destroy_process_group()
 
 
@@ -120,9 +131,8 @@ def test_two_replicas_step_as_one_process_on_the_union_of_their_batches(tmp_path
     for name, p in ref.named_parameters():
         assert torch.allclose(moments[name]["exp_avg"], opt.state[p]["exp_avg"], atol=1e-6), name
     assert r0["loss"] == pytest.approx(float(loss), rel=1e-5) and r0["rows"] == 9
-    probe = torch.randn(4, 6, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
-        expected = ref(probe)
+        expected = ref(PROBE)
     assert r0["evaluated"].shape[0] == 1 and r1["evaluated"].shape[0] == 3  # padding forwards are not yielded as batches
     assert torch.allclose(r0["evaluated"], expected[:1], atol=1e-5) and torch.allclose(r1["evaluated"], expected[:3], atol=1e-5)
     # each replica holds about half of the parameters, gradients and AdamW's two moments
@@ -131,18 +141,29 @@ def test_two_replicas_step_as_one_process_on_the_union_of_their_batches(tmp_path
         assert 0.45 * size <= r["bytes"] <= 0.6 * size
 
     # the joined state loads into a group of 3 (a resize): each keeps its rows, and joined again it is the same
+    # the joined state loads into a group of 3 (a resize): each keeps its rows, and joined again it is
+    # the same; the group's first act a step nobody has rows for, or an evaluation (it evaluates
+    # the state loaded, and training goes on after it)
     torch.save(whole, tmp_path / "whole.pt")
-    mp.spawn(_reload, args=(3, free_port(), str(tmp_path)), nprocs=3, join=True)
-    parts = [torch.load(tmp_path / f"again{r}.pt", weights_only=False) for r in range(3)]
-    assert [p["rank"] for p in parts] == [0, 1, 2]
-    again = join([p["slices"] for p in parts])
-    for name, value in whole["model"].items():
-        assert torch.equal(again["model"][name], value), name
-    for name, entries in whole["optimizer"]["state"].items():
-        for key, value in entries.items():
-            assert torch.equal(again["optimizer"]["state"][name][key], value), (name, key)
-    head = parts[2]["slices"]["model"]["head.weight"]  # 3 rows over 3 ranks: one each
-    assert head.shape == (3, 16) and head.local.shape == (1, 16)
+    loaded = Net()
+    loaded.load_state_dict(whole["model"])
+    with torch.no_grad():
+        expected = loaded(PROBE)
+    for evaluate_first in (False, True):
+        mp.spawn(_reload, args=(3, free_port(), str(tmp_path), evaluate_first), nprocs=3, join=True)
+        parts = [torch.load(tmp_path / f"again{r}.pt", weights_only=False) for r in range(3)]
+        assert [p["rank"] for p in parts] == [0, 1, 2]
+        again = join([p["slices"] for p in parts])
+        for name, value in whole["model"].items():
+            assert torch.equal(again["model"][name], value), name
+        for name, entries in whole["optimizer"]["state"].items():
+            for key, value in entries.items():
+                assert torch.equal(again["optimizer"]["state"][name][key], value), (name, key)
+        head = parts[2]["slices"]["model"]["head.weight"]  # 3 rows over 3 ranks: one each
+        assert head.shape == (3, 16) and head.local.shape == (1, 16)
+        if evaluate_first:
+            for r in range(3):
+                assert torch.allclose(torch.load(tmp_path / f"evaluated{r}.pt"), expected, atol=1e-5), r
 
 
 def test_the_cut_is_torch_chunks():
