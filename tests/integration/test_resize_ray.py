@@ -33,7 +33,7 @@ def grow_run(tmp_path, mode, lr_scaling):
 
 @pytest.mark.parametrize("mode", ["allreduce", pytest.param("fsdp", marks=pytest.mark.full)])
 def test_allreduce_grows_to_max_replicas_and_the_rate_follows_the_rule(ray_cluster, tmp_path, mode):
-    """(fsdp too: the whole model gathered from the member, every replica re-sharding it over the
+    """(fsdp too: the member's state joined by the driver, every replica re-sharding it over the
     new group, each then holding half of the state it held alone.)"""
     result, trainer = grow_run(tmp_path, mode, "linear")
     [grow] = [e for e in result.events if e["kind"] == "resize"]
