@@ -52,6 +52,13 @@ F - 1 times that step's compute, as a device F times slower would take):
   four        4 replicas, replica 3 3x slower for the whole run
   extreme     2 replicas, replica 1 20x slower for the whole run (past what balancing absorbs:
               the adaptive sides switch); only with --only extreme
+Workload `--workload regression` (the same situations and figures): examples/regression.yaml
+(an MLP on scikit-learn's Friedman #1, 20,000 rows written to a temp Parquet directory, 32
+partitions), target test R^2 0.9, the example's settings with only the mode changed:
+  allreduce, downpour, easgd, fsdp, hogwild, sandblaster  strategy.mode=<side>
+  gossip      strategy.mode gossip, period 1
+  adaptive_batch  data.batch_size 16 with data.adaptive_batch {max: 128}
+(no Ray Train or single-process side: their loops are mnist's).
 Figure: train_to_target_s (training seconds until the first epoch-end evaluation at or above
 97%: time_to_target_s - startup_s for ours; from the first step for Ray Train and single), and
 s_per_epoch = train_to_target_s / the epochs it took (speed without the luck of which epoch
@@ -63,7 +70,7 @@ Ratios (medians over repetitions; above 1: the first side is faster):
   <situation>:ray_train_vs_<side>.
 
     python benchmarks/time_to_accuracy.py [--quick] [--json PATH] [--only SITUATION,...] [--sides SIDE,...] [--reps N]
-                                          [--first-seed S]
+                                          [--first-seed S] [--workload mnist5k|regression]
 
 --quick: one repetition (seed 0) of `none` and `window`; without it three (seeds 0, 1, 2) of all four.
 --reps N: N repetitions (seeds 0 .. N-1) instead. --first-seed S: seeds S .. S+N-1 (more
@@ -102,6 +109,10 @@ OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce
                                                      "strategy.adaptive.slow_ratio=1.5",
                                                      "strategy.adaptive.recover_ratio=1.2"]),
         "adaptive_h4": ("mnist_adaptive.yaml", ["strategy.period=4"])}
+REGRESSION = {"allreduce": [], **{m: [f"strategy.mode={m}"] for m in ("downpour", "easgd", "fsdp", "hogwild", "sandblaster")},
+              "gossip": ["strategy.mode=gossip", "strategy.period=1"],
+              "adaptive_batch": ["data.batch_size=16", "data.adaptive_batch={max: 128}"]}
+R2_TARGET = 0.9
 ADAPTIVE = ("adaptive", "adaptive_allreduce", "adaptive_backup", "adaptive_spread", "adaptive_lspread", "adaptive_h4")
 OPT_IN = ("adaptive_lspread", "adaptive_h4", "batch16", "adaptive_batch")  # run only when --sides names them
 FIXED = ("allreduce", "balanced", "backup", "downpour", "easgd", "hogwild", "local_sgd", "local_bal", "gossip")
@@ -110,13 +121,19 @@ SITUATIONS = {"none": (2, None), "window": (2, (1, 3.0)), "hetero": (2, (1, 2.0)
 DEFAULT = ("none", "window", "hetero", "four")
 
 
-def ours(side: str, tmp: str, replicas: int, seed: int, slow: Optional[dict]) -> dict[str, Any]:
+def ours(side: str, tmp: str, replicas: int, seed: int, slow: Optional[dict],
+         regression: Optional[str] = None) -> dict[str, Any]:
+    """One run of our side; `regression`: the Parquet directory of the regression workload."""
     from orchestrator.trainer import ElasticTrainer
     from switching import config  # the same base overrides (temp MLflow store, progress rows, 32 partitions)
 
-    example, extra = OURS[side]
+    if regression:
+        example, extra = "regression.yaml", [f"data.source={regression}", f"stop.target.value={R2_TARGET}",
+                                             *REGRESSION[side]]
+    else:
+        example, extra = OURS[side][0], [f"stop.target_accuracy={TARGET}", *OURS[side][1]]
     overrides = ["tracking.experiment=bench-time-to-accuracy", f"data.partitions={PARTITIONS}", f"data.seed={seed}",
-                 f"scaling.replicas={replicas}", f"stop.epochs={EPOCHS}", f"stop.target_accuracy={TARGET}",
+                 f"scaling.replicas={replicas}", f"stop.epochs={EPOCHS}",
                  "stop.at_target=true", f"faults.slow_replicas={json.dumps([slow] if slow else [])}", *extra]
     try:
         r = ElasticTrainer(config(example, tmp, overrides), show_progress=False).fit()
@@ -124,7 +141,7 @@ def ours(side: str, tmp: str, replicas: int, seed: int, slow: Optional[dict]) ->
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=6)}
     t = r.time_to_target_s
     return {"train_to_target_s": None if t is None else t - r.startup_s, "epochs": r.epochs,
-            "final_accuracy": r.final.test_accuracy, "phases": r.phases,
+            "final_accuracy": r.final.get("test_r2" if regression else "test_accuracy"), "phases": r.phases,
             "switches": [{k: e.get(k) for k in ("from", "to", "rule", "at_step")}
                          for e in r.events if e["kind"] == "mode_switch"],
             "rebalances": sum(1 for e in r.events if e["kind"] == "batch_rebalanced"),
@@ -167,7 +184,9 @@ def main() -> None:
         ("--only", {"default": None, "help": "situations to run, comma-separated"}),
         ("--sides", {"default": None, "help": "sides to run, comma-separated (default: all)"}),
         ("--reps", {"type": int, "default": None, "help": "repetitions (data.seed 0 .. N-1; default 3, 1 with --quick)"}),
-        ("--first-seed", {"type": int, "default": 0, "help": "the first repetition's data.seed (default 0)"})])
+        ("--first-seed", {"type": int, "default": 0, "help": "the first repetition's data.seed (default 0)"}),
+        ("--workload", {"default": "mnist5k", "choices": ["mnist5k", "regression"],
+                        "help": "mnist5k to 97%% accuracy (default) or the regression example to R^2 0.9"})])
     import ray
 
     reps = args.reps if args.reps is not None else (1 if args.quick else 3)
@@ -176,14 +195,22 @@ def main() -> None:
     if args.first_seed < 0:
         raise SystemExit(f"--first-seed: at least 0, got {args.first_seed}")
     wanted = args.only.split(",") if args.only else (["none", "window"] if args.quick else list(DEFAULT))
-    sides = tuple(args.sides.split(",")) if args.sides else (*(s for s in OURS if s not in OPT_IN), "ray_train", "single")
-    unknown = set(sides) - {*OURS, "ray_train", "single"}
+    regression = args.workload == "regression"
+    known = tuple(REGRESSION) if regression else (*OURS, "ray_train", "single")
+    default = tuple(REGRESSION) if regression else (*(s for s in OURS if s not in OPT_IN), "ray_train", "single")
+    sides = tuple(args.sides.split(",")) if args.sides else default
+    unknown = set(sides) - set(known)
     if unknown:
-        raise SystemExit(f"--sides: unknown {sorted(unknown)}; sides are {', '.join((*OURS, 'ray_train', 'single'))}")
+        raise SystemExit(f"--sides: unknown {sorted(unknown)}; {args.workload}'s sides are {', '.join(known)}")
     results: dict[str, Any] = {s: {side: [] for side in sides} for s in wanted}
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     try:
         with tempfile.TemporaryDirectory() as tmp:
+            data = None
+            if regression:
+                from examples.datasets import write_regression
+
+                data = write_regression(os.path.join(tmp, "regression"))
             for rep in range(reps):
                 seed = args.first_seed + rep
                 t0 = None
@@ -204,7 +231,7 @@ def main() -> None:
                         elif side == "ray_train":
                             r = ray_train(tmp, replicas, seed, slow)
                         else:
-                            r = ours(side, tmp, replicas, seed, slow)
+                            r = ours(side, tmp, replicas, seed, slow, data)
                         r["slow"] = slow
                         results[situation][side].append(r)
                         if situation == "none" and side == "allreduce":
@@ -238,20 +265,23 @@ def main() -> None:
             ratios[f"{situation}:downpour_vs_hogwild"] = med["downpour"] / med["hogwild"]
         if "batch16" in med and "adaptive_batch" in med:
             ratios[f"{situation}:batch16_vs_adaptive_batch"] = med["batch16"] / med["adaptive_batch"]
-        for side in ("local_sgd", "local_bal", "backup", "gossip", "adaptive_batch", "batch16"):
-            if side in med and "allreduce" in med:
+        for side in (REGRESSION if regression else ("local_sgd", "local_bal", "backup", "gossip", "adaptive_batch", "batch16")):
+            if side in med and "allreduce" in med and side != "allreduce":
                 ratios[f"{situation}:allreduce_vs_{side}"] = med["allreduce"] / med[side]
         if "ray_train" in med:
             for side in (*OURS,):
                 if side in med:
                     ratios[f"{situation}:ray_train_vs_{side}"] = med["ray_train"] / med[side]
     results["summary"] = summary
-    results["config"] = {"data": "builtin:mnist5k", "partitions": PARTITIONS, "model": "examples.models:mnist_cnn",
-                         "target": TARGET, "situations": {k: {"replicas": v[0], "straggler": v[1]}
+    results["config"] = {"workload": args.workload, "partitions": PARTITIONS,
+                         **({"data": "scikit-learn Friedman #1, 20,000 rows (examples/datasets.py)",
+                             "model": "examples.models:regression_mlp", "target": {"test_r2": R2_TARGET}} if regression else
+                            {"data": "builtin:mnist5k", "model": "examples.models:mnist_cnn", "target": TARGET}),
+                         "situations": {k: {"replicas": v[0], "straggler": v[1]}
                                                           for k, v in SITUATIONS.items() if k in wanted},
                          "window": "T0/3 .. 2*T0/3 training seconds, T0 = allreduce's time in `none`",
                          "repetitions": reps, "seeds": list(range(args.first_seed, args.first_seed + reps))}
-    print("\ntrain seconds to 97% (median, min-max, reached/runs):")
+    print(f"\ntrain seconds to {'R^2 0.9' if regression else '97%'} (median, min-max, reached/runs):")
     for situation, by_side in summary.items():
         if ":" in situation:
             continue
@@ -262,7 +292,7 @@ def main() -> None:
             print(f"  {situation:<7} {side:<10} " + (f"{v['median']:.2f}  ({v['min']:.2f}-{v['max']:.2f}, "
                                                      f"{v['n']}/{v['of']}); {e['median']:.2f} s/epoch" if v else
                                                      "not reached"))
-    report("time_to_accuracy", args.quick, results, ratios, args.json)
+    report("time_to_accuracy" if not regression else "time_to_accuracy_regression", args.quick, results, ratios, args.json)
 
 
 if __name__ == "__main__":
