@@ -23,10 +23,11 @@ failure every 60 s, 82.3% of steps committed, 81.2% efficiency; about 30.2% at a
 ~15 s); a different workload and scale, quoted as the figure its users know, not a like-for-like
 comparison. Left out: start-up (not in the seconds), the final checkpoint and evaluation.
 
-    python benchmarks/fault_rate.py [--quick] [--json PATH]
+    python benchmarks/fault_rate.py [--quick] [--json PATH] [--modes MODE,...] [--spares N,...] [--reps N]
 
 --quick: T 15 s, allreduce and downpour, 45 s runs (2 kills each), three repetitions (~17 minutes
-on 2 cores); else T 15 and 60 s, every mode, 4T runs, three repetitions (hours).
+on 2 cores); else T 15 and 60 s, every mode, 4T runs, three repetitions (hours). --modes (of
+allreduce, downpour, easgd, local_sgd), --spares (of 0, 1) and --reps run a part of either.
 """
 from __future__ import annotations
 
@@ -77,18 +78,35 @@ def one_run(mode: str, spares: int, every_s: Optional[float], duration_s: float)
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], extra=[
+        ("--modes", {"default": None, "help": f"modes to run, comma-separated, of {', '.join(EXAMPLES)}"}),
+        ("--spares", {"default": "0,1", "help": "fault_tolerance.spares values to run, comma-separated (default 0,1)"}),
+        ("--reps", {"type": int, "default": 3, "help": "repetitions (default 3)"})])
     if args.quick:
-        modes, periods, reps, length = ("allreduce", "downpour"), (15.0,), 3, lambda t: 45.0
+        modes, periods, length = ("allreduce", "downpour"), (15.0,), lambda t: 45.0
     else:
-        modes, periods, reps, length = tuple(EXAMPLES), (15.0, 60.0), 3, lambda t: 4 * t
+        modes, periods, length = tuple(EXAMPLES), (15.0, 60.0), lambda t: 4 * t
+    if args.modes:
+        modes = tuple(args.modes.split(","))
+        unknown = sorted(set(modes) - set(EXAMPLES))
+        if unknown:
+            raise SystemExit(f"--modes: unknown {unknown}; modes are {', '.join(EXAMPLES)}")
+    try:
+        spare_counts = tuple(int(n) for n in args.spares.split(","))
+    except ValueError:
+        raise SystemExit(f"--spares: whole numbers, comma-separated, got {args.spares!r}") from None
+    if not spare_counts or any(n < 0 for n in spare_counts):
+        raise SystemExit(f"--spares: at least one count, none negative, got {args.spares!r}")
+    reps = args.reps
+    if reps < 1:
+        raise SystemExit(f"--reps: at least 1, got {reps}")
     cases: dict[str, dict[str, Any]] = {}
     for rep in range(reps):
         for every_s in periods:
             for mode in modes:
                 free = one_run(mode, 0, None, length(every_s))
                 print(f"[{rep + 1}/{reps}] {mode} T={every_s:g} fault-free: {json.dumps(free)}", flush=True)
-                for spares in (0, 1):
+                for spares in spare_counts:
                     r = one_run(mode, spares, every_s, length(every_s))
                     r["efficiency"] = r["epochs_per_s"] / free["epochs_per_s"]
                     r["predicted"] = 1 - r["recovery_s"] / every_s if r["recovery_s"] is not None else None
@@ -111,7 +129,7 @@ def main() -> None:
         print(f"  {key:<28} {c['efficiency']['median']:.3f} ({c['efficiency']['min']:.3f}-{c['efficiency']['max']:.3f})"
               f"{'':>4} {fmt(c['predicted']):>10} {fmt(c['recovery_s']):>10} {fmt(c['steps_lost']):>10}")
     print(f"  torchft (published): {TORCHFT['failure_every_s']}")
-    results = {"config": {"modes": list(modes), "periods_s": list(periods), "repetitions": reps,
+    results = {"config": {"modes": list(modes), "spares": list(spare_counts), "periods_s": list(periods), "repetitions": reps,
                           "run_s": {f"{t:g}": length(t) for t in periods}, "partitions": 32},
                "cases": cases, "torchft": TORCHFT}
     report("fault_rate", args.quick, results, ratios, args.json)
