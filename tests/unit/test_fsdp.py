@@ -63,7 +63,7 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     stats = worker.end_epoch()
     mine = [(PROBE[i:i + 1], i) for i in range(1 if rank == 0 else 3)]  # uneven test slices: rank 0 is padded
     outs = []
-    with torch.inference_mode():
+    with worker.evaluating():  # as ModelReplica.evaluate
         for x, target in worker.in_lock_step(mine):
             logits = worker.model(x)  # every member runs as many forwards
             if target is not None:
@@ -140,7 +140,6 @@ def test_two_replicas_step_as_one_process_on_the_union_of_their_batches(tmp_path
     for r in (r0, r1):
         assert 0.45 * size <= r["bytes"] <= 0.6 * size
 
-    # the joined state loads into a group of 3 (a resize): each keeps its rows, and joined again it is the same
     # the joined state loads into a group of 3 (a resize): each keeps its rows, and joined again it is
     # the same; the group's first act a step nobody has rows for, or an evaluation (it evaluates
     # the state loaded, and training goes on after it)
