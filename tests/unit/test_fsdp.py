@@ -93,9 +93,8 @@ def _reload(rank: int, world: int, port: int, out: str, evaluate_first: bool) ->
     reducer.configure(store, pg, 30.0)
     worker = FsdpWorker(Net(), SPEC, reducer, rebuild=Net, adopt=lambda m: None)
     worker.load_full(torch.load(os.path.join(out, "whole.pt"), weights_only=False))
-    if evaluate_first:  # as ModelReplica.evaluate does, before any step: the setting the rule asks for
-        setting = getattr(worker, "evaluating", None)
-        with (torch.inference_mode() if setting is None else setting()):
+    if evaluate_first:  # as ModelReplica.evaluate does, before any step
+        with worker.evaluating():
             evaluated = [worker.model(x) for x, _ in worker.in_lock_step([(PROBE, None)])]
         torch.save(torch.cat(evaluated), os.path.join(out, f"evaluated{rank}.pt"))
     else:
