@@ -7,7 +7,8 @@ settings) and each `fault_tolerance.spares` (0: a new actor replaces the killed 
 pre-started spare takes its place), a run with a replica's process SIGKILLed every T seconds
 (orchestrator/testing/chaos.py: Fault kill_replica at_s T/2, 3T/2, ..., ranks 0 and 1 in turn;
 max_replica_restarts high enough that every kill is replaced) and a fault-free run of the same
-length, interleaved. Figures per run, from its events:
+length and the same spares, interleaved (a spare's own start is the price of the spare, not of
+the faults). Figures per run, from its events:
 
     epochs_per_s     completed epochs (each one every training row once) / seconds from the
                      `started` event to the last `epoch_end`
@@ -17,6 +18,10 @@ length, interleaved. Figures per run, from its events:
                      (its event's recovery_s; median over the run's faults)
     predicted        1 - recovery_s / T: the efficiency if a fault cost only its recovery
     steps_lost       per fault (its event's steps_lost: steps the survivors redo, lock-step modes)
+    spare_cpu_s      per new spare (its `spare_ready` event's cpu_s, median): the CPU seconds a
+                     spare's start takes (imports, model, rehearsal); a spare put to use is replaced
+                     at once, so on a node short of cores each kill takes about this much CPU from
+                     the training beside it, which `predicted` leaves out
 
 Beside them, torchft's published anchor (its Fault Tolerant Llama run: 30 replica groups, a
 failure every 60 s, 82.3% of steps committed, 81.2% efficiency; about 30.2% at a failure every
@@ -25,7 +30,7 @@ comparison. Left out: start-up (not in the seconds), the final checkpoint and ev
 
     python benchmarks/fault_rate.py [--quick] [--json PATH] [--modes MODE,...] [--spares N,...] [--reps N]
 
---quick: T 15 s, allreduce and downpour, 45 s runs (2 kills each), three repetitions (~17 minutes
+--quick: T 15 s, allreduce and downpour, 45 s runs (3 kills each), three repetitions (~30 minutes
 on 2 cores); else T 15 and 60 s, every mode, 4T runs, three repetitions (hours). --modes (of
 allreduce, downpour, easgd, local_sgd), --spares (of 0, 1) and --reps run a part of either.
 """
@@ -70,10 +75,12 @@ def one_run(mode: str, spares: int, every_s: Optional[float], duration_s: float)
     seconds = ends[-1]["t_wall"] - started
     replaced = [e for e in events if e["kind"] == "replica_replaced"]
     recoveries = [e["recovery_s"] for e in replaced if e.get("recovery_s") is not None]
+    spare_cpu = [e["cpu_s"] for e in events if e["kind"] == "spare_ready"]
     return {"epochs": len(ends), "seconds": seconds, "epochs_per_s": len(ends) / seconds, "faults": fired,
             "replaced": len(replaced), "dropped": sum(1 for e in events if e["kind"] in ("replica_dropped", "resize")),
             "recovery_s": statistics.median(recoveries) if recoveries else None,
             "steps_lost": statistics.mean(e.get("steps_lost", 0) for e in replaced) if replaced else None,
+            "spare_cpu_s": statistics.median(spare_cpu) if spare_cpu else None,
             "how": sorted({h for e in replaced for h in e.get("how", {}).values()})}
 
 
@@ -104,9 +111,9 @@ def main() -> None:
     for rep in range(reps):
         for every_s in periods:
             for mode in modes:
-                free = one_run(mode, 0, None, length(every_s))
-                print(f"[{rep + 1}/{reps}] {mode} T={every_s:g} fault-free: {json.dumps(free)}", flush=True)
                 for spares in spare_counts:
+                    free = one_run(mode, spares, None, length(every_s))
+                    print(f"[{rep + 1}/{reps}] {mode} T={every_s:g} spares={spares} fault-free: {json.dumps(free)}", flush=True)
                     r = one_run(mode, spares, every_s, length(every_s))
                     r["efficiency"] = r["epochs_per_s"] / free["epochs_per_s"]
                     r["predicted"] = 1 - r["recovery_s"] / every_s if r["recovery_s"] is not None else None
@@ -117,17 +124,17 @@ def main() -> None:
                     print(f"[{rep + 1}/{reps}] {key}: {json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})}",
                           flush=True)
     ratios: dict[str, float] = {}
-    print(f"\n  {'case':<28} {'efficiency':>22} {'predicted':>10} {'recovery_s':>10} {'steps_lost':>10}")
+    print(f"\n  {'case':<28} {'efficiency':>22} {'predicted':>10} {'recovery_s':>10} {'steps_lost':>10} {'spare_cpu_s':>11}")
     for key, c in cases.items():
         eff = [r["efficiency"] for r in c["runs"]]
         c["efficiency"] = {"median": median(eff), "min": min(eff), "max": max(eff), "n": len(eff)}
-        for k in ("predicted", "recovery_s", "steps_lost"):
+        for k in ("predicted", "recovery_s", "steps_lost", "spare_cpu_s"):
             vals = [r[k] for r in c["runs"] if r[k] is not None]
             c[k] = median(vals) if vals else None
         ratios[f"efficiency_{key}"] = c["efficiency"]["median"]
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         print(f"  {key:<28} {c['efficiency']['median']:.3f} ({c['efficiency']['min']:.3f}-{c['efficiency']['max']:.3f})"
-              f"{'':>4} {fmt(c['predicted']):>10} {fmt(c['recovery_s']):>10} {fmt(c['steps_lost']):>10}")
+              f"{'':>4} {fmt(c['predicted']):>10} {fmt(c['recovery_s']):>10} {fmt(c['steps_lost']):>10} {fmt(c['spare_cpu_s']):>11}")
     print(f"  torchft (published): {TORCHFT['failure_every_s']}")
     results = {"config": {"modes": list(modes), "spares": list(spare_counts), "periods_s": list(periods), "repetitions": reps,
                           "run_s": {f"{t:g}": length(t) for t in periods}, "partitions": 32},

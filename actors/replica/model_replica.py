@@ -207,10 +207,13 @@ class ModelReplica:
     def current_step(self) -> int:
         return self.step
 
-    def warm_up(self, sample: list, rows: int = 32) -> float:
+    def warm_up(self, sample: list, rows: int = 32) -> dict[str, float]:
         """A spare's rehearsal (actors/replica/rehearsal.py): one step on `rows` rows of `sample` (a
-        ref in a list) and a one-member gloo group, the model put back as it was. Returns the seconds."""
-        return rehearse(self, sample, rows)
+        ref in a list) and a one-member gloo group, the model put back as it was. Returns its
+        seconds and the CPU seconds this process has used since it started (its whole start-up:
+        imports, model, rehearsal), what a new spare costs the node it starts on."""
+        seconds = rehearse(self, sample, rows)
+        return {"rehearsal_s": seconds, "cpu_s": time.process_time()}
 
     # ---- process group -------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:

@@ -105,13 +105,16 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
 
 def look_after_spares(run: "RunContext", epoch: int) -> None:
     """Spares found dead are replaced (`spare_replaced`), those on a node being drained are moved
-    off it (`spare_evacuated`, with the node): a spare left there would die with it."""
+    off it (`spare_evacuated`, with the node): a spare left there would die with it. Each spare
+    that became ready is an event (`spare_ready`: the pool back at strength, and what it cost)."""
     pool = run.fleet.group.spare_pool
     for node in pool.move_off(run.fleet.drains.look()):
         run.report.event("spare_evacuated", epoch=epoch, node=node, spares=len(pool.actors))
         run.report.say(f"node {node[:8]} is being drained: its spare moves to another node")
     if pool.check():
         run.report.event("spare_replaced", epoch=epoch, spares=len(pool.actors))
+    for figures in pool.ready():
+        run.report.event("spare_ready", epoch=epoch, **{k: round(v, 3) for k, v in figures.items()})
 
 
 def ready_streams(streams: list) -> set:

@@ -21,6 +21,8 @@ class SparePool:
         self.sample: Any = None  # a ref to a few rows spares rehearse a step on (set once data is in the store)
         self._pings: dict[int, Any] = {}  # id(spare) -> its pending pid() call
         self._nodes: dict[int, Any] = {}  # id(spare) -> its node_id() call, then the node id (hex)
+        self._warming: dict[int, tuple[Any, float]] = {}  # id(spare) -> (its warm_up() call, when it was asked for)
+        self._asked: dict[int, float] = {}  # id(spare) -> when it was asked for (monotonic)
         self._due = 0.0
 
     def launch(self, n: int) -> None:
@@ -30,14 +32,38 @@ class SparePool:
         """Have every spare rehearse one step on `sample` (in the background)."""
         self.sample = sample
         for spare in self.actors:
-            spare.warm_up.remote([sample])
+            self._warming[id(spare)] = spare.warm_up.remote([sample])
 
     def _new(self, warm: bool = True) -> Any:
         spare = self._start()
+        self._asked[id(spare)] = time.monotonic()
         self._nodes[id(spare)] = spare.node_id.remote()
         if warm and self.sample is not None:
-            spare.warm_up.remote([self.sample])
+            self._warming[id(spare)] = spare.warm_up.remote([self.sample])
         return spare
+
+    @property
+    def warming(self) -> int:
+        """How many spares are still starting (asked for a rehearsal, not yet reported ready)."""
+        return len(self._warming)
+
+    def ready(self) -> list[dict[str, float]]:
+        """Spares whose rehearsal finished since the last look (never waits), each once:
+        `ready_s` from being asked for to ready, `rehearsal_s`, and `cpu_s`, the CPU seconds its
+        process used to get there (on a node short of cores, taken from the training beside it).
+        A spare that died warming up is not reported (`check` replaces it)."""
+        out = []
+        for spare in self.actors:
+            call = self._warming.get(id(spare))
+            if call is None or not ray.wait([call], timeout=0)[0]:
+                continue
+            del self._warming[id(spare)]
+            try:
+                figures = ray.get(call, timeout=0)
+            except Exception:  # noqa: BLE001 - dead while warming up: the pings find it
+                continue
+            out.append({"ready_s": time.monotonic() - self._asked.get(id(spare), time.monotonic()), **figures})
+        return out
 
     def node(self, spare: Any) -> Optional[str]:
         """The node `spare` runs on, once it answered (None before)."""
@@ -69,8 +95,8 @@ class SparePool:
 
     def _drop(self, spare: Any) -> None:
         self.actors.remove(spare)
-        self._pings.pop(id(spare), None)
-        self._nodes.pop(id(spare), None)
+        for known in (self._pings, self._nodes, self._warming, self._asked):
+            known.pop(id(spare), None)
 
     def move_off(self, draining: Iterable[str]) -> list[str]:
         """Spares on a node being drained: stopped and replaced by new ones (placed elsewhere).
@@ -113,7 +139,7 @@ class SparePool:
     def shutdown(self) -> None:
         for spare in self.actors:
             kill(spare)
-        self.actors, self._pings, self._nodes = [], {}, {}
+        self.actors, self._pings, self._nodes, self._warming, self._asked = [], {}, {}, {}, {}
 
 
 def kill(actor: Any) -> None:

@@ -46,7 +46,8 @@ def test_a_middle_rank_killed_in_allreduce_is_replaced_from_a_spare_the_survivor
     ring neighbours fail at once; the others leave through the generation's abort flag, not the
     collective timeout (fault_tolerance.hang_timeout_s, 60 s here): the one failure is the
     killed rank's death. The spare takes its place, copying a survivor; the survivors keep their
-    actors, every replica is identical after, and the epoch of the kill serves every partition."""
+    actors, every replica is identical after, and the epoch of the kill serves every partition.
+    The spare started in its place reports itself ready once, with what its start cost."""
     from orchestrator.control.controller import Controller
     import time
 
@@ -64,6 +65,12 @@ def test_a_middle_rank_killed_in_allreduce_is_replaced_from_a_spare_the_survivor
         after = actor_ids(ctl)
         flats = ray.get([r.flat_parameters.remote() for r in ctl.replicas], timeout=30)
         status = ray.get(ctl.server.handle.status.remote(), timeout=30)
+        pool, ready = ctl.group.spare_pool, [e for e in ctl.tracker.events if e["kind"] == "spare_ready"]
+        deadline = time.monotonic() + 60
+        while pool.warming and time.monotonic() < deadline:  # the new spare may still be starting
+            ready += pool.ready()
+            time.sleep(0.2)
+        warming_left = pool.warming
     finally:
         ctl.shutdown()
     assert inj.fired
@@ -79,6 +86,10 @@ def test_a_middle_rank_killed_in_allreduce_is_replaced_from_a_spare_the_survivor
     # before the death applied and the donor did not (docs/fault-tolerance.md); one regroup
     assert replaced["steps_lost"] in (1, 2) and replaced["generation"] == 2
     assert_carried(replaced, "membership", "passes", "ledger", "state", "regroup", "data", "lr", "reopen")
+    # the replacement spare became ready (the first may have been taken before it was); its start's
+    # CPU seconds cover its process's imports (torch's alone take more than 0.5 s)
+    assert warming_left == 0 and 1 <= len(ready) <= 2
+    assert all(r["cpu_s"] > 0.5 and r["ready_s"] >= r["rehearsal_s"] > 0 for r in ready)
 
 
 @pytest.mark.full  # ~45 s: the backoff itself is 8 s
