@@ -43,7 +43,8 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from policies.messages import SegmentEnd
-from policies.rules.allreduce import BufferSync, Reducer, reducer_group
+from policies.rules.allreduce import reducer_group
+from policies.rules.buckets import BufferSync, Reducer
 from policies.rules.balance import near_even, split, track_speed
 from policies.rules.batches import rows as batch_rows
 from policies.rules.recipe import Recipe

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from examples.models import tiny_mlp
-from policies.rules.allreduce import AllReduceWorker, GradientBuckets
+from policies.rules.allreduce import AllReduceWorker
+from policies.rules.buckets import GradientBuckets
 from policies.rules.backup import LocalArrivals
 
 
