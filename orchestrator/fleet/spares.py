@@ -21,7 +21,7 @@ class SparePool:
         self.sample: Any = None  # a ref to a few rows spares rehearse a step on (set once data is in the store)
         self._pings: dict[int, Any] = {}  # id(spare) -> its pending pid() call
         self._nodes: dict[int, Any] = {}  # id(spare) -> its node_id() call, then the node id (hex)
-        self._warming: dict[int, tuple[Any, float]] = {}  # id(spare) -> (its warm_up() call, when it was asked for)
+        self._warming: dict[int, Any] = {}  # id(spare) -> its warm_up() call, until it is reported ready
         self._asked: dict[int, float] = {}  # id(spare) -> when it was asked for (monotonic)
         self._due = 0.0
 
