@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+
 class Late(Exception):
     """Raised from a gradient hook when a backup replica learns mid-backward that the step
     already has its gradients: the rest of its backward pass is not computed."""
