@@ -163,6 +163,20 @@ class ElasticTrainer:
         elif self.config.run.name:
             print(f"run {self.config.run.name}: no checkpoint yet, starting it", flush=True)
 
+    def _look_in_memory(self) -> None:
+        """checkpoint.in_memory: a run that goes on (by name or `resume`) takes its keeper's copy
+        when it is at least as new as the stored checkpoint check() found (or there is none)."""
+        cfg = self.config
+        if not cfg.checkpoint.in_memory or not (cfg.run.name or self.resume is not None):
+            return
+        from orchestrator.persistence.resume import newer_in_memory
+
+        where, state, why = newer_in_memory(cfg, self.resumed_from if self.resume is not None else None)
+        if state is not None:
+            self.resumed_from, self.resume = where, state
+        elif self.resume is not None:
+            print(f"orchestrator: not going on from memory: {why}", file=sys.stderr, flush=True)
+
     def fit(self) -> TrainResult:
         import ray
 
@@ -173,7 +187,6 @@ class ElasticTrainer:
         t0 = time.perf_counter()
         cfg = self.config
         dataset = self.check()
-        self.say_resuming()
         connected_here = not ray.is_initialized()
         started_ray = cluster.connect(cfg.scaling.replicas * cfg.scaling.cpus_per_replica)
         for where in (cfg.checkpoint.storage, cfg.tracking.tracking_uri or ""):
@@ -181,6 +194,8 @@ class ElasticTrainer:
             if warning:
                 print(f"orchestrator: warning: {warning}", file=sys.stderr, flush=True)
         try:  # before any actor: a cluster that cannot hold the replicas is bad input
+            self._look_in_memory()
+            self.say_resuming()
             if started_ray:  # no autoscaler can add to a cluster started here: say so at once
                 cluster.check_fits(cfg.scaling.replicas, cfg.scaling.cpus_per_replica, cfg.scaling.gpus_per_replica)
             else:

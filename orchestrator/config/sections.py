@@ -335,6 +335,18 @@ class CheckpointConfig(Section):
         "final and the interrupted checkpoint are always written before the run ends. false: every checkpoint is "
         "stored before training goes on."
     )
+    in_memory: bool = Field(
+        False, description="Also hand every checkpoint (before it is stored) to a keeper: a detached actor holding "
+        "the newest one in memory on another node than the driver's when the cluster has one. A run started again "
+        "(by name or `resume`) goes on from that copy when it is at least as new as the store's newest good "
+        "checkpoint: a checkpoint the driver died before storing, or a node-local storage lost with the driver's "
+        "node, costs nothing, and nothing is read from storage (docs/fault-tolerance.md). The run's final "
+        "checkpoint ends the keeper; one whose driver died ends `in_memory_keep_s` later."
+    )
+    in_memory_keep_s: float = Field(
+        3600.0, gt=0, description="How long a keeper (checkpoint.in_memory) goes on holding its copy once no driver "
+        "touches it (its driver died and the run was not started again), in seconds."
+    )
     keep_best: bool = Field(
         False, description="Also keep the best epoch's checkpoint (by the headline metric; stop.early_stopping's "
         "min_delta counts) as `<storage>/<run>/best.pt`, never deleted, and log that model (not the last epoch's) "

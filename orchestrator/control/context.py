@@ -183,7 +183,8 @@ class RunContext:
         self.fleet = Fleet(group, group.interrupts, needs_shards=self.phase.server_optimizer is not None)
         self.fleet.pause = PauseGate(lambda: self.fleet.server)
         self.checkpoints = Checkpointer(config.checkpoint.storage, config.checkpoint.keep, config.run.name,
-                                        checkpointing.CHECKPOINT_FLUSH_S)
+                                        checkpointing.CHECKPOINT_FLUSH_S,
+                                        config.checkpoint.in_memory_keep_s if config.checkpoint.in_memory else None)
         self.position = self._position()
 
     def _position(self) -> Position:
@@ -365,6 +366,7 @@ class RunContext:
         take back any autoscaler request this run made; a checkpoint still being written is
         waited for first (at most checkpointing.DRAIN_S)."""
         self.checkpoints.drain(checkpointing.DRAIN_S)
+        self.checkpoints.close()
         self.fleet.elastic.withdraw()
         self.fleet.group.shutdown()
         if self.fleet.shard_group is not None:

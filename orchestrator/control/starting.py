@@ -137,7 +137,8 @@ def restore(run: "RunContext", state: dict[str, Any]) -> None:
     run.report.event("resumed", epoch=run.ledger.totals.epochs, step=run.ledger.totals.steps, replica_step=step, **inside,
                       phase=run.policies.switch.current, mode=run.phase.spec.name,
                       **({"parts_missing": missing} if missing else {}), **({UNSAVED: unsaved} if unsaved else {}),
-                      **({"probation_until": int(state["probation"]["until"])} if state.get("probation") else {}))
+                      **({"probation_until": int(state["probation"]["until"])} if state.get("probation") else {}),
+                      **({"from_memory": state["from_memory"]} if state.get("from_memory") else {}))
     for name, why in unsaved.items():
         run.report.say(f"resumed without the checkpoint's {name} part (not saved: {why}); it starts afresh")
     where = (f"inside epoch {place['epoch']} ({len(place['done'])} partitions done, {len(place['skips'])} begun)"

@@ -156,13 +156,22 @@ class CheckpointStore:
             raise ValueError(f"tag must be letters, digits and underscores, got {tag!r}")
         return f"ckpt-{step:09d}" + (f"-{tag}" if tag else "") + ".pt"
 
+    @classmethod
+    def serialized(cls, state: dict[str, Any], step: int, epoch: int, tag: str = "") -> tuple[bytes, dict[str, Any]]:
+        """`state` as the bytes of ckpt-<step>[-tag].pt and their sidecar."""
+        name = cls.name_for(step, tag)
+        data = _serialize(state)
+        return data, {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "step": step,
+                      "epoch": epoch, "tag": tag, "wall_time": time.time()}
+
     def save(self, state: dict[str, Any], step: int, epoch: int, tag: str = "") -> str:
         """Write `state` as ckpt-<step>[-tag].pt, then its sidecar, then drop all but the newest
         `keep` checkpoints; returns the payload's path."""
-        name = self.name_for(step, tag)
-        data = _serialize(state)
-        meta = {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "step": step,
-                "epoch": epoch, "tag": tag, "wall_time": time.time()}
+        return self.save_serialized(*self.serialized(state, step, epoch, tag))
+
+    def save_serialized(self, data: bytes, meta: dict[str, Any]) -> str:
+        """save() of a state already serialized (`serialized()`: the same bytes may go elsewhere too)."""
+        name = meta["name"]
         self.fs.create_dir(self.directory, recursive=True)
         _write_atomic(self.fs, self.directory, name, data)
         _write_atomic(self.fs, self.directory, name + SIDECAR, json.dumps(meta, indent=1).encode())

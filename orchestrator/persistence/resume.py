@@ -82,6 +82,7 @@ def _check_resumable(path: str, state: dict[str, Any], store: CheckpointStore, w
                           f"its model is {store.path_of('model.pt')}): {finished_why}")
 
 
+FROM_MEMORY = "from_memory"  # a state that came from a keeper says so (the `resumed` event's field)
 MAY_DIFFER = ("stop.",)  # a named run may be given other stop rules when it goes on (e.g. more epochs)
 
 
@@ -98,6 +99,16 @@ def named_checkpoint(config: Any) -> tuple[Optional[str], Optional[dict[str, Any
     if found is None:
         return None, None, list(store.skipped)
     path, state = found
+    _check_named(config, path, state, store, directory)
+    return path, state, list(store.skipped)
+
+
+def _check_named(config: Any, path: str, state: dict[str, Any], store: CheckpointStore, directory: str) -> None:
+    """The named run `config` can go on from `state`: it did not finish, and its config differs from
+    the one it was started with in the stop rules at most; ConfigError otherwise."""
+    from orchestrator.config import JobConfig
+
+    name = config.run.name
     _check_resumable(path, state, store, f"run {name}",
                      f"nothing is retrained. Give another --name to train again, or remove {directory}")
     before = JobConfig.from_dict(state["config"]).flat()
@@ -109,7 +120,34 @@ def named_checkpoint(config: Any) -> tuple[Optional[str], Optional[dict[str, Any
         more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
         raise ConfigError(f"run {name} was started with another config ({shown}{more}); only stop.* may change "
                           f"when a run goes on. Give another --name for a new run")
-    return path, state, list(store.skipped)
+
+
+def newer_in_memory(config: Any, stored_path: Optional[str]) -> tuple[Optional[str], Optional[dict[str, Any]], str]:
+    """checkpoint.in_memory: (its label, state, "") of the copy the keeper of this run's checkpoint
+    directory holds (orchestrator/persistence/memory_copy.py), when it is at least as new as the
+    store's newest good checkpoint `stored_path` (None: the store has none); else (None, None, why
+    not). The run is named (`config.run.name`), or `stored_path` says its directory (`resume`).
+    ConfigError as for a stored checkpoint when the copy says the run finished or, for a named run,
+    that it was started with another config. Needs a connected Ray."""
+    from orchestrator.persistence.checkpoint import _PAYLOAD
+    from orchestrator.persistence.memory_copy import directory_key, label, look
+
+    storage = config.checkpoint.storage
+    run_dir = config.run.name or (os.path.basename(os.path.dirname(stored_path)) if stored_path else None)
+    if not run_dir:
+        return None, None, "the run has no name and no stored checkpoint"
+    meta, state, why = look(directory_key(storage, run_dir))
+    if state is None:
+        return None, None, why
+    stored = _PAYLOAD.match(os.path.basename(stored_path or ""))
+    if stored and int(stored.group(1)) > meta["step"]:
+        return None, None, f"the store's {os.path.basename(stored_path)} is newer than the copy in memory ({meta['name']})"
+    where, store = label(meta), CheckpointStore(storage, run_dir, keep=1_000_000)
+    if config.run.name:
+        _check_named(config, where, state, store, f"{storage.rstrip('/')}/{run_dir}")
+    else:
+        _check_resumable(where, state, store, f"resume: {run_dir}", "nothing to go on from")
+    return where, {**state, FROM_MEMORY: where}, ""
 
 
 def _directory_of_run_id(run_id: str, tracking_uri: Optional[str]) -> str:

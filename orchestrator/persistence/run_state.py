@@ -29,6 +29,7 @@ from dataclasses import asdict
 from typing import Any, Callable, Optional, Protocol
 
 from orchestrator.persistence.checkpoint import CheckpointStore, save_checkpoint
+from orchestrator.persistence.memory_copy import MemoryCopy, directory_key
 
 
 @dataclass
@@ -183,9 +184,12 @@ class Checkpointer:
     interrupted checkpoint) drains first and is stored before it returns. A crash mid-write
     leaves a temporary file and no sidecar: the checkpoint before it stays the newest good one."""
 
-    def __init__(self, storage: str, keep: int, run_name: Optional[str], flush_s: float = 10.0) -> None:
+    def __init__(self, storage: str, keep: int, run_name: Optional[str], flush_s: float = 10.0,
+                 in_memory_keep_s: Optional[float] = None) -> None:
         self.storage, self.keep, self.run_name, self.flush_s = storage, keep, run_name, flush_s
         self.store: Optional[CheckpointStore] = None  # opened at the first checkpoint (the run id is known then)
+        self.in_memory_keep_s = in_memory_keep_s  # checkpoint.in_memory: a keeper holds each one too, this long unheard
+        self.memory: Optional[MemoryCopy] = None  # that keeper (opened with the store)
         self.last_state: Optional[dict[str, Any]] = None
         self.last_s = 0.0  # perf_counter when the last checkpoint was taken
         self.last_step = 0  # the replica step it was taken at (checkpoint.every_steps counts from it)
@@ -207,6 +211,8 @@ class Checkpointer:
         directory = self.run_name or mlflow_run_id
         if self.store is None or self.store.run_name != directory:
             self.store = CheckpointStore(self.storage, directory, self.keep)
+            if self.in_memory_keep_s is not None:
+                self.memory = MemoryCopy(directory_key(self.storage, directory), self.in_memory_keep_s)
         # the run's step count (monotonic, the x-axis of the epoch metrics) orders the store
         stored = self.store.path_of(CheckpointStore.name_for(step, tag))
         path = self.store.path_of(named) if named else stored
@@ -233,12 +239,18 @@ class Checkpointer:
     def _perform(self, order: WriteOrder) -> dict[str, Any]:
         t = time.perf_counter()
         late = order.before is not None and not order.before.wait(self.flush_s)
-        stored = order.store.save(order.state, step=order.step, epoch=order.epoch, tag=order.tag)
+        data, meta = CheckpointStore.serialized(order.state, order.step, order.epoch, order.tag)
+        finished, held = bool(order.state.get("finished")), {}
+        if self.memory is not None and not finished:  # in memory first: a driver that dies now loses nothing
+            held = self.memory.hold(meta, data)
+        stored = order.store.save_serialized(data, meta)
+        if self.memory is not None and finished:  # the run is over: nothing to go on from
+            self.memory.release()
         if order.named:
             save_checkpoint(order.store.storage, order.store.run_name, order.named, order.state)
         path = order.store.path_of(order.named) if order.named else stored
         return {"tag": order.tag, "path": path, "stored": stored, "write_s": round(time.perf_counter() - t, 4),
-                "flush_late": late, **order.fields}
+                "flush_late": late, **held, **order.fields}
 
     def _loop(self) -> None:
         while True:
@@ -265,6 +277,12 @@ class Checkpointer:
                     return False
                 self._cv.wait(left)
         return True
+
+    def close(self) -> None:
+        """The run ended: its keeper (if any) is no longer touched, and ends keep_s later unless
+        the run is started again (a finished run released it already)."""
+        if self.memory is not None:
+            self.memory.close()
 
     def written(self) -> list[dict[str, Any]]:
         """What each write since the last call came to: {"tag", "path", "stored", "write_s", "flush_late",

@@ -6,7 +6,8 @@ the GCS call the autoscaler makes) and removed at the deadline; the head, where 
 is drained too (and left: nothing of the run can move off it). The run moves replica 1 to the
 free node before the deadline and takes a checkpoint inside the epoch for the driver's node: no
 replica failure is ever seen, no step is lost, every training row is used once in every epoch,
-and the run finishes its epochs."""
+and the run finishes its epochs. Its checkpoints are kept in memory too (`checkpoint.in_memory`):
+the keeper is on a worker node, never the driver's, and the finished run ends it."""
 from __future__ import annotations
 
 import dataclasses
@@ -40,7 +41,7 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     ck = tmp_path / "ck"
     cfg = JobConfig.from_yaml(f"{REPO}/examples/mnist_allreduce.yaml", [
         "stop.epochs=60", "stop.target_accuracy=null",  # the test ends it 2 epochs after the node goes
-        "checkpoint.every_epochs=1", f"checkpoint.storage={ck}",
+        "checkpoint.every_epochs=1", f"checkpoint.storage={ck}", "checkpoint.in_memory=true",
         'faults.slow_replicas={0: 0.04, 1: 0.04}', "tracking.progress_interval_s=0",
         f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
     trainer = ElasticTrainer(cfg, show_progress=False)
@@ -58,6 +59,7 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     assert run.alive(), run.out  # the node goes while the run still trains: a replica left there would fail
     [victim] = [n for n in own_cluster.worker_nodes if n.node_id == node]
     own_cluster.remove_node(victim)  # the node goes at its deadline, as a preempted instance does
+    t_removed = time.time()
     last = ctl.totals.epochs + 2  # the run ends 2 epochs after the node went, however fast this host is
     ctl.stop_policy = dataclasses.replace(ctl.stop_policy, epochs=last)
     result = run.result(timeout_s=300)
@@ -75,6 +77,14 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     assert 1 <= len(for_drain) <= 2 and all(e["in_epoch"]["for"] == "driver_node_draining" for e in for_drain), \
         [(e["kind"], e.get("epoch"), e.get("in_epoch")) for e in result.events if "checkpoint" in e["kind"]
          or e["kind"] in ("driver_node_draining", "replica_evacuated", "epoch_end")]
+    workers = {n.node_id for n in own_cluster.worker_nodes} | {node}
+    held = [e["in_memory"] for e in result.events if e["kind"] == "checkpoint" and e["t_wall"] < t_removed]
+    assert held and set(held) <= workers, (held, head)  # on another node than the driver's
+    from actors.checkpoints.keeper import NAMESPACE
+    from orchestrator.persistence.memory_copy import directory_key, keeper_name
+    import ray
+    with pytest.raises(ValueError):  # the finished run ended its keeper
+        ray.get_actor(keeper_name(directory_key(str(ck), result.mlflow_run_id)), namespace=NAMESPACE)
     ids = sorted(int(i) for i in trainer._dataset.train.ids)
     for epoch, consumed in enumerate(ctl.consumed, 1):
         seen = sorted(i for steps in consumed.values() for step in steps for i in step)

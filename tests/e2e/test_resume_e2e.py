@@ -3,7 +3,12 @@ started again with the same command: it goes on from its newest checkpoint in th
 (on a real `mlflow server`), its step counter continues, it reaches the target, and its trajectory
 is the one an uncrashed run of the same config takes. Starting it a third time, or `resume RUN_ID`,
 is refused: the run finished. The uncrashed reference is the session's `ray job submit` of the same
-example (tests/e2e/conftest.py)."""
+example (tests/e2e/conftest.py).
+
+The run keeps its checkpoints in memory too (`checkpoint.in_memory`), and the epoch-2 checkpoint
+is taken out of storage after the kill (as if the driver had died before storing it): the run
+started again goes on from the keeper's copy of it, and once the run finished the keeper is gone.
+(Going on from storage: tests/e2e/test_mid_epoch_resume_e2e.py, tests/integration/test_hogwild_ray.py.)"""
 from __future__ import annotations
 
 import glob
@@ -17,10 +22,23 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
+from orchestrator.persistence.memory_copy import directory_key, keeper_name
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 EXAMPLE = os.path.join(REPO, "examples", "mnist_allreduce.yaml")
+
+
+KEEPER_GONE = """
+import sys, ray
+from actors.checkpoints.keeper import NAMESPACE
+ray.init()
+try:
+    ray.get_actor(sys.argv[1], namespace=NAMESPACE)
+    print("still there")
+except ValueError:
+    print("gone")
+"""
 
 
 def by_step(client, run_id, metric):
@@ -34,7 +52,8 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
     client = MlflowClient(mlflow_server)
 
     def command(name, *extra):
-        return [sys.executable, "-m", "orchestrator", "run", EXAMPLE, "--name", name, "--no-progress", *extra]
+        return [sys.executable, "-m", "orchestrator", "run", EXAMPLE, "--name", name, "--no-progress",
+                "--set", "checkpoint.in_memory=true", *extra]
 
     driver = subprocess.Popen(command("nightly"), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -50,6 +69,9 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
+    [held] = glob.glob(second)  # the epoch-2 checkpoint: held in memory, and now no longer in storage
+    for path in (held, held.removesuffix(".json")):
+        os.remove(path)
     experiment = client.get_experiment_by_name("mnist-allreduce").experiment_id  # shared with other e2e tests
 
     def runs_named(name):
@@ -65,20 +87,24 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [said] = [line for line in proc.stdout.splitlines() if line.startswith("run nightly: resuming")]
-    assert f"MLflow run {run_id} from " in said and "runs/checkpoints/nightly/ckpt-" in said
+    assert f"MLflow run {run_id} from memory:{os.path.basename(held.removesuffix('.json'))}@node " in said, said
     result = json.loads(out.read_text())
     assert result["mlflow_run_id"] == run_id  # the same run, not a second one
     assert result["final"]["test_accuracy"] >= 0.97 and result["stop_reason"].startswith("target")
     [resumed] = [e for e in result["events"] if e["kind"] == "resumed"]
     ends = [e for e in result["events"] if e["kind"] == "epoch_end" and e["t_wall"] > resumed["t_wall"]]
-    assert resumed["epoch"] >= 2 and ends[0]["epoch"] == resumed["epoch"] + 1
+    assert resumed["epoch"] == 2 and ends[0]["epoch"] == 3 and resumed["from_memory"].startswith("memory:")
     assert f"after epoch {resumed['epoch']})" in said
     assert resumed["step"] in {m.step for m in before}  # the step of the checkpoint's epoch end, as logged
     assert ends[0]["step"] > resumed["step"]  # the step counter continues
     assert client.get_run(run_id).info.status == "FINISHED"
     assert len(runs_named("nightly")) == 1  # no second run was opened
 
-    # a finished run is not trained again, by name or by run id
+    # the finished run's keeper is gone; a finished run is not trained again, by name or by run id
+    keeper = keeper_name(directory_key(f"{tmp_path}/runs/checkpoints", "nightly"))
+    look = subprocess.run([sys.executable, "-c", KEEPER_GONE, keeper], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert look.returncode == 0 and look.stdout.strip().endswith("gone"), look.stdout + look.stderr[-2000:]
     again = subprocess.run(command("nightly"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "run nightly already finished" in again.stderr, again.stderr[-2000:]
     by_id = subprocess.run([sys.executable, "-m", "orchestrator", "resume", run_id], cwd=tmp_path, env=env,

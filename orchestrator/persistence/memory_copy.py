@@ -1,0 +1,183 @@
+"""The newest checkpoint in memory, on another node than the driver's (`checkpoint.in_memory`).
+
+A periodic checkpoint is serialized once, on the Checkpointer's background thread
+(orchestrator/persistence/run_state.py); with `checkpoint.in_memory` the same bytes go first to
+the run's `CheckpointKeeper` (actors/checkpoints/keeper.py), a detached actor that outlives the
+driver, then to storage. A run started again by name (or with `resume`) asks the keeper of its
+checkpoint directory and goes on from the copy in memory when it is at least as new as the
+store's newest good checkpoint: nothing is read from storage, and a checkpoint the driver died
+before storing, or a storage that was lost with the driver's node, costs nothing
+(orchestrator/trainer.py). The copy is checked like a stored one: its length and sha256
+against its sidecar, then `torch.load(weights_only=True)`.
+
+The keeper is placed on a node other than the driver's, when the cluster has one (the node with
+the most memory that is not being drained), so losing the driver's node does not lose it; on a
+one-node cluster it outlives the driver's process, not its node."""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+import warnings
+from typing import Any, Optional
+
+from orchestrator.checks import bounded, one_line
+
+CALL_TIMEOUT_S = 60.0  # handing a checkpoint to the keeper, fetching it (bytes across nodes)
+LOOK_TIMEOUT_S = 10.0  # finding a keeper, asking what it holds
+MEMORY_PREFIX = "memory:"  # how a checkpoint held in memory is named where a path would be
+
+
+def directory_key(storage: str, run_dir: str) -> str:
+    """The checkpoint directory `<storage>/<run_dir>` as one string whatever the working
+    directory: the keeper's identity, so a later driver finds the keeper of the same directory."""
+    where = storage.rstrip("/") + "/" + run_dir
+    return where if "://" in storage else os.path.abspath(where)
+
+
+def keeper_name(directory: str) -> str:
+    return "checkpoint-keeper-" + hashlib.sha256(directory.encode()).hexdigest()[:24]
+
+
+def pick_node(nodes: list[dict[str, Any]], driver_node: str, draining: set[str]) -> Optional[str]:
+    """The node for a run's keeper: of the alive nodes (`ray.nodes()` rows) not being drained,
+    one other than the driver's, the one with the most memory (then the lowest id); None when
+    there is no other (the keeper goes beside the driver)."""
+    others = [n for n in nodes if n.get("Alive") and n.get("NodeID") != driver_node
+              and n.get("NodeID") not in draining]
+    if not others:
+        return None
+    return min(others, key=lambda n: (-float(n.get("Resources", {}).get("memory", 0.0)), n["NodeID"]))["NodeID"]
+
+
+def decode(meta: dict[str, Any], data: bytes) -> tuple[Optional[dict[str, Any]], str]:
+    """(the state, "") when `data` matches its sidecar `meta` and torch.load(weights_only=True)
+    accepts it; (None, why not) otherwise."""
+    import torch
+
+    if len(data) != meta.get("bytes"):
+        return None, f"{len(data)} bytes, its sidecar says {meta.get('bytes')}"
+    if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+        return None, "sha256 differs from its sidecar's (corrupt)"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            state = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        return None, f"torch.load(weights_only=True) refused it ({one_line(exc)})"
+    if not isinstance(state, dict):
+        return None, f"holds a {type(state).__name__}, not a dict"
+    return state, ""
+
+
+def label(meta: dict[str, Any]) -> str:
+    """Where a checkpoint held in memory is, as the console and the `resumed` event name it."""
+    return f"{MEMORY_PREFIX}{meta['name']}@node {str(meta.get('node_id', '?'))[:12]}"
+
+
+def _handle(directory: str):
+    import ray
+
+    from actors.checkpoints.keeper import NAMESPACE
+
+    try:
+        return ray.get_actor(keeper_name(directory), namespace=NAMESPACE)
+    except ValueError:  # no keeper of that directory
+        return None
+
+
+def look(directory: str) -> tuple[Optional[dict[str, Any]], Optional[dict[str, Any]], str]:
+    """(the sidecar, the state, "") of the checkpoint the keeper of `directory` holds; (None,
+    None, why) when there is none, or it cannot be read. Needs a connected Ray."""
+    import ray
+
+    try:
+        keeper = bounded(lambda: _handle(directory), LOOK_TIMEOUT_S, "looking for the checkpoint keeper")
+        if keeper is None:
+            return None, None, "no checkpoint keeper"
+        held = ray.get(keeper.fetch.remote(), timeout=CALL_TIMEOUT_S)
+    except Exception as exc:  # gone with its node, expired meanwhile, a cluster that does not answer
+        return None, None, f"its keeper did not answer ({one_line(exc)})"
+    if held is None:
+        return None, None, "its keeper holds nothing yet"
+    meta, data = held
+    state, why = decode(meta, data)
+    return (meta, state, "") if state is not None else (None, None, f"the copy in memory is unusable: {why}")
+
+
+class MemoryCopy:
+    """The driver's side of its run's keeper: made at the first checkpoint (found again if a
+    driver before this one made it), handed every periodic checkpoint, touched every keep_s / 4
+    while the driver lives, released by the final one."""
+
+    def __init__(self, directory: str, keep_s: float) -> None:
+        self.directory, self.keep_s = directory, keep_s
+        self.keeper: Any = None
+        self._stop = threading.Event()
+        self._toucher: Optional[threading.Thread] = None
+
+    def _open(self) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from actors.checkpoints.keeper import NAMESPACE, CheckpointKeeper
+        from orchestrator.fleet.drains import _draining
+
+        try:
+            draining = set(_draining())
+        except Exception:  # no drain view: placed as if nothing were drained
+            draining = set()
+        node = pick_node(ray.nodes(), ray.get_runtime_context().get_node_id(), draining)
+        placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=True)} if node else {}
+        return CheckpointKeeper.options(name=keeper_name(self.directory), namespace=NAMESPACE, lifetime="detached",
+                                        get_if_exists=True, **placement).remote(self.directory, self.keep_s)
+
+    def hold(self, meta: dict[str, Any], data: bytes) -> dict[str, Any]:
+        """Hand the keeper this checkpoint: {"in_memory": node id} or {"in_memory_failed": why}
+        (a keeper that died with its node is made again, once)."""
+        import ray
+
+        why = ""
+        for _ in range(2):
+            try:
+                if self.keeper is None:
+                    self.keeper = self._open()
+                    self._touch_on()
+                held = ray.get(self.keeper.hold.remote(meta, data), timeout=CALL_TIMEOUT_S)
+                return {"in_memory": held["node_id"]}
+            except Exception as exc:  # died (its node lost, expired), or no answer in time: a new one
+                why = one_line(exc)
+                self.keeper = None
+        return {"in_memory_failed": why}
+
+    def _touch_on(self) -> None:
+        if self._toucher is not None:
+            return
+
+        def touch() -> None:
+            while not self._stop.wait(self.keep_s / 4):
+                keeper = self.keeper
+                if keeper is not None:
+                    keeper.touch.remote()  # fire and forget: a keeper gone is made again at the next hold
+
+        self._toucher = threading.Thread(target=touch, name="keeper touch", daemon=True)
+        self._toucher.start()
+
+    def release(self) -> None:
+        """The run finished: the keeper ends (a keeper of an earlier driver too)."""
+        import ray
+
+        self.close()
+        keeper = self.keeper or bounded(lambda: _handle(self.directory), LOOK_TIMEOUT_S, "finding the keeper")
+        self.keeper = None
+        if keeper is not None:
+            try:
+                ray.kill(keeper, no_restart=True)
+            except Exception:  # gone already
+                pass
+
+    def close(self) -> None:
+        """The driver's run ended without finishing (an error, an interrupt): touches stop, the
+        keeper keeps the copy for keep_s more."""
+        self._stop.set()

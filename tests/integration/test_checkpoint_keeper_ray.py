@@ -1,0 +1,58 @@
+"""The checkpoint keeper (checkpoint.in_memory) on real Ray actors: a checkpoint handed to it comes
+back whole through the lookup a run started again makes, a keeper that died (its process
+SIGKILLed, as a lost node does) is made again at the next checkpoint, one nobody touches ends itself
+after keep_s, and release ends it. A run going on from a keeper's copy: tests/e2e/test_resume_e2e.py."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+
+from actors.checkpoints.keeper import NAMESPACE
+from orchestrator.persistence.checkpoint import CheckpointStore
+from orchestrator.persistence.memory_copy import MemoryCopy, keeper_name, look
+from orchestrator.testing.chaos import kill_process
+
+pytestmark = pytest.mark.ray
+
+
+def alive(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+        return True
+    except ValueError:
+        return False
+
+
+def gone_within(name: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while alive(name) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not alive(name)
+
+
+def test_a_keeper_gives_back_what_it_holds_is_made_again_after_a_kill_and_ends_unheard_or_released(ray_cluster, tmp_path):
+    directory = f"{tmp_path}/run"
+    copy = MemoryCopy(directory, keep_s=3600.0)
+    assert look(directory) == (None, None, "no checkpoint keeper")
+    state = {"model": {"w": torch.arange(6.0)}, "step": 3}
+    data, meta = CheckpointStore.serialized(state, step=30, epoch=1, tag="epoch_0001")
+    held = copy.hold(meta, data)
+    assert held == {"in_memory": ray.get_runtime_context().get_node_id()}  # one node: beside the driver
+    back_meta, back, why = look(directory)
+    assert why == "" and back_meta["name"] == meta["name"] and torch.equal(back["model"]["w"], state["model"]["w"])
+
+    kill_process(copy.keeper)  # SIGKILL, as a lost node does
+    assert gone_within(keeper_name(directory), 60)
+    data2, meta2 = CheckpointStore.serialized({**state, "step": 4}, step=40, epoch=2, tag="epoch_0002")
+    assert "in_memory" in copy.hold(meta2, data2)  # the dead one noticed, a new one made
+    assert look(directory)[1]["step"] == 4
+    copy.release()
+    assert gone_within(keeper_name(directory), 60) and look(directory)[2] == "no checkpoint keeper"
+
+    lonely = MemoryCopy(f"{tmp_path}/lonely", keep_s=1.0)
+    lonely.hold(meta, data)
+    lonely.close()  # its driver is gone: nobody touches it any more
+    assert gone_within(keeper_name(f"{tmp_path}/lonely"), 60)
