@@ -11,6 +11,9 @@ local disk). Three cases, interleaved in each repetition:
                 epoch, or at an epoch end when one comes first), stored on the background thread
                 (checkpoint.background true, the default)
     sync        the same checkpoints, each stored before training goes on (checkpoint.background false)
+    in_memory   background's checkpoints, each also handed to the run's keeper before it is stored
+                (checkpoint.in_memory: a detached actor, started at the first checkpoint, holding the
+                newest one in memory; beside the driver on this one-node cluster)
 
 Figure per run: train_s, seconds from the `started` event to the last `epoch_end` event (every
 epoch's training, evaluation and logging, and every checkpoint but the final one). Ratios:
@@ -18,8 +21,8 @@ epoch's training, evaluation and logging, and every checkpoint but the final one
 nothing; the aim is <= 1.05 with a checkpoint every 10 s). Beside them: seconds per checkpoint
 ((train_s - none's median) / checkpoints) and, from the `checkpoint` events, checkpoints per
 run, the bytes of one, `seconds` (on the training path: the state taken from a replica and
-handed on), `write_s` (storing it: MLflow's flush, serialization, the write; on the path only
-in `sync`) and, inside an epoch, `pause_s` (from the pause asked until every replica paused:
+handed on), `write_s` (storing it: MLflow's flush, serialization, in_memory's hand-over to the keeper, the
+write; on the path only in `sync`) and, inside an epoch, `pause_s` (from the pause asked until every replica paused:
 they train meanwhile until a partition boundary). Left out: start-up (not in train_s) and the
 final checkpoint (every case writes it once). On local disk a write takes milliseconds, so
 `sync` and `background` differ little here; a remote store's upload is where they part.
@@ -41,7 +44,10 @@ from common import REPO, median, parse_args, report
 EVERY_S = 10.0  # checkpoint.every_s
 CASES = {"none": ["checkpoint.every_epochs=0"],
          "background": ["checkpoint.every_epochs=0", f"checkpoint.every_s={EVERY_S}", "checkpoint.background=true"],
-         "sync": ["checkpoint.every_epochs=0", f"checkpoint.every_s={EVERY_S}", "checkpoint.background=false"]}
+         "sync": ["checkpoint.every_epochs=0", f"checkpoint.every_s={EVERY_S}", "checkpoint.background=false"],
+         "in_memory": ["checkpoint.every_epochs=0", f"checkpoint.every_s={EVERY_S}", "checkpoint.background=true",
+                       "checkpoint.in_memory=true"]}
+TIMED = tuple(c for c in CASES if c != "none")
 
 
 def one_run(case: str, epochs: int) -> dict[str, Any]:
@@ -95,8 +101,8 @@ def main() -> None:
                             else None for k in ("checkpoints", "bytes", "seconds_on_path", "write_s", "pause_s")}}
     results["summary"] = summary
     base = summary["none"]["train_s"]["median"]
-    ratios = {f"{case}_vs_none": summary[case]["train_s"]["median"] / base for case in ("background", "sync")}
-    for case in ("background", "sync"):
+    ratios = {f"{case}_vs_none": summary[case]["train_s"]["median"] / base for case in TIMED}
+    for case in TIMED:
         n = summary[case]["checkpoints"]
         summary[case]["seconds_per_checkpoint"] = (summary[case]["train_s"]["median"] - base) / n if n else None
     for case, s in summary.items():

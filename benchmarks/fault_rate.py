@@ -28,11 +28,13 @@ failure every 60 s, 82.3% of steps committed, 81.2% efficiency; about 30.2% at a
 ~15 s); a different workload and scale, quoted as the figure its users know, not a like-for-like
 comparison. Left out: start-up (not in the seconds), the final checkpoint and evaluation.
 
-    python benchmarks/fault_rate.py [--quick] [--json PATH] [--modes MODE,...] [--spares N,...] [--reps N]
+    python benchmarks/fault_rate.py [--quick] [--json PATH] [--modes MODE,...] [--spares N,...] [--every T,...]
+                                    [--reps N]
 
 --quick: T 15 s, allreduce and downpour, 45 s runs (3 kills each), three repetitions (~30 minutes
 on 2 cores); else T 15 and 60 s, every mode, 4T runs, three repetitions (hours). --modes (of
-allreduce, downpour, easgd, local_sgd), --spares (of 0, 1) and --reps run a part of either.
+allreduce, downpour, easgd, local_sgd), --spares (of 0, 1), --every (of the form's T values) and
+--reps run a part of either.
 """
 from __future__ import annotations
 
@@ -88,11 +90,21 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], extra=[
         ("--modes", {"default": None, "help": f"modes to run, comma-separated, of {', '.join(EXAMPLES)}"}),
         ("--spares", {"default": "0,1", "help": "fault_tolerance.spares values to run, comma-separated (default 0,1)"}),
-        ("--reps", {"type": int, "default": 3, "help": "repetitions (default 3)"})])
+        ("--reps", {"type": int, "default": 3, "help": "repetitions (default 3)"}),
+        ("--every", {"default": None, "help": "T values (seconds) to run, comma-separated, of the form's own "
+                                              "(--quick: 15; else 15,60)"})])
     if args.quick:
         modes, periods, length = ("allreduce", "downpour"), (15.0,), lambda t: 45.0
     else:
         modes, periods, length = tuple(EXAMPLES), (15.0, 60.0), lambda t: 4 * t
+    if args.every:
+        try:
+            chosen = tuple(float(t) for t in args.every.split(","))
+        except ValueError:
+            raise SystemExit(f"--every: seconds, comma-separated, got {args.every!r}") from None
+        if not chosen or set(chosen) - set(periods):
+            raise SystemExit(f"--every: of {', '.join(f'{t:g}' for t in periods)} in this form, got {args.every!r}")
+        periods = chosen
     if args.modes:
         modes = tuple(args.modes.split(","))
         unknown = sorted(set(modes) - set(EXAMPLES))

@@ -15,14 +15,15 @@ DRAIN_POLL_S = 1.0  # how often the nodes being drained are looked at
 LOOK_TIMEOUT_S = 5.0
 
 
-def _draining() -> dict[str, int]:
+def draining_nodes() -> dict[str, int]:
+    """{node id hex: deadline in ms since the epoch, 0 for none} of the nodes Ray is draining."""
     from ray._private.state import state
 
     return dict(state.get_draining_nodes())
 
 
 class DrainWatch:
-    def __init__(self, look=_draining) -> None:
+    def __init__(self, look=draining_nodes) -> None:
         self._look = look  # () -> {node id hex: deadline in ms since the epoch, 0 for none}
         self.lane = Lane("drain notices")
         self._next = 0.0

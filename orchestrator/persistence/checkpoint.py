@@ -149,6 +149,12 @@ class CheckpointStore:
         return f"{self.storage.rstrip('/')}/{self.run_name}/{name}"
 
     @staticmethod
+    def step_of(name: str) -> Optional[int]:
+        """The step of a checkpoint's file name (ckpt-<step>[-tag].pt), None for any other name."""
+        m = _PAYLOAD.match(name)
+        return int(m.group(1)) if m else None
+
+    @staticmethod
     def name_for(step: int, tag: str = "") -> str:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")

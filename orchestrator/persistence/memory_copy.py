@@ -3,7 +3,7 @@
 A periodic checkpoint is serialized once, on the Checkpointer's background thread
 (orchestrator/persistence/run_state.py); with `checkpoint.in_memory` the same bytes go first to
 the run's `CheckpointKeeper` (actors/checkpoints/keeper.py), a detached actor that outlives the
-driver, then to storage. A run started again by name (or with `resume`) asks the keeper of its
+driver, then to storage (one the run waits on, the interrupted checkpoint, to storage first). A run started again by name (or with `resume`) asks the keeper of its
 checkpoint directory and goes on from the copy in memory when it is at least as new as the
 store's newest good checkpoint: nothing is read from storage, and a checkpoint the driver died
 before storing, or a storage that was lost with the driver's node, costs nothing
@@ -29,11 +29,10 @@ LOOK_TIMEOUT_S = 10.0  # finding a keeper, asking what it holds
 MEMORY_PREFIX = "memory:"  # how a checkpoint held in memory is named where a path would be
 
 
-def directory_key(storage: str, run_dir: str) -> str:
-    """The checkpoint directory `<storage>/<run_dir>` as one string whatever the working
-    directory: the keeper's identity, so a later driver finds the keeper of the same directory."""
-    where = storage.rstrip("/") + "/" + run_dir
-    return where if "://" in storage else os.path.abspath(where)
+def directory_key(directory: str) -> str:
+    """A run's checkpoint directory (`<storage>/<run name or id>`) as one string whatever the
+    working directory: the keeper's identity, so a later driver finds the keeper of the same directory."""
+    return directory.rstrip("/") if "://" in directory else os.path.abspath(directory)
 
 
 def keeper_name(directory: str) -> str:
@@ -122,10 +121,10 @@ class MemoryCopy:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from actors.checkpoints.keeper import NAMESPACE, CheckpointKeeper
-        from orchestrator.fleet.drains import _draining
+        from orchestrator.fleet.drains import draining_nodes
 
         try:
-            draining = set(_draining())
+            draining = set(draining_nodes())
         except Exception:  # no drain view: placed as if nothing were drained
             draining = set()
         node = pick_node(ray.nodes(), ray.get_runtime_context().get_node_id(), draining)

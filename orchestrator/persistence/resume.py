@@ -129,22 +129,24 @@ def newer_in_memory(config: Any, stored_path: Optional[str]) -> tuple[Optional[s
     not). The run is named (`config.run.name`), or `stored_path` says its directory (`resume`).
     ConfigError as for a stored checkpoint when the copy says the run finished or, for a named run,
     that it was started with another config. Needs a connected Ray."""
-    from orchestrator.persistence.checkpoint import _PAYLOAD
     from orchestrator.persistence.memory_copy import directory_key, label, look
 
-    storage = config.checkpoint.storage
-    run_dir = config.run.name or (os.path.basename(os.path.dirname(stored_path)) if stored_path else None)
-    if not run_dir:
+    if stored_path:  # the directory the store's checkpoint is in
+        directory = os.path.dirname(stored_path)
+    elif config.run.name:
+        directory = f"{config.checkpoint.storage.rstrip('/')}/{config.run.name}"
+    else:
         return None, None, "the run has no name and no stored checkpoint"
-    meta, state, why = look(directory_key(storage, run_dir))
+    meta, state, why = look(directory_key(directory))
     if state is None:
         return None, None, why
-    stored = _PAYLOAD.match(os.path.basename(stored_path or ""))
-    if stored and int(stored.group(1)) > meta["step"]:
+    stored = CheckpointStore.step_of(os.path.basename(stored_path or ""))
+    if stored is not None and stored > meta["step"]:
         return None, None, f"the store's {os.path.basename(stored_path)} is newer than the copy in memory ({meta['name']})"
-    where, store = label(meta), CheckpointStore(storage, run_dir, keep=1_000_000)
+    storage, _, run_dir = directory.rpartition("/")
+    where, store = label(meta), CheckpointStore(storage or "/", run_dir, keep=1_000_000)
     if config.run.name:
-        _check_named(config, where, state, store, f"{storage.rstrip('/')}/{run_dir}")
+        _check_named(config, where, state, store, directory)
     else:
         _check_resumable(where, state, store, f"resume: {run_dir}", "nothing to go on from")
     return where, {**state, FROM_MEMORY: where}, ""

@@ -212,7 +212,7 @@ class Checkpointer:
         if self.store is None or self.store.run_name != directory:
             self.store = CheckpointStore(self.storage, directory, self.keep)
             if self.in_memory_keep_s is not None:
-                self.memory = MemoryCopy(directory_key(self.storage, directory), self.in_memory_keep_s)
+                self.memory = MemoryCopy(directory_key(f"{self.storage.rstrip('/')}/{directory}"), self.in_memory_keep_s)
         # the run's step count (monotonic, the x-axis of the epoch metrics) orders the store
         stored = self.store.path_of(CheckpointStore.name_for(step, tag))
         path = self.store.path_of(named) if named else stored
@@ -222,7 +222,7 @@ class Checkpointer:
         order = WriteOrder(state, tag, step, epoch, self.store, named, before, dict(fields or {}))
         if wait:
             self.drain()
-            outcome = self._perform(order)
+            outcome = self._perform(order, waited=True)
             with self._cv:
                 self._outcomes.append(outcome)
             return path, stored
@@ -236,14 +236,19 @@ class Checkpointer:
             self._cv.notify_all()
         return path, stored
 
-    def _perform(self, order: WriteOrder) -> dict[str, Any]:
+    def _perform(self, order: WriteOrder, waited: bool = False) -> dict[str, Any]:
+        """Store the order (and hand it to the keeper, with checkpoint.in_memory: first for a
+        background write, so a driver that dies meanwhile loses nothing; after storing for one the
+        run waits on, the final or the interrupted one, which must reach storage first)."""
         t = time.perf_counter()
         late = order.before is not None and not order.before.wait(self.flush_s)
         data, meta = CheckpointStore.serialized(order.state, order.step, order.epoch, order.tag)
         finished, held = bool(order.state.get("finished")), {}
-        if self.memory is not None and not finished:  # in memory first: a driver that dies now loses nothing
+        if self.memory is not None and not finished and not waited:
             held = self.memory.hold(meta, data)
         stored = order.store.save_serialized(data, meta)
+        if self.memory is not None and not finished and waited:
+            held = self.memory.hold(meta, data)
         if self.memory is not None and finished:  # the run is over: nothing to go on from
             self.memory.release()
         if order.named:

@@ -84,7 +84,7 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     from orchestrator.persistence.memory_copy import directory_key, keeper_name
     import ray
     with pytest.raises(ValueError):  # the finished run ended its keeper
-        ray.get_actor(keeper_name(directory_key(str(ck), result.mlflow_run_id)), namespace=NAMESPACE)
+        ray.get_actor(keeper_name(directory_key(f"{ck}/{result.mlflow_run_id}")), namespace=NAMESPACE)
     ids = sorted(int(i) for i in trainer._dataset.train.ids)
     for epoch, consumed in enumerate(ctl.consumed, 1):
         seen = sorted(i for steps in consumed.values() for step in steps for i in step)

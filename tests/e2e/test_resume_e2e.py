@@ -101,7 +101,7 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
     assert len(runs_named("nightly")) == 1  # no second run was opened
 
     # the finished run's keeper is gone; a finished run is not trained again, by name or by run id
-    keeper = keeper_name(directory_key(f"{tmp_path}/runs/checkpoints", "nightly"))
+    keeper = keeper_name(directory_key(f"{tmp_path}/runs/checkpoints/nightly"))
     look = subprocess.run([sys.executable, "-c", KEEPER_GONE, keeper], env=env, capture_output=True, text=True,
                           timeout=120)
     assert look.returncode == 0 and look.stdout.strip().endswith("gone"), look.stdout + look.stderr[-2000:]

@@ -40,9 +40,9 @@ def test_a_copy_in_memory_is_used_only_when_it_matches_its_sidecar_and_loads_wei
 
 def test_a_keeper_is_named_by_its_checkpoint_directory_wherever_the_driver_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    here = directory_key("runs/checkpoints", "nightly")
-    assert here == f"{tmp_path}/runs/checkpoints/nightly" == directory_key(f"{tmp_path}/runs/checkpoints/", "nightly")
-    assert directory_key("s3://bucket/ck/", "n") == "s3://bucket/ck/n"
+    here = directory_key("runs/checkpoints/nightly")
+    assert here == f"{tmp_path}/runs/checkpoints/nightly" == directory_key(f"{tmp_path}/runs/checkpoints/nightly/")
+    assert directory_key("s3://bucket/ck/n/") == "s3://bucket/ck/n"
     assert keeper_name(here) == keeper_name(f"{tmp_path}/runs/checkpoints/nightly") != keeper_name("s3://bucket/ck/n")
 
 
@@ -62,18 +62,21 @@ class RecordingCopy(MemoryCopy):
         self.log.append(("release",))
 
 
-def test_each_checkpoint_is_in_memory_before_it_is_stored_and_the_final_one_ends_the_keeper(tmp_path, monkeypatch):
+def test_a_background_checkpoint_is_in_memory_before_it_is_stored_and_the_final_one_ends_the_keeper(tmp_path, monkeypatch):
     log = []
     monkeypatch.setattr("orchestrator.persistence.run_state.MemoryCopy",
                         lambda directory, keep_s: RecordingCopy(directory, keep_s, log))
     ck = Checkpointer(str(tmp_path), keep=3, run_name="r", in_memory_keep_s=60.0)
     ck.write({"step": 5, "model": {}}, "epoch_0001", 5, 1, "mlflow-id", wait=False)
     ck.drain(30)
+    ck.write({"step": 7, "model": {}}, "interrupted", 7, 1, "mlflow-id", named="interrupted.pt")  # waited on
     ck.write({"step": 9, "model": {}, "finished": True}, "final", 9, 2, "mlflow-id", named="model.pt")
-    assert log == [("hold", "ckpt-000000005-epoch_0001.pt", False, 5), ("release",)]
+    assert log == [("hold", "ckpt-000000005-epoch_0001.pt", False, 5),  # in memory before storage
+                   ("hold", "ckpt-000000007-interrupted.pt", True, 7),  # one the run waits on: storage first
+                   ("release",)]
     assert ck.memory.directory == f"{tmp_path}/r"
     outcomes = ck.written()
-    assert outcomes[0]["in_memory"] == "node-x" and "in_memory" not in outcomes[1]
+    assert outcomes[0]["in_memory"] == outcomes[1]["in_memory"] == "node-x" and "in_memory" not in outcomes[2]
     assert CheckpointStore(str(tmp_path), "r", keep=3).latest_good()[1]["step"] == 9  # stored as without memory
     plain = Checkpointer(str(tmp_path), keep=3, run_name="q")
     plain.write({"step": 1, "model": {}}, "epoch_0001", 1, 1, "mlflow-id")
