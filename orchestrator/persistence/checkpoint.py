@@ -113,6 +113,25 @@ def _load_error(exc: BaseException, limit: int = 300) -> str:
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
+def decode_payload(data: bytes, meta: dict[str, Any]) -> tuple[Optional[dict[str, Any]], str]:
+    """(the state, "") if a checkpoint's bytes match their sidecar `meta` (length, sha256) and
+    torch.load(weights_only=True) accepts them as a dict, else (None, why not)."""
+    want = meta.get("bytes")
+    if len(data) != want:
+        return None, f"{len(data)} bytes, the sidecar says {want} (truncated or overwritten)"
+    if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+        return None, "sha256 differs from the sidecar's (corrupt)"
+    try:
+        with warnings.catch_warnings():  # a foreign pickle's warning would be a second stderr line
+            warnings.simplefilter("ignore")
+            state = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        return None, f"torch.load(weights_only=True) refused it ({_load_error(exc)})"
+    if not isinstance(state, dict):
+        return None, f"holds a {type(state).__name__}, not a dict"
+    return state, ""
+
+
 @dataclass(frozen=True)
 class CheckpointEntry:
     name: str  # ckpt-<step>[-<tag>].pt
@@ -249,20 +268,7 @@ class CheckpointStore:
             return None, "payload gone"
         except Exception as exc:
             return None, f"payload unreadable ({one_line(exc)})"
-        want = entry.meta["bytes"]
-        if len(data) != want:
-            return None, f"{len(data)} bytes, the sidecar says {want} (truncated or overwritten)"
-        if hashlib.sha256(data).hexdigest() != entry.meta["sha256"]:
-            return None, "sha256 differs from the sidecar's (corrupt)"
-        try:
-            with warnings.catch_warnings():  # a foreign pickle's warning would be a second stderr line
-                warnings.simplefilter("ignore")
-                state = torch.load(io.BytesIO(data), weights_only=True)
-        except Exception as exc:
-            return None, f"torch.load(weights_only=True) refused it ({_load_error(exc)})"
-        if not isinstance(state, dict):
-            return None, f"holds a {type(state).__name__}, not a dict"
-        return state, ""
+        return decode_payload(data, entry.meta)
 
     def latest_good(self) -> Optional[tuple[str, dict[str, Any]]]:
         """(path, state) of the newest checkpoint that passes verify(), or None; each newer one

@@ -16,10 +16,8 @@ one-node cluster it outlives the driver's process, not its node."""
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import threading
-import warnings
 from typing import Any, Optional
 
 from orchestrator.checks import bounded, one_line
@@ -48,26 +46,6 @@ def pick_node(nodes: list[dict[str, Any]], driver_node: str, draining: set[str])
     if not others:
         return None
     return min(others, key=lambda n: (-float(n.get("Resources", {}).get("memory", 0.0)), n["NodeID"]))["NodeID"]
-
-
-def decode(meta: dict[str, Any], data: bytes) -> tuple[Optional[dict[str, Any]], str]:
-    """(the state, "") when `data` matches its sidecar `meta` and torch.load(weights_only=True)
-    accepts it; (None, why not) otherwise."""
-    import torch
-
-    if len(data) != meta.get("bytes"):
-        return None, f"{len(data)} bytes, its sidecar says {meta.get('bytes')}"
-    if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-        return None, "sha256 differs from its sidecar's (corrupt)"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            state = torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as exc:
-        return None, f"torch.load(weights_only=True) refused it ({one_line(exc)})"
-    if not isinstance(state, dict):
-        return None, f"holds a {type(state).__name__}, not a dict"
-    return state, ""
 
 
 def label(meta: dict[str, Any]) -> str:
@@ -100,8 +78,10 @@ def look(directory: str) -> tuple[Optional[dict[str, Any]], Optional[dict[str, A
         return None, None, f"its keeper did not answer ({one_line(exc)})"
     if held is None:
         return None, None, "its keeper holds nothing yet"
+    from orchestrator.persistence.checkpoint import decode_payload
+
     meta, data = held
-    state, why = decode(meta, data)
+    state, why = decode_payload(data, meta)
     return (meta, state, "") if state is not None else (None, None, f"the copy in memory is unusable: {why}")
 
 

@@ -7,8 +7,8 @@ import pickle
 
 import torch
 
-from orchestrator.persistence.checkpoint import CheckpointStore
-from orchestrator.persistence.memory_copy import MemoryCopy, decode, directory_key, keeper_name, pick_node
+from orchestrator.persistence.checkpoint import CheckpointStore, decode_payload
+from orchestrator.persistence.memory_copy import MemoryCopy, directory_key, keeper_name, pick_node
 from orchestrator.persistence.run_state import Checkpointer
 
 
@@ -28,13 +28,14 @@ def test_the_keeper_goes_to_the_roomiest_other_node_not_being_drained_else_besid
 def test_a_copy_in_memory_is_used_only_when_it_matches_its_sidecar_and_loads_weights_only():
     state = {"model": {"w": torch.arange(4.0)}, "step": 7}
     data, meta = CheckpointStore.serialized(state, step=12, epoch=2, tag="epoch_0002")
-    back, why = decode(meta, data)
+    back, why = decode_payload(data, meta)
     assert why == "" and torch.equal(back["model"]["w"], state["model"]["w"]) and back["step"] == 7
-    assert decode(meta, data[:-1]) == (None, f"{len(data) - 1} bytes, its sidecar says {len(data)}")
+    assert decode_payload(data[:-1], meta) == (None, f"{len(data) - 1} bytes, the sidecar says {len(data)} "
+                                                     "(truncated or overwritten)")
     flipped = data[:-5] + bytes([data[-5] ^ 1]) + data[-4:]
-    assert decode(meta, flipped)[1] == "sha256 differs from its sidecar's (corrupt)"
+    assert decode_payload(flipped, meta)[1] == "sha256 differs from the sidecar's (corrupt)"
     evil = pickle.dumps(os.system)  # not a weights-only payload
-    refused, why = decode({**meta, "bytes": len(evil), "sha256": hashlib.sha256(evil).hexdigest()}, evil)
+    refused, why = decode_payload(evil, {**meta, "bytes": len(evil), "sha256": hashlib.sha256(evil).hexdigest()})
     assert refused is None and why.startswith("torch.load(weights_only=True) refused it")
 
 
@@ -55,7 +56,7 @@ class RecordingCopy(MemoryCopy):
 
     def hold(self, meta, data):
         stored = os.path.exists(os.path.join(self.directory, meta["name"]))
-        self.log.append(("hold", meta["name"], stored, decode(meta, data)[0]["step"]))
+        self.log.append(("hold", meta["name"], stored, decode_payload(data, meta)[0]["step"]))
         return {"in_memory": "node-x"}
 
     def release(self):
