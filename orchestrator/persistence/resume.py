@@ -83,7 +83,9 @@ def _check_resumable(path: str, state: dict[str, Any], store: CheckpointStore, w
 
 
 FROM_MEMORY = "from_memory"  # a state that came from a keeper says so (the `resumed` event's field)
-MAY_DIFFER = ("stop.",)  # a named run may be given other stop rules when it goes on (e.g. more epochs)
+# a named run may be given other stop rules when it goes on (e.g. more epochs), and keep its
+# checkpoints in memory or not (checkpoint.in_memory: off, a keeper's copy is not looked at)
+MAY_DIFFER = ("stop.", "checkpoint.in_memory")
 
 
 def named_checkpoint(config: Any) -> tuple[Optional[str], Optional[dict[str, Any]], list]:
@@ -118,8 +120,8 @@ def _check_named(config: Any, path: str, state: dict[str, Any], store: Checkpoin
     if changed:
         shown = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in changed[:5])
         more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
-        raise ConfigError(f"run {name} was started with another config ({shown}{more}); only stop.* may change "
-                          f"when a run goes on. Give another --name for a new run")
+        raise ConfigError(f"run {name} was started with another config ({shown}{more}); only stop.* and "
+                          f"checkpoint.in_memory* may change when a run goes on. Give another --name for a new run")
 
 
 def newer_in_memory(config: Any, stored_path: Optional[str]) -> tuple[Optional[str], Optional[dict[str, Any]], str]:

@@ -244,10 +244,11 @@ class Checkpointer:
         late = order.before is not None and not order.before.wait(self.flush_s)
         data, meta = CheckpointStore.serialized(order.state, order.step, order.epoch, order.tag)
         finished, held = bool(order.state.get("finished")), {}
-        if self.memory is not None and not finished and not waited:
+        keep = self.memory is not None and not finished
+        if keep and not waited:
             held = self.memory.hold(meta, data)
         stored = order.store.save_serialized(data, meta)
-        if self.memory is not None and not finished and waited:
+        if keep and waited:
             held = self.memory.hold(meta, data)
         if self.memory is not None and finished:  # the run is over: nothing to go on from
             self.memory.release()

@@ -87,13 +87,14 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [said] = [line for line in proc.stdout.splitlines() if line.startswith("run nightly: resuming")]
-    assert f"MLflow run {run_id} from memory:{os.path.basename(held.removesuffix('.json'))}@node " in said, said
+    assert f"MLflow run {run_id} from memory:ckpt-" in said, said  # the epoch-2 checkpoint (or a newer one)
     result = json.loads(out.read_text())
     assert result["mlflow_run_id"] == run_id  # the same run, not a second one
     assert result["final"]["test_accuracy"] >= 0.97 and result["stop_reason"].startswith("target")
     [resumed] = [e for e in result["events"] if e["kind"] == "resumed"]
     ends = [e for e in result["events"] if e["kind"] == "epoch_end" and e["t_wall"] > resumed["t_wall"]]
-    assert resumed["epoch"] == 2 and ends[0]["epoch"] == 3 and resumed["from_memory"].startswith("memory:")
+    assert resumed["epoch"] >= 2 and ends[0]["epoch"] == resumed["epoch"] + 1  # not epoch 1, storage's newest
+    assert resumed["from_memory"] in said
     assert f"after epoch {resumed['epoch']})" in said
     assert resumed["step"] in {m.step for m in before}  # the step of the checkpoint's epoch end, as logged
     assert ends[0]["step"] > resumed["step"]  # the step counter continues

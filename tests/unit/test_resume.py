@@ -51,8 +51,9 @@ def test_a_named_run_without_checkpoints_starts_and_one_with_them_goes_on_from_t
     store.save(state(20, saved), step=20, epoch=2, tag="epoch_0002")
     path, found, skipped = named_checkpoint(config)
     assert found["step"] == 20 and path.endswith("epoch_0002.pt") and skipped == []
-    # other stop rules are allowed (train longer); the same name is the same directory
+    # other stop rules are allowed (train longer), and a copy in memory or none; the same name is the same directory
     assert named_checkpoint(named(tmp_path, "nightly", "stop.epochs=30"))[1]["step"] == 20
+    assert named_checkpoint(named(tmp_path, "nightly", "checkpoint.in_memory=true"))[1]["step"] == 20
     assert named_checkpoint(named(tmp_path, "other")) == (None, None, [])
 
 
@@ -62,7 +63,7 @@ def test_a_named_run_refuses_a_finished_run_and_a_changed_config_naming_the_keys
     config = named(tmp_path)
     store = CheckpointStore(str(tmp_path), "nightly", keep=5)
     store.save(state(10, config.model_dump(mode="json")), step=10, epoch=1, tag="epoch_0001")
-    with pytest.raises(ConfigError, match=r"optimizer.lr 0.05 -> 0.1.*only stop.\* may change"):
+    with pytest.raises(ConfigError, match=r"optimizer.lr 0.05 -> 0.1.*only stop.\* and checkpoint.in_memory\* may change"):
         named_checkpoint(named(tmp_path, "nightly", "optimizer.lr=0.1"))
     store.save({**state(20, config.model_dump(mode="json")), "finished": True}, step=20, epoch=2, tag="final")
     with pytest.raises(ConfigError, match=r"run nightly already finished \(epoch 2, MLflow run run1;.*"
