@@ -163,15 +163,23 @@ class ElasticTrainer:
         elif self.config.run.name:
             print(f"run {self.config.run.name}: no checkpoint yet, starting it", flush=True)
 
-    def _look_in_memory(self) -> None:
+    def _look_in_memory(self, started_ray: bool) -> None:
         """checkpoint.in_memory: a run that goes on (by name or `resume`) takes its keeper's copy
-        when it is at least as new as the stored checkpoint check() found (or there is none)."""
+        when it is of the same run as the stored checkpoint check() found and at least as new (or
+        there is none). A state handed in without its path (`resume=` from Python) is kept."""
         cfg = self.config
-        if not cfg.checkpoint.in_memory or not (cfg.run.name or self.resume is not None):
+        if not cfg.checkpoint.in_memory:
+            return
+        if started_ray:
+            print("orchestrator: warning: checkpoint.in_memory: the Ray cluster this run started ends with it, and "
+                  "its keeper too; join a cluster (RAY_ADDRESS) for a copy that outlives the driver",
+                  file=sys.stderr, flush=True)
+            return
+        if (not cfg.run.name and self.resume is None) or (self.resume is not None and self.resumed_from is None):
             return
         from orchestrator.persistence.resume import newer_in_memory
 
-        where, state, why = newer_in_memory(cfg, self.resumed_from if self.resume is not None else None)
+        where, state, why = newer_in_memory(cfg, self.resumed_from, self.resume)
         if state is not None:
             self.resumed_from, self.resume = where, state
         elif self.resume is not None:
@@ -194,7 +202,7 @@ class ElasticTrainer:
             if warning:
                 print(f"orchestrator: warning: {warning}", file=sys.stderr, flush=True)
         try:  # before any actor: a cluster that cannot hold the replicas is bad input
-            self._look_in_memory()
+            self._look_in_memory(started_ray)
             self.say_resuming()
             if started_ray:  # no autoscaler can add to a cluster started here: say so at once
                 cluster.check_fits(cfg.scaling.replicas, cfg.scaling.cpus_per_replica, cfg.scaling.gpus_per_replica)

@@ -32,12 +32,21 @@ class CheckpointKeeper:
     def _expire(self) -> None:
         while time.monotonic() - self.last_contact < self.keep_s:
             time.sleep(min(CHECK_S, self.keep_s / 4))
-        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        try:
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        finally:  # the kill did not come through (the control plane away): the process ends anyway
+            time.sleep(30)
+            os._exit(0)
 
     def hold(self, meta: dict[str, Any], data: bytes) -> dict[str, Any]:
         """Keep this checkpoint instead of the one before; returns where it is held."""
         self.meta, self.data, self.last_contact = dict(meta), data, time.monotonic()
         return {"node_id": ray.get_runtime_context().get_node_id(), "bytes": len(data)}
+
+    def peek(self) -> Optional[dict[str, Any]]:
+        """The held checkpoint's sidecar, without its bytes; None: nothing held yet."""
+        self.last_contact = time.monotonic()
+        return None if self.meta is None else dict(self.meta)
 
     def fetch(self) -> Optional[tuple[dict[str, Any], bytes]]:
         """The held checkpoint's sidecar (with the node holding it) and its bytes; None: nothing held yet."""

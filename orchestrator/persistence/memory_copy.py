@@ -18,11 +18,12 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from orchestrator.checks import bounded, one_line
 
-CALL_TIMEOUT_S = 60.0  # handing a checkpoint to the keeper, fetching it (bytes across nodes)
+CALL_TIMEOUT_S = 60.0  # handing a checkpoint to the keeper, fetching it: this, plus BYTES_PER_S's share
+BYTES_PER_S = 50e6  # the slowest transfer a hand-over or a fetch is given time for
 LOOK_TIMEOUT_S = 10.0  # finding a keeper, asking what it holds
 MEMORY_PREFIX = "memory:"  # how a checkpoint held in memory is named where a path would be
 
@@ -64,16 +65,28 @@ def _handle(directory: str):
         return None
 
 
-def look(directory: str) -> tuple[Optional[dict[str, Any]], Optional[dict[str, Any]], str]:
+def transfer_timeout_s(nbytes: Any) -> float:
+    return CALL_TIMEOUT_S + (float(nbytes) if isinstance(nbytes, (int, float)) else 0.0) / BYTES_PER_S
+
+
+def look(directory: str, wanted: Callable[[dict[str, Any]], str] = lambda meta: "") \
+        -> tuple[Optional[dict[str, Any]], Optional[dict[str, Any]], str]:
     """(the sidecar, the state, "") of the checkpoint the keeper of `directory` holds; (None,
-    None, why) when there is none, or it cannot be read. Needs a connected Ray."""
+    None, why) when there is none, it cannot be read, or `wanted(sidecar)` says why it is not
+    wanted (asked before its bytes are fetched). Needs a connected Ray."""
     import ray
 
     try:
         keeper = bounded(lambda: _handle(directory), LOOK_TIMEOUT_S, "looking for the checkpoint keeper")
         if keeper is None:
             return None, None, "no checkpoint keeper"
-        held = ray.get(keeper.fetch.remote(), timeout=CALL_TIMEOUT_S)
+        meta = ray.get(keeper.peek.remote(), timeout=LOOK_TIMEOUT_S)
+        if meta is None:
+            return None, None, "its keeper holds nothing yet"
+        unwanted = wanted(meta)
+        if unwanted:
+            return None, None, unwanted
+        held = ray.get(keeper.fetch.remote(), timeout=transfer_timeout_s(meta.get("bytes")))
     except Exception as exc:  # gone with its node, expired meanwhile, a cluster that does not answer
         return None, None, f"its keeper did not answer ({one_line(exc)})"
     if held is None:
@@ -104,30 +117,35 @@ class MemoryCopy:
         from orchestrator.fleet.drains import draining_nodes
 
         try:
-            draining = set(draining_nodes())
+            draining = set(bounded(draining_nodes, LOOK_TIMEOUT_S, "the nodes being drained"))
         except Exception:  # no drain view: placed as if nothing were drained
             draining = set()
-        node = pick_node(ray.nodes(), ray.get_runtime_context().get_node_id(), draining)
+        nodes = bounded(ray.nodes, LOOK_TIMEOUT_S, "the Ray cluster's nodes")
+        node = pick_node(nodes, ray.get_runtime_context().get_node_id(), draining)
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=True)} if node else {}
         return CheckpointKeeper.options(name=keeper_name(self.directory), namespace=NAMESPACE, lifetime="detached",
                                         get_if_exists=True, **placement).remote(self.directory, self.keep_s)
 
     def hold(self, meta: dict[str, Any], data: bytes) -> dict[str, Any]:
-        """Hand the keeper this checkpoint: {"in_memory": node id} or {"in_memory_failed": why}
-        (a keeper that died with its node is made again, once)."""
+        """Hand the keeper this checkpoint: {"in_memory": node id} or {"in_memory_failed": why}.
+        A keeper that died (its node lost, expired) is made again at once, once; one that did not
+        answer in time is made again at the next checkpoint."""
         import ray
+        from ray.exceptions import RayActorError
 
         why = ""
         for _ in range(2):
             try:
                 if self.keeper is None:
-                    self.keeper = self._open()
+                    self.keeper = bounded(self._open, LOOK_TIMEOUT_S, "starting the checkpoint keeper")
                     self._touch_on()
-                held = ray.get(self.keeper.hold.remote(meta, data), timeout=CALL_TIMEOUT_S)
+                held = ray.get(self.keeper.hold.remote(meta, data), timeout=transfer_timeout_s(len(data)))
                 return {"in_memory": held["node_id"]}
-            except Exception as exc:  # died (its node lost, expired), or no answer in time: a new one
-                why = one_line(exc)
+            except RayActorError as exc:  # it died: a new one, once
+                self.keeper, why = None, one_line(exc)
+            except Exception as exc:  # no answer in time, a cluster that does not answer
                 self.keeper = None
+                return {"in_memory_failed": one_line(exc)}
         return {"in_memory_failed": why}
 
     def _touch_on(self) -> None:
@@ -143,18 +161,21 @@ class MemoryCopy:
         self._toucher = threading.Thread(target=touch, name="keeper touch", daemon=True)
         self._toucher.start()
 
-    def release(self) -> None:
-        """The run finished: the keeper ends (a keeper of an earlier driver too)."""
+    def release(self) -> dict[str, Any]:
+        """The run finished: the keeper ends (a keeper of an earlier driver too). Never raises
+        (the run's final checkpoint is stored already): {} or {"in_memory_failed": why}; a keeper
+        not ended here ends in_memory_keep_s later."""
         import ray
 
         self.close()
-        keeper = self.keeper or bounded(lambda: _handle(self.directory), LOOK_TIMEOUT_S, "finding the keeper")
-        self.keeper = None
-        if keeper is not None:
-            try:
-                ray.kill(keeper, no_restart=True)
-            except Exception:  # gone already
-                pass
+        keeper, self.keeper = self.keeper, None
+        try:
+            keeper = keeper or bounded(lambda: _handle(self.directory), LOOK_TIMEOUT_S, "finding the keeper")
+            if keeper is not None:
+                bounded(lambda: ray.kill(keeper, no_restart=True), LOOK_TIMEOUT_S, "ending the keeper")
+        except Exception as exc:  # gone already, or the cluster does not answer
+            return {} if isinstance(exc, ValueError) else {"in_memory_failed": f"not ended: {one_line(exc)}"}
+        return {}
 
     def close(self) -> None:
         """The driver's run ended without finishing (an error, an interrupt): touches stop, the

@@ -124,13 +124,15 @@ def _check_named(config: Any, path: str, state: dict[str, Any], store: Checkpoin
                           f"checkpoint.in_memory* may change when a run goes on. Give another --name for a new run")
 
 
-def newer_in_memory(config: Any, stored_path: Optional[str]) -> tuple[Optional[str], Optional[dict[str, Any]], str]:
+def newer_in_memory(config: Any, stored_path: Optional[str], stored: Optional[dict[str, Any]] = None) \
+        -> tuple[Optional[str], Optional[dict[str, Any]], str]:
     """checkpoint.in_memory: (its label, state, "") of the copy the keeper of this run's checkpoint
-    directory holds (orchestrator/persistence/memory_copy.py), when it is at least as new as the
-    store's newest good checkpoint `stored_path` (None: the store has none); else (None, None, why
-    not). The run is named (`config.run.name`), or `stored_path` says its directory (`resume`).
-    ConfigError as for a stored checkpoint when the copy says the run finished or, for a named run,
-    that it was started with another config. Needs a connected Ray."""
+    directory holds (orchestrator/persistence/memory_copy.py), when it is of the same MLflow run as
+    the store's newest good checkpoint `stored_path` (its state `stored`) and at least as new (None:
+    the store has none); else (None, None, why not). The run is named (`config.run.name`), or
+    `stored_path` says its directory (`resume`). ConfigError as for a stored checkpoint when the
+    copy says the run finished or, for a named run, that it was started with another config.
+    Needs a connected Ray."""
     from orchestrator.persistence.memory_copy import directory_key, label, look
 
     if stored_path:  # the directory the store's checkpoint is in
@@ -139,12 +141,19 @@ def newer_in_memory(config: Any, stored_path: Optional[str]) -> tuple[Optional[s
         directory = f"{config.checkpoint.storage.rstrip('/')}/{config.run.name}"
     else:
         return None, None, "the run has no name and no stored checkpoint"
-    meta, state, why = look(directory_key(directory))
+    step = CheckpointStore.step_of(os.path.basename(stored_path or ""))
+
+    def older(meta: dict[str, Any]) -> str:
+        if step is not None and step > meta["step"]:
+            return f"the store's {os.path.basename(stored_path)} is newer than the copy in memory ({meta['name']})"
+        return ""
+
+    meta, state, why = look(directory_key(directory), older)
     if state is None:
         return None, None, why
-    stored = CheckpointStore.step_of(os.path.basename(stored_path or ""))
-    if stored is not None and stored > meta["step"]:
-        return None, None, f"the store's {os.path.basename(stored_path)} is newer than the copy in memory ({meta['name']})"
+    if stored is not None and state.get("mlflow_run_id") != stored.get("mlflow_run_id"):
+        return None, None, (f"the copy in memory ({meta['name']}) is of MLflow run {state.get('mlflow_run_id')}, "
+                            f"the store's checkpoints of {stored.get('mlflow_run_id')}")
     storage, _, run_dir = directory.rpartition("/")
     where, store = label(meta), CheckpointStore(storage or "/", run_dir, keep=1_000_000)
     if config.run.name:

@@ -211,6 +211,8 @@ class Checkpointer:
         directory = self.run_name or mlflow_run_id
         if self.store is None or self.store.run_name != directory:
             self.store = CheckpointStore(self.storage, directory, self.keep)
+            if self.memory is not None:
+                self.memory.close()
             if self.in_memory_keep_s is not None:
                 self.memory = MemoryCopy(directory_key(f"{self.storage.rstrip('/')}/{directory}"), self.in_memory_keep_s)
         # the run's step count (monotonic, the x-axis of the epoch metrics) orders the store
@@ -251,7 +253,7 @@ class Checkpointer:
         if keep and waited:
             held = self.memory.hold(meta, data)
         if self.memory is not None and finished:  # the run is over: nothing to go on from
-            self.memory.release()
+            held = self.memory.release()
         if order.named:
             save_checkpoint(order.store.storage, order.store.run_name, order.named, order.state)
         path = order.store.path_of(order.named) if order.named else stored

@@ -189,6 +189,9 @@ def plan_sweep(sweep: SweepConfig, overrides: Sequence[str] = (), relative_to: O
     if base.run.name or "run.name" in sweep.search:
         raise ConfigError("sweep error: run.name: trials are not named runs (they would share one checkpoint "
                           "directory and go on from each other's checkpoints); leave run.name unset in a sweep")
+    if base.checkpoint.in_memory or "checkpoint.in_memory" in sweep.search:
+        raise ConfigError("sweep error: checkpoint.in_memory: a trial is not started again by name, and the scheduler's "
+                          "stops would leave a keeper holding each stopped trial's checkpoint; leave it off in a sweep")
     for key in sweep.search:
         _check_key(key, "search")
     probes: list[JobConfig] = []

@@ -11,11 +11,16 @@ the keeper is on a worker node, never the driver's, and the finished run ends it
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 import time
 
 import pytest
+import ray
 
+from actors.checkpoints.keeper import NAMESPACE
 from orchestrator.config import JobConfig
+from orchestrator.persistence.memory_copy import directory_key, keeper_name
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import REPO
 from tests.e2e.conftest import InThread
@@ -48,6 +53,9 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     trainer._trace_ids = True  # every row the replicas train on, by epoch and rank
     run = InThread(trainer.fit)  # this thread drains and removes the node
     run.wait_for_file(f"{ck}/*/ckpt-*-epoch_0001.pt.json")
+    [directory] = {os.path.dirname(p) for p in glob.glob(f"{ck}/*/ckpt-*-epoch_0001.pt.json")}
+    keeper = keeper_name(directory_key(directory))
+    ray.get_actor(keeper, namespace=NAMESPACE)  # the run's keeper, holding its checkpoints (ValueError if not)
     ctl = trainer.controller
     node = ctl.group.nodes[1]
     drain(own_cluster, node, DEADLINE_S)
@@ -80,11 +88,8 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     workers = {n.node_id for n in own_cluster.worker_nodes} | {node}
     held = [e["in_memory"] for e in result.events if e["kind"] == "checkpoint" and e["t_wall"] < t_removed]
     assert held and set(held) <= workers, (held, head)  # on another node than the driver's
-    from actors.checkpoints.keeper import NAMESPACE
-    from orchestrator.persistence.memory_copy import directory_key, keeper_name
-    import ray
     with pytest.raises(ValueError):  # the finished run ended its keeper
-        ray.get_actor(keeper_name(directory_key(f"{ck}/{result.mlflow_run_id}")), namespace=NAMESPACE)
+        ray.get_actor(keeper, namespace=NAMESPACE)
     ids = sorted(int(i) for i in trainer._dataset.train.ids)
     for epoch, consumed in enumerate(ctl.consumed, 1):
         seen = sorted(i for steps in consumed.values() for step in steps for i in step)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.e2e
 EXAMPLE = os.path.join(REPO, "examples", "mnist_allreduce.yaml")
 
 
-KEEPER_GONE = """
+KEEPER = """
 import sys, ray
 from actors.checkpoints.keeper import NAMESPACE
 ray.init()
@@ -72,6 +72,15 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
     [held] = glob.glob(second)  # the epoch-2 checkpoint: held in memory, and now no longer in storage
     for path in (held, held.removesuffix(".json")):
         os.remove(path)
+    keeper = keeper_name(directory_key(f"{tmp_path}/runs/checkpoints/nightly"))
+
+    def keeper_is():
+        look = subprocess.run([sys.executable, "-c", KEEPER, keeper], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert look.returncode == 0, look.stdout + look.stderr[-2000:]
+        return look.stdout.strip().splitlines()[-1]
+
+    assert keeper_is() == "still there"  # the killed driver's keeper outlives it
     experiment = client.get_experiment_by_name("mnist-allreduce").experiment_id  # shared with other e2e tests
 
     def runs_named(name):
@@ -102,10 +111,7 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
     assert len(runs_named("nightly")) == 1  # no second run was opened
 
     # the finished run's keeper is gone; a finished run is not trained again, by name or by run id
-    keeper = keeper_name(directory_key(f"{tmp_path}/runs/checkpoints/nightly"))
-    look = subprocess.run([sys.executable, "-c", KEEPER_GONE, keeper], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert look.returncode == 0 and look.stdout.strip().endswith("gone"), look.stdout + look.stderr[-2000:]
+    assert keeper_is() == "gone"
     again = subprocess.run(command("nightly"), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "run nightly already finished" in again.stderr, again.stderr[-2000:]
     by_id = subprocess.run([sys.executable, "-m", "orchestrator", "resume", run_id], cwd=tmp_path, env=env,

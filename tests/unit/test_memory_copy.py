@@ -5,6 +5,7 @@ import hashlib
 import os
 import pickle
 
+import pytest
 import torch
 
 from orchestrator.persistence.checkpoint import CheckpointStore, decode_payload
@@ -61,6 +62,7 @@ class RecordingCopy(MemoryCopy):
 
     def release(self):
         self.log.append(("release",))
+        return {}
 
 
 def test_a_background_checkpoint_is_in_memory_before_it_is_stored_and_the_final_one_ends_the_keeper(tmp_path, monkeypatch):
@@ -82,3 +84,50 @@ def test_a_background_checkpoint_is_in_memory_before_it_is_stored_and_the_final_
     plain = Checkpointer(str(tmp_path), keep=3, run_name="q")
     plain.write({"step": 1, "model": {}}, "epoch_0001", 1, 1, "mlflow-id")
     assert plain.memory is None and "in_memory" not in plain.written()[0]
+
+
+def test_a_run_goes_on_from_memory_only_from_its_own_run_at_least_as_new_as_storage(tmp_path, monkeypatch):
+    """resume.newer_in_memory's decisions, the keeper's lookup (`memory_copy.look`, which needs
+    Ray) replaced by what a keeper would answer: its sidecar judged before its bytes are fetched."""
+    from orchestrator.config import JobConfig
+    from orchestrator.errors import ConfigError
+    from orchestrator.persistence.resume import newer_in_memory
+
+    config = JobConfig.from_dict({"run": {"name": "nightly"}, "checkpoint": {"storage": str(tmp_path),
+                                                                            "in_memory": True}})
+    held = {"model": {}, "step": 7, "epoch": 2, "mlflow_run_id": "run-a", "config": config.model_dump(mode="json"),
+            "run": {}}
+    fetched, asked = [], []
+
+    def keeper(state, step):
+        def look(directory, wanted=lambda meta: ""):
+            asked.append(directory)
+            meta = {"name": CheckpointStore.name_for(step, "epoch_0002"), "step": step, "node_id": "abcdef0123456789"}
+            why = wanted(meta)
+            if why:
+                return None, None, why
+            fetched.append(step)
+            return meta, state, ""
+        monkeypatch.setattr("orchestrator.persistence.memory_copy.look", look)
+
+    stored_path = f"{tmp_path}/nightly/{CheckpointStore.name_for(40, 'epoch_0001')}"
+    stored = {**held, "epoch": 1}
+    keeper(held, 80)
+    where, state, why = newer_in_memory(config, stored_path, stored)
+    assert where == "memory:ckpt-000000080-epoch_0002.pt@node abcdef012345" and why == ""
+    assert state["from_memory"] == where and asked == [f"{tmp_path}/nightly"]
+    assert newer_in_memory(config, None)[1] is not None  # the store has none: the copy is what there is
+
+    keeper(held, 20)  # older than storage's step 40: not even fetched
+    assert newer_in_memory(config, stored_path, stored)[2].startswith("the store's ckpt-000000040-epoch_0001.pt is newer")
+    assert fetched == [80, 80]
+
+    keeper({**held, "mlflow_run_id": "run-b"}, 80)  # another run's copy under the same directory
+    assert "is of MLflow run run-b, the store's checkpoints of run-a" in newer_in_memory(config, stored_path, stored)[2]
+
+    keeper({**held, "finished": True}, 80)
+    with pytest.raises(ConfigError, match="run nightly already finished"):
+        newer_in_memory(config, stored_path, stored)
+    keeper({**held, "config": {**held["config"], "optimizer": {**held["config"]["optimizer"], "lr": 0.5}}}, 80)
+    with pytest.raises(ConfigError, match="started with another config"):
+        newer_in_memory(config, stored_path, stored)

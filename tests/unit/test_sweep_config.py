@@ -76,6 +76,7 @@ def test_goal_defaults_to_the_metrics_direction(tmp_path):
     ({"base": "no/such/base.yaml"}, "base: config file not found: no/such/base.yaml"),
     ({"trials": 4}, "unknown key trials"),
     ({"set": {"scaling.max_replicas": 4}}, "scaling.max_replicas: a trial's placement group holds"),
+    ({"set": {"checkpoint.in_memory": True}}, "sweep error: checkpoint.in_memory: a trial is not started again"),
 ])
 def test_bad_sweep_input_is_one_line_naming_the_key(tmp_path, changes, needle):
     with pytest.raises(ConfigError) as exc:
