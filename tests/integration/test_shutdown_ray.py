@@ -150,7 +150,7 @@ def arm(state: str, monkeypatch, tmp_path):
         scaling = {"replicas": 1, "max_replicas": 2, "poll_s": 0.5, "grow_after": 1}
         return cfg_for(tmp_path, scaling=scaling), callbacks, faults, True
     if state == "checkpointing":  # a periodic checkpoint being saved
-        signal_on_call(monkeypatch, CheckpointStore, "save", nth=2)
+        signal_on_call(monkeypatch, CheckpointStore, "save_serialized", nth=2)
         return cfg_for(tmp_path, checkpoint={"every_epochs": 1}), callbacks, faults, True
     raise AssertionError(state)
 
