@@ -14,6 +14,7 @@ from orchestrator.control.reconfig.repair import for_loading
 from orchestrator.fleet.cluster import beside_driver
 from orchestrator.data.placement import place_data
 from orchestrator.persistence.run_state import UNSAVED, Position
+from orchestrator.persistence.resume import FROM_MEMORY
 from orchestrator.control.states import EpochSegment, Guard, Pending
 from policies.decisions.leases import MAX_GRANT
 from policies.rules.registry import mode_spec
@@ -138,7 +139,7 @@ def restore(run: "RunContext", state: dict[str, Any]) -> None:
                       phase=run.policies.switch.current, mode=run.phase.spec.name,
                       **({"parts_missing": missing} if missing else {}), **({UNSAVED: unsaved} if unsaved else {}),
                       **({"probation_until": int(state["probation"]["until"])} if state.get("probation") else {}),
-                      **({"from_memory": state["from_memory"]} if state.get("from_memory") else {}))
+                      **({FROM_MEMORY: state[FROM_MEMORY]} if state.get(FROM_MEMORY) else {}))
     for name, why in unsaved.items():
         run.report.say(f"resumed without the checkpoint's {name} part (not saved: {why}); it starts afresh")
     where = (f"inside epoch {place['epoch']} ({len(place['done'])} partitions done, {len(place['skips'])} begun)"

@@ -3,9 +3,10 @@
 A periodic checkpoint is serialized once, on the Checkpointer's background thread
 (orchestrator/persistence/run_state.py); with `checkpoint.in_memory` the same bytes go first to
 the run's `CheckpointKeeper` (actors/checkpoints/keeper.py), a detached actor that outlives the
-driver, then to storage (one the run waits on, the interrupted checkpoint, to storage first). A run started again by name (or with `resume`) asks the keeper of its
-checkpoint directory and goes on from the copy in memory when it is at least as new as the
-store's newest good checkpoint: nothing is read from storage, and a checkpoint the driver died
+driver, then to storage (one the run waits on, the interrupted checkpoint, to storage first). A
+run started again by name (or with `resume`) asks the keeper of its checkpoint directory and goes
+on from the copy in memory when it is of the same MLflow run as the store's newest good
+checkpoint and at least as new (orchestrator/persistence/resume.py): nothing is read from storage, and a checkpoint the driver died
 before storing, or a storage that was lost with the driver's node, costs nothing
 (orchestrator/trainer.py). The copy is checked like a stored one: its length and sha256
 against its sidecar, then `torch.load(weights_only=True)`.
@@ -116,12 +117,11 @@ class MemoryCopy:
         from actors.checkpoints.keeper import NAMESPACE, CheckpointKeeper
         from orchestrator.fleet.drains import draining_nodes
 
-        try:
-            draining = set(bounded(draining_nodes, LOOK_TIMEOUT_S, "the nodes being drained"))
+        try:  # (hold bounds this whole call)
+            draining = set(draining_nodes())
         except Exception:  # no drain view: placed as if nothing were drained
             draining = set()
-        nodes = bounded(ray.nodes, LOOK_TIMEOUT_S, "the Ray cluster's nodes")
-        node = pick_node(nodes, ray.get_runtime_context().get_node_id(), draining)
+        node = pick_node(ray.nodes(), ray.get_runtime_context().get_node_id(), draining)
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=True)} if node else {}
         return CheckpointKeeper.options(name=keeper_name(self.directory), namespace=NAMESPACE, lifetime="detached",
                                         get_if_exists=True, **placement).remote(self.directory, self.keep_s)
