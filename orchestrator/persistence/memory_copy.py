@@ -122,7 +122,9 @@ class MemoryCopy:
         except Exception:  # no drain view: placed as if nothing were drained
             draining = set()
         node = pick_node(ray.nodes(), ray.get_runtime_context().get_node_id(), draining)
-        placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=True)} if node else {}
+        # hard: Ray places a 0-CPU actor on a random node whatever a soft affinity asks (seen: 7 of
+        # 12 elsewhere, the driver's node among them); a node gone meanwhile fails the start at once
+        placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)} if node else {}
         return CheckpointKeeper.options(name=keeper_name(self.directory), namespace=NAMESPACE, lifetime="detached",
                                         get_if_exists=True, **placement).remote(self.directory, self.keep_s)
 
@@ -131,7 +133,7 @@ class MemoryCopy:
         A keeper that died (its node lost, expired) is made again at once, once; one that did not
         answer in time is made again at the next checkpoint."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorUnschedulableError, RayActorError
 
         why = ""
         for _ in range(2):
@@ -141,7 +143,7 @@ class MemoryCopy:
                     self._touch_on()
                 held = ray.get(self.keeper.hold.remote(meta, data), timeout=transfer_timeout_s(len(data)))
                 return {"in_memory": held["node_id"]}
-            except RayActorError as exc:  # it died: a new one, once
+            except (RayActorError, ActorUnschedulableError) as exc:  # it died, its node went: a new one, once
                 self.keeper, why = None, one_line(exc)
             except Exception as exc:  # no answer in time, a cluster that does not answer
                 self.keeper = None

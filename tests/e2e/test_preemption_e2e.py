@@ -94,3 +94,22 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     for epoch, consumed in enumerate(ctl.consumed, 1):
         seen = sorted(i for steps in consumed.values() for step in steps for i in step)
         assert seen == ids, f"epoch {epoch}: {len(seen)} rows for {len(ids)}, {len(seen) - len(set(seen))} twice"
+
+
+@pytest.mark.full  # ~30 s on its own cluster
+def test_the_keeper_goes_to_another_node_than_the_drivers(own_cluster, tmp_path):
+    """A keeper is placed off the driver's node whenever there is another node (a 0-CPU head for
+    the driver, one worker): each of 8 keepers, started one after another, is on the worker
+    (Ray puts a 0-CPU actor with a soft affinity on a random node: half of them on the head)."""
+    from orchestrator.persistence.checkpoint import CheckpointStore
+    from orchestrator.persistence.memory_copy import MemoryCopy
+
+    [worker] = [n.node_id for n in own_cluster.worker_nodes]
+    data, meta = CheckpointStore.serialized({"step": 1}, step=1, epoch=1, tag="epoch_0001")
+    copies = [MemoryCopy(f"{tmp_path}/run{i}", keep_s=3600.0) for i in range(8)]
+    try:
+        held = [copy.hold(meta, data) for copy in copies]
+    finally:
+        for copy in copies:
+            copy.release()
+    assert held == [{"in_memory": worker}] * 8, (held, worker)
