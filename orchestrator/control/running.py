@@ -106,7 +106,9 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
 def look_after_spares(run: "RunContext", epoch: int) -> None:
     """Spares found dead are replaced (`spare_replaced`), those on a node being drained are moved
     off it (`spare_evacuated`, with the node): a spare left there would die with it. Each spare
-    that became ready is an event (`spare_ready`: the pool back at strength, and what it cost)."""
+    that became ready is an event (`spare_ready`: the pool back at strength, and what it cost).
+    The checkpoint keeper (checkpoint.in_memory) on a node being drained moves too
+    (`keeper_evacuated`, or `keeper_evacuation_failed` with why)."""
     pool = run.fleet.group.spare_pool
     for node in pool.move_off(run.fleet.drains.look()):
         run.report.event("spare_evacuated", epoch=epoch, node=node, spares=len(pool.actors))
@@ -115,6 +117,14 @@ def look_after_spares(run: "RunContext", epoch: int) -> None:
         run.report.event("spare_replaced", epoch=epoch, spares=len(pool.actors))
     for figures in pool.ready():
         run.report.event("spare_ready", epoch=epoch, **{k: round(v, 3) for k, v in figures.items()})
+    for moved in run.checkpoints.move_keeper_off(run.fleet.drains.draining):  # checkpoint.in_memory's keeper
+        if "failed" in moved:
+            run.report.event("keeper_evacuation_failed", epoch=epoch, node=moved["from"], reason=moved["failed"])
+            run.report.say(f"node {moved['from'][:8]} is being drained: the checkpoint kept in memory there "
+                           f"could not move ({moved['failed']}); the next checkpoint is kept on another node")
+        else:
+            run.report.event("keeper_evacuated", epoch=epoch, node=moved["from"], to=moved["to"],
+                             move_s=moved["move_s"], bytes=moved["bytes"])
 
 
 def ready_streams(streams: list) -> set:

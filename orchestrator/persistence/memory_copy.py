@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from orchestrator.checks import bounded, one_line
@@ -107,8 +108,14 @@ class MemoryCopy:
     def __init__(self, directory: str, keep_s: float) -> None:
         self.directory, self.keep_s = directory, keep_s
         self.keeper: Any = None
+        self.node: Optional[str] = None  # the keeper's node, as its last hold said
+        self._lock = threading.Lock()  # a hold, a move and a release, one at a time
         self._stop = threading.Event()
         self._toucher: Optional[threading.Thread] = None
+        self._mover: Optional[threading.Thread] = None
+        self._unmovable: Optional[str] = None  # a node the keeper could not be moved off (not tried again)
+        self._moves: list[dict[str, Any]] = []
+        self._moves_lock = threading.Lock()  # not _lock: the training loop asks for moves while one goes on
 
     def _open(self) -> Any:
         import ray
@@ -132,6 +139,10 @@ class MemoryCopy:
         """Hand the keeper this checkpoint: {"in_memory": node id} or {"in_memory_failed": why}.
         A keeper that died (its node lost, expired) is made again at once, once; one that did not
         answer in time is made again at the next checkpoint."""
+        with self._lock:
+            return self._hold(meta, data)
+
+    def _hold(self, meta: dict[str, Any], data: bytes) -> dict[str, Any]:
         import ray
         from ray.exceptions import ActorUnschedulableError, RayActorError
 
@@ -142,13 +153,72 @@ class MemoryCopy:
                     self.keeper = bounded(self._open, LOOK_TIMEOUT_S, "starting the checkpoint keeper")
                     self._touch_on()
                 held = ray.get(self.keeper.hold.remote(meta, data), timeout=transfer_timeout_s(len(data)))
+                self.node = held["node_id"]
                 return {"in_memory": held["node_id"]}
             except (RayActorError, ActorUnschedulableError) as exc:  # it died, its node went: a new one, once
-                self.keeper, why = None, one_line(exc)
+                self.keeper, self.node, why = None, None, one_line(exc)
             except Exception as exc:  # no answer in time, a cluster that does not answer
-                self.keeper = None
+                self.keeper, self.node = None, None
                 return {"in_memory_failed": one_line(exc)}
         return {"in_memory_failed": why}
+
+    def move_off(self, draining: dict[str, Any]) -> None:
+        """The keeper's node is being drained (`draining`: node id -> deadline, the run's drain
+        view): its copy moves to another node before the deadline, on a thread of its own (the
+        training loop does not wait); `moves()` says what came of it. Not tried again off a node
+        it could not leave (no other node: the next checkpoint, after the node went, makes a new
+        keeper elsewhere)."""
+        node = self.node
+        if node is None or node not in draining or node == self._unmovable or self._stop.is_set():
+            return
+        if self._mover is not None and self._mover.is_alive():
+            return
+        self._mover = threading.Thread(target=self._move, args=(node, set(draining)), name="keeper move", daemon=True)
+        self._mover.start()
+
+    def moves(self) -> list[dict[str, Any]]:
+        """What each move since the last call came to: {"from", "to", "move_s", "bytes"} or
+        {"from", "failed": why}."""
+        with self._moves_lock:
+            out, self._moves = self._moves, []
+        return out
+
+    def _move(self, node: str, draining: set[str]) -> None:
+        import ray
+
+        t = time.perf_counter()
+        with self._lock:
+            if self.node != node or self.keeper is None:  # moved, lost or released meanwhile
+                return
+            try:
+                if pick_node(bounded(ray.nodes, LOOK_TIMEOUT_S, "listing the nodes"),
+                             ray.get_runtime_context().get_node_id(), draining) is None:
+                    raise RuntimeError("no other node to hold it")
+                peeked = ray.get(self.keeper.peek.remote(), timeout=LOOK_TIMEOUT_S)
+                held = None if peeked is None else \
+                    ray.get(self.keeper.fetch.remote(), timeout=transfer_timeout_s(peeked.get("bytes")))
+                # the name is the keeper's identity: the old one goes before the new one starts
+                # (a driver lost in these seconds leaves storage's newest to go on from)
+                old, self.keeper, self.node = self.keeper, None, None
+                bounded(lambda: ray.kill(old, no_restart=True), LOOK_TIMEOUT_S, "ending the keeper on the drained node")
+                bounded(self._name_free, LOOK_TIMEOUT_S, "waiting for the drained keeper's name")
+                to, nbytes = None, 0
+                if held is not None:  # (nothing held yet: the next checkpoint makes the keeper elsewhere)
+                    meta, data = held
+                    outcome = self._hold({k: v for k, v in meta.items() if k != "node_id"}, data)
+                    if "in_memory" not in outcome:
+                        raise RuntimeError(outcome.get("in_memory_failed", "not held"))
+                    to, nbytes = outcome["in_memory"], len(data)
+                moved = {"from": node, "to": to, "move_s": round(time.perf_counter() - t, 3), "bytes": nbytes}
+            except Exception as exc:  # the keeper stays (or is made again at the next checkpoint)
+                self._unmovable = node
+                moved = {"from": node, "failed": one_line(exc)}
+        with self._moves_lock:
+            self._moves.append(moved)
+
+    def _name_free(self) -> None:
+        while _handle(self.directory) is not None:
+            time.sleep(0.1)
 
     def _touch_on(self) -> None:
         if self._toucher is not None:
@@ -170,7 +240,8 @@ class MemoryCopy:
         import ray
 
         self.close()
-        keeper, self.keeper = self.keeper, None
+        with self._lock:
+            keeper, self.keeper, self.node = self.keeper, None, None
         try:
             keeper = keeper or bounded(lambda: _handle(self.directory), LOOK_TIMEOUT_S, "finding the keeper")
             if keeper is not None:

@@ -286,6 +286,15 @@ class Checkpointer:
                 self._cv.wait(left)
         return True
 
+    def move_keeper_off(self, draining: dict[str, Any]) -> list[dict[str, Any]]:
+        """checkpoint.in_memory: the keeper's node is being drained -> its copy moves to another
+        node (in the background, MemoryCopy.move_off). What each move since the last call came to."""
+        if self.memory is None:
+            return []
+        if draining:
+            self.memory.move_off(draining)
+        return self.memory.moves()
+
     def close(self) -> None:
         """The run ended: its keeper (if any) is no longer touched, and ends keep_s later unless
         the run is started again (a finished run released it already)."""

@@ -1,13 +1,14 @@
 """A preemption notice acted on before the deadline, in process on a cluster this test starts
 (`ray.cluster_utils.Cluster`: a 0-CPU head for the driver, the partition server and the shards;
 three 1-CPU worker nodes). 2 replicas train; after the first epoch's checkpoint the node of
-replica 1 is drained as a spot preemption is (`DRAIN_NODE_REASON_PREEMPTION`, a 20 s deadline,
+a replica (the one beside the checkpoint keeper if there is one, else replica 1) is drained as a spot preemption is (`DRAIN_NODE_REASON_PREEMPTION`, a 20 s deadline,
 the GCS call the autoscaler makes) and removed at the deadline; the head, where the driver runs,
 is drained too (and left: nothing of the run can move off it). The run moves replica 1 to the
 free node before the deadline and takes a checkpoint inside the epoch for the driver's node: no
 replica failure is ever seen, no step is lost, every training row is used once in every epoch,
 and the run finishes its epochs. Its checkpoints are kept in memory too (`checkpoint.in_memory`):
-the keeper is on a worker node, never the driver's, and the finished run ends it."""
+the keeper is on a worker node, never the driver's, moves off the drained node if it was there,
+and the finished run ends it."""
 from __future__ import annotations
 
 import dataclasses
@@ -55,9 +56,12 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     run.wait_for_file(f"{ck}/*/ckpt-*-epoch_0001.pt.json")
     [directory] = {os.path.dirname(p) for p in glob.glob(f"{ck}/*/ckpt-*-epoch_0001.pt.json")}
     keeper = keeper_name(directory_key(directory))
-    ray.get_actor(keeper, namespace=NAMESPACE)  # the run's keeper, holding its checkpoints (ValueError if not)
+    held_by = ray.get_actor(keeper, namespace=NAMESPACE)  # the run's keeper, holding its checkpoints (ValueError if not)
+    keeper_node = ray.get(held_by.fetch.remote(), timeout=60)[0]["node_id"]
     ctl = trainer.controller
-    node = ctl.group.nodes[1]
+    # the node of the replica beside the keeper when there is one (the keeper moves too), else replica 1's
+    rank = min((r for r, n in ctl.group.nodes.items() if n == keeper_node), default=1)
+    node = ctl.group.nodes[rank]
     drain(own_cluster, node, DEADLINE_S)
     head = own_cluster.head_node.node_id
     drain(own_cluster, head, DEADLINE_S)
@@ -75,10 +79,11 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     assert "replica_failed" not in kinds and "failure_decision" not in kinds, \
         [e for e in result.events if e["kind"] in ("replica_failed", "failure_decision")]
     [moved] = [e for e in result.events if e["kind"] == "replica_evacuated"]
-    assert moved["ranks"] == [1] and moved["steps_lost"] == 0 and moved["causes"] == {"1": "preempted"}, moved
-    assert moved["nodes"] == {"1": node} and 0 < moved["deadline_left_s"]["1"] <= DEADLINE_S, moved
+    r = str(rank)
+    assert moved["ranks"] == [rank] and moved["steps_lost"] == 0 and moved["causes"] == {r: "preempted"}, moved
+    assert moved["nodes"] == {r: node} and 0 < moved["deadline_left_s"][r] <= DEADLINE_S, moved
     assert moved["evacuate_s"] < DEADLINE_S, moved  # stepping again elsewhere before the node went
-    assert ctl.group.nodes[1] != node and result.epochs == last and ctl.totals.replica_restarts == 0
+    assert ctl.group.nodes[rank] != node and result.epochs == last and ctl.totals.replica_restarts == 0
     [seen] = [e for e in result.events if e["kind"] == "driver_node_draining"]
     assert seen["node"] == head and 0 < seen["deadline_left_s"] <= DEADLINE_S, seen
     for_drain = [e for e in result.events if e["kind"] == "checkpoint" and (e.get("in_epoch") or {}).get("for")]
@@ -88,6 +93,12 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     workers = {n.node_id for n in own_cluster.worker_nodes} | {node}
     held = [e["in_memory"] for e in result.events if e["kind"] == "checkpoint" and e["t_wall"] < t_removed]
     assert held and set(held) <= workers, (held, head)  # on another node than the driver's
+    moved_keeper = [e for e in result.events if e["kind"] in ("keeper_evacuated", "keeper_evacuation_failed")]
+    if keeper_node == node:  # the keeper was on the drained node too: it moved off before the node went
+        assert [(e["kind"], e["node"]) for e in moved_keeper] == [("keeper_evacuated", node)], moved_keeper
+        assert moved_keeper[0]["t_wall"] < t_removed and moved_keeper[0]["to"] in workers - {node}, moved_keeper
+    else:
+        assert not moved_keeper, moved_keeper
     with pytest.raises(ValueError):  # the finished run ended its keeper
         ray.get_actor(keeper, namespace=NAMESPACE)
     ids = sorted(int(i) for i in trainer._dataset.train.ids)
@@ -96,20 +107,40 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
         assert seen == ids, f"epoch {epoch}: {len(seen)} rows for {len(ids)}, {len(seen) - len(set(seen))} twice"
 
 
-@pytest.mark.full  # ~30 s on its own cluster
-def test_the_keeper_goes_to_another_node_than_the_drivers(own_cluster, tmp_path):
-    """A keeper is placed off the driver's node whenever there is another node (a 0-CPU head for
-    the driver, one worker): each of 8 keepers, started one after another, is on the worker
-    (Ray puts a 0-CPU actor with a soft affinity on a random node: half of them on the head)."""
-    from orchestrator.persistence.checkpoint import CheckpointStore
-    from orchestrator.persistence.memory_copy import MemoryCopy
 
-    [worker] = [n.node_id for n in own_cluster.worker_nodes]
+@pytest.mark.full  # ~30 s on its own cluster
+@pytest.mark.parametrize("own_cluster", [2], indirect=True)
+def test_the_keeper_is_off_the_drivers_node_and_moves_off_a_drained_one(own_cluster, tmp_path):
+    """A keeper is placed off the driver's node whenever there is another node (a 0-CPU head for
+    the driver, two workers): each of 8 keepers, started one after another, is on a worker (Ray
+    puts a 0-CPU actor with a soft affinity on a random node: a third of them on the head). The
+    first one's node is then drained as a preemption is: its copy moves to the other worker
+    before the node is removed, and is found there, whole, afterwards."""
+    from orchestrator.fleet.drains import draining_nodes
+    from orchestrator.persistence.checkpoint import CheckpointStore
+    from orchestrator.persistence.memory_copy import MemoryCopy, look
+
+    workers = {n.node_id for n in own_cluster.worker_nodes}
     data, meta = CheckpointStore.serialized({"step": 1}, step=1, epoch=1, tag="epoch_0001")
     copies = [MemoryCopy(f"{tmp_path}/run{i}", keep_s=3600.0) for i in range(8)]
     try:
         held = [copy.hold(meta, data) for copy in copies]
+        assert all(h.get("in_memory") in workers for h in held), (held, workers)
+        copy, first = copies[0], held[0]["in_memory"]
+        drain(own_cluster, first, DEADLINE_S)
+        moves, t = [], time.monotonic()
+        while not moves and time.monotonic() < t + DEADLINE_S:
+            copy.move_off(draining_nodes())  # what the run's loop does on each tick
+            moves = copy.moves()
+            time.sleep(0.2)
+        [other] = workers - {first}
+        assert moves and moves[0]["from"] == first and moves[0]["to"] == other and moves[0]["bytes"] == len(data), moves
+        [gone] = [n for n in own_cluster.worker_nodes if n.node_id == first]
+        own_cluster.remove_node(gone)  # at the deadline
+        back_meta, back, why = look(f"{tmp_path}/run0")
+        assert why == "" and back_meta["node_id"] == other and back == {"step": 1}, why
+        data2, meta2 = CheckpointStore.serialized({"step": 2}, step=2, epoch=2, tag="epoch_0002")
+        assert copy.hold(meta2, data2) == {"in_memory": other}  # the next checkpoint goes to the moved keeper
     finally:
         for copy in copies:
             copy.release()
-    assert held == [{"in_memory": worker}] * 8, (held, worker)
