@@ -109,7 +109,10 @@ OURS = {"allreduce": ("mnist_allreduce.yaml", []), "balanced": ("mnist_allreduce
                                                      "strategy.adaptive.slow_ratio=1.5",
                                                      "strategy.adaptive.recover_ratio=1.2"]),
         "adaptive_h4": ("mnist_adaptive.yaml", ["strategy.period=4"])}
-REGRESSION = {"allreduce": [], **{m: [f"strategy.mode={m}"] for m in ("downpour", "easgd", "fsdp", "hogwild", "sandblaster")},
+REGRESSION = {"allreduce": [], **{m: [f"strategy.mode={m}"] for m in ("easgd", "fsdp", "hogwild", "sandblaster")},
+              # as examples/mnist_downpour.yaml: stale gradients compound with the shards' momentum
+              # (at the example's 0.9, four replicas stayed at R^2 ~0 for 30 epochs in each of 3 runs)
+              "downpour": ["strategy.mode=downpour", "optimizer.momentum=0.5"],
               "gossip": ["strategy.mode=gossip", "strategy.period=1"],
               "adaptive_batch": ["data.batch_size=16", "data.adaptive_batch={max: 128}"]}
 R2_TARGET = 0.9
