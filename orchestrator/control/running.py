@@ -124,7 +124,7 @@ def look_after_spares(run: "RunContext", epoch: int) -> None:
                            f"could not move ({moved['failed']}); the next checkpoint is kept on another node")
         else:
             run.report.event("keeper_evacuated", epoch=epoch, node=moved["from"], to=moved["to"],
-                             move_s=moved["move_s"], bytes=moved["bytes"])
+                             move_s=moved["move_s"], bytes=moved["bytes"], done_wall=moved["done_wall"])
 
 
 def ready_streams(streams: list) -> set:

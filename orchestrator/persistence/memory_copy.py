@@ -27,6 +27,7 @@ from orchestrator.checks import bounded, one_line
 CALL_TIMEOUT_S = 60.0  # handing a checkpoint to the keeper, fetching it: this, plus BYTES_PER_S's share
 BYTES_PER_S = 50e6  # the slowest transfer a hand-over or a fetch is given time for
 LOOK_TIMEOUT_S = 10.0  # finding a keeper, asking what it holds
+MOVE_RETRY_S = 5.0  # a keeper that failed to move off a drained node is tried again this much later
 MEMORY_PREFIX = "memory:"  # how a checkpoint held in memory is named where a path would be
 
 
@@ -103,21 +104,25 @@ def look(directory: str, wanted: Callable[[dict[str, Any]], str] = lambda meta: 
 class MemoryCopy:
     """The driver's side of its run's keeper: made at the first checkpoint (found again if a
     driver before this one made it), handed every periodic checkpoint, touched every keep_s / 4
-    while the driver lives, released by the final one."""
+    while the driver lives, released by the final one, moved off a node being drained."""
 
     def __init__(self, directory: str, keep_s: float) -> None:
         self.directory, self.keep_s = directory, keep_s
         self.keeper: Any = None
         self.node: Optional[str] = None  # the keeper's node, as its last hold said
-        self._lock = threading.Lock()  # a hold, a move and a release, one at a time
-        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the keeper's calls (a hold, a move, a release), one at a time
+        self._stop = threading.Event()  # touches stop (the run ended)
+        self._released = threading.Event()  # the run finished: nothing to keep
         self._toucher: Optional[threading.Thread] = None
         self._mover: Optional[threading.Thread] = None
-        self._unmovable: Optional[str] = None  # a node the keeper could not be moved off (not tried again)
+        self._moving = False  # a move holds _lock: a hold meanwhile leaves its checkpoint in _newest
+        self._newest: Optional[tuple[dict[str, Any], bytes]] = None  # for the keeper once the move is made
+        self._retry_at = 0.0  # a failed move is tried again from then (monotonic)
+        self._unmovable: Optional[str] = None  # a node with no other to move to (not tried again)
         self._moves: list[dict[str, Any]] = []
-        self._moves_lock = threading.Lock()  # not _lock: the training loop asks for moves while one goes on
+        self._small = threading.Lock()  # _moving, _newest and _moves: never held across a remote call
 
-    def _open(self) -> Any:
+    def _open(self, avoid: frozenset = frozenset()) -> Any:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -126,9 +131,9 @@ class MemoryCopy:
 
         try:  # (hold bounds this whole call)
             draining = set(draining_nodes())
-        except Exception:  # no drain view: placed as if nothing were drained
+        except Exception:  # no drain view: placed as if nothing but `avoid` were drained
             draining = set()
-        node = pick_node(ray.nodes(), ray.get_runtime_context().get_node_id(), draining)
+        node = pick_node(ray.nodes(), ray.get_runtime_context().get_node_id(), draining | avoid)
         # hard: Ray places a 0-CPU actor on a random node whatever a soft affinity asks (seen: 7 of
         # 12 elsewhere, the driver's node among them); a node gone meanwhile fails the start at once
         placement = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)} if node else {}
@@ -138,11 +143,22 @@ class MemoryCopy:
     def hold(self, meta: dict[str, Any], data: bytes) -> dict[str, Any]:
         """Hand the keeper this checkpoint: {"in_memory": node id} or {"in_memory_failed": why}.
         A keeper that died (its node lost, expired) is made again at once, once; one that did not
-        answer in time is made again at the next checkpoint."""
-        with self._lock:
+        answer in time is made again at the next checkpoint. While the keeper moves off a drained
+        node this returns at once: the moved keeper holds this checkpoint (the newest one handed)."""
+        while True:
+            with self._small:
+                if self._moving:
+                    self._newest = (meta, data)
+                    return {"in_memory_failed": "the keeper is moving off a node being drained: "
+                                                "it holds this checkpoint once moved"}
+            if self._lock.acquire(timeout=0.1):
+                break
+        try:
             return self._hold(meta, data)
+        finally:
+            self._lock.release()
 
-    def _hold(self, meta: dict[str, Any], data: bytes) -> dict[str, Any]:
+    def _hold(self, meta: dict[str, Any], data: bytes, avoid: frozenset = frozenset()) -> dict[str, Any]:
         import ray
         from ray.exceptions import ActorUnschedulableError, RayActorError
 
@@ -150,7 +166,7 @@ class MemoryCopy:
         for _ in range(2):
             try:
                 if self.keeper is None:
-                    self.keeper = bounded(self._open, LOOK_TIMEOUT_S, "starting the checkpoint keeper")
+                    self.keeper = bounded(lambda: self._open(avoid), LOOK_TIMEOUT_S, "starting the checkpoint keeper")
                     self._touch_on()
                 held = ray.get(self.keeper.hold.remote(meta, data), timeout=transfer_timeout_s(len(data)))
                 self.node = held["node_id"]
@@ -165,59 +181,76 @@ class MemoryCopy:
     def move_off(self, draining: dict[str, Any]) -> None:
         """The keeper's node is being drained (`draining`: node id -> deadline, the run's drain
         view): its copy moves to another node before the deadline, on a thread of its own (the
-        training loop does not wait); `moves()` says what came of it. Not tried again off a node
-        it could not leave (no other node: the next checkpoint, after the node went, makes a new
-        keeper elsewhere)."""
+        training loop does not wait, nor does a checkpoint: see hold); `moves()` says what came of
+        it. A move that failed is tried again MOVE_RETRY_S later; none is tried off a node when
+        there is no other (the next checkpoint after the node went makes a keeper elsewhere)."""
         node = self.node
-        if node is None or node not in draining or node == self._unmovable or self._stop.is_set():
+        if node is None or node not in draining or node == self._unmovable or self._released.is_set() \
+                or time.monotonic() < self._retry_at or (self._mover is not None and self._mover.is_alive()):
             return
-        if self._mover is not None and self._mover.is_alive():
-            return
-        self._mover = threading.Thread(target=self._move, args=(node, set(draining)), name="keeper move", daemon=True)
+        self._mover = threading.Thread(target=self._move, args=(node, frozenset(draining)), name="keeper move",
+                                       daemon=True)
         self._mover.start()
 
     def moves(self) -> list[dict[str, Any]]:
-        """What each move since the last call came to: {"from", "to", "move_s", "bytes"} or
-        {"from", "failed": why}."""
-        with self._moves_lock:
+        """What each move since the last call came to: {"from", "to", "move_s", "bytes", "done_wall"}
+        or {"from", "failed": why}."""
+        with self._small:
             out, self._moves = self._moves, []
         return out
 
-    def _move(self, node: str, draining: set[str]) -> None:
+    def _move(self, node: str, draining: frozenset) -> None:
         import ray
 
         t = time.perf_counter()
         with self._lock:
-            if self.node != node or self.keeper is None:  # moved, lost or released meanwhile
+            if self.node != node or self.keeper is None or self._released.is_set():  # moved, lost, released meanwhile
                 return
+            with self._small:
+                self._moving, self._newest = True, None
+            held = None
             try:
                 if pick_node(bounded(ray.nodes, LOOK_TIMEOUT_S, "listing the nodes"),
                              ray.get_runtime_context().get_node_id(), draining) is None:
+                    self._unmovable = node
                     raise RuntimeError("no other node to hold it")
                 peeked = ray.get(self.keeper.peek.remote(), timeout=LOOK_TIMEOUT_S)
-                held = None if peeked is None else \
-                    ray.get(self.keeper.fetch.remote(), timeout=transfer_timeout_s(peeked.get("bytes")))
+                if peeked is not None:
+                    meta, data = ray.get(self.keeper.fetch.remote(), timeout=transfer_timeout_s(peeked.get("bytes")))
+                    held = ({k: v for k, v in meta.items() if k != "node_id"}, data)
                 # the name is the keeper's identity: the old one goes before the new one starts
                 # (a driver lost in these seconds leaves storage's newest to go on from)
                 old, self.keeper, self.node = self.keeper, None, None
                 bounded(lambda: ray.kill(old, no_restart=True), LOOK_TIMEOUT_S, "ending the keeper on the drained node")
-                bounded(self._name_free, LOOK_TIMEOUT_S, "waiting for the drained keeper's name")
-                to, nbytes = None, 0
-                if held is not None:  # (nothing held yet: the next checkpoint makes the keeper elsewhere)
-                    meta, data = held
-                    outcome = self._hold({k: v for k, v in meta.items() if k != "node_id"}, data)
-                    if "in_memory" not in outcome:
-                        raise RuntimeError(outcome.get("in_memory_failed", "not held"))
-                    to, nbytes = outcome["in_memory"], len(data)
-                moved = {"from": node, "to": to, "move_s": round(time.perf_counter() - t, 3), "bytes": nbytes}
-            except Exception as exc:  # the keeper stays (or is made again at the next checkpoint)
-                self._unmovable = node
-                moved = {"from": node, "failed": one_line(exc)}
-        with self._moves_lock:
+                self._wait_name_free(LOOK_TIMEOUT_S)
+                moved = {"from": node, "to": None, "bytes": 0}
+                while True:  # the fetched copy, or the newest checkpoint handed meanwhile
+                    with self._small:
+                        newest, self._newest = self._newest, None
+                        if (newest is None and held is None) or self._released.is_set():  # (no new keeper)
+                            self._moving = False
+                            break
+                    newest, held = newest or held, None
+                    outcome = self._hold(*newest, avoid=draining)
+                    if outcome.get("in_memory") in (None, *draining):
+                        raise RuntimeError(outcome.get("in_memory_failed") or "made on a node being drained")
+                    moved.update(to=outcome["in_memory"], bytes=len(newest[1]))
+                moved.update(move_s=round(time.perf_counter() - t, 3), done_wall=round(time.time(), 3))
+            except Exception as exc:  # before the kill the keeper stays (tried again later); after it, none is
+                moved = {"from": node, "failed": one_line(exc)}  # kept until the next checkpoint (storage has it)
+                self._retry_at = time.monotonic() + MOVE_RETRY_S
+                with self._small:
+                    newest, self._newest, self._moving = self._newest, None, False
+                if newest is not None:  # a checkpoint handed while the move went on: to the old keeper, or a new one
+                    self._hold(*newest, avoid=draining)
+        with self._small:
             self._moves.append(moved)
 
-    def _name_free(self) -> None:
-        while _handle(self.directory) is not None:
+    def _wait_name_free(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while bounded(lambda: _handle(self.directory), LOOK_TIMEOUT_S, "looking for the keeper") is not None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the ended keeper's name was still taken after {timeout_s:g}s")
             time.sleep(0.1)
 
     def _touch_on(self) -> None:
@@ -239,6 +272,7 @@ class MemoryCopy:
         not ended here ends in_memory_keep_s later."""
         import ray
 
+        self._released.set()
         self.close()
         with self._lock:
             keeper, self.keeper, self.node = self.keeper, None, None

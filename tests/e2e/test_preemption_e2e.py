@@ -96,7 +96,7 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     moved_keeper = [e for e in result.events if e["kind"] in ("keeper_evacuated", "keeper_evacuation_failed")]
     if keeper_node == node:  # the keeper was on the drained node too: it moved off before the node went
         assert [(e["kind"], e["node"]) for e in moved_keeper] == [("keeper_evacuated", node)], moved_keeper
-        assert moved_keeper[0]["t_wall"] < t_removed and moved_keeper[0]["to"] in workers - {node}, moved_keeper
+        assert moved_keeper[0]["done_wall"] < t_removed and moved_keeper[0]["to"] in workers - {node}, moved_keeper
     else:
         assert not moved_keeper, moved_keeper
     with pytest.raises(ValueError):  # the finished run ended its keeper
@@ -115,7 +115,8 @@ def test_the_keeper_is_off_the_drivers_node_and_moves_off_a_drained_one(own_clus
     the driver, two workers): each of 8 keepers, started one after another, is on a worker (Ray
     puts a 0-CPU actor with a soft affinity on a random node: a third of them on the head). The
     first one's node is then drained as a preemption is: its copy moves to the other worker
-    before the node is removed, and is found there, whole, afterwards."""
+    before the node is removed (a checkpoint handed while it moves goes with it), and is found
+    there, whole, afterwards."""
     from orchestrator.fleet.drains import draining_nodes
     from orchestrator.persistence.checkpoint import CheckpointStore
     from orchestrator.persistence.memory_copy import MemoryCopy, look
@@ -128,19 +129,25 @@ def test_the_keeper_is_off_the_drivers_node_and_moves_off_a_drained_one(own_clus
         assert all(h.get("in_memory") in workers for h in held), (held, workers)
         copy, first = copies[0], held[0]["in_memory"]
         drain(own_cluster, first, DEADLINE_S)
-        moves, t = [], time.monotonic()
+        t = time.monotonic()
+        while first not in (draining := draining_nodes()) and time.monotonic() < t + DEADLINE_S:
+            time.sleep(0.2)
+        copy.move_off(draining)  # what the run's loop does on each tick
+        data2, meta2 = CheckpointStore.serialized({"step": 2}, step=2, epoch=2, tag="epoch_0002")
+        during = copy.hold(meta2, data2)  # a checkpoint while the keeper moves: held before, or after, never lost
+        assert during.get("in_memory") in workers or "moving" in during.get("in_memory_failed", ""), during
+        moves = []
         while not moves and time.monotonic() < t + DEADLINE_S:
-            copy.move_off(draining_nodes())  # what the run's loop does on each tick
             moves = copy.moves()
             time.sleep(0.2)
         [other] = workers - {first}
-        assert moves and moves[0]["from"] == first and moves[0]["to"] == other and moves[0]["bytes"] == len(data), moves
+        assert moves and moves[0]["from"] == first and moves[0]["to"] == other and moves[0]["bytes"] == len(data2), moves
         [gone] = [n for n in own_cluster.worker_nodes if n.node_id == first]
         own_cluster.remove_node(gone)  # at the deadline
         back_meta, back, why = look(f"{tmp_path}/run0")
-        assert why == "" and back_meta["node_id"] == other and back == {"step": 1}, why
-        data2, meta2 = CheckpointStore.serialized({"step": 2}, step=2, epoch=2, tag="epoch_0002")
-        assert copy.hold(meta2, data2) == {"in_memory": other}  # the next checkpoint goes to the moved keeper
+        assert why == "" and back_meta["node_id"] == other and back == {"step": 2}, why
+        data3, meta3 = CheckpointStore.serialized({"step": 3}, step=3, epoch=3, tag="epoch_0003")
+        assert copy.hold(meta3, data3) == {"in_memory": other}  # the next checkpoint goes to the moved keeper
     finally:
         for copy in copies:
             copy.release()
