@@ -316,19 +316,33 @@ class PartitionReader:
         partial = {p: n for p, n in self.trained.items() if 0 < n < self.sizes.get(p, n + 1)}
         return {"full": full, "partial": partial}
 
-    def batches(self, lease: dict, part: dict, first: Optional[int] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def task_batches(self, partition: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Every row of `partition`, in batches of batch_size, for a task computed outside the
+        epoch's loop (sandblaster's fill-in of a task a shard lacks): whatever this pass dropped
+        of it (`drop`: another copy was in then, on shards one of which may since have been
+        rebuilt without it) or trained before a restart, it is read whole. Yields (x, y)."""
+        part = self.source.get(partition)
+        try:
+            for x, y, _ in self.batches({"partition": partition, "seed": 0}, part, whole=True):
+                yield x, y
+        finally:
+            self.source.release(partition)
+
+    def batches(self, lease: dict, part: dict, first: Optional[int] = None,
+                whole: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """One partition in this epoch's in-partition order, cut into batches of batch_size
         with a short last batch: every row exactly once. batch_size is read again for every
         batch (a load-balanced allreduce changes it as the replicas' speeds move); `first`: the
-        size of the first batch (the rows a carried remainder still needs, `span`). Yields (x,
-        y, row positions in the partition)."""
+        size of the first batch (the rows a carried remainder still needs, `span`); `whole`: read
+        to the end even if the partition was dropped this pass. Yields (x, y, row positions in
+        the partition)."""
         x, y = as_tensors(part["x"]), as_tensors(part["y"])
         rows = batch_rows(y)
         order = (torch.from_numpy(np.random.default_rng(lease["seed"]).permutation(rows)) if self.shuffle
                  else torch.arange(rows))
         cpu = self.device.type == "cpu"
         at = start = min(int(lease.get("skip", 0)), rows)  # rows trained before a restart: not again
-        while at < rows and lease.get("partition") not in self.dropped:
+        while at < rows and (whole or lease.get("partition") not in self.dropped):
             size = first if at == start and first else self.batch_size
             idx = order[at : at + size]
             at += len(idx)

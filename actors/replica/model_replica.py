@@ -351,14 +351,7 @@ class ModelReplica:
         """sandblaster: tasks (partitions) of pass `pass_id` computed here, outside the epoch's
         loop, and pushed to the shards: the coordinator's fill-in of tasks no shard holds. For
         each, whether it counted."""
-        out = []
-        for p in partitions:
-            part = self.reader.source.get(p)
-            try:
-                out.append(self.worker.fill(pass_id, p, ((x, y) for x, y, _ in self.reader.batches({"partition": p, "seed": 0}, part))))
-            finally:
-                self.reader.source.release(p)
-        return out
+        return [self.worker.fill(pass_id, p, self.reader.task_batches(p)) for p in partitions]
 
     def evaluate(self) -> dict[str, Any]:
         """The task's evaluation sums (policies/rules/tasks.py) over this replica's slice of the test

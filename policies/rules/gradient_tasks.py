@@ -276,6 +276,9 @@ class SandblasterWorker:
         self.part = partition
         for x, y in batches:
             self._gradient(x, y)
+        if not self.rows:  # pushed, an empty sum would count as the whole task
+            self.part = None
+            raise RuntimeError(f"sandblaster: task {partition} of pass {pass_id} to fill had no rows")
         self._push()
         counted = self.counted > counts[1]
         self.pushed, self.counted = counts

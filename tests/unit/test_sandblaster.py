@@ -253,6 +253,41 @@ def test_in_a_pass_s_tail_a_copy_already_in_is_dropped_part_way_and_its_partial_
         assert p.held()[1] == [2] and p.held()[3] == 60 and p.dropped == 0
 
 
+def test_a_task_dropped_in_the_tail_and_lost_with_a_rebuilt_shard_is_filled_with_all_its_rows():
+    """The straggler drops partition 2 in the pass's tail (the backup's copy is in on every
+    shard); then shard 0 dies and is rebuilt without the pass's sums, and the coordinator has the
+    straggler compute task 2 again (ModelReplica.gradient_tasks through its PartitionReader's
+    `task_batches`): the fill reads the partition whole though this pass dropped it, so the
+    rebuilt shard holds task 2 over all its rows; a fill with no rows raises instead of pushing
+    an empty sum that would count as the task."""
+    from actors.partitions.reader import PartitionReader
+    from policies.rules.recipe import Recipe
+    from policies.rules.gradient_tasks import SandblasterWorker
+    from policies.rules.sharding import FlatParams
+    from policies.rules.tasks import Classification
+
+    model, x, y = problem()
+    flat = FlatParams(list(model.parameters()))
+    shards = InProcessShards(flat.params.clone(), [(0, 1000), (1000, flat.numel)])
+    reader = PartitionReader(None, [None] * 3, 0, 20, False, torch.device("cpu"), 5)
+    reader.source.seen = {2: {"x": x[:60], "y": y[:60]}}  # mapped already: no object store
+    reader.drained = True
+    late = SandblasterWorker(model, flat, shards, lambda: [(2, 20)], Classification(), Recipe(), lambda: reader)
+    late.begin_segment(5)
+    for p in shards.passes:  # the backup's whole copy of task 2 is in
+        p.add(5, 2, torch.zeros(p.n), 0.0, 60)
+    late.CHECK_S = 0.0
+    assert late.step(x[0:20], y[0:20]).dropped == 20 and reader.dropped == {2}
+    late.end_epoch()
+    shards.passes[0] = GradientPass(shards.passes[0].n)  # shard 0 rebuilt: the pass's sums gone
+    assert late.fill(5, 2, reader.task_batches(2)) is True
+    assert shards.passes[0].held()[1:] == ([2], pytest.approx(float(torch.nn.functional.cross_entropy(
+        model(x[:60]), y[:60], reduction="sum")), rel=1e-5), 60)
+    with pytest.raises(RuntimeError, match="task 1 of pass 5 to fill had no rows"):
+        late.fill(5, 1, iter(()))
+    assert shards.passes[0].held()[1] == [2]
+
+
 def test_a_grant_answered_after_its_pass_was_left_says_nothing_of_the_next_pass():
     """The helper thread's grant of a pass left part way (an interrupted epoch) comes back during
     the next pass: its "queue is empty" and backup copies are not that pass's tail."""
