@@ -336,10 +336,11 @@ class CheckpointConfig(Section):
         "stored before training goes on."
     )
     in_memory: bool = Field(
-        False, description="Also hand every checkpoint (before it is stored) to a keeper: a detached actor holding "
-        "the newest one in memory on another node than the driver's when the cluster has one. A run started again "
-        "(by name or `resume`) goes on from that copy when it is of the same run as the store's newest good "
-        "checkpoint and at least as new (or the store has none): a checkpoint the driver died before storing, or "
+        False, description="Also hand every periodic checkpoint to a keeper (before it is stored; one the run waits "
+        "on, after): a detached actor holding the newest one in memory on another node than the driver's when the "
+        "cluster has one. A run started again (by name or `resume`) goes on from that copy when it is of the same "
+        "run as the store's newest good checkpoint and at least as new (a named run also when the store has none; "
+        "`resume` needs one stored, which its config comes from): a checkpoint the driver died before storing, or "
         "a node-local storage lost with the driver's node, costs nothing, and nothing is read from storage "
         "(docs/fault-tolerance.md). The run's final checkpoint ends the keeper; one whose driver died ends "
         "`in_memory_keep_s` later. Needs a Ray cluster that outlives the driver (RAY_ADDRESS); not in sweeps."

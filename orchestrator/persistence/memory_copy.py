@@ -121,6 +121,7 @@ class MemoryCopy:
         self._unmovable: Optional[str] = None  # a node with no other to move to (not tried again)
         self._moves: list[dict[str, Any]] = []
         self._small = threading.Lock()  # _moving, _newest and _moves: never held across a remote call
+        self._hurry = threading.Event()  # set while a checkpoint the run waits on waits for the writer
 
     def _open(self, avoid: frozenset = frozenset()) -> Any:
         import ray
@@ -142,9 +143,11 @@ class MemoryCopy:
 
     def hold(self, meta: dict[str, Any], data: bytes) -> dict[str, Any]:
         """Hand the keeper this checkpoint: {"in_memory": node id} or {"in_memory_failed": why}.
-        A keeper that died (its node lost, expired) is made again at once, once; one that did not
-        answer in time is made again at the next checkpoint. While the keeper moves off a drained
-        node this returns at once: the moved keeper holds this checkpoint (the newest one handed)."""
+        A keeper that died (its node lost, expired) is made again at once, once; one alive that did
+        not answer in time (a stopped process, a node out of memory), or whose hand-over a
+        checkpoint the run waits on cut short (`hurry`), is ended, and a new one is made at the next
+        checkpoint. While the keeper moves off a drained node this returns at once: the moved
+        keeper holds this checkpoint (the newest one handed)."""
         while True:
             with self._small:
                 if self._moving:
@@ -168,7 +171,11 @@ class MemoryCopy:
                 if self.keeper is None:
                     self.keeper = bounded(lambda: self._open(avoid), LOOK_TIMEOUT_S, "starting the checkpoint keeper")
                     self._touch_on()
-                held = ray.get(self.keeper.hold.remote(meta, data), timeout=transfer_timeout_s(len(data)))
+                ref = self.keeper.hold.remote(meta, data)
+                silent = self._unanswered(ref, transfer_timeout_s(len(data)))
+                if silent:
+                    return {"in_memory_failed": self._end_silent(silent)}
+                held = ray.get(ref, timeout=LOOK_TIMEOUT_S)
                 self.node = held["node_id"]
                 return {"in_memory": held["node_id"]}
             except (RayActorError, ActorUnschedulableError) as exc:  # it died, its node went: a new one, once
@@ -177,6 +184,38 @@ class MemoryCopy:
                 self.keeper, self.node = None, None
                 return {"in_memory_failed": one_line(exc)}
         return {"in_memory_failed": why}
+
+    def hurry(self, on: bool = True) -> None:
+        """While a checkpoint the run waits on (the interrupted one, one before the driver's node
+        goes) waits for the background writer (on), a hand-over waiting on the keeper stops
+        waiting (that keeper is ended: a new one holds the next checkpoint), so storage never
+        waits behind a keeper; off once the writer is done."""
+        (self._hurry.set if on else self._hurry.clear)()
+
+    def _unanswered(self, ref: Any, timeout_s: float) -> str:
+        """Wait for the keeper's answer `ref`: "" once it came, else why it did not (no answer in
+        timeout_s, or `hurry` meanwhile)."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while not ray.wait([ref], timeout=max(0.0, min(0.25, deadline - time.monotonic())))[0]:
+            if time.monotonic() >= deadline:
+                return f"the keeper did not answer in {timeout_s:.0f}s"
+            if self._hurry.is_set():
+                return "a checkpoint the run waits on came first"
+        return ""
+
+    def _end_silent(self, why: str) -> str:
+        """End the keeper that did not answer (it may be alive: a stopped process), so the next
+        hand-over makes a new one instead of waiting on it again; why, for the checkpoint's event."""
+        import ray
+
+        keeper, self.keeper, self.node = self.keeper, None, None
+        try:
+            bounded(lambda: ray.kill(keeper, no_restart=True), LOOK_TIMEOUT_S, "ending the silent keeper")
+        except Exception as exc:  # gone already, or the cluster does not answer: a new one is made anyway
+            return f"{why}; ending it failed: {one_line(exc)}"
+        return f"{why}: ended, a new one holds the next checkpoint"
 
     def move_off(self, draining: dict[str, Any]) -> None:
         """The keeper's node is being drained (`draining`: node id -> deadline, the run's drain
@@ -208,7 +247,7 @@ class MemoryCopy:
                 return
             with self._small:
                 self._moving, self._newest = True, None
-            held = None
+            held = carrying = None  # the fetched copy; the copy being handed to a new keeper
             try:
                 if pick_node(bounded(ray.nodes, LOOK_TIMEOUT_S, "listing the nodes"),
                              ray.get_runtime_context().get_node_id(), draining) is None:
@@ -230,18 +269,23 @@ class MemoryCopy:
                         if (newest is None and held is None) or self._released.is_set():  # (no new keeper)
                             self._moving = False
                             break
-                    newest, held = newest or held, None
-                    outcome = self._hold(*newest, avoid=draining)
+                    carrying, held = newest or held, None
+                    outcome = self._hold(*carrying, avoid=draining)
                     if outcome.get("in_memory") in (None, *draining):
                         raise RuntimeError(outcome.get("in_memory_failed") or "made on a node being drained")
-                    moved.update(to=outcome["in_memory"], bytes=len(newest[1]))
+                    moved.update(to=outcome["in_memory"], bytes=len(carrying[1]))
+                    carrying = None
                 moved.update(move_s=round(time.perf_counter() - t, 3), done_wall=round(time.time(), 3))
-            except Exception as exc:  # before the kill the keeper stays (tried again later); after it, none is
-                moved = {"from": node, "failed": one_line(exc)}  # kept until the next checkpoint (storage has it)
+            except Exception as exc:  # before the kill the keeper stays (tried again later); after it, the
+                moved = {"from": node, "failed": one_line(exc)}  # copy is handed once more, else none is kept
                 self._retry_at = time.monotonic() + MOVE_RETRY_S
                 with self._small:
                     newest, self._newest, self._moving = self._newest, None, False
-                if newest is not None:  # a checkpoint handed while the move went on: to the old keeper, or a new one
+                # the newest checkpoint handed while the move went on, else the copy the move was
+                # carrying or had fetched (it may be one storage never got: not dropped), to the
+                # old keeper if it is still there, else a new one
+                newest = newest or carrying or held
+                if newest is not None:
                     self._hold(*newest, avoid=draining)
         with self._small:
             self._moves.append(moved)

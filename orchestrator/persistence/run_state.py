@@ -223,7 +223,13 @@ class Checkpointer:
         self.last_step = int(state.get("step") or 0)
         order = WriteOrder(state, tag, step, epoch, self.store, named, before, dict(fields or {}))
         if wait:
-            self.drain()
+            if self.memory is not None:  # a background hand-over to a silent keeper does not hold this one up
+                self.memory.hurry()
+            try:
+                self.drain()
+            finally:
+                if self.memory is not None:
+                    self.memory.hurry(False)
             outcome = self._perform(order, waited=True)
             with self._cv:
                 self._outcomes.append(outcome)

@@ -56,3 +56,46 @@ def test_a_keeper_gives_back_what_it_holds_is_made_again_after_a_kill_and_ends_u
     lonely.hold(meta, data)
     lonely.close()  # its driver is gone: nobody touches it any more
     assert gone_within(keeper_name(f"{tmp_path}/lonely"), 60)
+
+
+def test_a_keeper_that_stops_answering_is_ended_and_never_holds_up_storage(ray_cluster, tmp_path, monkeypatch):
+    """A keeper alive but silent (its process SIGSTOPped, as a frozen node leaves it): a hand-over
+    not answered in time says so and ends that keeper, and the next checkpoint's hand-over makes
+    a new one that holds it (before, the same silent keeper was found again by its name and every
+    checkpoint waited the whole timeout). A hand-over waiting on a silent keeper when a
+    checkpoint the run waits on comes (`hurry`: the interrupted one) stops waiting at once
+    instead of after its timeout, and that keeper is ended too."""
+    import signal
+    import threading
+
+    from orchestrator.persistence import memory_copy
+
+    directory = f"{tmp_path}/silent"
+    copy = MemoryCopy(directory, keep_s=3600.0)
+    state = {"model": {"w": torch.arange(4.0)}, "step": 1}
+    data, meta = CheckpointStore.serialized(state, step=10, epoch=1, tag="epoch_0001")
+    assert "in_memory" in copy.hold(meta, data)
+    monkeypatch.setattr(memory_copy, "CALL_TIMEOUT_S", 3.0)
+    kill_process(copy.keeper, signal.SIGSTOP)
+    data2, meta2 = CheckpointStore.serialized({**state, "step": 2}, step=20, epoch=2, tag="epoch_0002")
+    out = copy.hold(meta2, data2)
+    assert "did not answer in 3s: ended" in out.get("in_memory_failed", ""), out
+    assert copy.keeper is None and gone_within(keeper_name(directory), 60)
+    data3, meta3 = CheckpointStore.serialized({**state, "step": 3}, step=30, epoch=3, tag="epoch_0003")
+    assert "in_memory" in copy.hold(meta3, data3)  # a new keeper, not the silent one found again
+    assert look(directory)[1]["step"] == 3
+
+    monkeypatch.setattr(memory_copy, "CALL_TIMEOUT_S", 3600.0)  # only hurry ends the next wait
+    kill_process(copy.keeper, signal.SIGSTOP)
+    outcome: dict = {}
+    handing = threading.Thread(target=lambda: outcome.update(copy.hold(meta2, data2)), daemon=True)
+    handing.start()
+    time.sleep(1.0)
+    copy.hurry()
+    handing.join(60)
+    copy.hurry(False)
+    assert not handing.is_alive() and "a checkpoint the run waits on came first" in outcome.get("in_memory_failed", ""), outcome
+    assert gone_within(keeper_name(directory), 60)
+    assert "in_memory" in copy.hold(meta3, data3)
+    copy.release()
+    assert gone_within(keeper_name(directory), 60)
