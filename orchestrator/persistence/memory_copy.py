@@ -156,6 +156,8 @@ class MemoryCopy:
                                                 "it holds this checkpoint once moved"}
             if self._lock.acquire(timeout=0.1):
                 break
+            if self._hurry.is_set():  # a move or a release holds the keeper: storage does not wait for it
+                return {"in_memory_failed": "a checkpoint the run waits on came first"}
         try:
             return self._hold(meta, data)
         finally:
