@@ -101,6 +101,25 @@ def look(directory: str, wanted: Callable[[dict[str, Any]], str] = lambda meta: 
     return (meta, state, "") if state is not None else (None, None, f"the copy in memory is unusable: {why}")
 
 
+def end_leftover(directory: str) -> bool:
+    """A run that finished without checkpoint.in_memory: a keeper of its checkpoint directory left
+    by an earlier driver of the same name (one with it on that died) ends now, so its copy is
+    never taken up by a later run of that name. True if one was ended; nothing is looked at when
+    this process is not connected to Ray, and a lookup that fails is let be (it expires)."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    try:
+        keeper = bounded(lambda: _handle(directory), LOOK_TIMEOUT_S, "looking for a keeper left")
+        if keeper is None:
+            return False
+        bounded(lambda: ray.kill(keeper, no_restart=True), LOOK_TIMEOUT_S, "ending the keeper left")
+    except Exception:  # the cluster does not answer: the keeper ends in_memory_keep_s after its last touch
+        return False
+    return True
+
+
 class MemoryCopy:
     """The driver's side of its run's keeper: made at the first checkpoint (found again if a
     driver before this one made it), handed every periodic checkpoint, touched every keep_s / 4

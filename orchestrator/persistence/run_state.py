@@ -29,7 +29,7 @@ from dataclasses import asdict
 from typing import Any, Callable, Optional, Protocol
 
 from orchestrator.persistence.checkpoint import CheckpointStore, save_checkpoint
-from orchestrator.persistence.memory_copy import MemoryCopy, directory_key
+from orchestrator.persistence.memory_copy import MemoryCopy, directory_key, end_leftover
 
 
 @dataclass
@@ -260,6 +260,9 @@ class Checkpointer:
             held = self.memory.hold(meta, data)
         if self.memory is not None and finished:  # the run is over: nothing to go on from
             held = self.memory.release()
+        elif finished and self.run_name:  # in_memory off: a keeper an earlier driver of this name left ends too
+            if end_leftover(directory_key(f"{self.storage.rstrip('/')}/{order.store.run_name}")):
+                held = {"in_memory_released": "a keeper left by an earlier driver of this name"}
         if order.named:
             save_checkpoint(order.store.storage, order.store.run_name, order.named, order.state)
         path = order.store.path_of(order.named) if order.named else stored

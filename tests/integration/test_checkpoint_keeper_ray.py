@@ -99,3 +99,26 @@ def test_a_keeper_that_stops_answering_is_ended_and_never_holds_up_storage(ray_c
     assert "in_memory" in copy.hold(meta3, data3)
     copy.release()
     assert gone_within(keeper_name(directory), 60)
+
+
+def test_a_named_run_finishing_without_in_memory_ends_the_keeper_an_earlier_driver_left(ray_cluster, tmp_path):
+    """A named run's driver with checkpoint.in_memory on died and left its keeper; the run went on
+    with in_memory off and finished: its final checkpoint ends that keeper (before, it lived on for
+    in_memory_keep_s, and a later run of the name with in_memory on and no stored checkpoint took
+    its stale copy up). A finish with no keeper left says nothing of one."""
+    from orchestrator.persistence.memory_copy import directory_key
+    from orchestrator.persistence.run_state import Checkpointer
+
+    left = MemoryCopy(directory_key(f"{tmp_path}/nightly"), keep_s=3600.0)
+    data, meta = CheckpointStore.serialized({"model": {"w": torch.ones(3)}, "step": 2}, step=20, epoch=1, tag="epoch_0001")
+    assert "in_memory" in left.hold(meta, data)
+    left.close()  # its driver died: nobody touches it
+    name = keeper_name(directory_key(f"{tmp_path}/nightly"))
+    assert alive(name)
+    ck = Checkpointer(str(tmp_path), keep=3, run_name="nightly")  # the same name, in_memory off
+    ck.write({"step": 9, "model": {}, "finished": True}, "final", 9, 2, "mlflow-id", named="model.pt")
+    [final] = ck.written()
+    assert final["in_memory_released"] and gone_within(name, 60), final
+    again = Checkpointer(str(tmp_path), keep=3, run_name="nightly")
+    again.write({"step": 10, "model": {}, "finished": True}, "final", 10, 2, "mlflow-id", named="model.pt")
+    assert "in_memory_released" not in again.written()[0]
