@@ -101,6 +101,13 @@ def look(directory: str, wanted: Callable[[dict[str, Any]], str] = lambda meta: 
     return (meta, state, "") if state is not None else (None, None, f"the copy in memory is unusable: {why}")
 
 
+def _end(keeper: Any, what: str) -> None:
+    """ray.kill the keeper, within LOOK_TIMEOUT_S (TimeoutError, or Ray's error, otherwise)."""
+    import ray
+
+    bounded(lambda: ray.kill(keeper, no_restart=True), LOOK_TIMEOUT_S, what)
+
+
 def end_leftover(directory: str) -> bool:
     """A run that finished without checkpoint.in_memory: a keeper of its checkpoint directory left
     by an earlier driver of the same name (one with it on that died) ends now, so its copy is
@@ -114,7 +121,7 @@ def end_leftover(directory: str) -> bool:
         keeper = bounded(lambda: _handle(directory), LOOK_TIMEOUT_S, "looking for a keeper left")
         if keeper is None:
             return False
-        bounded(lambda: ray.kill(keeper, no_restart=True), LOOK_TIMEOUT_S, "ending the keeper left")
+        _end(keeper, "ending the keeper left")
     except Exception:  # the cluster does not answer: the keeper ends in_memory_keep_s after its last touch
         return False
     return True
@@ -229,11 +236,9 @@ class MemoryCopy:
     def _end_silent(self, why: str) -> str:
         """End the keeper that did not answer (it may be alive: a stopped process), so the next
         hand-over makes a new one instead of waiting on it again; why, for the checkpoint's event."""
-        import ray
-
         keeper, self.keeper, self.node = self.keeper, None, None
         try:
-            bounded(lambda: ray.kill(keeper, no_restart=True), LOOK_TIMEOUT_S, "ending the silent keeper")
+            _end(keeper, "ending the silent keeper")
         except Exception as exc:  # gone already, or the cluster does not answer: a new one is made anyway
             return f"{why}; ending it failed: {one_line(exc)}"
         return f"{why}: ended, a new one holds the next checkpoint"
@@ -281,7 +286,7 @@ class MemoryCopy:
                 # the name is the keeper's identity: the old one goes before the new one starts
                 # (a driver lost in these seconds leaves storage's newest to go on from)
                 old, self.keeper, self.node = self.keeper, None, None
-                bounded(lambda: ray.kill(old, no_restart=True), LOOK_TIMEOUT_S, "ending the keeper on the drained node")
+                _end(old, "ending the keeper on the drained node")
                 self._wait_name_free(LOOK_TIMEOUT_S)
                 moved = {"from": node, "to": None, "bytes": 0}
                 while True:  # the fetched copy, or the newest checkpoint handed meanwhile
@@ -335,8 +340,6 @@ class MemoryCopy:
         """The run finished: the keeper ends (a keeper of an earlier driver too). Never raises
         (the run's final checkpoint is stored already): {} or {"in_memory_failed": why}; a keeper
         not ended here ends in_memory_keep_s later."""
-        import ray
-
         self._released.set()
         self.close()
         with self._lock:
@@ -344,7 +347,7 @@ class MemoryCopy:
         try:
             keeper = keeper or bounded(lambda: _handle(self.directory), LOOK_TIMEOUT_S, "finding the keeper")
             if keeper is not None:
-                bounded(lambda: ray.kill(keeper, no_restart=True), LOOK_TIMEOUT_S, "ending the keeper")
+                _end(keeper, "ending the keeper")
         except Exception as exc:  # gone already, or the cluster does not answer
             return {} if isinstance(exc, ValueError) else {"in_memory_failed": f"not ended: {one_line(exc)}"}
         return {}
