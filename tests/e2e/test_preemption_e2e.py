@@ -8,7 +8,10 @@ free node before the deadline and takes a checkpoint inside the epoch for the dr
 replica failure is ever seen, no step is lost, every training row is used once in every epoch,
 and the run finishes its epochs. Its checkpoints are kept in memory too (`checkpoint.in_memory`):
 the keeper is on a worker node, never the driver's, moves off the drained node if it was there,
-and the finished run ends it."""
+and the finished run ends it. Before the notice, the autoscaler's own drain of an idle node
+(`DRAIN_NODE_REASON_IDLE_TERMINATION`) is sent to every node holding a replica or the keeper:
+each refuses it (a node holding any actor, even one of 0 CPU, is not idle) and the run goes on
+as if nothing was sent."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,6 +24,7 @@ import ray
 
 from actors.checkpoints.keeper import NAMESPACE
 from orchestrator.config import JobConfig
+from orchestrator.fleet.drains import draining_nodes
 from orchestrator.persistence.memory_copy import directory_key, keeper_name
 from orchestrator.trainer import ElasticTrainer
 from tests.conftest import REPO
@@ -31,13 +35,20 @@ pytestmark = pytest.mark.e2e
 DEADLINE_S = 20
 
 
-def drain(cluster, node_hex: str, seconds: int) -> None:
+def ask_drain(cluster, node_hex: str, seconds: int, reason: str = "PREEMPTION") -> tuple[bool, str]:
+    """The GCS call the autoscaler makes: DRAIN_NODE_REASON_<reason> with a deadline `seconds`
+    away (0: none); whether the node took it, and why not."""
     import ray
     from ray.core.generated import autoscaler_pb2
 
     gcs = ray._raylet.GcsClient(address=cluster.address)
-    accepted, why = gcs.drain_node(node_hex, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                                   "spot preemption notice (test)", int(time.time() * 1000) + seconds * 1000)
+    deadline_ms = int(time.time() * 1000) + seconds * 1000 if seconds else 0
+    return gcs.drain_node(node_hex, autoscaler_pb2.DrainNodeReason.Value(f"DRAIN_NODE_REASON_{reason}"),
+                          f"{reason.lower()} (test)", deadline_ms)
+
+
+def drain(cluster, node_hex: str, seconds: int) -> None:
+    accepted, why = ask_drain(cluster, node_hex, seconds)
     assert accepted, why
 
 
@@ -62,6 +73,12 @@ def test_a_replica_on_a_drained_node_moves_before_the_deadline_without_a_failure
     # the node of the replica beside the keeper when there is one (the keeper moves too), else replica 1's
     rank = min((r for r, n in ctl.group.nodes.items() if n == keeper_node), default=1)
     node = ctl.group.nodes[rank]
+    # the autoscaler's own drain of an idle node (IDLE_TERMINATION, what it sends once a node has
+    # been idle for idle_timeout_minutes) is refused by every node holding an actor of the run,
+    # the 0-CPU keeper's too: it never takes a node from under the run, and the run sees no drain
+    for held in {*ctl.group.nodes.values(), keeper_node}:
+        accepted, why = ask_drain(own_cluster, held, 0, "IDLE_TERMINATION")
+        assert not accepted and held not in draining_nodes(), (held, why)
     drain(own_cluster, node, DEADLINE_S)
     head = own_cluster.head_node.node_id
     drain(own_cluster, head, DEADLINE_S)
@@ -117,7 +134,6 @@ def test_the_keeper_is_off_the_drivers_node_and_moves_off_a_drained_one(own_clus
     first one's node is then drained as a preemption is: its copy moves to the other worker
     before the node is removed (a checkpoint handed while it moves goes with it), and is found
     there, whole, afterwards."""
-    from orchestrator.fleet.drains import draining_nodes
     from orchestrator.persistence.checkpoint import CheckpointStore
     from orchestrator.persistence.memory_copy import MemoryCopy, look
 
