@@ -1,6 +1,7 @@
 """Preemption notices: from a node's drain to its replica stepping again elsewhere.
 
-Workload: mnist5k and the CNN of examples/ (examples/mnist_<mode>.yaml, 2 replicas, 1 CPU each),
+Workload: mnist5k and the CNN of examples/ (examples/mnist_<mode>.yaml, or mnist_allreduce.yaml
+with strategy.mode set for a mode without one of its own; 2 replicas, 1 CPU each),
 each replica slowed by 0.04 s a step (faults.slow_replicas) so an epoch lasts several seconds and
 the drain lands inside one, no target, a checkpoint every epoch, MLflow in a temp sqlite store,
 through ElasticTrainer(cfg).fit() on a `ray.cluster_utils.Cluster` this process starts for each
@@ -15,9 +16,11 @@ when the move was made), replica failures (the aim: 0) and `steps_lost` (0). Per
 of evacuate_s with its range. What it leaves out: the notice's own delay (Ray shows a drain within
 ~1.5 s; the run looks every second), and the cluster's start-up.
 
-    python benchmarks/preemption.py [--quick] [--json PATH]
+    python benchmarks/preemption.py [--quick] [--json PATH] [--modes MODE,...]
 
---quick: one run per mode; else three, the modes interleaved.
+--quick: one run each of allreduce and Downpour (~2.5 min); else three of every mode (allreduce,
+downpour, easgd, local_sgd, hogwild, gossip, fsdp, sandblaster), the modes interleaved (~30 min
+on 2 cores). --modes: these modes instead.
 """
 from __future__ import annotations
 
@@ -31,7 +34,13 @@ from typing import Any
 from common import REPO, median, parse_args, report
 
 DEADLINE_S = 20
-MODES = ("allreduce", "downpour")
+# each mode's example, and what it sets on it (the modes without an mnist example of their own: allreduce's)
+MODES = {"allreduce": ("mnist_allreduce.yaml", []), "downpour": ("mnist_downpour.yaml", []),
+         "easgd": ("mnist_easgd.yaml", []), "local_sgd": ("mnist_local_sgd.yaml", []),
+         "hogwild": ("mnist_hogwild.yaml", []), "gossip": ("mnist_allreduce.yaml", ["strategy.mode=gossip"]),
+         "fsdp": ("mnist_allreduce.yaml", ["strategy.mode=fsdp"]),
+         "sandblaster": ("mnist_allreduce.yaml", ["strategy.mode=sandblaster"])}
+QUICK_MODES = ("allreduce", "downpour")
 
 
 def drain(address: str, node_hex: str, seconds: int) -> None:
@@ -61,7 +70,8 @@ def one_run(mode: str) -> dict[str, Any]:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="ERROR")
         with tempfile.TemporaryDirectory(prefix=f"bench-preempt-{mode}-") as tmp:
-            cfg = JobConfig.from_yaml(os.path.join(REPO, "examples", f"mnist_{mode}.yaml"), [
+            example, sets = MODES[mode]
+            cfg = JobConfig.from_yaml(os.path.join(REPO, "examples", example), [*sets,
                 "stop.epochs=10", "stop.target_accuracy=null", "checkpoint.every_epochs=1",
                 f"checkpoint.storage={tmp}/ck", "faults.slow_replicas={0: 0.04, 1: 0.04}",
                 "tracking.progress_interval_s=0", f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db",
@@ -95,11 +105,16 @@ def one_run(mode: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], (
+        ("--modes", {"default": None, "help": f"modes to run, comma-separated, of {', '.join(MODES)}"}),))
+    modes = tuple(args.modes.split(",")) if args.modes else QUICK_MODES if args.quick else tuple(MODES)
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"--modes: unknown {unknown}; modes are {', '.join(MODES)}")
     reps = 1 if args.quick else 3
-    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     for rep in range(reps):
-        for mode in MODES:
+        for mode in modes:
             r = one_run(mode)
             runs[mode].append(r)
             print(f"[{rep + 1}/{reps}] {mode}: {json.dumps(r)}", flush=True)
@@ -115,7 +130,8 @@ def main() -> None:
         print(f"  {mode:<10} evacuate_s {summary[mode]['evacuate_s']}  failures {summary[mode]['replica_failures']}  "
               f"steps lost {summary[mode]['steps_lost']}  moved before the deadline {summary[mode]['moved_before_deadline']}"
               f" of {len(rs)}")
-    results = {"config": {"examples": [f"examples/mnist_{m}.yaml" for m in MODES], "deadline_s": DEADLINE_S,
+    results = {"config": {"examples": {m: " ".join([f"examples/{MODES[m][0]}", *MODES[m][1]]) for m in modes},
+                          "deadline_s": DEADLINE_S,
                           "cluster": "0-CPU head, three 1-CPU workers", "slow_replicas_s": 0.04, "repetitions": reps},
                "runs": runs, "summary": summary}
     report("preemption", args.quick, results, ratios, args.json)
