@@ -19,6 +19,8 @@ LINK_MIN_BYTES = 1 << 20
 LINK_TRIES = 3  # measurements of the link before its slope is taken from the big message alone
 LINK_TIMEOUT_S = 60.0
 SHARD_ROUNDS = 20
+MEMORY_BYTES = 128 << 20  # each of the two vectors `calibrate_memory` adds: past any core's caches
+MEMORY_REPEATS = 7
 SHARD_PATHS = ("link", "here")
 
 
@@ -216,6 +218,29 @@ def calibrate_shard_path(cfg: Any, params: int, rounds: int = SHARD_ROUNDS) -> t
     return mode, statistics.median(times) / 2
 
 
+def calibrate_memory(nbytes: int = MEMORY_BYTES, repeats: int = MEMORY_REPEATS) -> float:
+    """This host's memory bandwidth in bytes/s, with every core at it: x += y over two float32
+    vectors of `nbytes` each (x read and written, y read: 3 nbytes a pass), the median pass of
+    `repeats` after one to warm them. For hogwild's shared vector (cost_model: each direct step
+    reads it and updates it in place, and the writers share the node's memory)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        x = torch.ones(nbytes // 4)
+        y = torch.ones(nbytes // 4)
+        x.add_(y)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            x.add_(y)
+            times.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return 3 * (nbytes // 4) * 4 / statistics.median(times)
+
+
 def from_run(run_id: str, tracking_uri: Optional[str]) -> dict[str, Any]:
     """A finished run's step figures: replicas, batch, mode, compute and communication seconds."""
     from mlflow.exceptions import MlflowException
@@ -311,8 +336,10 @@ def calibration(cfg: Any, run: Optional[dict[str, Any]] = None, bandwidth_gbps: 
                       f"({exchange_s * 1e3:.2f} ms each)")
     if bandwidth_gbps is not None or latency_us is not None:
         source.append("link: given")
+    memory = calibrate_memory()
+    source.append(f"memory: x += y over {MEMORY_BYTES >> 20} MiB vectors here ({memory / 1e9:.1f} GB/s)")
     return Calibration(params, batch, compute, alpha, beta, cores, "; ".join(source),
-                       shard_beta_s_per_byte=shard_beta)
+                       shard_beta_s_per_byte=shard_beta, memory_bytes_per_s=memory)
 
 
 def allreduce_bytes_per_param(cfg: Any) -> float:

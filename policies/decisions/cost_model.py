@@ -31,9 +31,12 @@ The alpha-beta model per step, n replicas:
   flags, its loss), 4 (n-1) alpha; a replica holds 1/n of the parameters, gradients and
   optimizer state (`extra["state_share"]`);
 - hogwild (one shard, k = min(n, node_replicas) replicas on its node): those k step at their own
-  speed with nothing on the wire (the step's read and write of M bytes of memory are left out, as
-  is contention for the vector's cache lines); the other n - k are downpour with n_push = n_fetch
-  = 1 through the one shard, its link capping them at b / (2 M beta) samples/s;
+  speed with nothing on the wire, as long as the node's memory carries the shared vector's
+  traffic: each direct step reads x in its forward pass and reads and writes it in its update,
+  3 M bytes that another writer's update has made stale in this core's caches, so the k writers
+  together take at most b mem / (3 M) samples/s (mem: the node's memory bandwidth,
+  `memory_bytes_per_s`; left out when not calibrated); the other n - k are downpour with
+  n_push = n_fetch = 1 through the one shard, its link capping them at b / (2 M beta) samples/s;
 - sandblaster (S shards; a pass of R/b batches in tasks of k batches, one L-BFGS iteration with
   h history pairs per pass): each replica computes at its own speed from one shared queue of
   tasks (the sum of the replicas' rates, as downpour's), pushes M bytes per task (M/k per step)
@@ -76,6 +79,7 @@ class Calibration:
     source: str = ""  # where the figures came from (a calibration here, a run, flags)
     allreduce_bytes_per_param: float = BYTES_PER_PARAM  # 2 with fp16 / bf16; PowerSGD: its factors' share
     shard_beta_s_per_byte: Optional[float] = None  # the shards' path when it differs from the link (from a run)
+    memory_bytes_per_s: Optional[float] = None  # a node's memory bandwidth (hogwild's shared vector; None: left out)
 
     @property
     def shard_beta(self) -> float:
@@ -96,6 +100,9 @@ class Calibration:
         if self.shard_beta_s_per_byte is not None and not (self.shard_beta_s_per_byte >= 0
                                                             and math.isfinite(self.shard_beta_s_per_byte)):
             raise ValueError(f"shard_beta_s_per_byte must be a finite number >= 0, got {self.shard_beta_s_per_byte}")
+        if self.memory_bytes_per_s is not None and not (self.memory_bytes_per_s > 0
+                                                         and math.isfinite(self.memory_bytes_per_s)):
+            raise ValueError(f"memory_bytes_per_s must be a finite number > 0, got {self.memory_bytes_per_s}")
         if self.cores is not None and not self.cores > 0:
             raise ValueError(f"cores must be > 0, got {self.cores}")
 
@@ -141,7 +148,7 @@ class Prediction:
     compute_s: float  # of which compute (including waiting for the slowest, in lock-step modes)
     comm_s: float  # of which communication
     samples_per_s: float
-    bound: str = "replicas"  # what limits it: "replicas" or "shards"
+    bound: str = "replicas"  # what limits it: "replicas", "shards", or (hogwild's direct writers) "memory"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def row(self) -> dict[str, Any]:
@@ -254,8 +261,12 @@ def predict(mode: str, n: int, cal: Calibration, s: Stragglers = Stragglers(),
                       extra={"shards": shape.shards, "shard_cap_samples_per_s": cap if math.isfinite(cap) else None})
 
 
+HOGWILD_VECTOR_PASSES = 3  # a direct step's passes over the shared vector: the forward's read, the update's read and write
+
+
 def _hogwild(n: int, cal: Calibration, s: Stragglers, shape: ModeShape) -> Prediction:
-    """Direct writers at compute speed; the rest push and pull every step through the one shard."""
+    """Direct writers at compute speed, together no faster than the node's memory carries the
+    shared vector; the rest push and pull every step through the one shard."""
     b, c = cal.batch, mean_compute(cal, n, s)
     local = n if shape.node_replicas is None else max(0, min(n, shape.node_replicas))
     remote = n - local
@@ -263,11 +274,16 @@ def _hogwild(n: int, cal: Calibration, s: Stragglers, shape: ModeShape) -> Predi
     shard_s = 2 * cal.model_bytes * cal.shard_beta
     cap = b / shard_s if shard_s > 0 else math.inf
     remote_rate = min(remote * b / (c + comm), cap) if remote else 0.0
-    rate = local * b / c + remote_rate
-    bound = "shards" if remote and remote * b / (c + comm) > cap else "replicas"
+    memory_cap = (b * cal.memory_bytes_per_s / (HOGWILD_VECTOR_PASSES * cal.model_bytes)
+                  if cal.memory_bytes_per_s else math.inf)
+    direct_rate = min(local * b / c, memory_cap) if local else 0.0
+    rate = direct_rate + remote_rate
+    bound = ("shards" if remote and remote * b / (c + comm) > cap
+             else "memory" if local and local * b / c > memory_cap else "replicas")
     # a step's seconds as the rate implies them (a shard-bound writer waits for the shard: downpour's n b / rate)
     return Prediction("hogwild", n, n * b / rate if rate > 0 else c, c, remote * comm / n, rate, bound,
-                      extra={"direct": local, "through_shard": remote})
+                      extra={"direct": local, "through_shard": remote,
+                             **({"memory_cap_samples_per_s": memory_cap} if math.isfinite(memory_cap) else {})})
 
 
 def _sandblaster(n: int, cal: Calibration, s: Stragglers, shape: ModeShape) -> Prediction:

@@ -269,6 +269,30 @@ def test_hogwild_writers_on_the_shards_node_pay_nothing_and_the_others_are_downp
     assert mixed.samples_per_s == pytest.approx(8 * 64 / 0.01 + remote.samples_per_s)
 
 
+def test_hogwild_direct_writers_together_go_no_faster_than_the_nodes_memory_carries_the_shared_vector():
+    """Each direct step reads the shared vector and reads and writes it again (3 M bytes); the k
+    writers share the node's memory bandwidth: past b mem / (3 M) samples/s more writers add
+    nothing (bound "memory"), below it they add their compute speed as before; the writers
+    through the shard are not held by the node's memory."""
+    mem = 20e9
+    cal = Calibration(params=25_000_000, batch=64, compute_s=0.05, alpha_s=5e-5, beta_s_per_byte=1e-9,
+                      memory_bytes_per_s=mem)
+    cap = 64 * mem / (3 * 100_000_000)  # 4,267 samples/s: 3.3 writers' worth of compute
+    assert predict("hogwild", 2, cal).samples_per_s == pytest.approx(2 * 64 / 0.05)
+    assert predict("hogwild", 2, cal).bound == "replicas"
+    for n in (4, 64):
+        p = predict("hogwild", n, cal)
+        assert p.samples_per_s == pytest.approx(cap) and p.bound == "memory", p
+        assert p.extra["memory_cap_samples_per_s"] == pytest.approx(cap)
+    mixed = predict("hogwild", 12, cal, shape=ModeShape(node_replicas=8))
+    assert mixed.samples_per_s == pytest.approx(cap + predict("downpour", 4, cal, shape=ModeShape(shards=1)).samples_per_s)
+    free = predict("hogwild", 64, Calibration(params=25_000_000, batch=64, compute_s=0.05, alpha_s=5e-5,
+                                              beta_s_per_byte=1e-9))
+    assert free.samples_per_s == pytest.approx(64 * 64 / 0.05) and "memory_cap_samples_per_s" not in free.extra
+    with pytest.raises(ValueError, match="memory_bytes_per_s"):
+        Calibration(params=1, batch=1, compute_s=0.0, alpha_s=0.0, beta_s_per_byte=0.0, memory_bytes_per_s=0.0)
+
+
 def test_sandblaster_pays_a_push_per_task_and_the_pass_end_and_the_shards_cap_it():
     """sandblaster: M bytes pushed per task of k steps, a pull and the coordinator's 2h + 6 round
     trips per pass spread over a replica's steps of it; the wait for the last task grows with a
