@@ -17,6 +17,21 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 
+# each mode's mnist example (examples/) and what it sets on it: a mode without an example of its
+# own runs allreduce's with strategy.mode set
+MODE_EXAMPLES = {"allreduce": ("mnist_allreduce.yaml", []), "downpour": ("mnist_downpour.yaml", []),
+                 "easgd": ("mnist_easgd.yaml", []), "local_sgd": ("mnist_local_sgd.yaml", []),
+                 "hogwild": ("mnist_hogwild.yaml", []), "gossip": ("mnist_allreduce.yaml", ["strategy.mode=gossip"]),
+                 "fsdp": ("mnist_allreduce.yaml", ["strategy.mode=fsdp"]),
+                 "sandblaster": ("mnist_allreduce.yaml", ["strategy.mode=sandblaster"])}
+
+
+def mode_example(mode: str) -> tuple[str, list[str]]:
+    """`mode`'s example (its path) and the settings that make it that mode."""
+    example, sets = MODE_EXAMPLES[mode]
+    return os.path.join(REPO, "examples", example), list(sets)
+
+
 def parse_args(description: str, extra: tuple = ()) -> argparse.Namespace:
     """--quick, --json PATH, and `extra` (flag, add_argument keywords) pairs."""
     p = argparse.ArgumentParser(description=description)

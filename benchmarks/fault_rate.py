@@ -37,7 +37,7 @@ comparison. Left out: start-up (not in the seconds), the final checkpoint and ev
 
 --quick: T 15 s, allreduce and downpour, 45 s runs (3 kills each), three repetitions (~30 minutes
 on 2 cores); else T 15 and 60 s, every mode, 4T runs, three repetitions (hours). --modes (of
-allreduce, downpour, easgd, local_sgd), --spares (of 0, 1), --every (of the form's T values) and
+allreduce, downpour, easgd, local_sgd, hogwild, gossip, fsdp, sandblaster), --spares (of 0, 1), --every (of the form's T values) and
 --reps run a part of either; --replicas N trains N replicas instead of the example's 2 (one
 replica of 1 CPU leaves this 2-core machine an idle core for the new spare's start).
 """
@@ -49,10 +49,9 @@ import statistics
 import tempfile
 from typing import Any, Optional
 
-from common import REPO, median, parse_args, report
+from common import MODE_EXAMPLES, median, mode_example, parse_args, report
 
-EXAMPLES = {"allreduce": "mnist_allreduce.yaml", "downpour": "mnist_downpour.yaml", "easgd": "mnist_easgd.yaml",
-            "local_sgd": "mnist_local_sgd.yaml"}
+
 TORCHFT = {"failure_every_s": {"60": {"efficiency": 0.812, "steps_committed": 0.823}, "15": {"efficiency": 0.302}},
            "setup": "torchft Fault Tolerant Llama: 30 replica groups (published figures)"}
 
@@ -64,7 +63,8 @@ def one_run(mode: str, spares: int, every_s: Optional[float], duration_s: float,
     from orchestrator.trainer import ElasticTrainer
 
     with tempfile.TemporaryDirectory(prefix=f"bench-faults-{mode}-") as tmp:
-        cfg = JobConfig.from_yaml(os.path.join(REPO, "examples", EXAMPLES[mode]), [
+        example, sets = mode_example(mode)
+        cfg = JobConfig.from_yaml(example, [*sets,
             "stop.epochs=100000", "stop.target_accuracy=null", f"stop.max_wall_s={duration_s}", "data.partitions=32",
             f"fault_tolerance.spares={spares}", "fault_tolerance.max_replica_restarts=1000",
             f"checkpoint.storage={tmp}/ck", f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db",
@@ -95,7 +95,7 @@ def one_run(mode: str, spares: int, every_s: Optional[float], duration_s: float,
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], extra=[
-        ("--modes", {"default": None, "help": f"modes to run, comma-separated, of {', '.join(EXAMPLES)}"}),
+        ("--modes", {"default": None, "help": f"modes to run, comma-separated, of {', '.join(MODE_EXAMPLES)}"}),
         ("--spares", {"default": "0,1", "help": "fault_tolerance.spares values to run, comma-separated (default 0,1)"}),
         ("--reps", {"type": int, "default": 3, "help": "repetitions (default 3)"}),
         ("--replicas", {"type": int, "default": None, "help": "replicas to train (default: the example's, 2)"}),
@@ -104,7 +104,7 @@ def main() -> None:
     if args.quick:
         modes, periods, length = ("allreduce", "downpour"), (15.0,), lambda t: 45.0
     else:
-        modes, periods, length = tuple(EXAMPLES), (15.0, 60.0), lambda t: 4 * t
+        modes, periods, length = tuple(MODE_EXAMPLES), (15.0, 60.0), lambda t: 4 * t
     if args.every:
         try:
             chosen = tuple(float(t) for t in args.every.split(","))
@@ -115,9 +115,9 @@ def main() -> None:
         periods = chosen
     if args.modes:
         modes = tuple(args.modes.split(","))
-        unknown = sorted(set(modes) - set(EXAMPLES))
+        unknown = sorted(set(modes) - set(MODE_EXAMPLES))
         if unknown:
-            raise SystemExit(f"--modes: unknown {unknown}; modes are {', '.join(EXAMPLES)}")
+            raise SystemExit(f"--modes: unknown {unknown}; modes are {', '.join(MODE_EXAMPLES)}")
     try:
         spare_counts = tuple(int(n) for n in args.spares.split(","))
     except ValueError:
@@ -162,7 +162,9 @@ def main() -> None:
         print(f"  {key:<28} {c['efficiency']['median']:.3f} ({c['efficiency']['min']:.3f}-{c['efficiency']['max']:.3f})"
               f"{'':>4} {fmt(c['predicted']):>10} {fmt(c['predicted_busy']):>10} {fmt(c['recovery_s']):>10} {fmt(c['steps_lost']):>10} {fmt(c['spare_cpu_s']):>11}")
     print(f"  torchft (published): {TORCHFT['failure_every_s']}")
-    results = {"config": {"modes": list(modes), "spares": list(spare_counts), "periods_s": list(periods), "repetitions": reps,
+    results = {"config": {"modes": list(modes),
+                          "examples": {m: " ".join([f"examples/{MODE_EXAMPLES[m][0]}", *MODE_EXAMPLES[m][1]]) for m in modes},
+                          "spares": list(spare_counts), "periods_s": list(periods), "repetitions": reps,
                           "replicas": args.replicas, "cores": cores,
                           "run_s": {f"{t:g}": length(t) for t in periods}, "partitions": 32},
                "cases": cases, "torchft": TORCHFT}

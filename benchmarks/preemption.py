@@ -25,21 +25,14 @@ on 2 cores). --modes: these modes instead.
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 import threading
 import time
 from typing import Any
 
-from common import REPO, median, parse_args, report
+from common import MODE_EXAMPLES as MODES, median, mode_example, parse_args, report
 
 DEADLINE_S = 20
-# each mode's example, and what it sets on it (the modes without an mnist example of their own: allreduce's)
-MODES = {"allreduce": ("mnist_allreduce.yaml", []), "downpour": ("mnist_downpour.yaml", []),
-         "easgd": ("mnist_easgd.yaml", []), "local_sgd": ("mnist_local_sgd.yaml", []),
-         "hogwild": ("mnist_hogwild.yaml", []), "gossip": ("mnist_allreduce.yaml", ["strategy.mode=gossip"]),
-         "fsdp": ("mnist_allreduce.yaml", ["strategy.mode=fsdp"]),
-         "sandblaster": ("mnist_allreduce.yaml", ["strategy.mode=sandblaster"])}
 QUICK_MODES = ("allreduce", "downpour")
 
 
@@ -70,8 +63,8 @@ def one_run(mode: str) -> dict[str, Any]:
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="ERROR")
         with tempfile.TemporaryDirectory(prefix=f"bench-preempt-{mode}-") as tmp:
-            example, sets = MODES[mode]
-            cfg = JobConfig.from_yaml(os.path.join(REPO, "examples", example), [*sets,
+            example, sets = mode_example(mode)
+            cfg = JobConfig.from_yaml(example, [*sets,
                 "stop.epochs=10", "stop.target_accuracy=null", "checkpoint.every_epochs=1",
                 f"checkpoint.storage={tmp}/ck", "faults.slow_replicas={0: 0.04, 1: 0.04}",
                 "tracking.progress_interval_s=0", f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db",
