@@ -3,7 +3,7 @@
 Workload: mnist5k and the CNN of examples/ (2 replicas, 1 CPU each, batch 64), 32 partitions, no
 target, `stop.max_wall_s` DURATION seconds of training, MLflow in a temp sqlite store, through
 ElasticTrainer(cfg).fit() (real Ray actors, gloo groups, shards). For each mode (its example's
-settings) and each `fault_tolerance.spares` (0: a new actor replaces the killed one; 1: a
+settings; a mode without an example of its own: allreduce's with strategy.mode set) and each `fault_tolerance.spares` (0: a new actor replaces the killed one; 1: a
 pre-started spare takes its place), a run with a replica's process SIGKILLed every T seconds
 (orchestrator/testing/chaos.py: Fault kill_replica at_s T/2, 3T/2, ..., ranks 0 and 1 in turn;
 max_replica_restarts high enough that every kill is replaced) and a fault-free run of the same
