@@ -50,7 +50,8 @@ def render(preds: list[Prediction], cal: Calibration, s: Stragglers) -> str:
     lines = [f"model: {cal.params:,} trainable parameters ({cal.model_bytes / 1e6:.2f} MB), batch {cal.batch} per "
              f"replica; step compute {cal.compute_s * 1e3:.2f} ms; link alpha {cal.alpha_s * 1e6:.1f} us, "
              f"bandwidth {8 / cal.beta_s_per_byte / 1e9 if cal.beta_s_per_byte else math.inf:.2f} Gbit/s"
-             + (f"; {cal.cores:g} replicas at full speed" if cal.cores else ""),
+             + (f"; {cal.cores:g} replicas at full speed" if cal.cores else "")
+             + (f"; memory {cal.memory_bytes_per_s / 1e9:.1f} GB/s" if cal.memory_bytes_per_s else ""),
              f"from: {cal.source}",
              f"stragglers: p {s.p:g}, factor {s.factor:g}, jitter {s.jitter:g}{', persistent' if s.persistent else ''}",
              "",
