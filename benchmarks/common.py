@@ -32,6 +32,12 @@ def mode_example(mode: str) -> tuple[str, list[str]]:
     return os.path.join(REPO, "examples", example), list(sets)
 
 
+def example_text(mode: str) -> str:
+    """`mode`'s example as a results file records it: `examples/<file> [setting ...]`."""
+    example, sets = MODE_EXAMPLES[mode]
+    return " ".join([f"examples/{example}", *sets])
+
+
 def parse_args(description: str, extra: tuple = ()) -> argparse.Namespace:
     """--quick, --json PATH, and `extra` (flag, add_argument keywords) pairs."""
     p = argparse.ArgumentParser(description=description)

@@ -3,8 +3,9 @@
 Workload: mnist5k and the CNN of examples/ (2 replicas, 1 CPU each, batch 64), 32 partitions, no
 target, `stop.max_wall_s` DURATION seconds of training, MLflow in a temp sqlite store, through
 ElasticTrainer(cfg).fit() (real Ray actors, gloo groups, shards). For each mode (its example's
-settings; a mode without an example of its own: allreduce's with strategy.mode set) and each `fault_tolerance.spares` (0: a new actor replaces the killed one; 1: a
-pre-started spare takes its place), a run with a replica's process SIGKILLed every T seconds
+settings; a mode without an example of its own: allreduce's with strategy.mode set) and each
+`fault_tolerance.spares` (0: a new actor replaces the killed one; 1: a pre-started spare takes
+its place), a run with a replica's process SIGKILLed every T seconds
 (orchestrator/testing/chaos.py: Fault kill_replica at_s T/2, 3T/2, ..., ranks 0 and 1 in turn;
 max_replica_restarts high enough that every kill is replaced) and a fault-free run of the same
 length and the same spares, interleaved (a spare's own start is the price of the spare, not of
@@ -37,9 +38,10 @@ comparison. Left out: start-up (not in the seconds), the final checkpoint and ev
 
 --quick: T 15 s, allreduce and downpour, 45 s runs (3 kills each), three repetitions (~30 minutes
 on 2 cores); else T 15 and 60 s, every mode, 4T runs, three repetitions (hours). --modes (of
-allreduce, downpour, easgd, local_sgd, hogwild, gossip, fsdp, sandblaster), --spares (of 0, 1), --every (of the form's T values) and
---reps run a part of either; --replicas N trains N replicas instead of the example's 2 (one
-replica of 1 CPU leaves this 2-core machine an idle core for the new spare's start).
+allreduce, downpour, easgd, local_sgd, hogwild, gossip, fsdp, sandblaster), --spares (of 0, 1),
+--every (of the form's T values) and --reps run a part of either; --replicas N trains N replicas
+instead of the example's 2 (one replica of 1 CPU leaves this 2-core machine an idle core for the
+new spare's start).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ import statistics
 import tempfile
 from typing import Any, Optional
 
-from common import MODE_EXAMPLES, median, mode_example, parse_args, report
+from common import MODE_EXAMPLES, example_text, median, mode_example, parse_args, report
 
 
 TORCHFT = {"failure_every_s": {"60": {"efficiency": 0.812, "steps_committed": 0.823}, "15": {"efficiency": 0.302}},
@@ -163,7 +165,7 @@ def main() -> None:
               f"{'':>4} {fmt(c['predicted']):>10} {fmt(c['predicted_busy']):>10} {fmt(c['recovery_s']):>10} {fmt(c['steps_lost']):>10} {fmt(c['spare_cpu_s']):>11}")
     print(f"  torchft (published): {TORCHFT['failure_every_s']}")
     results = {"config": {"modes": list(modes),
-                          "examples": {m: " ".join([f"examples/{MODE_EXAMPLES[m][0]}", *MODE_EXAMPLES[m][1]]) for m in modes},
+                          "examples": {m: example_text(m) for m in modes},
                           "spares": list(spare_counts), "periods_s": list(periods), "repetitions": reps,
                           "replicas": args.replicas, "cores": cores,
                           "run_s": {f"{t:g}": length(t) for t in periods}, "partitions": 32},

@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from common import MODE_EXAMPLES as MODES, median, mode_example, parse_args, report
+from common import MODE_EXAMPLES as MODES, example_text, median, mode_example, parse_args, report
 
 DEADLINE_S = 20
 QUICK_MODES = ("allreduce", "downpour")
@@ -123,7 +123,7 @@ def main() -> None:
         print(f"  {mode:<10} evacuate_s {summary[mode]['evacuate_s']}  failures {summary[mode]['replica_failures']}  "
               f"steps lost {summary[mode]['steps_lost']}  moved before the deadline {summary[mode]['moved_before_deadline']}"
               f" of {len(rs)}")
-    results = {"config": {"examples": {m: " ".join([f"examples/{MODES[m][0]}", *MODES[m][1]]) for m in modes},
+    results = {"config": {"examples": {m: example_text(m) for m in modes},
                           "deadline_s": DEADLINE_S,
                           "cluster": "0-CPU head, three 1-CPU workers", "slow_replicas_s": 0.04, "repetitions": reps},
                "runs": runs, "summary": summary}

@@ -200,6 +200,10 @@ class Checkpointer:
         self._thread: Optional[threading.Thread] = None
         self.taken_s: dict[tuple[str, int], float] = {}  # (tag, step) -> seconds on the training path (its event's)
 
+    def _keeper_key(self, directory: str) -> str:
+        """The key of the keeper of the run's checkpoint directory `directory` under this storage."""
+        return directory_key(f"{self.storage.rstrip('/')}/{directory}")
+
     def write(self, state: dict[str, Any], tag: str, step: int, epoch: int, mlflow_run_id: str,
               named: Optional[str] = None, wait: bool = True, before: Any = None,
               fields: Optional[dict[str, Any]] = None) -> tuple[str, str]:
@@ -214,7 +218,7 @@ class Checkpointer:
             if self.memory is not None:
                 self.memory.close()
             if self.in_memory_keep_s is not None:
-                self.memory = MemoryCopy(directory_key(f"{self.storage.rstrip('/')}/{directory}"), self.in_memory_keep_s)
+                self.memory = MemoryCopy(self._keeper_key(directory), self.in_memory_keep_s)
         # the run's step count (monotonic, the x-axis of the epoch metrics) orders the store
         stored = self.store.path_of(CheckpointStore.name_for(step, tag))
         path = self.store.path_of(named) if named else stored
@@ -261,7 +265,7 @@ class Checkpointer:
         if self.memory is not None and finished:  # the run is over: nothing to go on from
             held = self.memory.release()
         elif finished and self.run_name:  # in_memory off: a keeper an earlier driver of this name left ends too
-            if end_leftover(directory_key(f"{self.storage.rstrip('/')}/{order.store.run_name}")):
+            if end_leftover(self._keeper_key(order.store.run_name)):
                 held = {"in_memory_released": "a keeper left by an earlier driver of this name"}
         if order.named:
             save_checkpoint(order.store.storage, order.store.run_name, order.named, order.state)
