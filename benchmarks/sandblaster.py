@@ -26,7 +26,13 @@ partition (batch 50), `strategy.backup_tasks` true against false, interleaved: s
 1: backups pay). Both sides make the same iterates (their pass losses are compared); what the
 ratio leaves out: start-up, the same on both sides.
 
-    python benchmarks/sandblaster.py [--quick] [--backups] [--reps N] [--json PATH]
+With `--tasks`: the same straggler, the train split in 2 partitions of 2,000 rows (40 steps each),
+a task a whole partition against tasks of 250 rows (`strategy.task_rows`: 16 tasks of 5 steps),
+each with backups off and on, interleaved: seconds a pass, and the ratios partition / 250-row
+tasks with backups off and with backups on (above 1: small tasks pay). The same iterates on
+every side (compared); start-up left out, the same on every side.
+
+    python benchmarks/sandblaster.py [--quick] [--backups | --tasks] [--reps N] [--json PATH]
 """
 from __future__ import annotations
 
@@ -40,15 +46,16 @@ PROBLEMS = {"softmax": ("examples.models:linear", {"in_features": 784, "num_clas
             "mlp": ("examples.models:mnist_mlp", {"hidden": 64})}
 
 
-def config(problem: str, iterations: int, tmp: str, batch: int = 500, backups: bool = True, slow: list = ()):
+def config(problem: str, iterations: int, tmp: str, batch: int = 500, backups: bool = True, slow: list = (),
+           partitions: int = 8, task_rows=None):
     from orchestrator.config import JobConfig
 
     factory, kwargs = PROBLEMS[problem]
     return JobConfig.from_dict({
         "model": {"factory": factory, "kwargs": kwargs},
-        "data": {"source": "builtin:mnist5k", "batch_size": batch, "partitions": 8},
+        "data": {"source": "builtin:mnist5k", "batch_size": batch, "partitions": partitions},
         "strategy": {"mode": "sandblaster", "history_size": 10, "step_size": 1.0, "timeout_s": 120,
-                     "backup_tasks": backups},
+                     "backup_tasks": backups, "task_rows": task_rows},
         "scaling": {"replicas": 2, "cpus_per_replica": 0.5, "shards": 2}, "faults": {"slow_replicas": list(slow)},
         "stop": {"epochs": iterations}, "checkpoint": {"every_epochs": 0, "storage": os.path.join(tmp, "ck")},
         "tracking": {"tracking_uri": f"sqlite:///{tmp}/mlflow.db"}})
@@ -101,30 +108,42 @@ def orchestrated(cfg) -> dict:
 STRAGGLER = [{"rank": 1, "delay_s": 0.05}]
 
 
-def backups(args, iterations: int, reps: int) -> None:
-    """--backups: a straggler's late partitions backed up (strategy.backup_tasks) or waited for."""
+TASK_SIDES = {  # --tasks: 2 partitions of 2,000 rows (40 steps each), a task a partition or 250 rows (5 steps)
+    "partitions_waited": {"partitions": 2, "backups": False},
+    "tasks_waited": {"partitions": 2, "task_rows": 250, "backups": False},
+    "partitions_backed_up": {"partitions": 2, "backups": True},
+    "tasks_backed_up": {"partitions": 2, "task_rows": 250, "backups": True},
+}
+
+
+def straggler_passes(args, iterations: int, reps: int, name: str, sides: dict[str, dict],
+                     ratios: dict[str, tuple[str, str]]) -> None:
+    """The MLP problem with replica 1 a straggler, batch 50, each side's config (`sides`: label ->
+    config's keywords), interleaved: seconds a pass and its range; `ratios`: name -> (slower side,
+    faster side), each the first's seconds a pass over the second's."""
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(reps):
-            for on in (True, False):  # interleaved
-                cfg = config("mlp", iterations, os.path.join(tmp, f"{on}-{rep}"), batch=50, backups=on, slow=STRAGGLER)
+            for side, kwargs in sides.items():  # interleaved
+                cfg = config("mlp", iterations, os.path.join(tmp, f"{side}-{rep}"), batch=50, slow=STRAGGLER, **kwargs)
                 out = orchestrated(cfg)
-                run = {"backup_tasks": on, "rep": rep, "s_per_pass": out["times"][-1] / len(out["times"]),
-                       "losses": out["losses"], "backups": sum(out["backup_tasks"]),
+                run = {"side": side, **kwargs, "rep": rep, "s_per_pass": out["times"][-1] / len(out["times"]),
+                       "losses": out["losses"], "backup_copies": sum(out["backup_tasks"]),
                        "superseded": sum(out["superseded_tasks"]), "startup_s": out["startup_s"]}
                 runs.append(run)
                 print({k: v for k, v in run.items() if k != "losses"}, flush=True)
     same = all(r["losses"] == runs[0]["losses"] for r in runs)
     fig = {}
-    for on in (True, False):
-        mine = [r["s_per_pass"] for r in runs if r["backup_tasks"] == on]
-        fig[str(on).lower()] = {"s_per_pass": median(mine), "range": [min(mine), max(mine)]}
-    ratio = fig["false"]["s_per_pass"] / fig["true"]["s_per_pass"]
-    print(f"\nseconds a pass, medians (range): backups {fig['true']['s_per_pass']:.3f} {fig['true']['range']}, "
-          f"none {fig['false']['s_per_pass']:.3f} {fig['false']['range']}: {ratio:.3f}x; the same iterates: {same}")
-    report("sandblaster-backups", args.quick, {"iterations": iterations, "reps": reps, "straggler": STRAGGLER,
-                                               "same_iterates": same, "runs": runs, "medians": fig},
-           {"mlp_straggler:waited_vs_backed_up_s_per_pass": ratio}, args.json)
+    for side in sides:
+        mine = [r["s_per_pass"] for r in runs if r["side"] == side]
+        fig[side] = {"s_per_pass": median(mine), "range": [min(mine), max(mine)]}
+    print("\nseconds a pass, medians (range): " + ", ".join(
+        f"{side} {f['s_per_pass']:.3f} [{f['range'][0]:.3f}, {f['range'][1]:.3f}]" for side, f in fig.items())
+        + f"; the same iterates: {same}")
+    out = {key: fig[a]["s_per_pass"] / fig[b]["s_per_pass"] for key, (a, b) in ratios.items()}
+    print(", ".join(f"{key} {v:.3f}x" for key, v in out.items()))
+    report(name, args.quick, {"iterations": iterations, "reps": reps, "straggler": STRAGGLER, "sides": sides,
+                              "same_iterates": same, "runs": runs, "medians": fig}, out, args.json)
 
 
 SAME = 1e-3  # "the same loss": within 0.1% (the two sums of the same gradient differ in their last bits)
@@ -139,15 +158,25 @@ def reached(losses: list[float], times: list[float], target: float) -> float:
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], (("--reps", {"type": int, "default": None}),
-                                                ("--backups", {"action": "store_true"})))
+                                                ("--backups", {"action": "store_true"}),
+                                                ("--tasks", {"action": "store_true"})))
     iterations = 10 if args.quick else 30
     reps = args.reps or (1 if args.quick else 3)
     import ray
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    if args.backups:
+    if args.backups or args.tasks:
         try:
-            backups(args, iterations, reps)
+            if args.backups:
+                straggler_passes(args, iterations, reps, "sandblaster-backups",
+                                 {"true": {"backups": True}, "false": {"backups": False}},
+                                 {"mlp_straggler:waited_vs_backed_up_s_per_pass": ("false", "true")})
+            else:
+                straggler_passes(args, iterations, reps, "sandblaster-tasks", TASK_SIDES,
+                                 {"mlp_straggler:partition_vs_250_row_tasks_s_per_pass_waited":
+                                  ("partitions_waited", "tasks_waited"),
+                                  "mlp_straggler:partition_vs_250_row_tasks_s_per_pass_backed_up":
+                                  ("partitions_backed_up", "tasks_backed_up")})
         finally:
             ray.shutdown()
         return

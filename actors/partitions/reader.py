@@ -129,10 +129,15 @@ class PartitionReader:
     helper thread while the current partition trains; batches are made by tensor indexing (no
     per-row Python); with a GPU, batches are pinned and copied asynchronously. `refs`: the
     in-memory partitions' refs, or a file source's plan (actors/partitions/reading.py); `read_ahead`: how
-    many partitions of a file source are read ahead of the one training (data.prefetch_partitions)."""
+    many partitions of a file source are read ahead of the one training (data.prefetch_partitions);
+    `tasks` (sandblaster's strategy.task_rows, policies/rules/gradient_tasks.py `partition_tasks`):
+    the server leases tasks, not partitions: lease i is rows [lo, hi) of partition p's stored
+    order, tasks[i] = (p, lo, hi), shuffled within itself; everything the reader says of a lease
+    (`read`, `position`, `unreported`, `drop`) is then by task."""
 
     def __init__(self, server: "ServerAddress | Any", refs: "list | StreamPlan", rank: int, batch_size: int,
-                 shuffle: bool, device: torch.device, timeout_s: float, read_ahead: int = 2):
+                 shuffle: bool, device: torch.device, timeout_s: float, read_ahead: int = 2,
+                 tasks: Optional[list[tuple[int, int, int]]] = None):
         self.where = server if isinstance(server, ServerAddress) else ServerAddress(server)
         self.rank, self.batch_size, self.shuffle = rank, batch_size, shuffle
         self.span = False  # a partition's short last batch is completed from the next partition
@@ -150,6 +155,21 @@ class PartitionReader:
         self.dropped: set[int] = set()  # partitions whose rest this replica no longer reads (`drop`)
         self.passes = 0  # partitions() calls: a grant that comes back after its pass was left is not noted
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="partition-prefetch")
+        self.tasks = [tuple(int(v) for v in t) for t in tasks] if tasks is not None else None
+
+    def stored(self, leased: int) -> int:
+        """The stored partition a lease's number reads: itself, or its task's partition (`tasks`)."""
+        return leased if self.tasks is None else self.tasks[leased][0]
+
+    def span_of(self, leased: Optional[int], rows: int) -> tuple[int, int]:
+        """The rows [lo, hi) of its stored partition (of `rows`) that a lease reads: all of them, or
+        its task's slice; a RuntimeError where the slice does not fit (a plan of another dataset)."""
+        if self.tasks is None:
+            return 0, rows
+        p, lo, hi = self.tasks[int(leased)]
+        if not 0 <= lo < hi <= rows:
+            raise RuntimeError(f"sandblaster: task {leased} is rows [{lo}, {hi}) of partition {p}, which has {rows}")
+        return lo, hi
 
     def partitions(self, first: Optional[dict] = None) -> Iterator[tuple[dict, dict]]:
         """The partitions granted to this replica this pass, in order. A grant holds one or two
@@ -176,12 +196,14 @@ class PartitionReader:
         held, last = deque(grant["leases"]), grant["last"]
         while held:
             lease = held.popleft()
-            self.source.want(lease["partition"], [x["partition"] for x in held])
+            stored = self.stored(lease["partition"])
+            self.source.want(stored, [self.stored(x["partition"]) for x in held])
             pending = None
             if not held and not last:  # starting the last partition in hand: ask for more now
                 pending, finished = self.prefetch.submit(self._grant_heard, finished, lease["epoch"], this), []
-            yield lease, self.source.get(lease["partition"])
-            self.source.release(lease["partition"])  # a streamed partition is let go once trained
+            yield lease, self.source.get(stored)
+            if not any(self.stored(x["partition"]) == stored for x in held):  # (the next task's partition: kept)
+                self.source.release(stored)  # a streamed partition is let go once trained
             finished.append(lease["partition"])
             if pending is not None:
                 grant = pending.result(timeout=3 * self.timeout_s)  # a call, a wait for a rebuilt server, a call
@@ -261,7 +283,7 @@ class PartitionReader:
 
     def _fetch(self, grant: dict) -> dict:
         """Start getting the granted partitions' rows (StoredPartitions / StreamedPartitions)."""
-        self.source.request([lease["partition"] for lease in grant["leases"]])
+        self.source.request([self.stored(lease["partition"]) for lease in grant["leases"]])
         return grant
 
     def epoch_batches(self, first: Optional[dict] = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]]:
@@ -317,16 +339,18 @@ class PartitionReader:
         return {"full": full, "partial": partial}
 
     def task_batches(self, partition: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Every row of `partition`, in batches of batch_size, for a task computed outside the
-        epoch's loop (sandblaster's fill-in of a task a shard lacks): whatever this pass dropped
-        of it (`drop`: another copy was in then, on shards one of which may since have been
-        rebuilt without it) or trained before a restart, it is read whole. Yields (x, y)."""
-        part = self.source.get(partition)
+        """Every row of `partition` (with `tasks`: of that task's slice), in batches of batch_size,
+        for a task computed outside the epoch's loop (sandblaster's fill-in of a task a shard
+        lacks): whatever this pass dropped of it (`drop`: another copy was in then, on shards one
+        of which may since have been rebuilt without it) or trained before a restart, it is read
+        whole. Yields (x, y)."""
+        stored = self.stored(partition)
+        part = self.source.get(stored)
         try:
             for x, y, _ in self.batches({"partition": partition, "seed": 0}, part, whole=True):
                 yield x, y
         finally:
-            self.source.release(partition)
+            self.source.release(stored)
 
     def batches(self, lease: dict, part: dict, first: Optional[int] = None,
                 whole: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -334,12 +358,14 @@ class PartitionReader:
         with a short last batch: every row exactly once. batch_size is read again for every
         batch (a load-balanced allreduce changes it as the replicas' speeds move); `first`: the
         size of the first batch (the rows a carried remainder still needs, `span`); `whole`: read
-        to the end even if the partition was dropped this pass. Yields (x, y, row positions in
-        the partition)."""
+        to the end even if the partition was dropped this pass. With `tasks`, the lease's slice
+        of the partition only, in its own shuffled order. Yields (x, y, row positions in the
+        partition)."""
         x, y = as_tensors(part["x"]), as_tensors(part["y"])
-        rows = batch_rows(y)
-        order = (torch.from_numpy(np.random.default_rng(lease["seed"]).permutation(rows)) if self.shuffle
-                 else torch.arange(rows))
+        lo, hi = self.span_of(lease.get("partition"), batch_rows(y))
+        rows = hi - lo
+        order = lo + (torch.from_numpy(np.random.default_rng(lease["seed"]).permutation(rows)) if self.shuffle
+                      else torch.arange(rows))
         cpu = self.device.type == "cpu"
         at = start = min(int(lease.get("skip", 0)), rows)  # rows trained before a restart: not again
         while at < rows and (whole or lease.get("partition") not in self.dropped):

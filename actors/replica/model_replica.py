@@ -298,16 +298,18 @@ class ModelReplica:
 
     # ---- data ----------------------------------------------------------------------------
     def set_data(self, server, train_parts: list, test_part: list, test_slice: tuple[int, int],
-                 t_train_wall: Optional[float] = None) -> int:
+                 t_train_wall: Optional[float] = None, tasks: Optional[list] = None) -> int:
         """The PartitionServer to lease train partitions from, the train partitions' refs, and
         this replica's slice of the test split (refs wrapped in lists so Ray passes them through
-        unresolved). `t_train_wall`: when the run's training started (wall clock)."""
+        unresolved). `t_train_wall`: when the run's training started (wall clock). `tasks`:
+        sandblaster's tasks as slices of partitions (strategy.task_rows; PartitionReader)."""
         if t_train_wall is not None:
             self.t_train_wall = t_train_wall
         data = self.cfg["data"]
         self.reader = PartitionReader(server, train_parts[0], self.rank, data["batch_size"] * data.get("accumulate", 1),
                                       data["shuffle"],
-                                      self.device, self.cfg["strategy"]["timeout_s"], data.get("prefetch_partitions", 2))
+                                      self.device, self.cfg["strategy"]["timeout_s"], data.get("prefetch_partitions", 2),
+                                      tasks=tasks)
         return self.set_test_slice(test_part, test_slice)
 
     def set_test_slice(self, test_part: list, test_slice: Any) -> int:

@@ -51,6 +51,9 @@ class JobConfig(Section):
             raise ValueError("optimizer.name: lbfgs needs a closure that re-evaluates the whole batch's loss, which no "
                              "mode's step gives; choose a first-order optimizer (sgd, adamw, ...), or strategy.mode "
                              "sandblaster (full-batch L-BFGS over the replicas)")
+        if self.strategy.task_rows is not None and self.strategy.modes() != ["sandblaster"]:
+            raise ValueError("strategy.task_rows cuts sandblaster's gradient tasks; the other modes have none (remove it, "
+                             "or set strategy.mode sandblaster)")
         if "sandblaster" in self.strategy.modes():
             refusals = [(len(self.strategy.plan()) > 1, "is one mode for the whole run (no strategy.phases or switch): "
                          "its L-BFGS history lives on the shards and means nothing to another mode"),

@@ -233,11 +233,15 @@ class StrategyConfig(Section):
     history_size: int = Field(
         10, ge=1, description="sandblaster: the (s, y) pairs L-BFGS keeps, each a vector the size of the model split "
         "across the shards (the coordinator holds scalars only).")
+    task_rows: Optional[int] = Field(
+        None, ge=1, description="sandblaster: a gradient task is this many rows of a partition (each partition cut in "
+        "turn, its last task shorter), so a pass has many small tasks, handed out by speed and backed up, from few "
+        "large partitions; null: a task is a whole partition (set data.partitions instead).")
     backup_tasks: bool = Field(
-        True, description="sandblaster: once a pass's queue of partitions is empty, a replica that asks for more "
-        "computes a backup copy of a partition another replica still holds (of the replica that has completed fewest); "
+        True, description="sandblaster: once a pass's queue of tasks is empty, a replica that asks for more "
+        "computes a backup copy of a task another replica still holds (of the replica that has completed fewest); "
         "the first copy the shards get counts and the other replica drops the rest of its copy. false: a late "
-        "partition is waited for.")
+        "task is waited for.")
     phases: Optional[list[PhaseConfig]] = Field(
         None, description="A run in phases, each {mode, that mode's options, until}: e.g. [{mode: downpour, n_push: "
         "4, until: {epochs: 2}}, {mode: allreduce, until: {test_accuracy: 0.96}}, {mode: easgd, tau: 8}]. `until`: "

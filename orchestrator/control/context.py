@@ -78,6 +78,7 @@ class Phase:
     pinned: bool = False
     batch_shares: Optional[list[int]] = None  # strategy.balance: the split last reported (rows or periods)
     lease_plan: tuple = ()  # (rows, replicas, seed, pinned, shuffle): the grants' pure plan (policies/decisions/leases.py)
+    tasks: Optional[list[tuple[int, int, int]]] = None  # sandblaster's strategy.task_rows: what is leased, (partition, lo, hi) each
     max_grant: int = MAX_GRANT
     backups: bool = False  # sandblaster's backup copies of late partitions (strategy.backup_tasks)
     phases: list[dict[str, Any]] = field(default_factory=list)  # the result JSON's record of which mode ran when
@@ -294,7 +295,8 @@ class RunContext:
         members, split = self.fleet.group.ranks, self.cfg.eval_split
         where = {r: self.fleet.data.test_share(i, len(members), split) for i, r in enumerate(members)}
         self.fleet.group.call(ranks, "set_data", what="data",
-                        per_rank=lambda r: (self.fleet.server.address(), [self.fleet.data.train], *where[r], self.ledger.t_train_wall))
+                        per_rank=lambda r: (self.fleet.server.address(), [self.fleet.data.train], *where[r], self.ledger.t_train_wall,
+                                            self.phase.tasks))
 
     def reslice_tests(self, split: Optional[str] = None) -> None:
         """Each member's share of the evaluated split (default: the run's; "test" for the final

@@ -70,6 +70,7 @@ VIEW = {
     "elastic": "fleet.elastic", "spec": "phase.spec", "strategy": "phase.strategy", "phases": "phase.phases",
     "totals": "ledger.totals", "consumed": "ledger.consumed",
     "redone": "ledger.redone", "steps_per_epoch": "ledger.steps_per_epoch", "progress": "ledger.progress",
+    "signals": "ledger.signals",
     "stop_policy": "policies.stop", "failure_policy": "policies.failure", "switch_policy": "policies.switch",
     "cfg": "cfg", "dataset": "dataset", "report": "report", "metric": "metric", "tracker": "tracker",
     "replicas": "replicas", "shards": "shards", "last_state": "last_state",

@@ -17,6 +17,7 @@ from orchestrator.persistence.run_state import UNSAVED, Position
 from orchestrator.persistence.resume import FROM_MEMORY
 from orchestrator.control.states import EpochSegment, Guard, Pending
 from policies.decisions.leases import MAX_GRANT
+from policies.rules.gradient_tasks import partition_tasks
 from policies.rules.registry import mode_spec
 
 if TYPE_CHECKING:
@@ -61,8 +62,11 @@ def start(run: "RunContext") -> EpochSegment:
     # in-memory data: partitions put once; a file source: only its plan (orchestrator/data/placement.py)
     run.fleet.data = place_data(run.dataset, cfg.data.partitions or 4 * n, cfg.data.seed)
     rows = run.fleet.data.rows
-    estimate_steps(run)
+    if run.phase.spec.coordinated and cfg.strategy.task_rows is not None:  # sandblaster: tasks smaller than a partition
+        run.phase.tasks = partition_tasks(rows, cfg.strategy.task_rows)
+        rows = [hi - lo for _, lo, hi in run.phase.tasks]  # the server leases tasks
     run.phase.lease_plan = (rows, n, cfg.data.seed, run.phase.pinned, cfg.data.shuffle)
+    estimate_steps(run)
     # a run that can switch modes (or checkpoints inside its epochs) is granted one partition at a
     # time: every partition boundary is a point where a replica can hear a pause (two at a time
     # saves calls otherwise)
@@ -85,11 +89,15 @@ def start(run: "RunContext") -> EpochSegment:
     if run.resume is not None:
         restore(run, run.resume)
         estimate_steps(run)  # data.adaptive_batch: at the batch it had grown to
+    parts = run.fleet.data.rows
+    tasks = {} if run.phase.tasks is None else {"tasks": len(run.phase.tasks)}  # sandblaster's strategy.task_rows
     run.report.event("started", metric=run.metric, task=cfg.task.name, replicas=n, spares=cfg.fault_tolerance.spares,
-                      steps_per_epoch=run.ledger.steps_per_epoch, partitions=len(rows),
-                      rows_per_partition=[min(rows), max(rows)], startup_s=round(run.ledger.totals.startup_s, 3))
-    run.report.say(f"started {n} replicas ({len(rows)} partitions, ~{run.ledger.steps_per_epoch} steps/epoch per "
-                    f"replica) in {run.ledger.totals.startup_s:.1f}s")
+                      steps_per_epoch=run.ledger.steps_per_epoch, partitions=len(parts),
+                      rows_per_partition=[min(parts), max(parts)], **tasks,
+                      startup_s=round(run.ledger.totals.startup_s, 3))
+    run.report.say(f"started {n} replicas ({len(parts)} partitions"
+                   + (f" in {tasks['tasks']} gradient tasks" if tasks else "")
+                   + f", ~{run.ledger.steps_per_epoch} steps/epoch per replica) in {run.ledger.totals.startup_s:.1f}s")
     at = run.ledger.totals.steps
     run.report.metrics([("replicas_alive", n, at), ("replica_restarts", run.ledger.totals.replica_restarts, at),
                          ("mode", phase_switch.MODE_CODES[run.phase.spec.name], at)])
@@ -105,11 +113,11 @@ def resumed_pending(run: "RunContext") -> Pending:
 
 
 def estimate_steps(run: "RunContext") -> None:
-    """The display's steps per epoch per replica: every partition cut into steps of the batch
-    (x data.accumulate), shared among the replicas."""
+    """The display's steps per epoch per replica: every partition (sandblaster's task) leased cut
+    into steps of the batch (x data.accumulate), shared among the replicas."""
     b = run.fleet.elastic.batch.value * run.cfg.data.accumulate
     n = len(run.fleet.group.ranks) or run.cfg.scaling.replicas
-    run.ledger.steps_per_epoch = -(-sum(-(-r // b) for r in run.fleet.data.rows) // n)
+    run.ledger.steps_per_epoch = -(-sum(-(-r // b) for r in run.phase.lease_plan[0]) // n)
 
 
 def restore(run: "RunContext", state: dict[str, Any]) -> None:

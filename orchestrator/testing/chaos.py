@@ -23,7 +23,8 @@ Kinds (all act from outside, on the process, as the real thing would):
   (`target` indexes the cluster's worker nodes that hold a replica of the run).
 Triggers, exactly one per fault: `at_step` (once a progress row reports that global step or a
 later one: rows come every tracking.log_every_steps steps, sent at once with
-tracking.progress_interval_s 0, so the fault lands within log_every_steps of the step),
+tracking.progress_interval_s 0, so the fault lands within log_every_steps of the step; with
+`in_epoch`, once a replica reports that step within that epoch, or any step of a later one),
 `at_s` (seconds after the replicas started) or `during` (the next time the controller is
 carrying out a `repair`, a `switch` or a `resize`: a fault inside a reconfiguration; or
 `checkpoint`: while the replicas pause for a checkpoint inside an epoch; or `switch_pause`: once
@@ -56,6 +57,7 @@ class Fault:
     kind: str
     target: int = 0  # replica rank, shard index, spare index or worker node index
     at_step: Optional[int] = None
+    in_epoch: Optional[int] = None  # with at_step: the step counts within this epoch (its progress rows' step_in_epoch)
     at_s: Optional[float] = None
     during: Optional[str] = None
     duration_s: float = 2.0  # slow_replica: how long the process stays stopped
@@ -65,6 +67,8 @@ class Fault:
             raise ValueError(f"fault kind must be one of {KINDS}, got {self.kind!r}")
         if sum(x is not None for x in (self.at_step, self.at_s, self.during)) != 1:
             raise ValueError("give a fault exactly one of at_step, at_s or during")
+        if self.in_epoch is not None and self.at_step is None:
+            raise ValueError("in_epoch counts at_step within an epoch: give at_step too")
         if self.during is not None and self.during not in DURING:
             raise ValueError(f"during must be one of {DURING}, got {self.during!r}")
 
@@ -128,6 +132,9 @@ class FaultInjector:
             return time.monotonic() - t_start >= fault.at_s
         if fault.during is not None:
             return reconfiguring(ctl) == fault.during
+        if fault.in_epoch is not None:  # a step of that epoch (or any later epoch's: it was passed unseen)
+            rows = list((getattr(ctl, "signals", None) or {}).values())
+            return any((r.get("epoch", 0), r.get("step_in_epoch", 0)) >= (fault.in_epoch, fault.at_step) for r in rows)
         progress = getattr(ctl, "progress", None) or {}
         return bool(progress) and max(progress.values()) >= fault.at_step
 

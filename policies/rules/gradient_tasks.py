@@ -4,8 +4,10 @@ each), whoever computes them, each counted once.
 - `GradientPass` (a shard's side, run by actors/shards/parameter_shard.py on its slice): the
   first copy of each task of the pass counts, later copies and copies from an earlier pass are
   dropped, so a task served again or backed up counts exactly once whichever copy finishes first.
-- `SandblasterWorker` (a replica's side in `strategy.mode: sandblaster`): a partition is a task;
-  its summed-loss gradient goes to every shard when the next partition begins; in a pass's tail a
+- `SandblasterWorker` (a replica's side in `strategy.mode: sandblaster`): a task is a partition,
+  or a slice of one (`partition_tasks`, strategy.task_rows: the partition server then leases
+  tasks and the reader maps each to its partition's rows); its summed-loss gradient goes to every
+  shard when the next task begins; in a pass's tail a
   copy already in elsewhere is dropped part way (the partition server's backup copies:
   policies/decisions/leases.py).
 - `TaskHandout` and `task_bounds`: a pass's rows cut into tasks handed to whichever worker asks
@@ -81,6 +83,13 @@ def task_bounds(rows: int, task_rows: int) -> list[tuple[int, int]]:
     if rows <= 0 or task_rows <= 0:
         raise ValueError(f"sandblaster: {rows} rows in tasks of {task_rows}")
     return [(lo, min(lo + task_rows, rows)) for lo in range(0, rows, task_rows)]
+
+
+def partition_tasks(partition_rows: list[int], task_rows: int) -> list[tuple[int, int, int]]:
+    """A pass's tasks over the train partitions (strategy.task_rows): task i is rows [lo, hi) of
+    partition p's stored order, (p, lo, hi), each partition cut by `task_bounds` in turn, so every
+    row is in exactly one task (an empty partition has none)."""
+    return [(p, lo, hi) for p, n in enumerate(partition_rows) if n > 0 for lo, hi in task_bounds(n, task_rows)]
 
 
 @dataclass

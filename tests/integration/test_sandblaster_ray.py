@@ -134,11 +134,12 @@ def lbfgs_reference(cfg, dataset, iterations: int, restart_at: int | None = None
 
 def test_sandblaster_mode_equals_torch_lbfgs_through_a_killed_replica_and_shard(ray_cluster, tmp_path):
     """`strategy.mode: sandblaster` through ElasticTrainer.fit: two replicas compute each pass's
-    gradient a partition at a time (replica 1 a straggler, so replica 0 takes more), two shards
-    hold x and the history, the driver's coordinator moves x once per epoch. Replica 1 is
-    SIGKILLed inside a pass and replaced: its partition is served again and each task counts once.
-    Once a pass's queue is empty the fast replica computes backup copies of the straggler's
-    partitions; whichever copy is in first counts.
+    gradient a task at a time, each task a slice of a partition (3 partitions, strategy.task_rows
+    120: 12 tasks a pass; replica 1 a straggler, so replica 0 takes more), two shards hold x and
+    the history, the driver's coordinator moves x once per epoch. Replica 1 is SIGKILLed inside a
+    pass and replaced: its task is served again and each task counts once. Once a pass's queue is
+    empty the fast replica computes backup copies of the straggler's tasks; whichever copy is in
+    first counts.
     Later shard 0 is SIGKILLed inside a pass: rebuilt from its snapshot (x as of the last
     iteration), it lacks the tasks pushed before its death, which the replicas compute again at
     the pass's end (`filled_tasks`), and its history is gone, so every shard drops its own and the
@@ -150,29 +151,34 @@ def test_sandblaster_mode_equals_torch_lbfgs_through_a_killed_replica_and_shard(
     from tests.conftest import job_config
 
     cfg = job_config(model={"factory": "examples.models:mnist_mlp", "kwargs": {"in_features": 64, "hidden": 32}},
-                     data={"source": "builtin:digits", "batch_size": 64, "partitions": 12},
-                     strategy={"mode": "sandblaster", "history_size": 10, "timeout_s": 30},
+                     data={"source": "builtin:digits", "batch_size": 64, "partitions": 3},
+                     strategy={"mode": "sandblaster", "history_size": 10, "timeout_s": 30, "task_rows": 120},
                      scaling={"replicas": 2, "cpus_per_replica": 0.5, "shards": 2},
                      stop={"epochs": ITERATIONS}, faults={"slow_replicas": {1: 0.02}},
                      tracking={"log_every_steps": 1, "progress_interval_s": 0,
                                "tracking_uri": f"sqlite:///{tmp_path}/mlflow.db"},
                      checkpoint={"storage": str(tmp_path / "ck")})
     trainer = ElasticTrainer(cfg, show_progress=False)
-    faults = [Fault("kill_replica", 1, at_step=40), Fault("kill_shard", 0, at_step=85)]
+    # the shard's kill lands 8 steps into pass 4 (a fixed global step could land on a pass's first
+    # step, before any push: nothing then to fill), when its sums of that pass are 3 tasks or more
+    faults = [Fault("kill_replica", 1, at_step=40), Fault("kill_shard", 0, at_step=8, in_epoch=4)]
     with FaultInjector(lambda: trainer.controller, faults) as inj:
         result = trainer.fit()
     assert [f["kind"] for f in inj.fired] == ["kill_replica", "kill_shard"], inj.fired
     assert all("error" not in f for f in inj.fired), inj.fired
     assert any(e["kind"] == "replica_replaced" and e["ranks"] == [1] for e in result.events)
     assert any(e["kind"] == "shard_rebuilt" and e["shard"] == 0 for e in result.events)
+    [started] = [e for e in result.events if e["kind"] == "started"]
+    assert (started["partitions"], started["tasks"]) == (3, 12)  # 479 rows each: tasks of 120, 120, 120, 119
     ends = [e for e in result.events if e["kind"] == "epoch_end"]
     assert result.mode == "sandblaster" and len(ends) == ITERATIONS
     fast, slow = ends[0]["steps_by_rank"]
     assert fast > slow  # the tasks went to whoever asked first: the straggler computed fewer
     # once a pass's queue was empty the fast replica took backup copies of the straggler's late
-    # partitions (strategy.backup_tasks); which copy lands first is the machine's, not asserted
+    # tasks (strategy.backup_tasks); which copy lands first is the machine's, not asserted
     assert sum(e["backup_tasks"] for e in ends) >= 1
     [reset] = [e["epoch"] for e in ends if e["history_resets"]]
+    assert reset == 4  # the pass the shard died in
     assert ends[reset - 1]["filled_tasks"] >= 1  # the rebuilt shard's lost task sums, computed again
     model = torch.load(result.checkpoint, weights_only=True)["model"]
     final = np.concatenate([model[k].reshape(-1).numpy() for k in model])

@@ -45,6 +45,8 @@ def test_yaml_round_trip(tmp_path):
     ({}, ["strategy.mode=sandblaster", "optimizer.schedule={name: cosine}"], "sandblaster takes no optimizer.schedule"),
     ({}, ["strategy.mode=sandblaster", "strategy.history_size=0"], "strategy.history_size"),
     ({}, ["strategy.mode=sandblaster", "model.precision=fp16"], "sandblaster takes model.precision fp32 or bf16"),
+    ({}, ["strategy.task_rows=64"], "strategy.task_rows cuts sandblaster's gradient tasks"),
+    ({}, ["strategy.mode=sandblaster", "strategy.task_rows=0"], "strategy.task_rows"),
     ({}, ["strategy.mode=downpour", "optimizer.name=adafactor"], "factored"),
     ({}, ["optimizer.schedule={name: cosin}"], "unknown schedule"),
     ({}, ["strategy.mode=ring"], "strategy.mode"),

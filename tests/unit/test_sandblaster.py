@@ -318,3 +318,33 @@ def test_a_grant_answered_after_its_pass_was_left_says_nothing_of_the_next_pass(
     late.set()
     reader.prefetch.shutdown(wait=True)
     assert not reader.drained and not reader.backups
+
+
+def test_tasks_smaller_than_a_partition_read_every_row_once_each_a_slice_of_its_partition():
+    """strategy.task_rows: partitions of 45 and 30 rows cut into tasks of 20 rows, (p, lo, hi)
+    in turn; a reader given that table reads each leased task as its own slice of its partition
+    (shuffled within it), so the pass's tasks together read every row once, and a task computed
+    outside the pass (a fill) reads its slice whole; a table that does not fit the partition is
+    a one-line error, never a short task."""
+    from actors.partitions.reader import PartitionReader
+    from policies.rules.gradient_tasks import partition_tasks
+
+    tasks = partition_tasks([45, 0, 30], 20)
+    assert tasks == [(0, 0, 20), (0, 20, 40), (0, 40, 45), (2, 0, 20), (2, 20, 30)]
+    parts = {0: {"x": torch.arange(45.0)[:, None], "y": torch.arange(45)},
+             2: {"x": torch.arange(100.0, 130.0)[:, None], "y": torch.arange(100, 130)}}
+    reader = PartitionReader(None, [None] * 3, 0, 8, True, torch.device("cpu"), 5, tasks=tasks)
+    seen = []
+    for i, (p, lo, hi) in enumerate(tasks):
+        got = [[int(v) for v in y] for _, y, _ in reader.batches({"partition": i, "seed": 7 + i}, parts[p])]
+        rows = [v for batch in got for v in batch]
+        assert sorted(rows) == [int(v) for v in parts[p]["y"][lo:hi]]  # the slice, each row once
+        seen += rows
+    assert sorted(seen) == list(range(45)) + list(range(100, 130))
+    first = [int(v) for _, y, _ in reader.batches({"partition": 1, "seed": 8}, parts[0]) for v in y]
+    assert first != sorted(first)  # shuffled within the task
+    reader.source.seen = {2: parts[2]}  # mapped already: no object store
+    reader.drop(4)  # dropped in the pass's tail: a fill still reads it whole
+    assert sorted(int(v) for _, y in reader.task_batches(4) for v in y) == list(range(120, 130))
+    with pytest.raises(RuntimeError, match=r"task 3 is rows \[0, 20\) of partition 2, which has 10"):
+        list(reader.batches({"partition": 3, "seed": 0}, {"x": torch.zeros(10, 1), "y": torch.zeros(10)}))
