@@ -194,16 +194,22 @@ class PartitionReader:
             yield PAUSE
             grant, finished = self._grant_heard(finished, epoch, this), []
         held, last = deque(grant["leases"]), grant["last"]
+        kept = None  # `tasks`: the stored partition of the last task, kept while the next task is of it too
         while held:
             lease = held.popleft()
             stored = self.stored(lease["partition"])
+            if kept is not None and kept != stored:
+                self.source.release(kept)
+            kept = None
             self.source.want(stored, [self.stored(x["partition"]) for x in held])
             pending = None
             if not held and not last:  # starting the last partition in hand: ask for more now
                 pending, finished = self.prefetch.submit(self._grant_heard, finished, lease["epoch"], this), []
             yield lease, self.source.get(stored)
-            if not any(self.stored(x["partition"]) == stored for x in held):  # (the next task's partition: kept)
+            if self.tasks is None:
                 self.source.release(stored)  # a streamed partition is let go once trained
+            else:  # let go once a task of another partition starts (a grant may be on its way), or the pass ends
+                kept = stored
             finished.append(lease["partition"])
             if pending is not None:
                 grant = pending.result(timeout=3 * self.timeout_s)  # a call, a wait for a rebuilt server, a call
@@ -213,6 +219,8 @@ class PartitionReader:
                     grant, finished = self._grant_heard(finished, lease["epoch"], this), []
                 held.extend(grant["leases"])
                 last = grant["last"]
+        if kept is not None:
+            self.source.release(kept)
         self.unreported = finished
 
     def _heard(self, grant: dict) -> None:

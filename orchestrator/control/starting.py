@@ -62,10 +62,12 @@ def start(run: "RunContext") -> EpochSegment:
     # in-memory data: partitions put once; a file source: only its plan (orchestrator/data/placement.py)
     run.fleet.data = place_data(run.dataset, cfg.data.partitions or 4 * n, cfg.data.seed)
     rows = run.fleet.data.rows
+    shuffle = cfg.data.shuffle
     if run.phase.spec.coordinated and cfg.strategy.task_rows is not None:  # sandblaster: tasks smaller than a partition
         run.phase.tasks = partition_tasks(rows, cfg.strategy.task_rows)
-        rows = [hi - lo for _, lo, hi in run.phase.tasks]  # the server leases tasks
-    run.phase.lease_plan = (rows, n, cfg.data.seed, run.phase.pinned, cfg.data.shuffle)
+        rows = [hi - lo for _, lo, hi in run.phase.tasks]  # the server leases tasks,
+        shuffle = False  # in their partitions' order: a replica reads a partition once for the tasks it takes in a row
+    run.phase.lease_plan = (rows, n, cfg.data.seed, run.phase.pinned, shuffle)
     estimate_steps(run)
     # a run that can switch modes (or checkpoints inside its epochs) is granted one partition at a
     # time: every partition boundary is a point where a replica can hear a pause (two at a time

@@ -242,7 +242,7 @@ class SandblasterWorker:
         comm = self._pull()
         parts = self.where()
         if len(parts) != 1:
-            raise RuntimeError(f"sandblaster: a batch from {len(parts)} partitions (a task is one partition)")
+            raise RuntimeError(f"sandblaster: a batch from {len(parts)} partitions (a task is one partition, or a slice of one)")
         partition = parts[0][0]
         if partition in self.superseded:  # the one batch cut ahead of the drop
             return StepResult(self.last_loss, comm, 0, more, dropped=batch_rows(y))

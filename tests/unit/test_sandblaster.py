@@ -348,3 +348,46 @@ def test_tasks_smaller_than_a_partition_read_every_row_once_each_a_slice_of_its_
     assert sorted(int(v) for _, y in reader.task_batches(4) for v in y) == list(range(120, 130))
     with pytest.raises(RuntimeError, match=r"task 3 is rows \[0, 20\) of partition 2, which has 10"):
         list(reader.batches({"partition": 3, "seed": 0}, {"x": torch.zeros(10, 1), "y": torch.zeros(10)}))
+
+
+def test_a_partition_s_tasks_taken_one_after_another_read_it_once():
+    """With tasks cut from partitions, a partition is let go once a task of another partition
+    starts (or the pass ends), not after each task: tasks 0 and 1 of partition 0 come in two
+    grants (the second asked for while task 0 trains) and partition 0 is read and let go once;
+    then task 2 of partition 1."""
+    from actors.partitions.reader import PartitionReader
+
+    class Source:
+        def __init__(self):
+            self.calls = []
+
+        def new_pass(self):
+            pass
+
+        def request(self, partitions):
+            pass
+
+        def want(self, partition, upcoming):
+            pass
+
+        def get(self, partition):
+            if not self.calls or self.calls[-1] != ("get", partition):
+                self.calls.append(("get", partition))
+            return {"x": torch.zeros(4, 1), "y": torch.zeros(4)}
+
+        def release(self, partition):
+            self.calls.append(("release", partition))
+
+    class Reader(PartitionReader):
+        def _grant(self, completed, epoch):
+            self.calls += 1
+            grants = {1: [0], 2: [1, 2], 3: []}
+            return {"leases": [{"partition": t, "epoch": 1, "rows": 2} for t in grants[self.calls]],
+                    "last": self.calls >= 2}
+
+    reader = Reader(object(), [None, None], rank=0, batch_size=2, shuffle=False, device=torch.device("cpu"),
+                    timeout_s=5, tasks=[(0, 0, 2), (0, 2, 4), (1, 0, 2)])
+    reader.source = Source()
+    assert [lease["partition"] for lease, _ in reader.partitions()] == [0, 1, 2]
+    reader.prefetch.shutdown(wait=True)
+    assert reader.source.calls == [("get", 0), ("release", 0), ("get", 1), ("release", 1)]
