@@ -14,7 +14,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install "$(TORCH_PIN)"
-	$(BIN)/pip install -e ".[test]"
+	$(BIN)/pip install -e ".[test,hf]"
 	touch $(STAMP)
 
 install: $(STAMP)

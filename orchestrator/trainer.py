@@ -43,6 +43,10 @@ def check_inputs(config: JobConfig, data: Any = None) -> Union[Dataset, Streamed
     except RecipeError as exc:
         raise ConfigError(str(exc)) from None
     check_memory_budget(config, model)
+    if config.checkpoint.export:
+        from orchestrator.persistence.export import check_export
+
+        check_export(config.checkpoint.export, model, config.model.factory)
     dataset = _load_checked_data(config, data)
     example = dataset.example(2)  # decoded rows (a file source's first rows: it is only planned, not read)
     check_model_and_task(config, model, example.x, example.y, dataset.num_classes)
@@ -83,33 +87,46 @@ def _load_checked_data(config: JobConfig, data: Any) -> Union[Dataset, StreamedD
 
 
 def check_model_and_task(config: JobConfig, model: Any, x: Any, y: Any, num_classes: Optional[int] = None) -> None:
-    """The model accepts a sample of the decoded inputs `x` and the task can score its outputs
-    against the targets `y` (loss and evaluation); ConfigError naming the field otherwise."""
+    """The model accepts a sample of the decoded inputs `x` (and with task model_loss the targets
+    `y` as labels=), its output holds what the task reads (policies/rules/outputs.py), and the task
+    can score it against `y` (loss and evaluation); ConfigError naming the field otherwise."""
     import torch
 
-    from policies.rules.batches import as_tensors, forward, shape_of
-    from policies.rules.tasks import Classification
+    from policies.rules.batches import as_tensors, shape_of
+    from policies.rules.outputs import predictions, run_model
+    from policies.rules.tasks import Classification, ModelLoss
 
     task = config.task.build()
     x, y = as_tensors(x), as_tensors(y)
+    what = f"{config.data.source or 'the data'}'s"
     try:
         with torch.no_grad():
-            out = forward(model, x)
+            out = run_model(model, task, x, y)
     except Exception as exc:
-        raise ConfigError(f"config error: model.factory: {config.model.factory} does not accept "
-                          f"{config.data.source} inputs of shape {shape_of(x)} ({exc})") from None
-    if isinstance(task, Classification) and num_classes is not None and (out.ndim != 2 or out.shape[1] < num_classes):
-        raise ConfigError(f"config error: model.factory: {config.model.factory} outputs shape {list(out.shape[1:])}, "
+        given = " (and labels=)" if getattr(task, "labels_to_model", False) else ""
+        raise ConfigError(f"config error: model.factory: {config.model.factory} does not accept {what} inputs of "
+                          f"shape {shape_of(x)}{given} ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
+    try:
+        preds = predictions(out, with_loss=getattr(task, "labels_to_model", False))
+    except ValueError as exc:
+        raise ConfigError(f"config error: model.factory: {config.model.factory}: {exc}") from None
+    if isinstance(task, Classification) and num_classes is not None and (preds.ndim != 2 or preds.shape[1] < num_classes):
+        raise ConfigError(f"config error: model.factory: {config.model.factory} outputs shape {list(preds.shape[1:])}, "
                           f"needs one logit per class ({num_classes})")
     try:
         with torch.no_grad():
             loss = task.loss(out, y)
-            task.finish(task.evaluate(out, y))
+            metrics = task.finish(task.evaluate(out, y))
         float(loss)
     except Exception as exc:
-        shape = list(out.shape[1:]) if hasattr(out, "shape") else type(out).__name__
         raise ConfigError(f"config error: task.name: the {config.task.name} task cannot score {config.model.factory}'s "
-                          f"outputs ({shape}) against the targets {shape_of(y)} ({type(exc).__name__}: {exc})") from None
+                          f"outputs ({list(preds.shape[1:])}) against the targets {shape_of(y)} "
+                          f"({type(exc).__name__}: {' '.join(str(exc).split())})") from None
+    if isinstance(task, ModelLoss) and abs(float(loss) - metrics["test_loss"]) > 1e-3 * max(1.0, abs(float(loss))):
+        raise ConfigError(f"config error: task.kwargs.causal: {config.model.factory}'s own loss ({float(loss):.4f}) is "
+                          f"not the one its logits give with causal: {str(task.causal).lower()} "
+                          f"({metrics['test_loss']:.4f}); the model {'does not shift' if task.causal else 'shifts'} "
+                          f"its labels (try causal: {str(not task.causal).lower()})")
 
 
 class ElasticTrainer:

@@ -132,6 +132,31 @@ def fetch(dataset: Any, indices: np.ndarray, workers: int) -> list:
         return list(pool.map(one, todo))
 
 
+def is_hf_dataset(obj: Any) -> bool:
+    """A Hugging Face `datasets.Dataset` (map-style, `ds[list_of_indices]` a dict of columns),
+    known by its class, so `datasets` is imported only by jobs that use it."""
+    return any(c.__name__ == "Dataset" and c.__module__.split(".")[0] == "datasets" for c in type(obj).__mro__)
+
+
+def fetch_columns(dataset: Any, indices: np.ndarray) -> dict[str, Any]:
+    """A Hugging Face dataset's rows at `indices` in one call (`ds[indices]`: a dict of columns,
+    read from its Arrow table at once rather than item by item), each column as an array (a
+    plain dataset's lists of numbers, a formatted one's tensors or arrays as they come).
+    ItemError on the first index when the call raised."""
+    try:
+        batch = dataset[[int(i) for i in indices]]
+    except Exception as exc:
+        raise ItemError(int(indices[0]), exc) from None
+    return {k: v if isinstance(v, (torch.Tensor, np.ndarray)) else _column_array(v) for k, v in batch.items()}
+
+
+def _column_array(values: list) -> np.ndarray:
+    try:
+        return np.asarray(values)
+    except ValueError:  # rows of different lengths: numpy refuses to stack them
+        return np.asarray(values, dtype=object)
+
+
 def _leaf(value: Any, what: str, rows: int, field: str) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu()
@@ -143,7 +168,7 @@ def _leaf(value: Any, what: str, rows: int, field: str) -> np.ndarray:
                           "tensors, numpy arrays or numbers (or a dict of them)")
     if array.dtype == object:
         raise DecodeError(f"{field}: {what} collated to an array of Python objects; inputs and targets must be "
-                          "numeric")
+                          "numeric (rows of one length: pad them, or give a data.collate that does)")
     if array.ndim == 0 or array.shape[0] != rows:
         got = "a scalar" if array.ndim == 0 else f"{array.shape[0]} rows"
         raise DecodeError(f"{field}: {what} collated to {got} for {rows} items; a collate function returns one "
@@ -213,9 +238,12 @@ def cast_targets(y: Any, target_dtype: str, field: str) -> Any:
     return np.ascontiguousarray(y)
 
 
-def collate_items(items: list, spec: DecodeSpec, collate: Optional[str], field: str) -> tuple[Any, Any]:
-    """Items -> (inputs, targets) numpy trees with one row per item, in the task's dtypes."""
-    fn = default_collate if collate is None else load_collate(collate)
+def collate_items(items: Any, spec: DecodeSpec, collate: Optional[str], field: str,
+                  columns: bool = False) -> tuple[Any, Any]:
+    """Items -> (inputs, targets) numpy trees with one row per item, in the task's dtypes.
+    `columns`: `items` is a batch already (fetch_columns: a dict of columns), not collated again."""
+    fn = (lambda batch: batch) if columns else default_collate if collate is None else load_collate(collate)
+    rows = len(next(iter(items.values()))) if columns and items else len(items)
     try:
         batch = fn(items)
     except DecodeError:
@@ -227,8 +255,8 @@ def collate_items(items: list, spec: DecodeSpec, collate: Optional[str], field: 
         raise DecodeError(f"{who} could not batch the items ({why}){hint}") from None
     where = f"{field} (data.collate {collate})" if collate else field
     x, y = split_batch(batch, spec, where)
-    x = _tree(x, "inputs", len(items), where)
-    y = _tree(y, "targets", len(items), where)
+    x = _tree(x, "inputs", rows, where)
+    y = _tree(y, "targets", rows, where)
     return cast_inputs(x, spec.input_dtype), cast_targets(y, spec.target_dtype, where)
 
 
@@ -238,8 +266,11 @@ def read_unchecked(plan: StreamPlan, lo: int, hi: int) -> dict[str, Any]:
     ids = indices_of(src, lo, hi)
     if not len(ids):
         raise DecodeError(f"{plan.field}: {src.name}: positions {lo}-{hi} hold no rows")
-    items = fetch(resolve_dataset(src.dataset), ids, src.workers)
-    x, y = collate_items(items, plan.spec, src.collate, plan.field)
+    dataset = resolve_dataset(src.dataset)
+    if src.collate is None and is_hf_dataset(dataset):  # its rows by column, in one call
+        x, y = collate_items(fetch_columns(dataset, ids), plan.spec, None, plan.field, columns=True)
+    else:
+        x, y = collate_items(fetch(dataset, ids, src.workers), plan.spec, src.collate, plan.field)
     return {"x": x, "y": y, "ids": ids}
 
 

@@ -37,6 +37,7 @@ from actors.replica.reducer import EmulatedLink, ProcessGroupReducer, free_port,
 from actors.partitions.reading import StreamPlan, count_kept, read_range, eval_pieces
 from actors.shards.client import RayShardClient
 from policies.rules.factory import build_model, carry_optimizer_state, momentum_buffers, set_momentum_buffers
+from policies.rules.outputs import run_model
 from policies.rules.batches import as_tensors, forward, rows as batch_rows, slice_rows, to_device, tree_map
 from policies.rules.recipe import Recipe
 from policies.rules.registry import Transport, build_worker, mode_spec
@@ -366,9 +367,10 @@ class ModelReplica:
             sums: dict[str, Any] = {}
             lock_step = getattr(self.worker, "in_lock_step", None)  # fsdp: every member runs as many forwards
             for x, y in (self.test_batches() if lock_step is None else lock_step(self.test_batches())):
-                out = forward(self.model, x)
-                if y is not None:  # (fsdp's padding: no rows of this replica's)
-                    sums = add_stats(sums, self.task.evaluate(out, y))
+                if y is None:  # (fsdp's padding: no rows of this replica's; the forward keeps the lock step)
+                    forward(self.model, x)
+                else:
+                    sums = add_stats(sums, self.task.evaluate(run_model(self.model, self.task, x, y), y))
         return sums
 
     # ---- state ---------------------------------------------------------------------------

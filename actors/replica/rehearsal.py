@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from actors.replica.reducer import free_port
-from policies.rules.batches import as_tensors, forward, to_device, tree_map
+from policies.rules.batches import as_tensors, to_device, tree_map
+from policies.rules.outputs import run_model
 
 
 def rehearse(replica: Any, sample: list, rows: int = 32) -> float:
@@ -26,7 +27,7 @@ def rehearse(replica: Any, sample: list, rows: int = 32) -> float:
     x = to_device(as_tensors(tree_map(lambda a: a[:rows].copy(), data["x"])), replica.device)
     y = to_device(as_tensors(tree_map(lambda a: a[:rows].copy(), data["y"])), replica.device)
     model.train()
-    replica.task.loss(forward(model, x), y).backward()
+    replica.task.loss(run_model(model, replica.task, x, y), y).backward()
     torch.optim.SGD(model.parameters(), lr=0.0).step()
     for p in model.parameters():
         p.grad = None

@@ -46,7 +46,7 @@ def calibrate_compute(cfg: Any, steps: int = STEPS) -> tuple[int, float]:
     """(trainable parameters, median seconds of one training step on one replica)."""
     import torch
 
-    from policies.rules.batches import forward
+    from policies.rules.outputs import run_model
 
     threads = max(1, int(cfg.scaling.cpus_per_replica))
     before = torch.get_num_threads()
@@ -61,7 +61,7 @@ def calibrate_compute(cfg: Any, steps: int = STEPS) -> tuple[int, float]:
         for i in range(5 + steps):
             t = time.perf_counter()
             opt.zero_grad()
-            task.loss(forward(model, x), y).backward()
+            task.loss(run_model(model, task, x, y), y).backward()
             opt.step()
             if i >= 5:
                 times.append(time.perf_counter() - t)

@@ -202,7 +202,9 @@ class TaskConfig(Section):
     name: str = Field(
         "classification", min_length=1, description="classification (cross-entropy; test_loss, test_accuracy), "
         "regression (mean squared error; test_loss, test_mse, test_mae, test_r2), language_model (next-token "
-        "cross-entropy; test_loss, test_perplexity), or 'module:function' returning your own task."
+        "cross-entropy; test_loss, test_perplexity), model_loss (the model's own loss from the labels= it is given, "
+        "Hugging Face's convention; kwargs causal: true gives test_loss, test_perplexity, false test_loss, "
+        "test_accuracy), or 'module:function' returning your own task."
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the task's constructor.")
 
@@ -353,6 +355,13 @@ class CheckpointConfig(Section):
         False, description="Also keep the best epoch's checkpoint (by the headline metric; stop.early_stopping's "
         "min_delta counts) as `<storage>/<run>/best.pt`, never deleted, and log that model (not the last epoch's) "
         "as the run's MLflow model; model.pt stays the final one."
+    )
+    export: list[Literal["safetensors", "pretrained"]] = Field(
+        default_factory=list, description="Also write the final model (and with keep_best the best epoch's) in "
+        "formats loaded without this project, under `<storage>/<run>/export/<final|best>/` and as the MLflow run's "
+        "artifacts `export/<final|best>/`: safetensors (`model.safetensors`; weights shared inside the model stay "
+        "shared; needs the safetensors package), pretrained (the model's own save_pretrained into `pretrained/`: a "
+        "Hugging Face model, which from_pretrained loads). Refused before the run when it cannot be done."
     )
     keep: int = Field(
         3, ge=1, description="Checkpoints kept per run, each `<storage>/<run.name or mlflow run id>/ckpt-<step>-<tag>.pt` with a `.json` "

@@ -41,6 +41,28 @@ def finish(run: "RunContext") -> None:
     seconds = log_trained_model(run.report.tracker, run.cfg, run.dataset, model)
     if seconds is not None:
         run.report.event("model_logged", name="model", seconds=round(seconds, 3), model=which)
+    if run.cfg.checkpoint.export:
+        export(run, {"final": run.last_state["model"], **({"best": model} if which != "final" else {})})
+
+
+def export(run: "RunContext", states: dict[str, Any]) -> None:
+    """checkpoint.export: each state (final, best) written in the formats asked for
+    (orchestrator/persistence/export.py); an `exported` event says where. A failure is said and
+    the run still ends well (model.pt holds the final state)."""
+    from orchestrator.persistence.export import export_models
+    from orchestrator.persistence.final_model import trained_model
+
+    cfg = run.cfg
+    try:
+        models = {which: trained_model(cfg, state) for which, state in states.items()}
+        where = export_models(models, list(cfg.checkpoint.export), cfg.checkpoint.storage,
+                              cfg.run.name or run.report.tracker.run_id, run.report.tracker)
+    except Exception as exc:
+        run.report.say(f"export: not written ({type(exc).__name__}: {' '.join(str(exc).split())})")
+        run.report.event("export_failed", error=f"{type(exc).__name__}: {exc}")
+        return
+    run.report.event("exported", formats=list(cfg.checkpoint.export), **where)
+    run.report.say("exported " + ", ".join(cfg.checkpoint.export) + ": " + "  ".join(f"{k} {v}" for k, v in where.items()))
 
 
 def evaluate_test(run: "RunContext") -> None:

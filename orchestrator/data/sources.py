@@ -114,8 +114,8 @@ def table_from_memory(data: Any) -> pa.Table:
     if hasattr(data, "to_numpy") and hasattr(data, "columns"):  # a pandas DataFrame
         return pa.Table.from_pandas(data, preserve_index=False)
     raise ConfigError(f"config error: data: unsupported in-memory data {type(data).__name__}; "
-                      "pass (x, y) arrays, a dict of columns, a pandas DataFrame, a pyarrow Table or a map-style "
-                      "torch.utils.data.Dataset")
+                      "pass (x, y) arrays, a dict of columns, a pandas DataFrame, a pyarrow Table, a map-style "
+                      "torch.utils.data.Dataset or a Hugging Face datasets.Dataset")
 
 
 def decode_spec(data_cfg: Any, schema: pa.Schema, task: Any) -> DecodeSpec:

@@ -52,9 +52,40 @@ def is_function_source(source: Optional[str]) -> bool:
 
 
 def is_torch_dataset(obj: Any) -> bool:
+    """A dataset of items: a torch.utils.data.Dataset or a Hugging Face datasets.Dataset."""
     from torch.utils.data import Dataset
 
-    return isinstance(obj, Dataset)
+    from actors.partitions.items import is_hf_dataset
+
+    return isinstance(obj, Dataset) or is_hf_dataset(obj)
+
+
+def driver_files_refusal(files: list[str], node_ips: list[str], driver_ip: str, what: str) -> Optional[str]:
+    """The one-line error for a dataset whose rows live in files on the driver's machine (a
+    Hugging Face dataset's Arrow cache files, memory-mapped: pickling it sends their paths) when
+    the cluster has a node on another machine, which could not read them; None when it can."""
+    away = sorted({ip for ip in node_ips if ip != driver_ip})
+    if not files or not away:
+        return None
+    return (f"config error: data: {what} reads its rows from files on this machine ({files[0]}"
+            f"{f' and {len(files) - 1} more' if len(files) > 1 else ''}), which the cluster's nodes at "
+            f"{', '.join(away[:3])}{' ...' if len(away) > 3 else ''} cannot read; load it into memory "
+            "(datasets.Dataset.from_dict, or load_dataset(..., keep_in_memory=True)) or write it to Parquet on "
+            "storage every node reads (ds.to_parquet) and give that as data.source")
+
+
+def check_driver_files(dataset: Any, what: str) -> None:
+    """driver_files_refusal for `dataset` on the connected cluster's alive nodes; ConfigError."""
+    files = [f.get("filename", "") for f in (getattr(dataset, "cache_files", None) or []) if isinstance(f, dict)]
+    if not files:
+        return
+    import ray
+
+    driver_ip = ray.util.get_node_ip_address()
+    ips = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
+    refusal = driver_files_refusal(files, ips, driver_ip, what)
+    if refusal is not None:
+        raise ConfigError(refusal)
 
 
 def wants_torch(data_cfg: Any, in_memory: Any) -> bool:
@@ -125,6 +156,9 @@ def check_map_style(obj: Any, field: str, name: str) -> int:
     if is_torch_dataset(obj) and not hasattr(type(obj), "__len__"):
         raise ConfigError(f"config error: {field}: {what} has no __len__; a map-style Dataset needs "
                           "__len__ and __getitem__")
+    if kind in ("DatasetDict", "IterableDatasetDict"):
+        raise ConfigError(f"config error: {field}: {name} is a {kind} of splits ({', '.join(map(repr, obj))}); give "
+                          "its (train, test) pair, e.g. (ds['train'], ds['test'])")
     if not is_map_style(obj):
         raise ConfigError(f"config error: {field}: {name} is of type {kind}, not a map-style dataset (an object with "
                           "__len__ and __getitem__, e.g. a torch.utils.data.Dataset), nor a (train, test) pair of them")
@@ -333,6 +367,7 @@ def place_items(*plans: Optional[StreamPlan]) -> tuple[Optional[StreamPlan], ...
     def placed(plan: StreamPlan) -> StreamPlan:
         items = plan.items
         if id(items.dataset) not in refs:
+            check_driver_files(items.dataset, plan.source)
             refs[id(items.dataset)] = ray.put(items.dataset)
         items = dataclasses.replace(items, dataset=refs[id(items.dataset)], indices=ray.put(items.indices))
         return dataclasses.replace(plan, items=items)

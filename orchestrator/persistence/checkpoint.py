@@ -41,10 +41,14 @@ _TAG = re.compile(r"^[A-Za-z0-9_]*$")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # `s3:/bucket`, `notascheme::/x`: a URI missing its //
 
 
-def _resolve(uri: str) -> tuple[pafs.FileSystem, str]:
+def filesystem_of(uri: str) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path in it) of a local path or a URI."""
     if "://" not in uri:
         return pafs.LocalFileSystem(), os.path.abspath(uri)
     return pafs.FileSystem.from_uri(uri)
+
+
+_resolve = filesystem_of
 
 
 def check_storage(storage: str) -> None:

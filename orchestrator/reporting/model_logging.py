@@ -23,8 +23,11 @@ def log_pytorch_model(tracker: Any, model: Any, input_example: Any, register_as:
     import torch
     from mlflow.models import infer_signature
 
-    with torch.no_grad():
-        output = model(torch.from_numpy(input_example)).numpy()
+    from policies.rules.batches import as_tensors, forward
+    from policies.rules.outputs import predictions
+
+    with torch.no_grad():  # the signature's output: the predictions (a ModelOutput's logits, a tuple's first)
+        output = predictions(forward(model, as_tensors(input_example))).detach().cpu().numpy()
     signature = infer_signature(input_example, output)
     logged = tracker.client.create_logged_model(tracker.experiment_id, name="model", source_run_id=tracker.run_id)
     with _process_tracking_uri(tracker.tracking_uri), _without_pickle_warning():

@@ -308,6 +308,10 @@ class Tracker:
     def log_file(self, path: str, timeout_s: float = FILE_TIMEOUT_S) -> None:
         self._writer.call(os.path.basename(path), lambda: self.client.log_artifact(self.run_id, path), timeout_s)
 
+    def log_dir(self, local: str, artifact_path: str, timeout_s: float = FILE_TIMEOUT_S) -> None:
+        """Every file under the local directory `local` as artifacts under `artifact_path`; waits."""
+        self._writer.call(artifact_path, lambda: self.client.log_artifacts(self.run_id, local, artifact_path), timeout_s)
+
     def log_model(self, model: Any, input_example: Any, register_as: Optional[str] = None,
                   timeout_s: float = FILE_TIMEOUT_S) -> bool:
         """The trained model as an MLflow model named `model` (`runs:/<run id>/model`), with

@@ -40,7 +40,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from policies.rules.allreduce import reducer_group
-from policies.rules.batches import forward, rows as batch_rows, slice_rows
+from policies.rules.batches import rows as batch_rows, slice_rows
+from policies.rules.outputs import run_model
 from policies.rules.modes import Interrupted, StepResult
 from policies.rules.recipe import Recipe, make_optimizer
 from policies.rules.split_state import load_sliced, resolved, slices
@@ -259,7 +260,7 @@ class FsdpWorker:
         else:  # the collectives of a step, on one row weighted zero
             dx, dy = self.dummy if self.dummy is not None else self.sample()
             with self.recipe.autocast():
-                (self.task.loss(forward(self.model, dx), dy).float() * 0.0).backward()
+                (self.task.loss(run_model(self.model, self.task, dx, dy), dy).float() * 0.0).backward()
             loss_sum = 0.0
         t1 = time.perf_counter()
         (total_loss,) = self._sum([loss_sum])

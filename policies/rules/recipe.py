@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from policies.rules.batches import forward, rows as batch_rows, slice_rows
+from policies.rules.batches import rows as batch_rows, slice_rows
+from policies.rules.outputs import run_model
 from policies.rules.imports import NotImportable, import_function
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -278,7 +279,7 @@ class Recipe:
         total = None
         for i, (xm, ym, m) in enumerate(parts):
             with self.autocast():
-                loss = task.loss(forward(model, xm), ym)
+                loss = task.loss(run_model(model, task, xm, ym), ym)
             weight = m if summed else m / n
             part = loss.float() * weight
             total = part.detach() if total is None else total + part.detach()

@@ -16,8 +16,13 @@ the one a single process makes on the union of the replicas' batches.
 
 Builtins: `classification` (cross-entropy; test_loss, test_accuracy), `regression` (mean
 squared error; test_loss, test_mse, test_mae, test_r2), `language_model` (next-token
-cross-entropy; test_loss, test_perplexity). `task.name: "module:function"` loads the user's
-own: the function takes `task.kwargs` and returns a `Task`.
+cross-entropy; test_loss, test_perplexity), `model_loss` (the model's own loss from the labels
+it is given, Hugging Face's convention: policies/rules/outputs.py). `task.name:
+"module:function"` loads the user's own: the function takes `task.kwargs` and returns a `Task`.
+
+A task sees the model's predictions (the tensor, a tuple's first element, a dict's or
+ModelOutput's `logits`: policies/rules/outputs.py), unless it sets `labels_to_model`: then the
+model gets the targets as `labels=` and the task its output whole.
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ class Task:
     primary: Optional[str] = None  # the metric shown first (progress lines, plots); default metrics[0]
     input_dtype: str = "float32"
     target_dtype: str = "int64"
+    labels_to_model: bool = False  # the model gets the targets as labels= and the task its output whole
 
     def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         """The mean loss of the batch (a scalar tensor with a gradient)."""
@@ -171,7 +177,79 @@ class LanguageModel(Task):
         return {"test_loss": loss, "test_perplexity": math.exp(min(loss, 700.0))}
 
 
-BUILTIN_TASKS = {"classification": Classification, "regression": Regression, "language_model": LanguageModel}
+IGNORE_INDEX = -100  # Hugging Face's label for a position not scored (padding, a prompt)
+
+
+class ModelLoss(Task):
+    """The model's own loss (Hugging Face's convention): the batch's targets go to the model as
+    `labels=` and the loss is the `loss` it returns (it shifts and masks its labels itself), the
+    scalar the optimizer minimises. Evaluation reads the output's `logits` against the labels
+    (positions labelled -100 not counted), summed in float64 so replicas add up exactly:
+    - `causal: true` (the default; a causal language model): logits at t score the label at t+1;
+      test_loss = summed next-token cross-entropy / tokens scored; test_perplexity = exp of it.
+    - `causal: false` (a classifier, per row or per token): logits score the label at the same
+      place; test_loss = summed cross-entropy / labels scored; test_accuracy = labels whose
+      largest logit is right / labels scored.
+    The checks before a run compare the model's own loss with the one read from its logits on
+    a sample: a model that does not shift (or does) as `causal` says is refused in one line.
+    Where batches meet, each batch's loss is weighted by its rows (docs/tasks.md): exact when
+    every row scores as many labels (fixed-length windows), a weighting by rows otherwise."""
+
+    name = "model_loss"
+    target_dtype = "int64"
+    input_dtype = "int64"
+    labels_to_model = True
+
+    def __init__(self, causal: bool = True) -> None:
+        if not isinstance(causal, bool):
+            raise ValueError(f"task.kwargs.causal must be true or false, got {causal!r}")
+        self.causal = causal
+        self.metrics = ("test_loss", "test_perplexity") if causal else ("test_loss", "test_accuracy")
+        self.goals = {"test_loss": "min", "test_perplexity": "min", "test_accuracy": "max"}
+        self.primary = self.metrics[1]
+
+    def loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        from policies.rules.outputs import own_loss
+
+        return own_loss(outputs)
+
+    def scored(self, outputs: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [m, vocab], labels [m]) of the places scored (the shift applied when causal)."""
+        from policies.rules.outputs import predictions
+
+        logits = predictions(outputs, with_loss=True)
+        if isinstance(targets, dict) or targets.dtype.is_floating_point:
+            raise ValueError("model_loss evaluates integer labels (one tensor); write a task for other targets "
+                             "(docs/tasks.md)")
+        if self.causal:
+            if targets.ndim < 2:
+                raise ValueError(f"model_loss: causal labels are a sequence a row; these are of shape "
+                                 f"{list(targets.shape)} (task.kwargs.causal: false for one label a row)")
+            logits, targets = logits[:, :-1], targets[:, 1:]
+        if tuple(logits.shape[:-1]) != tuple(targets.shape):
+            raise ValueError(f"model_loss: logits of shape {list(logits.shape)} do not score labels of shape "
+                             f"{list(targets.shape)}{' (shifted by one: causal)' if self.causal else ''}")
+        return logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+
+    def evaluate(self, outputs: Any, targets: Any) -> Stats:
+        logits, labels = self.scored(outputs, targets)
+        keep = labels != IGNORE_INDEX
+        nll = F.cross_entropy(logits.double(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        stats = {"nll": _f(nll), "scored": float(keep.sum())}
+        if not self.causal:
+            stats["correct"] = float(((logits.argmax(-1) == labels) & keep).sum())
+        return stats
+
+    def finish(self, sums: Stats) -> dict[str, float]:
+        n = max(float(sums["scored"]), 1.0)
+        loss = float(sums["nll"]) / n
+        if self.causal:
+            return {"test_loss": loss, "test_perplexity": math.exp(min(loss, 700.0))}
+        return {"test_loss": loss, "test_accuracy": float(sums["correct"]) / n}
+
+
+BUILTIN_TASKS = {"classification": Classification, "regression": Regression, "language_model": LanguageModel,
+                 "model_loss": ModelLoss}
 
 
 def load_task(name: str, kwargs: Optional[dict[str, Any]] = None) -> Task:

@@ -39,6 +39,7 @@ def test_custom_task_switches_survives_a_kill_and_reaches_its_own_target(ray_clu
     assert len(history) == 4 and history[-1].value == result.final.test_top2_accuracy
 
 
+@pytest.mark.full  # make test trains a language model end to end in tests/integration/test_huggingface_ray.py
 def test_language_model_from_byte_rows_streams_decodes_and_learns(ray_cluster, tmp_path):
     """examples/tiny_lm.yaml in short: byte rows in Parquet, decoded on the replicas' nodes by
     data.decode into token ids and next-token targets, a small causal transformer, easgd."""

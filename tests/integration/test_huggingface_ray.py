@@ -1,0 +1,104 @@
+"""A Hugging Face model and dataset as they come, on real Ray actors (examples/hf_gpt2.yaml): a
+tiny GPT-2 built from its config, a datasets.Dataset of input_ids/labels, the model's own loss
+(task model_loss). Its exports load without the project (from_pretrained, safetensors with the
+tied embeddings tied), and the perplexity computed outside the project from the export is the
+run's. The done-when comparison with a plain single-process loop is the `full` test below."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orchestrator.config import JobConfig
+from orchestrator.trainer import ElasticTrainer
+
+pytestmark = pytest.mark.ray
+
+YAML = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_gpt2.yaml")
+
+
+def perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int = 256) -> float:
+    """Next-token perplexity of `model` over `rows` of ids, in a plain loop (no project code)."""
+    model.eval()
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(rows), batch):
+            x = rows[i:i + batch]
+            logits = model(input_ids=x).logits[:, :-1]
+            nll += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), x[:, 1:].reshape(-1),
+                                         reduction="sum"))
+            tokens += x[:, 1:].numel()
+    return math.exp(nll / tokens)
+
+
+def test_a_hugging_face_gpt2_trains_from_yaml_and_its_exports_load_without_the_project(ray_cluster, tmp_path):
+    from safetensors.torch import load_model
+    from transformers import AutoModelForCausalLM
+
+    from examples.huggingface import small_windows, tiny_gpt2
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = JobConfig.from_yaml(YAML, [
+        "data.source=examples.huggingface:small_windows", "stop.epochs=2", "scaling.cpus_per_replica=0.5",
+        f"tracking.tracking_uri={uri}", "tracking.progress_interval_s=0", f"checkpoint.storage={tmp_path / 'ck'}"])
+    result = ElasticTrainer(cfg, show_progress=False).fit()
+    assert result.epochs == 2
+    assert set(result.final) == {"test_loss", "test_perplexity", "train_loss"}
+    assert result.final.test_perplexity == pytest.approx(math.exp(result.final.test_loss), rel=1e-9)
+    [exported] = [e for e in result.events if e["kind"] == "exported"]
+    final = exported["final"]
+    assert sorted(os.listdir(final)) == ["model.safetensors", "pretrained"]
+
+    loaded = AutoModelForCausalLM.from_pretrained(os.path.join(final, "pretrained"))
+    _, test = small_windows()
+    rows = torch.tensor(test["input_ids"])
+    outside = perplexity(loaded, rows)
+    assert outside == pytest.approx(result.final.test_perplexity, rel=1e-4)  # the run's figure, computed apart
+    assert outside < 0.5 * perplexity(tiny_gpt2(), rows)  # it learned: an untrained model scores ~128
+
+    fresh = tiny_gpt2()
+    load_model(fresh, os.path.join(final, "model.safetensors"))
+    assert fresh.lm_head.weight.data_ptr() == fresh.transformer.wte.weight.data_ptr()  # still tied
+    for (name, p), q in zip(fresh.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), name
+
+    from mlflow.tracking import MlflowClient
+
+    names = {a.path for a in MlflowClient(uri).list_artifacts(result.mlflow_run_id, "export/final")}
+    assert names == {"export/final/model.safetensors", "export/final/pretrained"}
+
+
+@pytest.mark.full  # ~4 min: the done-when run against a plain single-process loop, both modes
+@pytest.mark.parametrize("mode, within", [("allreduce", 0.10), ("downpour", 0.25)])
+def test_gpt2_from_python_in_each_mode_is_within_reach_of_a_plain_loop(ray_cluster, tmp_path, mode, within):
+    """ElasticTrainer(config, data=(train, test)) with torch-formatted datasets, 2 replicas x 64,
+    AdamW 3e-3, 4 epochs: the exported model's test perplexity, computed outside the project, is
+    within `within` of a plain single-process loop's at the global batch (128) and epochs."""
+    from transformers import AutoModelForCausalLM
+
+    from examples.huggingface import byte_windows, tiny_gpt2
+
+    train, test = byte_windows(torch_format=True)
+    cfg = JobConfig.from_yaml(YAML, [f"strategy.mode={mode}", "scaling.cpus_per_replica=0.5",
+                                     "tracking.progress_interval_s=0", f"checkpoint.storage={tmp_path / 'ck'}"])
+    result = ElasticTrainer(cfg, show_progress=False, data=(train, test)).fit()
+    [exported] = [e for e in result.events if e["kind"] == "exported"]
+    rows = test["input_ids"]
+    ours = perplexity(AutoModelForCausalLM.from_pretrained(os.path.join(exported["final"], "pretrained")), rows)
+
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = train["input_ids"]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        model.train()
+        for idx in torch.randperm(len(ids), generator=g).split(128):
+            opt.zero_grad()
+            model(input_ids=ids[idx], labels=ids[idx]).loss.backward()
+            opt.step()
+    plain = perplexity(model, rows)
+    assert abs(ours - plain) <= within * plain, (mode, ours, plain)
