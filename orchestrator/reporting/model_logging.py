@@ -33,7 +33,10 @@ def log_pytorch_model(tracker: Any, model: Any, input_example: Any, register_as:
     with _process_tracking_uri(tracker.tracking_uri), _without_pickle_warning():
         mlflow.pytorch.log_model(model, name="model", model_id=logged.model_id, run_id=tracker.run_id,
                                  serialization_format="pickle",
-                                 input_example=input_example, signature=signature,
+                                 # a dict of inputs is kept in the signature only: the flavor's predict
+                                 # takes one array, so MLflow could not validate it as an example
+                                 input_example=None if isinstance(input_example, dict) else input_example,
+                                 signature=signature,
                                  pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
                                  registered_model_name=register_as)
 
