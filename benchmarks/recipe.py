@@ -100,10 +100,9 @@ QUICK_EPOCHS, QUICK_TARGET = 2, 10.0
 
 
 def example() -> dict[str, Any]:
-    import yaml
+    from orchestrator.config import read_mapping
 
-    with open(EXAMPLE, encoding="utf-8") as f:
-        return yaml.safe_load(f)
+    return read_mapping(EXAMPLE)
 
 
 def job_config(raw: dict, source: str, tmp: str, epochs: int, target: float, extra: list[str]):

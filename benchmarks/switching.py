@@ -55,12 +55,9 @@ FACTOR = 3.0
 
 
 def config(example: str, tmp: str, overrides: list[str], phases: Optional[list] = None):
-    import yaml
+    from orchestrator.config import JobConfig, read_mapping
 
-    from orchestrator.config import JobConfig
-
-    with open(os.path.join(REPO, "examples", example), encoding="utf-8") as f:
-        raw = yaml.safe_load(f)
+    raw = read_mapping(os.path.join(REPO, "examples", example))
     if phases is not None:
         raw["strategy"]["phases"] = phases
     base = [f"tracking.tracking_uri=sqlite:///{tmp}/mlflow.db", f"checkpoint.storage={tmp}/ck",

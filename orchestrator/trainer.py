@@ -98,13 +98,12 @@ def check_model_and_task(config: JobConfig, model: Any, x: Any, y: Any, num_clas
 
     task = config.task.build()
     x, y = as_tensors(x), as_tensors(y)
-    what = f"{config.data.source or 'the data'}'s"
     try:
         with torch.no_grad():
             out = run_model(model, task, x, y)
     except Exception as exc:
         given = " (and labels=)" if getattr(task, "labels_to_model", False) else ""
-        raise ConfigError(f"config error: model.factory: {config.model.factory} does not accept {what} inputs of "
+        raise ConfigError(f"config error: model.factory: {config.model.factory} does not accept {config.data.source} inputs of "
                           f"shape {shape_of(x)}{given} ({type(exc).__name__}: {' '.join(str(exc).split())})") from None
     try:
         preds = predictions(out, with_loss=getattr(task, "labels_to_model", False))

@@ -19,6 +19,7 @@ from orchestrator.config.sections import (CheckpointConfig, DataConfig, EvalConf
 from orchestrator.config.optim import OptimizerConfig
 from orchestrator.config.fleet import FaultsConfig, FaultToleranceConfig, ScalingConfig
 from orchestrator.config.strategy import UNTIL_COUNTS, StrategyConfig
+from orchestrator.config.yaml_file import DuplicateKey, load_text, read_mapping, yaml_shape_problem
 from policies.decisions.stop import Target
 from policies.rules.tasks import primary_metric, split_metric
 
@@ -51,9 +52,9 @@ class JobConfig(Section):
             raise ValueError("optimizer.name: lbfgs needs a closure that re-evaluates the whole batch's loss, which no "
                              "mode's step gives; choose a first-order optimizer (sgd, adamw, ...), or strategy.mode "
                              "sandblaster (full-batch L-BFGS over the replicas)")
-        if self.strategy.task_rows is not None and self.strategy.modes() != ["sandblaster"]:
-            raise ValueError("strategy.task_rows cuts sandblaster's gradient tasks; the other modes have none (remove it, "
-                             "or set strategy.mode sandblaster)")
+        unused = self.strategy.unused_option()
+        if unused is not None:
+            raise ValueError(unused)
         if "sandblaster" in self.strategy.modes():
             refusals = [(len(self.strategy.plan()) > 1, "is one mode for the whole run (no strategy.phases or switch): "
                          "its L-BFGS history lives on the shards and means nothing to another mode"),
@@ -218,30 +219,7 @@ class JobConfig(Section):
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> "JobConfig":
         """Load a YAML file (a missing or malformed file is a ConfigError naming the file)."""
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = yaml.safe_load(f) or {}
-        except RecursionError:
-            raise ConfigError(f"config file {path} is not valid YAML: nested too deeply") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"config file {path} is not UTF-8 text ({exc.reason}: byte "
-                              f"0x{exc.object[exc.start]:02x})") from None
-        except OSError as exc:
-            raise ConfigError(f"config file {path} cannot be read ({exc.strerror or exc})") from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            problem = " ".join(str(getattr(exc, "problem", None) or getattr(exc, "reason", None) or exc).split())
-            raise ConfigError(f"config file {path}{where} is not valid YAML: {problem}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
-        why = yaml_shape_problem(raw)
-        if why:
-            raise ConfigError(f"config file {path} is not valid YAML: {why}")
-        return cls.from_dict(raw, overrides)
+        return cls.from_dict(read_mapping(os.fspath(path), "config file"), overrides)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -261,49 +239,6 @@ class JobConfig(Section):
         return out
 
 
-MAX_YAML_VALUES = 1_000_000  # a config (or sweep) file's values, its aliases expanded
-
-
-def yaml_shape_problem(value: Any) -> Optional[str]:
-    """Why a loaded YAML value cannot be a config, or None: it contains itself (an alias inside
-    its own anchor), nests too deeply, or holds more than MAX_YAML_VALUES values once its aliases
-    are expanded (a few lines of anchors can stand for billions of values, which every later
-    copy or dump of the config would expand)."""
-    sizes: dict[int, int] = {}
-    open_ids: set[int] = set()
-
-    def size(v: Any) -> int:
-        if not isinstance(v, (dict, list)):
-            return 1
-        key = id(v)
-        if key in sizes:
-            return sizes[key]
-        if key in open_ids:
-            raise _Shape("a value contains itself (an alias inside its own anchor)")
-        open_ids.add(key)
-        items = [*v.keys(), *v.values()] if isinstance(v, dict) else v
-        n = 1
-        for item in items:
-            n += size(item)
-            if n > MAX_YAML_VALUES:
-                raise _Shape(f"more than {MAX_YAML_VALUES:,} values once its aliases are expanded")
-        open_ids.discard(key)
-        sizes[key] = n
-        return n
-
-    try:
-        size(value)
-    except _Shape as exc:
-        return str(exc)
-    except RecursionError:
-        return "nested too deeply"
-    return None
-
-
-class _Shape(Exception):
-    pass
-
-
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Return a copy of `raw` with each `a.b.c=value` set; values are parsed as YAML scalars
     (so `0.1` is a float, `[1, 28, 28]` a list) and then coerced by the field's type."""
@@ -316,7 +251,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"--set expects section.key=value, got {item!r}")
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = load_text(text) if text.strip() else ""
+        except DuplicateKey as exc:
+            raise ConfigError(f"--set {key}: {exc}") from None
         except (yaml.YAMLError, RecursionError):
             value = text
         why = yaml_shape_problem(value)

@@ -2,7 +2,7 @@
 adaptive policy). How many replicas there are and what happens when they fail: fleet.py."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Iterable, Literal, Optional, Sequence
 
 from pydantic import Field, field_validator, model_serializer, model_validator
 
@@ -19,8 +19,28 @@ MODE_OPTIONS = {
     "hogwild": ("max_in_flight",),  # the replicas off the shard's node push as downpour does
     "sandblaster": (),  # one mode for the whole run: its options (step_size, history_size) are strategy.* only
 }
+STRATEGY_MODE_OPTIONS = {  # a mode's options that only strategy.* sets (for the run, or for every phase of the mode)
+    "allreduce": ("balance_window", "balance_min_share", "balance_max_share"),
+    "local_sgd": ("balance_min_share", "balance_max_share"),
+    "sandblaster": ("step_size", "history_size", "task_rows", "backup_tasks"),
+}
 ModeName = Literal["allreduce", "downpour", "easgd", "local_sgd", "gossip", "fsdp", "hogwild", "sandblaster"]
 UNTIL_COUNTS = ("epochs", "steps", "seconds")  # spent in the phase
+
+
+def option_users(option: str) -> list[str]:
+    """The modes that use the strategy option `option`; none for an option of every mode (timeout_s)."""
+    return [m for m, options in MODE_OPTIONS.items() if option in (*options, *STRATEGY_MODE_OPTIONS.get(m, ()))]
+
+
+def unused_option(given: Iterable[str], modes: Sequence[str]) -> Optional[tuple[str, list[str]]]:
+    """The first option of `given` that some mode uses and none of `modes` does, with the modes
+    that use it; None when every given option is used. One rule for a phase and for the run."""
+    for option in given:
+        users = option_users(option)
+        if users and not set(users) & set(modes):
+            return option, users
+    return None
 
 
 class PhaseOptimizer(Section):
@@ -79,11 +99,10 @@ class PhaseConfig(Section):
 
     @model_validator(mode="after")
     def _options_of_its_mode(self) -> "PhaseConfig":
-        allowed = MODE_OPTIONS.get(self.mode, ())
-        for mode, options in MODE_OPTIONS.items():
-            given = [o for o in options if getattr(self, o) is not None and o not in allowed]
-            if given:
-                raise ValueError(f"{given[0]} is {'an' if mode[0] in 'ae' else 'a'} {mode} option; this phase's mode is {self.mode}")
+        unused = unused_option([o for o in type(self).model_fields if getattr(self, o) is not None], [self.mode])
+        if unused is not None:
+            option, users = unused
+            raise ValueError(f"{option}: used by {', '.join(users)}; this phase's mode ({self.mode}) does not use it")
         return self
 
 
@@ -344,3 +363,16 @@ class StrategyConfig(Section):
     def modes(self) -> list[str]:
         """Every mode the run can take."""
         return [p["mode"] for p in self.plan()]
+
+    def unused_option(self) -> Optional[str]:
+        """Why an option set here does nothing in this run (`strategy.tau` in an allreduce run), or
+        None. An option at its default counts as not set: a whole dumped config (config.yaml, a
+        checkpoint's) holds every option and loads back."""
+        fields = type(self).model_fields
+        given = [o for o in fields if o in self.model_fields_set and getattr(self, o) != fields[o].get_default()]
+        modes = list(dict.fromkeys(self.modes()))
+        unused = unused_option(given, modes)
+        if unused is None:
+            return None
+        option, users = unused
+        return f"strategy.{option}: used by {', '.join(users)}; this run's modes ({', '.join(modes)}) do not use it"

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from typing import Callable, Optional
 
 import ray
 
-from orchestrator.checks import bounded
+from orchestrator.checks import bounded, one_line
 from orchestrator.errors import ConfigError, TrainingError
 
 RESOURCES_TIMEOUT_S = 30.0
+RAY_ADDRESS_WAIT_S = 20.0  # a cluster to join may refuse connections this long (a head restarting), then: bad input
+RAY_ADDRESS_TRY_S = 3.0  # one connection attempt
+RAY_ADDRESS_RETRY_S = 1.0  # between attempts
 ROOM_POLL_S = 1.0
 LOCAL_CPUS_PER_CORE = 4  # the most logical CPUs a local cluster declares per core (replicas share cores)
 
@@ -22,15 +26,23 @@ def connect(logical_cpus: float) -> bool:
 
     Inside a process that already called ray.init() that cluster is used, as Ray's own
     libraries do. With RAY_ADDRESS set (e.g. under `ray job submit`) the job joins that
-    cluster. Otherwise a local cluster is started with at least `logical_cpus` CPUs declared,
-    so replicas fit even on a small machine; address="local" keeps a stray cluster on the
-    same machine from being picked up by accident. More than LOCAL_CPUS_PER_CORE per core is
-    a ConfigError before Ray starts: so many replica processes on so few cores is a mistake.
+    cluster once it accepts a connection (check_reachable: a ConfigError naming the address
+    when it does not, or is not an address). Otherwise a local cluster is started with at
+    least `logical_cpus` CPUs declared, so replicas fit even on a small machine;
+    address="local" keeps a stray cluster on the same machine from being picked up by
+    accident. More than LOCAL_CPUS_PER_CORE per core is a ConfigError before Ray starts: so
+    many replica processes on so few cores is a mistake.
     """
     if ray.is_initialized():
         return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], logging_level=logging.WARNING)
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        check_reachable(address)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING)
+        except ConnectionError as exc:  # found by Ray's own checks after ours
+            raise ConfigError(f"config error: RAY_ADDRESS: cannot join the Ray cluster at {address} "
+                              f"({one_line(exc)})") from None
         return False
     cores = os.cpu_count() or 1
     if logical_cpus > LOCAL_CPUS_PER_CORE * cores + 1e-9:
@@ -41,6 +53,76 @@ def connect(logical_cpus: float) -> bool:
     num_cpus = max(cores, int(-(-logical_cpus // 1)))
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
     return True
+
+
+def check_reachable(address: str) -> None:
+    """RAY_ADDRESS names a cluster that accepts a connection within RAY_ADDRESS_WAIT_S, or a
+    ConfigError naming the address: ray.init would otherwise retry for minutes, printing only
+    its own warnings. `auto` is the cluster Ray finds on this machine; `ray://host:port` is a
+    Ray Client server; `local` and other schemes are left to Ray."""
+    shown = address
+    if address == "auto":
+        try:
+            found = local_cluster_address()
+        except ConnectionError:
+            raise ConfigError("config error: RAY_ADDRESS: auto: no running Ray cluster found on this machine; "
+                              "start one, or set RAY_ADDRESS to its host:port") from None
+        if found is None:  # Ray's lookup moved: let ray.init find it
+            return
+        address, shown = found, f"{found} (found by auto)"
+    endpoint = gcs_endpoint(address)
+    if endpoint is None:
+        return
+    why = _refusal(*endpoint, RAY_ADDRESS_WAIT_S)
+    if why is not None:
+        raise ConfigError(f"config error: RAY_ADDRESS: no Ray cluster answers at {shown} ({why} for "
+                          f"{RAY_ADDRESS_WAIT_S:g}s); start it, or unset RAY_ADDRESS to start a local cluster")
+
+
+def gcs_endpoint(address: str) -> Optional[tuple[str, int]]:
+    """(host, port) that `address` (a RAY_ADDRESS) connects to; None where Ray decides alone
+    (`local`, a scheme other than ray://, ray:// without a port); ConfigError when it cannot be
+    an address: no port, or an HTTP address (a dashboard's, which job submission takes)."""
+    scheme, sep, rest = address.partition("://")
+    if sep and scheme in ("http", "https"):
+        raise ConfigError(f"config error: RAY_ADDRESS: {address} is an HTTP address (a dashboard's); joining a "
+                          "cluster takes its GCS address host:port (default port 6379) or ray://host:port")
+    if sep and scheme != "ray" or address == "local":
+        return None
+    host, colon, port = (rest if sep else address).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:6379
+    if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+        if sep:
+            return None
+        raise ConfigError(f"config error: RAY_ADDRESS: {address!r} is not host:port (the cluster's GCS "
+                          "address, e.g. 10.0.0.5:6379), auto, or ray://host:port")
+    return host, int(port)
+
+
+def local_cluster_address() -> Optional[str]:
+    """The host:port of the cluster `RAY_ADDRESS=auto` joins (the newest one started on this
+    machine); ConnectionError when there is none; None when Ray no longer offers the lookup."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+    except ImportError:
+        return None
+    return canonicalize_bootstrap_address("auto")
+
+
+def _refusal(host: str, port: int, wait_s: float) -> Optional[str]:
+    """None once host:port accepts a TCP connection; else, after trying for `wait_s` seconds, why
+    it did not (the last attempt's error: connection refused, timed out, unknown host)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            timeout = min(RAY_ADDRESS_TRY_S, max(0.1, deadline - time.monotonic()))
+            with socket.create_connection((host, port), timeout=timeout):
+                return None
+        except OSError as exc:
+            why = (exc.strerror or str(exc) or type(exc).__name__).lower()
+        if time.monotonic() + RAY_ADDRESS_RETRY_S >= deadline:
+            return why
+        time.sleep(RAY_ADDRESS_RETRY_S)
 
 
 def check_fits(replicas: int, cpus_per_replica: float, gpus_per_replica: float) -> None:

@@ -9,10 +9,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence
 
-import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from orchestrator.config import JobConfig, Section, apply_overrides, describe_validation_error, yaml_shape_problem
+from orchestrator.config import JobConfig, Section, apply_overrides, describe_validation_error, read_mapping
 from orchestrator.errors import ConfigError
 
 SWEEP_PREFIX = "sweep."  # tags the sweep sets on its runs
@@ -167,7 +166,7 @@ def load_sweep(path: str | os.PathLike, overrides: Sequence[str] = ()) -> SweepP
     """Read and check a sweep file; `overrides` (`section.key=value`) apply to the base config.
     ConfigError (one line naming the key or file) on bad input; nothing is started."""
     path = os.fspath(path)
-    raw = _read_yaml(path, "sweep file")
+    raw = read_mapping(path, "sweep file")
     try:
         sweep = SweepConfig.model_validate(raw)
     except ValidationError as exc:
@@ -180,7 +179,7 @@ def plan_sweep(sweep: SweepConfig, overrides: Sequence[str] = (), relative_to: O
     (or range bound) validates with the base, and so does every combination of the discrete
     values (up to MAX_CHECKED_COMBINATIONS). ConfigError otherwise."""
     base_path = _find_base(sweep.base, relative_to)
-    base_raw = _read_yaml(base_path, "base config")
+    base_raw = read_mapping(base_path, "base config")
     for key in sweep.set:
         _check_key(key, "set")
     base_raw = apply_overrides(with_values(base_raw, sweep.set), list(overrides))
@@ -266,24 +265,6 @@ def _find_base(base: str, relative_to: Optional[str]) -> str:
         if os.path.isfile(path):
             return path
     raise ConfigError(f"sweep error: base: config file not found: {base}")
-
-
-def _read_yaml(path: str, what: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise ConfigError(f"{what} not found: {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f) or {}
-    except RecursionError:
-        raise ConfigError(f"{what} {path} cannot be read as YAML (nested too deeply)") from None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{what} {path} cannot be read as YAML ({' '.join(str(exc).split())[:200]})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{what} {path} must hold a mapping, got {type(raw).__name__}")
-    why = yaml_shape_problem(raw)
-    if why:
-        raise ConfigError(f"{what} {path} cannot be read as YAML ({why})")
-    return raw
 
 
 def _describe(exc: ValidationError) -> str:

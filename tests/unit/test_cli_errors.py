@@ -408,6 +408,107 @@ def test_local_cluster_bound(monkeypatch, cpus, started):
         assert calls == []
 
 
+
+# ---- issue 57: an empty file, a duplicate key, an option no mode uses, an unreachable cluster -----
+
+@pytest.mark.parametrize("text, needle", [
+    ("# nothing but a comment\n", "config file {path} is empty"),
+    ("null\n", "config file {path} is empty"),
+    ("optimizer:\n  lr: 0.1\n  momentum: 0.9\n  lr: 0.2\n", "config error: {path}:4: duplicate key 'lr' (first at line 2)"),
+    ("strategy: {mode: allreduce, tau: 8}\n", "config error: strategy.tau: used by easgd; this run's modes (allreduce)"),
+])
+def test_config_that_used_to_train_something_else_exit_2(tmp_path, capsys, monkeypatch, text, needle):
+    no_run(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    code = main(["run", str(path)])
+    assert_one_line(code, capsys.readouterr().err.strip(), needle.format(path=path))
+    assert os.listdir(tmp_path) == ["job.yaml"]
+
+
+def ray_address_line(address, monkeypatch):
+    """connect()'s ConfigError line with RAY_ADDRESS=address, the cluster check waiting 0.5 s at most;
+    fails the test if ray.init was called."""
+    import ray
+
+    from orchestrator.fleet import cluster
+    from orchestrator.errors import ConfigError
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail(f"ray.init({kw}) called"))
+    monkeypatch.setattr(cluster, "RAY_ADDRESS_WAIT_S", 0.5)
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    with pytest.raises(ConfigError) as exc:
+        cluster.connect(2)
+    return str(exc.value)
+
+
+@pytest.mark.parametrize("form", ["127.0.0.1:{port}", "ray://127.0.0.1:{port}", "localhost:{port}"])
+def test_unreachable_ray_address_is_bad_input(monkeypatch, form):
+    address = form.format(port=closed_port())
+    line = ray_address_line(address, monkeypatch)
+    assert line.startswith(f"config error: RAY_ADDRESS: no Ray cluster answers at {address}") and "\n" not in line, line
+
+
+@pytest.mark.parametrize("address, needle", [
+    ("myhost", "RAY_ADDRESS: 'myhost' is not host:port"),
+    ("127.0.0.1:port", "RAY_ADDRESS: '127.0.0.1:port' is not host:port"),
+    ("http://127.0.0.1:8265", "RAY_ADDRESS: http://127.0.0.1:8265 is an HTTP address"),
+])
+def test_malformed_ray_address_is_bad_input(monkeypatch, address, needle):
+    assert needle in ray_address_line(address, monkeypatch)
+
+
+def test_ray_address_auto_with_no_cluster_here_is_bad_input(monkeypatch):
+    from orchestrator.fleet import cluster
+
+    def none_here():
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(cluster, "local_cluster_address", none_here)
+    assert "RAY_ADDRESS: auto: no running Ray cluster found on this machine" in ray_address_line("auto", monkeypatch)
+
+
+def test_ray_address_auto_names_the_cluster_it_found(monkeypatch):
+    from orchestrator.fleet import cluster
+
+    port = closed_port()
+    monkeypatch.setattr(cluster, "local_cluster_address", lambda: f"127.0.0.1:{port}")
+    line = ray_address_line("auto", monkeypatch)
+    assert f"no Ray cluster answers at 127.0.0.1:{port} (found by auto)" in line, line
+
+
+def test_reachable_ray_address_is_joined(monkeypatch):
+    import socket
+
+    import ray
+
+    from orchestrator.fleet import cluster
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        monkeypatch.setenv("RAY_ADDRESS", address)
+        assert cluster.connect(2) is False
+    assert calls[0]["address"] == address
+
+
+def test_subprocess_unreachable_ray_address_exit_2(tmp_path):
+    """The example with RAY_ADDRESS naming a port nothing listens on: one line naming the address and
+    exit 2, nothing written, no cluster started (this process's timeout is what catches a hang)."""
+    address = f"127.0.0.1:{closed_port()}"
+    env = dict(os.environ, PYTHONPATH=REPO, RAY_ADDRESS=address)
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "run", os.path.join(REPO, "examples",
+                           "mnist_allreduce.yaml"), "--no-progress"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=90)
+    assert_one_line(proc.returncode, proc.stderr.strip(), f"config error: RAY_ADDRESS: no Ray cluster answers at {address}")
+    assert os.listdir(tmp_path) == []
+
 # ---- --no-progress: only the final line ------------------------------------------------------------
 
 def test_no_progress_prints_only_the_final_line(tmp_path, capsys, monkeypatch):

@@ -1,7 +1,7 @@
 """Config: typed, validated, overridable; bad input is one line naming the field."""
 import pytest
 
-from orchestrator.config import JobConfig, apply_overrides
+from orchestrator.config import JobConfig, apply_overrides, read_mapping
 from orchestrator.errors import ConfigError
 
 
@@ -45,7 +45,6 @@ def test_yaml_round_trip(tmp_path):
     ({}, ["strategy.mode=sandblaster", "optimizer.schedule={name: cosine}"], "sandblaster takes no optimizer.schedule"),
     ({}, ["strategy.mode=sandblaster", "strategy.history_size=0"], "strategy.history_size"),
     ({}, ["strategy.mode=sandblaster", "model.precision=fp16"], "sandblaster takes model.precision fp32 or bf16"),
-    ({}, ["strategy.task_rows=64"], "strategy.task_rows cuts sandblaster's gradient tasks"),
     ({}, ["strategy.mode=sandblaster", "strategy.task_rows=0"], "strategy.task_rows"),
     ({}, ["strategy.mode=downpour", "optimizer.name=adafactor"], "factored"),
     ({}, ["optimizer.schedule={name: cosin}"], "unknown schedule"),
@@ -131,7 +130,7 @@ def test_a_phase_takes_only_its_own_modes_options():
     cfg = JobConfig.from_dict({"strategy": {"phases": [{"mode": "local_sgd", "period": 3, "outer_momentum": 0.9,
                                                         "until": {"epochs": 1}}, {"mode": "allreduce"}]}})
     assert cfg.strategy.plan()[0]["period"] == 3 and cfg.strategy.plan()[0]["outer_momentum"] == 0.9
-    with pytest.raises(ConfigError, match="period is a local_sgd option"):
+    with pytest.raises(ConfigError, match="period: used by local_sgd, gossip; this phase's mode"):
         JobConfig.from_dict({"strategy": {"phases": [{"mode": "allreduce", "period": 3}]}})
 
 
@@ -143,3 +142,80 @@ def test_group_backend_nccl_only_for_a_gpu_of_its_own():
     assert group_backend(torch.device("cpu"), 0) == "gloo"
     assert group_backend(torch.device("cuda"), 1) == "nccl"
     assert group_backend(torch.device("cuda"), 0.5) == "gloo"  # NCCL cannot put two ranks on one GPU
+
+
+# ---- issue 57: bad input that was accepted --------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "null\n", "~\n", "---\n"])
+def test_empty_config_file_is_an_error_naming_it(tmp_path, text):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        JobConfig.from_yaml(path)
+    msg = str(exc.value)
+    assert f"config file {path} is empty" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("text, line, first, key", [
+    ("optimizer:\n  lr: 0.1\n  lr: 0.2\n", 3, 2, "lr"),
+    ("stop: {epochs: 1}\noptimizer: {lr: 0.1}\nstop: {epochs: 2}\n", 3, 1, "stop"),
+    ("model:\n  kwargs:\n    hidden: 8\n    depth: 2\n    hidden: 16\n", 5, 3, "hidden"),  # nested deeper
+    ("strategy: {mode: easgd, tau: 2, tau: 8}\n", 1, 1, "tau"),  # flow style: both on one line
+])
+def test_duplicate_key_in_a_config_file_names_both_lines(tmp_path, text, line, first, key):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as exc:
+        JobConfig.from_yaml(path)
+    assert str(exc.value) == f"config error: {path}:{line}: duplicate key {key!r} (first at line {first})"
+
+
+def test_a_merged_key_may_be_overridden_and_a_duplicate_in_set_is_refused(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("x-base: &base {lr: 0.1, momentum: 0.5}\noptimizer: {<<: *base, lr: 0.2}\n")
+    raw = read_mapping(str(path))
+    assert raw["optimizer"] == {"lr": 0.2, "momentum": 0.5}  # YAML's merge: the explicit key wins
+    with pytest.raises(ConfigError, match=r"^--set model.kwargs: duplicate key 'hidden' \(first at line 1\)$"):
+        apply_overrides({}, ["model.kwargs={hidden: 8, hidden: 16}"])
+
+
+@pytest.mark.parametrize("raw, overrides, needle", [
+    ({}, ["strategy.tau=8"], "config error: strategy.tau: used by easgd; this run's modes (allreduce) do not use it"),
+    ({}, ["strategy.mode=easgd", "strategy.n_push=4"], "strategy.n_push: used by downpour; this run's modes (easgd)"),
+    ({}, ["strategy.mode=downpour", "strategy.period=4"], "strategy.period: used by local_sgd, gossip; this run's "
+     "modes (downpour) do not use it"),
+    ({"strategy": {"phases": [{"mode": "downpour", "until": {"epochs": 1}}, {"mode": "allreduce"}], "alpha": 0.5}}, [],
+     "strategy.alpha: used by easgd; this run's modes (downpour, allreduce) do not use it"),
+    ({}, ["strategy.switch=adaptive", "strategy.n_fetch=2"], "strategy.n_fetch: used by downpour; this run's modes "
+     "(allreduce, easgd) do not use it"),
+    ({}, ["strategy.mode=easgd", "strategy.history_size=5"], "strategy.history_size: used by sandblaster"),
+    ({}, ["strategy.task_rows=64"], "strategy.task_rows: used by sandblaster; this run's modes (allreduce)"),
+    ({"strategy": {"phases": [{"mode": "allreduce", "period": 3}]}}, [],
+     "strategy.phases.0: period: used by local_sgd, gossip; this phase's mode (allreduce) does not use it"),
+])
+def test_an_option_no_mode_of_the_run_uses(raw, overrides, needle):
+    with pytest.raises(ConfigError) as exc:
+        JobConfig.from_dict(raw, overrides)
+    msg = str(exc.value)
+    assert needle in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("raw, overrides", [
+    ({}, ["strategy.mode=easgd", "strategy.tau=8", "strategy.alpha=0.2"]),
+    ({"strategy": {"phases": [{"mode": "easgd", "until": {"epochs": 1}}, {"mode": "allreduce"}], "tau": 8}}, []),
+    ({}, ["strategy.switch=adaptive", "strategy.tau=8"]),  # the asynchronous mode is easgd
+    ({}, ["strategy.switch=adaptive", "strategy.adaptive.async_mode=downpour", "strategy.n_push=2"]),
+    ({}, ["strategy.mode=gossip", "strategy.period=2"]),
+    ({}, ["strategy.mode=sandblaster", "strategy.history_size=5", "strategy.task_rows=64", "checkpoint.every_steps=0",
+          "checkpoint.every_s=0"]),
+    ({}, ["strategy.tau=4", "strategy.alpha=null"]),  # an unused option at its default: as if not set
+])
+def test_options_of_the_runs_modes_and_defaults_are_accepted(raw, overrides):
+    JobConfig.from_dict(raw, overrides)
+
+
+def test_a_whole_dumped_config_loads_back(tmp_path):
+    """config.yaml and a checkpoint's config hold every field, each mode's options at their defaults."""
+    for overrides in ([], ["strategy.mode=easgd", "strategy.tau=8"], ["strategy.switch=adaptive"]):
+        cfg = JobConfig.from_dict({}, overrides)
+        assert JobConfig.from_dict(cfg.model_dump(mode="json")) == cfg

@@ -200,3 +200,19 @@ def test_a_trials_last_epoch_is_known_so_it_is_reported_after_the_run_finished(s
     from orchestrator.sweep import ends_the_run
 
     assert ends_the_run(JobConfig.from_dict({"stop": stop}), {"kind": "epoch_end", **event}) is last
+
+
+def test_duplicate_key_in_a_sweep_file_names_both_lines(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(f"base: {BASE}\nsearch:\n  optimizer.lr: {{grid: [0.1]}}\n  optimizer.lr: {{grid: [0.2]}}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_sweep(path)
+    assert str(exc.value) == f"sweep error: {path}:4: duplicate key 'optimizer.lr' (first at line 3)"
+
+
+def test_duplicate_key_in_the_base_config_names_both_lines(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("stop:\n  epochs: 1\nstop:\n  epochs: 2\n")
+    with pytest.raises(ConfigError) as exc:
+        load_sweep(write(tmp_path, with_(base=str(base))))
+    assert str(exc.value) == f"config error: {base}:3: duplicate key 'stop' (first at line 1)"
