@@ -23,8 +23,8 @@ Sides:
               replicas both neighbours are the other one)
   batch16     examples/mnist_allreduce.yaml with data.batch_size 16 (lr 0.05 as it is); only with --sides
   adaptive_batch  the same from 16 rows a replica with data.adaptive_batch {max: 128} (the batch
-              grows with the measured gradient noise, the rate with the batch: docs/modes.md
-              "Adaptive batch size"); only with --sides
+              grows with the measured gradient noise, the rate with the batch:
+              docs/modes-allreduce-options.md "Adaptive batch size"); only with --sides
   adaptive    examples/mnist_adaptive.yaml (local SGD with balanced periods; easgd only for a
               straggler the balance cannot absorb); its own straggler window replaced by the
               situation's

@@ -40,7 +40,7 @@ def tiny_mlp(in_features: int = 32, hidden: int = 32, num_classes: int = 4) -> n
 
 def mlp_bn(in_features: int = 784, hidden: int = 64, num_classes: int = 10) -> nn.Module:
     """An MLP with BatchNorm: its running statistics are module buffers that every mode keeps
-    consistent across replicas (see docs/modes.md)."""
+    consistent across replicas (see docs/modes-synchronous.md)."""
     return nn.Sequential(
         nn.Flatten(), nn.Linear(in_features, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, num_classes)
     )

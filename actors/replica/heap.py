@@ -8,7 +8,8 @@ process frees. In a replica they stayed low enough that a step's activations (te
 the example CNN) were given back at the end of every backward pass and faulted in again, one
 zeroed page at a time, at the next forward pass: 14,000-86,000 minor page faults a second per
 replica; with the thresholds fixed, 6-641, and steady samples/s 1.168x in an A/B of the two
-(docs/benchmarks.md, "Replicas keep their heap").
+(benchmarks/results/HISTORY.md, 2026-11-26; docs/cost-model.md, "Where it stops being
+trustworthy").
 
 `keep_heap` fixes the thresholds: allocations up to 32 MiB (the largest glibc allows here) come
 from the heap, and up to 1 GiB of free heap is kept for reuse. A replica's resident memory then

@@ -1,5 +1,5 @@
 """ModelReplica: one model copy in a Ray actor. It holds state and moves tensors; the update
-rule it runs lives in policies/<mode>.py (a *Worker), the decisions in the driver.
+rule it runs lives in policies/rules/<mode>.py (a *Worker), the decisions in the driver.
 
 A replica runs a whole epoch on its own (`run_epoch`) and is never called per step; it streams
 progress rows back to the driver as a Ray streaming generator while the epoch runs. (A second

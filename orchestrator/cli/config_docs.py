@@ -4,11 +4,14 @@ file's (orchestrator/sweep/schema.py), so the reference cannot drift from the co
 from __future__ import annotations
 
 import re
+import textwrap
 
 from pydantic import BaseModel
 
 from orchestrator.config import JobConfig
 from orchestrator.sweep import SweepConfig
+
+DOC_WIDTH = 100  # a prose line's budget in docs/ (tests/unit/test_docs_true.py)
 
 
 def reference_markdown() -> str:
@@ -42,15 +45,22 @@ def nested_tables(nested: list[tuple[str, type]], note: str = "") -> list[str]:
         keys.setdefault(model, []).append(key)
     lines: list[str] = []
     for model, at in keys.items():
-        doc = " ".join((model.__doc__ or "").split())
+        doc = [*paragraph(model.__doc__), ""] if model.__doc__ else []
         if len(at) == 1:
-            lines += [f"## `{at[0]}`{note}", "", doc, ""]
+            lines += [f"## `{at[0]}`{note}", "", *doc]
             lines += field_table(at[0], model, [])
-        else:
-            heading = ", ".join(f"`{k}`" for k in at)
-            lines += [f"## `{model.__name__}`: {heading}{note}", "", doc, ""]
+        else:  # the keys on a line of their own: the heading stays short
+            keys_at = paragraph("At " + ", ".join(f"`{k}`" for k in at) + ".")
+            lines += [f"## `{model.__name__}`{note}", "", *keys_at, "", *doc]
             lines += field_table("", model, [])
     return lines
+
+
+def paragraph(text: str | None) -> list[str]:
+    """A docstring or intro as prose lines of at most DOC_WIDTH characters (docs/ wraps prose at
+    100; table rows are exempt)."""
+    return textwrap.wrap(" ".join((text or "").split()), DOC_WIDTH, break_long_words=False,
+                         break_on_hyphens=False)
 
 
 def field_table(prefix: str, model: type, nested: list[tuple[str, type]]) -> list[str]:
@@ -84,6 +94,6 @@ def sweep_reference() -> list[str]:
     """The sweep file's section of docs/config.md."""
     nested: list[tuple[str, type]] = []
     lines = ["## Sweep file (`python -m orchestrator sweep SWEEP.yaml`, see docs/sweeps.md)", "",
-             " ".join((SweepConfig.__doc__ or "").split()), ""]
+             *paragraph(SweepConfig.__doc__), ""]
     lines += field_table("", SweepConfig, nested)
     return lines + nested_tables(nested, " (sweep file)")

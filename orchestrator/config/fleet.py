@@ -23,8 +23,8 @@ class ScalingConfig(Section):
         None, gt=0, description="A replica's memory budget (MB) for the model's parameters, gradients and optimizer "
         "state, checked before anything starts: allreduce and the other modes hold all of it in every replica, "
         "(2 + the optimizer's tensors per parameter) x the parameters' bytes; fsdp a 1/replicas slice plus the "
-        "largest sharded unit whole. A run over it is refused in one line naming the budget (docs/modes.md, "
-        "\"fsdp\"). None: no check."
+        "largest sharded unit whole. A run over it is refused in one line naming the budget "
+        "(docs/modes-synchronous.md, \"fsdp\"). None: no check."
     )
     shards: int = Field(
         1, ge=1, description="ParameterShard actors (downpour, easgd; hogwild takes exactly 1); they reserve no CPU; "

@@ -48,7 +48,7 @@ class ModelConfig(Section):
 
 class AdaptiveBatchConfig(Section):
     """data.adaptive_batch: allreduce's batch grows with the measured gradient noise
-    (policies/decisions/batch_size.py, docs/modes.md "Adaptive batch size")."""
+    (policies/decisions/batch_size.py, docs/modes-allreduce-options.md "Adaptive batch size")."""
 
     max: int = Field(gt=0, description="The largest batch per replica (at least data.batch_size, where it starts).")
     factor: int = Field(2, ge=2, description="Each growth multiplies the batch by this, while the result is at most "

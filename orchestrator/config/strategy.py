@@ -186,7 +186,8 @@ class StrategyConfig(Section):
         "each replica's period (steps between two rounds) follows its measured speed instead, replicas x "
         "strategy.period steps a round in all, each within balance_min_share..balance_max_share x period (kept even "
         "unless the split is predicted to shorten the round by more than 10%); partitions are leased "
-        "as plain local SGD's while the periods are even, from one shared queue while they differ. See docs/modes.md."
+        "as plain local SGD's while the periods are even, from one shared queue while they differ. See "
+        "docs/modes-allreduce-options.md."
     )
     compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
         "none", description="allreduce: how gradients travel. fp16 or bf16: summed in that dtype, half the bytes "
@@ -194,7 +195,7 @@ class StrategyConfig(Section):
         "loss sums and rows stay float32). powersgd: each matrix-shaped gradient sent as rank-powersgd_rank "
         "factors with error feedback, (n + m) r floats for an n x m matrix, in two all-reduces after the backward "
         "pass. Worth it where the link, not compute, bounds the step (`orchestrator simulate` says where). See "
-        "docs/modes.md."
+        "docs/modes-allreduce-options.md."
     )
     powersgd_rank: int = Field(2, ge=1, description="allreduce with compression powersgd: the rank r of the "
                                "factors (higher: closer to the exact sum, more bytes).")
@@ -204,7 +205,7 @@ class StrategyConfig(Section):
         "weighted by rows; a late replica stops its work, joins the all-reduce with no rows, and its batch's rows "
         "are dropped (counted in the backup_dropped_rows metric and a backup_drops event). Every replica still "
         "takes the same step. Not with balance or compression powersgd. 0: wait for every replica. See "
-        "docs/modes.md."
+        "docs/modes-allreduce-options.md."
     )
     balance_window: int = Field(8, ge=1, description="allreduce with balance: steps of measurements behind each new "
                                 "split of the batch.")
@@ -266,7 +267,8 @@ class StrategyConfig(Section):
         "4, until: {epochs: 2}}, {mode: allreduce, until: {test_accuracy: 0.96}}, {mode: easgd, tau: 8}]. `until`: "
         "epochs, steps or seconds spent in the phase, or a metric threshold (test_accuracy reached, test_loss or "
         "train_loss fallen to); the last phase has none and runs until the run stops. A phase's options override "
-        "the strategy.* values above; none = one phase of strategy.mode. See docs/modes.md."
+        "the strategy.* values above; none = one phase of strategy.mode. See "
+        "docs/modes-switching.md."
     )
     switch: Literal["schedule", "adaptive"] = Field(
         "schedule", description="Who picks the mode: schedule (strategy.phases, or strategy.mode throughout) or "
@@ -279,7 +281,7 @@ class StrategyConfig(Section):
         0.5, gt=0, description="A run in phases: a switch is rolled back (the phase, mode and model from before it; "
         "no further switch that run) when the test loss at an epoch's end right after it is above the test loss at "
         "the switch by more than this fraction (0.5: 50% higher), or not finite; until then a step whose training "
-        "loss is not finite is skipped, not the end of the run. null: never. See docs/modes.md."
+        "loss is not finite is skipped, not the end of the run. null: never. See docs/modes-switching.md."
     )
 
     @model_serializer(mode="wrap")

@@ -314,7 +314,7 @@ class AllReduceWorker:
         the global batch divided among those left, at most max_share x batch. The tail rule:
         the rows left at an epoch's end (a partition or two of the slower replicas, since
         partitions are leased whole) form global-batch steps rather than many small steps at
-        the full rate, which measurably slowed learning (docs/modes.md)."""
+        the full rate, which measurably slowed learning (docs/modes-allreduce-options.md)."""
         shares, world = figs.balancer.shares, figs.world
         if more and 0 < with_more < world and len(set(shares)) > 1:
             return min(world * self.batch // with_more, int(float(self.balance["max_share"]) * self.batch))

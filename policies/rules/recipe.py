@@ -1,7 +1,7 @@
 """The training step a user would write, the same in every mode: which optimizer, the learning
 rate at each step, gradient accumulation, mixed precision and gradient clipping.
 
-Each mode's rule (policies/<mode>.py) keeps its own communication; what it does with one
+Each mode's rule (policies/rules/<mode>.py) keeps its own communication; what it does with one
 replica's batch goes through a `Recipe`:
 
     recipe.backward(model, task, x, y, before_last)   # micro-batches, autocast, loss scaling

@@ -12,7 +12,7 @@ and the replicas never branch on a mode's name:
   unevenly: allreduce's batch, local_sgd's periods, the mode's `balanced_share`);
 - `process_group`: the replicas form a torch.distributed process group;
 - `server_optimizer(optimizer_name)`: what the shards apply;
-- `build_worker(...)`: the update rule (policies/<mode>.py) wired to a replica's transport;
+- `build_worker(...)`: the update rule (policies/rules/<mode>.py) wired to a replica's transport;
 - `metrics(stats)`: the mode's own per-epoch figures, combined across replicas;
 - `epoch_events(stats)`: the mode's own events of the epoch (allreduce: `backup_drops`);
 - `shard_metrics(shards)`: figures the shards observed (downpour: the largest lead over the

@@ -1,8 +1,9 @@
-"""A Hugging Face model and dataset as they come, on real Ray actors (examples/hf_gpt2.yaml): a
-tiny GPT-2 built from its config, a datasets.Dataset of input_ids/labels, the model's own loss
-(task model_loss). Its exports load without the project (from_pretrained, safetensors with the
-tied embeddings tied), and the perplexity computed outside the project from the export is the
-run's. The done-when comparison with a plain single-process loop is the `full` test below."""
+"""A Hugging Face model and dataset as they come, on real Ray actors (examples/hf_gpt2.yaml, run
+through the README's snippet): a tiny GPT-2 built from its config, a datasets.Dataset of
+input_ids/labels, the model's own loss (task model_loss). Its exports load without the project
+(from_pretrained, safetensors with the tied embeddings tied), and the perplexity computed
+outside the project from the export is the run's. The comparison with a plain single-process
+loop is the `full` test below."""
 from __future__ import annotations
 
 import math
@@ -17,7 +18,8 @@ from orchestrator.trainer import ElasticTrainer
 
 pytestmark = pytest.mark.ray
 
-YAML = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_gpt2.yaml")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+YAML = os.path.join(REPO, "examples", "hf_gpt2.yaml")
 
 
 def perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int = 256) -> float:
@@ -34,26 +36,41 @@ def perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int = 256) -> 
     return math.exp(nll / tokens)
 
 
-def test_a_hugging_face_gpt2_trains_from_yaml_and_its_exports_load_without_the_project(ray_cluster, tmp_path):
+def readme_snippet() -> str:
+    """The README's Hugging Face example, as written."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        text = f.read()
+    section = text[text.index("## Hugging Face models and datasets"):]
+    return section[section.index("```python\n") + 10:section.index("```\n", section.index("```python"))]
+
+
+def test_the_readme_s_hugging_face_example_trains_and_its_exports_load_without_the_project(
+        ray_cluster, tmp_path, monkeypatch):
+    """The README's snippet run as written (a YAML config, the datasets from Python), from a
+    directory of its own: its exports load with from_pretrained and safetensors (the tied
+    embeddings tied), and the perplexity computed from the export outside the project is the
+    run's."""
+    from mlflow.tracking import MlflowClient
     from safetensors.torch import load_model
     from transformers import AutoModelForCausalLM
 
     from examples.huggingface import small_windows, tiny_gpt2
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cfg = JobConfig.from_yaml(YAML, [
-        "data.source=examples.huggingface:small_windows", "stop.epochs=2", "scaling.cpus_per_replica=0.5",
-        f"tracking.tracking_uri={uri}", "tracking.progress_interval_s=0", f"checkpoint.storage={tmp_path / 'ck'}"])
-    result = ElasticTrainer(cfg, show_progress=False).fit()
+    os.symlink(os.path.join(REPO, "examples"), tmp_path / "examples")
+    monkeypatch.chdir(tmp_path)  # its checkpoints and exports go to tmp_path/runs
+    namespace: dict = {}
+    exec(compile(readme_snippet(), "README.md", "exec"), namespace)
+    result = namespace["result"]
     assert result.epochs == 2
     assert set(result.final) == {"test_loss", "test_perplexity", "train_loss"}
     assert result.final.test_perplexity == pytest.approx(math.exp(result.final.test_loss), rel=1e-9)
     [exported] = [e for e in result.events if e["kind"] == "exported"]
     final = exported["final"]
+    assert final.startswith(str(tmp_path / "runs" / "checkpoints"))
     assert sorted(os.listdir(final)) == ["model.safetensors", "pretrained"]
 
     loaded = AutoModelForCausalLM.from_pretrained(os.path.join(final, "pretrained"))
-    _, test = small_windows()
+    _, test = small_windows()  # the snippet's test split
     rows = torch.tensor(test["input_ids"])
     outside = perplexity(loaded, rows)
     assert outside == pytest.approx(result.final.test_perplexity, rel=1e-4)  # the run's figure, computed apart
@@ -65,9 +82,7 @@ def test_a_hugging_face_gpt2_trains_from_yaml_and_its_exports_load_without_the_p
     for (name, p), q in zip(fresh.named_parameters(), loaded.parameters()):
         assert torch.equal(p, q), name
 
-    from mlflow.tracking import MlflowClient
-
-    names = {a.path for a in MlflowClient(uri).list_artifacts(result.mlflow_run_id, "export/final")}
+    names = {a.path for a in MlflowClient().list_artifacts(result.mlflow_run_id, "export/final")}
     assert names == {"export/final/model.safetensors", "export/final/pretrained"}
 
 
