@@ -39,7 +39,7 @@ def check_inputs(config: JobConfig, data: Any = None) -> Union[Dataset, Streamed
     from policies.rules.recipe import RecipeError, make_optimizer
 
     try:  # the optimizer's class takes the model's parameters and optimizer.kwargs
-        make_optimizer(config.optimizer.model_dump(), model.parameters())
+        make_optimizer(config.optimizer.model_dump(), model)
     except RecipeError as exc:
         raise ConfigError(str(exc)) from None
     check_memory_budget(config, model)
@@ -331,8 +331,13 @@ def _log_plot(tracker, timeout_s: Optional[float] = None) -> None:
 def _open_tracking(cfg: JobConfig, run_id: Optional[str] = None):
     from orchestrator.reporting.tracking import Tracker
 
-    return Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.tracking.run_name or cfg.run.name,
-                   run_id=run_id)
+    tracker = Tracker(cfg.tracking.tracking_uri, cfg.tracking.experiment, cfg.tracking.run_name or cfg.run.name,
+                      run_id=run_id)
+    if cfg.tracking.tensorboard:
+        from orchestrator.reporting.tensorboard import TensorBoardScalars
+
+        tracker.mirror_to(TensorBoardScalars(cfg.tracking.tensorboard, cfg.run.name or tracker.run_id))
+    return tracker
 
 
 def _describe_run(tracker, cfg: JobConfig) -> None:

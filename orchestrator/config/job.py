@@ -21,6 +21,7 @@ from orchestrator.config.fleet import FaultsConfig, FaultToleranceConfig, Scalin
 from orchestrator.config.strategy import UNTIL_COUNTS, StrategyConfig
 from orchestrator.config.yaml_file import DuplicateKey, load_text, read_mapping, yaml_shape_problem
 from policies.decisions.stop import Target
+from policies.rules.registry import mode_spec
 from policies.rules.tasks import primary_metric, split_metric
 
 
@@ -109,6 +110,10 @@ class JobConfig(Section):
                     f"{split_metric(target.metric, 'val')})") if self.validated and target.metric in task.goals else ""
             raise ValueError(f"stop.target.metric: the {self.task.name} task has no metric {target.metric!r} to judge "
                              f"during the run{held}; choose one of {names}")
+        watch = self.stop.watch
+        if watch is not None and watch.metric not in known:
+            raise ValueError(f"stop.watch.metric: the {self.task.name} task has no metric {watch.metric!r} to judge "
+                             f"during the run; choose one of {names}")
         for i, phase in enumerate(self.strategy.phases or []):
             key = next(iter(phase.until or {}), None)
             if key is not None and key not in UNTIL_COUNTS and key not in known:
@@ -153,9 +158,22 @@ class JobConfig(Section):
         target = self.target()
         return target.metric if target is not None else split_metric(primary_metric(self.task.build()), self.eval_split)
 
+    def watched(self) -> tuple[str, str]:
+        """(metric, goal) early stopping and checkpoint.keep_best watch: stop.watch, else the
+        headline metric with its goal."""
+        watch = self.stop.watch
+        metric = watch.metric if watch is not None else self.headline_metric()
+        goal = watch.goal if watch is not None and watch.goal is not None else self.metric_goals()[metric]
+        return metric, goal
+
     @model_validator(mode="after")
     def _optimizer_fits(self) -> "JobConfig":
         opt = self.optimizer
+        flat = [m for m in dict.fromkeys(self.strategy.modes()) if not mode_spec(m).named_optimizer]
+        if opt.no_decay and flat:
+            raise ValueError(f"optimizer.no_decay: {', '.join(flat)} update{'s' if len(flat) == 1 else ''} flat slices "
+                             "of the parameters on the shards, which have no names; no_decay is for allreduce, fsdp, "
+                             "local_sgd, gossip and easgd")
         for phase in self.strategy.plan():
             if phase["mode"] == "easgd" and opt.name != "sgd" and phase["momentum"] > 0:
                 raise ValueError(f"strategy.momentum is EAMSGD's Nesterov momentum for optimizer.name sgd; set it "

@@ -60,6 +60,13 @@ class OptimizerConfig(Section):
         default_factory=dict, description="More arguments for the optimizer's class, e.g. {betas: [0.9, 0.95], "
         "eps: 1e-8} for adamw."
     )
+    no_decay: list[str] = Field(
+        default_factory=list, description="Parameters that take no weight decay: one whose name, or whose module's "
+        "class name, holds one of these (case-insensitive), e.g. [bias, norm] (biases and LayerNorm/RMSNorm weights). "
+        "They form a second parameter group with weight_decay 0. In the modes whose replicas step their own "
+        "optimizer (allreduce, fsdp, local_sgd, gossip, easgd); refused in the others (their shards update flat "
+        "slices, which have no names)."
+    )
     schedule: Optional[ScheduleConfig] = Field(
         None, description="{name, warmup, min_factor, kwargs}: the learning rate's factor by optimizer step, the "
         "same clock in every mode, e.g. {name: cosine, warmup: 0.05, min_factor: 0.1}; a resize's linear scaling "

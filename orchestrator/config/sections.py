@@ -238,11 +238,25 @@ class EarlyStoppingConfig(Section):
     min_delta: float = Field(0.0, ge=0, description="A gain is more than this in the metric's direction.")
 
 
+class WatchConfig(Section):
+    """stop.watch: the metric early stopping and checkpoint.keep_best follow."""
+
+    metric: str = Field(min_length=1, description="A metric the task produces on the evaluated split (e.g. "
+                        "test_loss, val_accuracy) or train_loss (checked before the run starts).")
+    goal: Optional[Literal["max", "min"]] = Field(
+        None, description="max: higher is better; min: lower. Default: the metric's own (the task's goals).")
+
+
 class StopConfig(Section):
     epochs: int = Field(5, ge=1, description="Stop after this many epochs.")
     early_stopping: Optional[EarlyStoppingConfig] = Field(
-        None, description="{patience, min_delta}: stop once the headline metric (stop.target's, else the task's "
-        "primary one, e.g. test_accuracy) has not beaten its best by more than min_delta for patience epochs."
+        None, description="{patience, min_delta}: stop once the watched metric (stop.watch, else the headline: "
+        "stop.target's, else the task's primary one, e.g. test_accuracy) has not beaten its best by more than "
+        "min_delta for patience epochs."
+    )
+    watch: Optional[WatchConfig] = Field(
+        None, description="{metric: NAME, goal: max|min}: the metric early stopping and checkpoint.keep_best follow "
+        "(goal: default the metric's own); none: the headline metric (stop.target's, else the task's primary one)."
     )
     target: Optional[TargetConfig] = Field(
         None, description="{metric: NAME, goal: max|min, value: X}: stop once the metric reaches the value (goal max: "
@@ -279,6 +293,10 @@ class TrackingConfig(Section):
         "MLFLOW_TRACKING_URI, or a relative sqlite URI or path) goes under `$ORCHESTRATOR_HOME` (docs/clusters.md)."
     )
     run_name: Optional[str] = Field(None, description="MLflow run name; default: MLflow picks one.")
+    tensorboard: Optional[str] = Field(
+        None, description="Also write every metric logged to MLflow (the same names and steps) as TensorBoard "
+        "scalars under DIR/<run.name or the MLflow run id>/ (`tensorboard --logdir DIR`); none: MLflow only."
+    )
     register_as: Optional[str] = Field(
         None, min_length=1, description="Also register the run's final model (logged as `runs:/<run id>/model`) in "
         "the MLflow model registry under this name, as a new version; default: not registered."
@@ -352,8 +370,8 @@ class CheckpointConfig(Section):
         "touches it (its driver died and the run was not started again), in seconds."
     )
     keep_best: bool = Field(
-        False, description="Also keep the best epoch's checkpoint (by the headline metric; stop.early_stopping's "
-        "min_delta counts) as `<storage>/<run>/best.pt`, never deleted, and log that model (not the last epoch's) "
+        False, description="Also keep the best epoch's checkpoint (by the watched metric, stop.watch, else the "
+        "headline one; stop.early_stopping's min_delta counts) as `<storage>/<run>/best.pt`, never deleted, and log that model (not the last epoch's) "
         "as the run's MLflow model; model.pt stays the final one."
     )
     export: list[Literal["safetensors", "pretrained"]] = Field(

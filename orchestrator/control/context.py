@@ -131,8 +131,7 @@ def make_policies(config: JobConfig, metric: str, task: Any, dataset: Dataset) -
         failure=FailurePolicy(ft.max_replica_restarts, ft.restart_backoff_s, config.scaling.min_replicas),
         stop=StopPolicy(s.epochs, config.target(), s.at_target, s.max_wall_s),
         switch=make_switch_policy(config.strategy, config.metric_goals()),
-        best=BestWatch(metric, config.metric_goals()[metric], early.min_delta if early else 0.0,
-                       early.patience if early else None),
+        best=BestWatch(*config.watched(), early.min_delta if early else 0.0, early.patience if early else None),
         chance=ChanceWatch(classes) if getattr(task, "name", "") == "classification" and classes > 1 else None,
         batch=AdaptiveBatch(config.data.batch_size, a.max, a.factor) if (a := config.data.adaptive_batch) else None)
 

@@ -165,12 +165,14 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
                 tot.checkpoint, lost = written.path, lost + written.lost
                 if best:
                     run.ledger.best_model = run.last_state["model"]
-                    run.report.event("best_checkpoint", epoch=epoch, metric=run.metric, value=judged[run.metric])
+                    watched = run.policies.best.metric
+                    run.report.event("best_checkpoint", epoch=epoch, metric=watched, value=judged[watched])
             except TrainingError as exc:  # every member stopped or died meanwhile, or the store failed
                 lost = lost + ([exc] if isinstance(exc, MemberLost) else [])
                 run.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
                 run.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
-    decision = run.policies.stop.decide(EpochSnapshot(epoch, judged, time.perf_counter() - run.ledger.train_started))
+    decision = run.policies.stop.decide(EpochSnapshot(epoch, judged, time.perf_counter() - run.ledger.train_started,
+                                                      asked=run.report.requests.pop("stop", None)))
     if converged is not None and not decision.stop:
         decision = StopDecision(True, converged)
     if not decision.stop and not rolling_back:

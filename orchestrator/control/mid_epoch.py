@@ -39,9 +39,10 @@ def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     a run goes on from its last epoch end, the whole pass again)."""
     ck = run.cfg.checkpoint
     drained = driver_drained(run, seg)
+    asked = run.report.requests.get("checkpoint")  # a callback's Action.CHECKPOINT
     if run.phase.spec.coordinated:
         return
-    if not (ck.every_steps or ck.every_s or drained) or not seg.begun or seg.failures or run.fleet.pause.closed:
+    if not (ck.every_steps or ck.every_s or drained or asked) or not seg.begun or seg.failures or run.fleet.pause.closed:
         return
     if pending.switch is not None or pending.evacuation is not None or pending.stopping:
         return
@@ -49,8 +50,9 @@ def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
         return
     steps = max(run.ledger.progress.values(), default=0) - run.checkpoints.last_step
     seconds = time.perf_counter() - max(run.checkpoints.last_s, run.ledger.train_started)
-    if drained or due_inside(steps, seconds, ck.every_steps, ck.every_s):
+    if drained or asked or due_inside(steps, seconds, ck.every_steps, ck.every_s):
         run.fleet.drains.driver_pending = drained  # counted once written (`take`); its event says what it was for
+        run.ledger.in_epoch.asked_by = run.report.requests.pop("checkpoint", None)
         run.fleet.pause.close(REASON)
 
 
@@ -99,7 +101,10 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     details = {"in_epoch": {"epoch": seg.epoch, "partitions_done": len(place["done"]),
                             "partitions_begun": len(place["skips"]), "rows_trained": place["samples"],
                             "pause_s": round(time.perf_counter() - run.fleet.pause.closed_at, 4),
-                            **({"for": "driver_node_draining"} if run.fleet.drains.driver_pending else {})}}
+                            **({"for": "driver_node_draining"} if run.fleet.drains.driver_pending else
+                               {"for": f"callback {run.ledger.in_epoch.asked_by}"} if run.ledger.in_epoch.asked_by
+                               else {})}}
+    run.ledger.in_epoch.asked_by = None
     for_drain, run.fleet.drains.driver_pending = run.fleet.drains.driver_pending, False
     run.fleet.drains.driver_checkpoints += for_drain
     try:  # one for the driver's drained node is stored before the replicas go on: the node is going, and a
@@ -129,6 +134,9 @@ def give_up(run: "RunContext") -> None:
     first, or one failed): one due for the driver's drained node is due again (not counted)."""
     run.fleet.pause.open()
     run.fleet.drains.driver_pending = False
+    if run.ledger.in_epoch.asked_by:  # a callback's checkpoint: asked again, for the next pause
+        run.report.requests.setdefault("checkpoint", run.ledger.in_epoch.asked_by)
+        run.ledger.in_epoch.asked_by = None
 
 
 def abandon(run: "RunContext", seg: EpochSegment) -> None:

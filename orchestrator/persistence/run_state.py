@@ -73,6 +73,7 @@ class InEpoch:
     def __init__(self) -> None:
         self.taking: Optional[dict[str, Any]] = None
         self.loaded: Optional[dict[str, Any]] = None
+        self.asked_by: Optional[str] = None  # the callback whose Action.CHECKPOINT the one being taken answers
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         return self.taking

@@ -6,27 +6,52 @@ callback is any object with optional `on_event(event: dict)`, `on_metrics(rows)`
 `on_state(change: dict)` methods (`on_state`: after every state change of the controller, with
 the state left and the state entered, e.g. {"from": "Running", "to": "Reconfiguring", "plan":
 "SwitchPlan", "epoch": 3}); a callback that raises is dropped with a warning, never the run.
+
+`on_event` may return an action (`Action.STOP`, `Action.CHECKPOINT`, or their strings "stop",
+"checkpoint"; None: nothing): the request is held (`requests`) for the policy that judges it:
+a stop ends the run at the epoch's end (StopPolicy, the `stop` event names the callback), a
+checkpoint is taken inside the epoch at the replicas' next pause (control/mid_epoch.py). Any
+other value is a warning, and the callback is dropped.
 """
 from __future__ import annotations
 
 import sys
 import time
+from enum import Enum
 from typing import Any, Optional
 
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.reporting.tracking import Tracker
 
 
+class Action(str, Enum):
+    """What a callback's on_event may ask of the run."""
+
+    STOP = "stop"
+    CHECKPOINT = "checkpoint"
+
+
 class Reporter:
     def __init__(self, tracker: Optional[Tracker], display: Optional[ProgressDisplay], t0: float) -> None:
         self.tracker, self.display, self.t0 = tracker, display, t0
         self.callbacks: list[Any] = []
+        self.requests: dict[str, str] = {}  # an action asked for -> who asked, after which event
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Record an event (events.jsonl in MLflow, the result JSON); stamped with the wall time."""
         fields.setdefault("t_wall", round(time.time(), 3))
         event = self.tracker.event(kind, self.t0, **fields) if self.tracker is not None else {"kind": kind, **fields}
-        self._call("on_event", event)
+        for cb, asked in self._call("on_event", event):
+            if asked is None:
+                continue
+            try:
+                action = Action(asked)
+            except ValueError:
+                print(f"warning: reporting callback {type(cb).__name__}.on_event returned {asked!r}, not an action "
+                      f"({', '.join(a.value for a in Action)} or None); dropped", file=sys.stderr, flush=True)
+                self.callbacks.remove(cb)
+                continue
+            self.requests.setdefault(action.value, f"{type(cb).__name__} after {kind}")
         return event
 
     def metrics(self, rows: list[tuple[str, float, int]]) -> None:
@@ -52,14 +77,17 @@ class Reporter:
         if self.display is not None:
             self.display.steps(epoch, step_in_epoch, loss, total)
 
-    def _call(self, method: str, payload: Any) -> None:
+    def _call(self, method: str, payload: Any) -> list[tuple[Any, Any]]:
+        """Each callback's `method` on `payload`; (callback, what it returned) of those that ran."""
+        returned = []
         for cb in list(self.callbacks):
             fn = getattr(cb, method, None)
             if fn is None:
                 continue
             try:
-                fn(payload)
+                returned.append((cb, fn(payload)))
             except Exception as exc:
                 print(f"warning: reporting callback {type(cb).__name__}.{method} failed ({exc}); dropped",
                       file=sys.stderr, flush=True)
                 self.callbacks.remove(cb)
+        return returned

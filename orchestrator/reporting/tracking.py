@@ -269,6 +269,12 @@ class Tracker:
         self.events: list[dict[str, Any]] = previous
         self._writer = _Writer(warn)
         self._events_written = len(previous)  # how many of self.events the run's events.jsonl holds
+        self.mirror: Any = None  # tracking.tensorboard: the same scalars to TensorBoard (mirror_to)
+
+    def mirror_to(self, mirror: Any) -> None:
+        """Also write every metric row to `mirror` (scalars(rows), close() when the run ends),
+        in the writer thread, after the row's MLflow write."""
+        self.mirror = mirror
 
     def log_params(self, params: dict[str, Any]) -> None:
         items = [Param(k, json.dumps(v) if isinstance(v, (list, dict)) else str(v)) for k, v in params.items()]
@@ -287,6 +293,8 @@ class Tracker:
         for i in range(0, len(metrics), MAX_BATCH):
             chunk = metrics[i : i + MAX_BATCH]
             self._writer.post("metrics", lambda c=chunk: self.client.log_batch(self.run_id, metrics=c))
+        if self.mirror is not None:
+            self._writer.post("tensorboard", lambda r=list(rows): self.mirror.scalars(r))
 
     def event(self, kind: str, t0: float, **fields: Any) -> dict[str, Any]:
         """Record an event (for the result) with seconds since fit(); the run's events.jsonl is
@@ -340,6 +348,8 @@ class Tracker:
         """Write what is queued and events.jsonl, then end the run with `status` (FINISHED,
         FAILED, KILLED); waits up to timeout_s (the writes go on in the background after that)."""
         self._writer.post("events.jsonl", self._write_events)
+        if self.mirror is not None:
+            self._writer.post("tensorboard", self.mirror.close)
         return self._writer.call(f"ending the run as {status}", lambda: self.client.set_terminated(self.run_id, status),
                                  timeout_s)
 

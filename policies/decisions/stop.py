@@ -10,6 +10,7 @@ class EpochSnapshot:
     epoch: int  # epochs completed
     metrics: dict[str, float] = field(default_factory=dict)  # the epoch's task metrics and train_loss
     elapsed_s: float = 0.0  # seconds since training started
+    asked: Optional[str] = None  # a callback asked the run to stop: who, after which event
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class StopPolicy:
     max_wall_s: Optional[float] = None
 
     def decide(self, snap: EpochSnapshot) -> StopDecision:
+        if snap.asked is not None:
+            return StopDecision(True, f"callback: {snap.asked} asked to stop")
         t = self.target
         if t is not None and self.at_target and t.reached(snap.metrics):
             return StopDecision(True, f"target: {t.metric} {snap.metrics[t.metric]:.4f} "

@@ -67,7 +67,7 @@ def optimizer_slots(spec: dict[str, Any]) -> int:
     """Tensors of a parameter's size the optimizer keeps per parameter (SGD with momentum 1,
     Adam 2, ...), found by one step of the class on a probe parameter."""
     probe = torch.nn.Parameter(torch.zeros(3))
-    opt = make_optimizer(spec, [probe])
+    opt = make_optimizer({**spec, "no_decay": []}, [probe])
     probe.grad = torch.ones(3)
     opt.step()
     return sum(1 for v in opt.state[probe].values() if torch.is_tensor(v) and v.numel() == 3)
@@ -129,7 +129,7 @@ class FsdpWorker:
         self.fetch = fetch or (lambda x: x)
         self.task, self.recipe = task or Classification(), recipe or Recipe()
         self.rebuild, self.adopt, self.sample = rebuild, adopt, sample
-        self.optimizer = make_optimizer(spec, model.parameters())  # the unsharded model's until the first step
+        self.optimizer = make_optimizer(spec, model)  # the unsharded model's until the first step
         self.group: Optional[tuple[int, int]] = None
         self.sharded = False
         self.pending: Optional[dict[str, Any]] = None  # a full state to load when (re)sharding
@@ -161,7 +161,7 @@ class FsdpWorker:
                 unit.set_gradient_divide_factor(1.0)
                 unit.set_force_sum_reduction_for_comms(True)  # a plain sum: gloo has no pre-multiplied one
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        self.optimizer = make_optimizer(self.spec, self.model.parameters())
+        self.optimizer = make_optimizer(self.spec, self.model)
         for g, h in zip(self.optimizer.param_groups, hyper):
             g.update(h)  # the rate the replica set, the schedule's
         if self.pending is not None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
@@ -76,11 +76,30 @@ def optimizer_class(name: str) -> type:
     return cls
 
 
-def make_optimizer(spec: dict[str, Any], params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer `spec` describes (optimizer.*: name, lr, momentum, weight_decay, kwargs)
-    over `params`. `momentum` goes to sgd only (other classes take theirs in kwargs); weight
-    decay is the class's own (decoupled for AdamW), given to every class that takes one (0
-    means none, also for AdamW, whose own default is 0.01)."""
+def decay_groups(model: torch.nn.Module, no_decay: list[str]) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(the parameters that decay, those that do not): a parameter takes no decay when one of
+    `no_decay` (case-insensitive) is in its name or in its module's class name ("norm" catches
+    LayerNorm and RMSNorm weights, whatever the attribute is called). Shared parameters once."""
+    patterns = [p.lower() for p in no_decay]
+    decay, plain, seen = [], [], set()
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = f"{module_name}.{name}".lower() if module_name else name.lower()
+            owner = type(module).__name__.lower()
+            (plain if any(pat in full or pat in owner for pat in patterns) else decay).append(p)
+    return decay, plain
+
+
+def make_optimizer(spec: dict[str, Any], params: Union[torch.nn.Module, Iterable[torch.nn.Parameter]]) -> torch.optim.Optimizer:
+    """The optimizer `spec` describes (optimizer.*: name, lr, momentum, weight_decay, no_decay,
+    kwargs) over `params` (a model, or its parameters). `momentum` goes to sgd only (other
+    classes take theirs in kwargs); weight decay is the class's own (decoupled for AdamW), given
+    to every class that takes one (0 means none, also for AdamW, whose own default is 0.01).
+    With `no_decay` (a model given): two parameter groups, the matching parameters' without
+    decay (decay_groups)."""
     import inspect
 
     name = spec["name"]
@@ -94,8 +113,16 @@ def make_optimizer(spec: dict[str, Any], params: Iterable[torch.nn.Parameter]) -
     for key in ("betas",):  # YAML gives lists; torch's check wants tuples
         if isinstance(kwargs.get(key), list):
             kwargs[key] = tuple(kwargs[key])
+    no_decay = list(spec.get("no_decay") or [])
+    if no_decay and not isinstance(params, torch.nn.Module):
+        raise RecipeError("config error: optimizer.no_decay: this optimizer steps parameters without their names "
+                          "(a shard's flat slice); no_decay needs the model's")
+    groups: Any = list(params.parameters()) if isinstance(params, torch.nn.Module) else list(params)
+    if no_decay:
+        decay, plain = decay_groups(params, no_decay)
+        groups = [{"params": decay}, {"params": plain, "weight_decay": 0.0}]
     try:
-        return cls(list(params), **kwargs)
+        return cls(groups, **kwargs)
     except (TypeError, ValueError) as exc:
         raise RecipeError(f"config error: optimizer: {name}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) "
                           f"failed ({type(exc).__name__}: {exc})") from None

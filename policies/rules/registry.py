@@ -87,6 +87,8 @@ class ModeSpec:
     # moves x on the shards at each epoch's end (one L-BFGS iteration per pass: orchestrator/control/passes.py)
     split_state: bool = False  # the model's state is split across the replicas (fsdp): it leaves them only whole, through
     # a collective on every member; a failure loses a slice, so every member goes on from the last checkpoint
+    named_optimizer: bool = True  # the replicas step their own optimizer over the model's named parameters
+    # (optimizer.no_decay's groups); False: shards update flat slices (downpour, hogwild's fallback, sandblaster)
 
     def leases_pinned(self, strategy: dict[str, Any], shares: Optional[list[int]] = None) -> bool:
         """Pinned leasing, unless the strategy balances the work (strategy.balance) and the
@@ -103,7 +105,7 @@ class ModeSpec:
 
 def _allreduce_worker(model, flat, cfg, rank, world, transport):
     opt = cfg["optimizer"]
-    optimizer = make_optimizer(opt, model.parameters())
+    optimizer = make_optimizer(opt, model)
     s = cfg["strategy"]
     balance = ({"window": s["balance_window"], "min_share": s["balance_min_share"], "max_share": s["balance_max_share"]}
                if s.get("balance") else None)
@@ -116,14 +118,14 @@ def _allreduce_worker(model, flat, cfg, rank, world, transport):
 
 def _local_sgd_worker(model, flat, cfg, rank, world, transport):
     opt, s = cfg["optimizer"], cfg["strategy"]
-    optimizer = make_optimizer(opt, model.parameters())
+    optimizer = make_optimizer(opt, model)
     balance = {"min_share": s["balance_min_share"], "max_share": s["balance_max_share"]} if s.get("balance") else None
     return LocalSgdWorker(model, optimizer, transport.reducer, s["period"], s["outer_lr"], s["outer_momentum"],
                           transport.task, balance=balance, recipe=transport.recipe)
 
 
 def _gossip_worker(model, flat, cfg, rank, world, transport):
-    return GossipWorker(model, make_optimizer(cfg["optimizer"], model.parameters()), transport.reducer,
+    return GossipWorker(model, make_optimizer(cfg["optimizer"], model), transport.reducer,
                         cfg["strategy"]["period"], transport.task, recipe=transport.recipe)
 
 
@@ -161,10 +163,10 @@ def _sandblaster_worker(model, flat, cfg, rank, world, transport):
 def _easgd_worker(model, flat, cfg, rank, world, transport):
     s, opt = cfg["strategy"], cfg["optimizer"]
     if opt["name"] == "sgd":  # EAMSGD when strategy.momentum > 0
-        local = torch.optim.SGD(model.parameters(), lr=opt["lr"], momentum=s["momentum"], nesterov=s["momentum"] > 0,
-                                weight_decay=opt["weight_decay"])
+        local = make_optimizer({**opt, "momentum": s["momentum"], "kwargs": {**opt.get("kwargs", {}),
+                                                                              "nesterov": s["momentum"] > 0}}, model)
     else:
-        local = make_optimizer({**opt, "momentum": 0.0}, model.parameters())
+        local = make_optimizer({**opt, "momentum": 0.0}, model)
     alpha = s["alpha"] if s["alpha"] is not None else default_alpha(world)
     return EasgdWorker(model, flat, local, transport.client, world, alpha, s["tau"], s["variant"], task=transport.task,
                        **({"recipe": transport.recipe} if transport.recipe is not None else {}))
@@ -212,7 +214,7 @@ MODES: dict[str, ModeSpec] = {
                           metrics=_allreduce_metrics, epoch_events=_allreduce_events, global_batch=True),
     "downpour": ModeSpec("downpour", sharded=True, pinned=False, process_group=False, lock_step=lambda s: False,
                          server_optimizer=lambda name: name, build_worker=_downpour_worker,
-                         metrics=_downpour_metrics,
+                         metrics=_downpour_metrics, named_optimizer=False,
                          shard_metrics=lambda shards: {"max_lead": shards.observed_max_lead()}),
     "easgd": ModeSpec("easgd", sharded=True, pinned=False, process_group=False,
                       lock_step=lambda s: s["variant"] == "sync",
@@ -225,14 +227,15 @@ MODES: dict[str, ModeSpec] = {
                        server_optimizer=lambda name: name, build_worker=_gossip_worker, metrics=gossip_metrics,
                        survivors_keep_state=True),
     "hogwild": ModeSpec("hogwild", sharded=True, pinned=False, process_group=False, lock_step=lambda s: False,
-                        server_optimizer=lambda name: name, build_worker=_hogwild_worker, metrics=hogwild_metrics),
+                        server_optimizer=lambda name: name, build_worker=_hogwild_worker, metrics=hogwild_metrics,
+                        named_optimizer=False),
     "fsdp": ModeSpec("fsdp", sharded=False, pinned=True, process_group=True, lock_step=lambda s: True,
                      server_optimizer=lambda name: name, build_worker=_fsdp_worker, metrics=fsdp_metrics,
                      global_batch=True, split_state=True),
     "sandblaster": ModeSpec("sandblaster", sharded=True, pinned=False, process_group=False, lock_step=lambda s: False,
                             server_optimizer=lambda name: "sgd",  # the shards' optimizer is never applied: x moves by
                             build_worker=_sandblaster_worker,    # the coordinator's operations
-                            metrics=sandblaster_metrics, coordinated=True),
+                            metrics=sandblaster_metrics, coordinated=True, named_optimizer=False),
 }
 
 
