@@ -52,12 +52,15 @@ def is_function_source(source: Optional[str]) -> bool:
 
 
 def is_torch_dataset(obj: Any) -> bool:
-    """A dataset of items: a torch.utils.data.Dataset or a Hugging Face datasets.Dataset."""
+    """A dataset of items: a torch.utils.data.Dataset or a Hugging Face datasets.Dataset (any
+    of the `datasets` package's dataset classes, so a DatasetDict or an IterableDataset is
+    refused by check_map_style with its reason, not read as a dict of columns)."""
     from torch.utils.data import Dataset
 
     from actors.partitions.items import is_hf_dataset
 
-    return isinstance(obj, Dataset) or is_hf_dataset(obj)
+    return isinstance(obj, Dataset) or is_hf_dataset(obj) or (
+        type(obj).__module__.split(".")[0] == "datasets" and "Dataset" in type(obj).__name__)
 
 
 def driver_files_refusal(files: list[str], node_ips: list[str], driver_ip: str, what: str) -> Optional[str]:
