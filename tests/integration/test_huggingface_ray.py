@@ -61,7 +61,7 @@ def test_the_readme_s_hugging_face_example_trains_and_its_exports_load_without_t
     namespace: dict = {}
     exec(compile(readme_snippet(), "README.md", "exec"), namespace)
     result = namespace["result"]
-    assert result.epochs == 2
+    assert result.epochs == 1
     assert set(result.final) == {"test_loss", "test_perplexity", "train_loss"}
     assert result.final.test_perplexity == pytest.approx(math.exp(result.final.test_loss), rel=1e-9)
     [exported] = [e for e in result.events if e["kind"] == "exported"]

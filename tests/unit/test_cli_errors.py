@@ -498,6 +498,7 @@ def test_reachable_ray_address_is_joined(monkeypatch):
     assert calls[0]["address"] == address
 
 
+@pytest.mark.full  # ~25 s (the 20 s wait): make test checks the address in process above, and exit 2 from the CLI
 def test_subprocess_unreachable_ray_address_exit_2(tmp_path):
     """The example with RAY_ADDRESS naming a port nothing listens on: one line naming the address and
     exit 2, nothing written, no cluster started (this process's timeout is what catches a hang)."""
