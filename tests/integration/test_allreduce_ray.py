@@ -130,7 +130,7 @@ def test_a_non_finite_loss_ends_the_run_naming_the_step_and_the_learning_rate(ra
     assert not list((tmp_path / "ck").rglob("model.pt"))  # no final model written from a diverged run
 
 
-@pytest.mark.parametrize("compression", ["fp16", "powersgd"])
+@pytest.mark.parametrize("compression", [pytest.param("fp16", marks=pytest.mark.full), "powersgd"])
 def test_compressed_allreduce_keeps_the_replicas_identical_and_learns(ray_cluster, compression):
     """strategy.compression over a real gloo group: every replica applies the same step (the
     maths against a one-process reference: tests/unit/test_balance.py, test_powersgd.py)."""

@@ -121,6 +121,7 @@ def test_a_killed_replica_leaves_every_row_once_plus_the_reported_redo(ray_clust
     assert lost and lost[0]["ranks"] == [2] and lost[0]["partitions_served_again"]
 
 
+@pytest.mark.full  # three runs; make test trains files, URIs' plans (unit) and in-memory data in other runs
 def test_path_uri_and_in_memory_sources_train_the_same(ray_cluster, parquet_dir, tmp_path):
     """A path and its file:// URI plan and train identically; the same rows in memory (split
     by a seeded permutation, not the row hash) learn as well."""
