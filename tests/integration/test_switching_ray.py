@@ -219,17 +219,17 @@ def test_a_replica_killed_after_a_switch_is_replaced_in_the_new_mode(ray_cluster
     assert result.final.test_accuracy > 0.9
 
 
-def phases_config(tmp_path, phases, epochs, checkpoint=None, **strategy):
+def phases_config(tmp_path, phases, epochs, checkpoint=None, tracking=None, **strategy):
     """The main example's CNN, data and optimizer (sgd, lr 0.05, momentum 0.9) in phases."""
     return job_config(strategy={"phases": phases, **strategy}, stop={"epochs": epochs, "target_accuracy": None},
                       model={"factory": "examples.models:mnist_cnn"}, data={"source": "builtin:mnist5k", "batch_size": 64},
                       scaling={"replicas": 2, "cpus_per_replica": 0.5},
                       optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
-                      checkpoint={"storage": str(tmp_path / "ck"), **(checkpoint or {})})
+                      checkpoint={"storage": str(tmp_path / "ck"), **(checkpoint or {})}, tracking=tracking or {})
 
 
-def phases_run(tmp_path, phases, epochs, faults=(), checkpoint=None, **strategy):
-    result, _, _, _ = fit_with(phases_config(tmp_path, phases, epochs, checkpoint, **strategy), list(faults))
+def phases_run(tmp_path, phases, epochs, faults=(), checkpoint=None, tracking=None, **strategy):
+    result, _, _, _ = fit_with(phases_config(tmp_path, phases, epochs, checkpoint, tracking, **strategy), list(faults))
     return result
 
 
@@ -259,7 +259,9 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
     the probation's epoch, the run is on probation again (the replicas skip the non-finite steps
     instead of ending the run as diverged) and that epoch's end rolls the switch back."""
     ck = {"every_steps": 20, "keep": 30}
-    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=4, checkpoint=ck)
+    # the driver hears every step: the checkpoint due 20 steps in comes before the ~31-step epoch ends
+    heard = {"log_every_steps": 1, "progress_interval_s": 0}
+    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=4, checkpoint=ck, tracking=heard)
     [rolled] = events(result, "switch_rolled_back")
     now, at = rolled["test_loss_now"], rolled["test_loss_at_switch"]
     assert rolled["back_to"] == "allreduce" and (not math.isfinite(now) or now > at * 1.5), rolled
@@ -283,7 +285,8 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
     [entry] = [e for e in store.list() if e.name == os.path.basename(sidecar)[: -len(".json")]]
     state, why = store.verify(entry)
     assert state is not None and state["probation"]["until"] == rolled["epoch"], why
-    again = ElasticTrainer(phases_config(tmp_path, [ALLREDUCE_2, HURTING], epochs=4, checkpoint=ck), show_progress=False,
+    again = ElasticTrainer(phases_config(tmp_path, [ALLREDUCE_2, HURTING], epochs=4, checkpoint=ck, tracking=heard),
+                           show_progress=False,
                            resume=state).fit()
     [resumed] = events(again, "resumed")
     assert resumed["probation_until"] == rolled["epoch"] and resumed["in_epoch"]["epoch"] == rolled["epoch"]
