@@ -48,9 +48,6 @@ def filesystem_of(uri: str) -> tuple[pafs.FileSystem, str]:
     return pafs.FileSystem.from_uri(uri)
 
 
-_resolve = filesystem_of
-
-
 def check_storage(storage: str) -> None:
     """checkpoint.storage must name a filesystem pyarrow knows and, when local, a place a
     directory can be written; ConfigError otherwise. Nothing is created."""
@@ -59,7 +56,7 @@ def check_storage(storage: str) -> None:
                           f"scheme://, and a local path cannot start with {storage.split(':', 1)[0]}:")
 
     def reach() -> tuple[pafs.FileSystem, str]:
-        fs, root = _resolve(storage)
+        fs, root = filesystem_of(storage)
         if not isinstance(fs, pafs.LocalFileSystem):
             if not root.strip("/"):
                 raise ValueError("it names no bucket or path")
@@ -93,7 +90,7 @@ def _serialize(state: dict[str, Any]) -> bytes:
 
 def save_checkpoint(storage: str, run_id: str, name: str, state: dict[str, Any]) -> str:
     """Write `state` to <storage>/<run_id>/<name> (no sidecar, never pruned); returns where it went."""
-    fs, root = _resolve(storage)
+    fs, root = filesystem_of(storage)
     directory = f"{root.rstrip('/')}/{run_id}"
     fs.create_dir(directory, recursive=True)
     _write_atomic(fs, directory, name, _serialize(state))
@@ -101,7 +98,7 @@ def save_checkpoint(storage: str, run_id: str, name: str, state: dict[str, Any])
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
-    fs, p = _resolve(path)
+    fs, p = filesystem_of(path)
     with fs.open_input_stream(p) as f:
         data = f.read()
     return torch.load(io.BytesIO(data), weights_only=True)
@@ -161,7 +158,7 @@ class CheckpointStore:
         if not run_name or "/" in run_name or run_name in (".", ".."):
             raise ValueError(f"run_name must be a single directory name, got {run_name!r}")
         self.storage, self.run_name, self.keep = storage, run_name, keep
-        self.fs, root = _resolve(storage)
+        self.fs, root = filesystem_of(storage)
         self.directory = f"{root.rstrip('/')}/{run_name}"
         self.skipped: list[tuple[str, str]] = []  # (name, why) from the last latest_good()
 
