@@ -91,7 +91,10 @@ def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: "bool 
     lock_step = replica.worker.lock_step
     straggles_inside = getattr(replica.worker, "straggles_inside", False)  # backups: the delay is the step's own
     eval_every = (replica.cfg.get("eval") or {}).get("every_steps")  # eval.every_steps: between epoch ends too
+    max_steps = (replica.cfg.get("stop") or {}).get("max_steps")  # lock-step modes only: every member stops alike
     while True:
+        if max_steps is not None and replica.step >= max_steps:
+            break  # stop.max_steps: the epoch ends here for every member, after the same update
         if cur["pending"] is _FETCH:  # after a pause: ask the server again
             cur["pending"] = next(cur["batches"], None)
         current = cur["pending"]  # kept in the cursor until its step is done: retried after an interruption

@@ -181,6 +181,19 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _max_steps_fits(self) -> "JobConfig":
+        """stop.max_steps: the replicas stop themselves after that update, which they all count
+        alike only in lock step."""
+        if self.stop.max_steps is None:
+            return self
+        apart = [p["mode"] for p in self.strategy.plan()
+                 if not mode_spec(p["mode"]).lock_step(p) or mode_spec(p["mode"]).coordinated]
+        if apart:
+            raise ValueError(f"stop.max_steps counts updates every replica takes together; {apart[0]} replicas "
+                             "update the model each on its own: use stop.epochs or stop.max_wall_s")
+        return self
+
+    @model_validator(mode="after")
     def _scaling_fits(self) -> "JobConfig":
         backups = max((p["backup_replicas"] for p in self.strategy.plan() if p["mode"] == "allreduce"), default=0)
         if backups and backups >= self.scaling.replicas:

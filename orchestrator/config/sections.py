@@ -282,6 +282,12 @@ class StopConfig(Section):
             return Target("test_accuracy", "max", self.target_accuracy)
         return Target(self.target.metric, self.target.goal, self.target.value) if self.target is not None else None
     max_wall_s: Optional[float] = Field(None, gt=0, description="Stop after this many seconds of training.")
+    max_steps: Optional[int] = Field(
+        None, ge=1, description="Stop once the model has taken this many updates (optimizer steps of the global "
+        "batch), inside an epoch: every replica stops after that step, the model is evaluated and the run ends "
+        "(allreduce, fsdp, local_sgd, gossip and synchronous easgd; stop.epochs still ends it first). "
+        "optimizer.schedule plans over the fewer of the two."
+    )
 
 
 class TrackingConfig(Section):

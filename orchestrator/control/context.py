@@ -129,7 +129,7 @@ def make_policies(config: JobConfig, metric: str, task: Any, dataset: Dataset) -
     classes = getattr(dataset, "num_classes", 0) or 0
     return Policies(
         failure=FailurePolicy(ft.max_replica_restarts, ft.restart_backoff_s, config.scaling.min_replicas),
-        stop=StopPolicy(s.epochs, config.target(), s.at_target, s.max_wall_s),
+        stop=StopPolicy(s.epochs, config.target(), s.at_target, s.max_wall_s, s.max_steps),
         switch=make_switch_policy(config.strategy, config.metric_goals()),
         best=BestWatch(*config.watched(), early.min_delta if early else 0.0, early.patience if early else None),
         chance=ChanceWatch(classes) if getattr(task, "name", "") == "classification" and classes > 1 else None,
@@ -179,7 +179,8 @@ class RunContext:
             group.set_strategy(self.phase.strategy, int(held["until"]))
         # optimizer.schedule's clock: the optimizer steps the run plans (policies/rules/recipe.py planned_steps)
         group.raw["schedule_steps"] = planned_steps(dataset.train_rows, config.data.batch_size,
-                                                    config.data.accumulate, config.scaling.replicas, config.stop.epochs)
+                                                    config.data.accumulate, config.scaling.replicas, config.stop.epochs,
+                                                    config.stop.max_steps)
         self.fleet = Fleet(group, group.interrupts, needs_shards=self.phase.server_optimizer is not None)
         self.fleet.pause = PauseGate(lambda: self.fleet.server)
         self.checkpoints = Checkpointer(config.checkpoint.storage, config.checkpoint.keep, config.run.name,

@@ -60,7 +60,7 @@ def close_pass(run: "RunContext", seg: EpochSegment, pending: Pending):
     # a replica still paused here (the change it paused for went without reopening it) starts
     # the further pass afresh: what it trained since its last grant request is reported now
     completed = {r: item.unreported for r, item in seg.ended.items() if item.kind in ("epoch", "paused")}
-    if not seg.disturbed:
+    if not seg.disturbed or at_max_steps(run, seg):  # stop.max_steps: the epoch ends where its updates did
         run.ledger.unreported = completed
         return end_epoch(run, seg, pending)
     status = run.fleet.server.call("finish", completed)
@@ -74,6 +74,12 @@ def close_pass(run: "RunContext", seg: EpochSegment, pending: Pending):
     for rank in run.fleet.group.ranks:  # a further pass: every member asks the server for what is left
         run.open_stream(seg, rank, announce=rank in seg.awaiting_steps())
     return None
+
+
+def at_max_steps(run: "RunContext", seg: EpochSegment) -> bool:
+    """Every replica stopped at stop.max_steps' update: what the epoch left unserved stays so."""
+    limit = run.cfg.stop.max_steps
+    return limit is not None and bool(seg.ended) and min(item.step for item in seg.ended.values()) >= limit
 
 
 def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
@@ -172,7 +178,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
                 run.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
                 run.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
     decision = run.policies.stop.decide(EpochSnapshot(epoch, judged, time.perf_counter() - run.ledger.train_started,
-                                                      asked=run.report.requests.pop("stop", None)))
+                                                      asked=run.report.requests.pop("stop", None), steps=tot.steps))
     if converged is not None and not decision.stop:
         decision = StopDecision(True, converged)
     if not decision.stop and not rolling_back:

@@ -11,6 +11,7 @@ class EpochSnapshot:
     metrics: dict[str, float] = field(default_factory=dict)  # the epoch's task metrics and train_loss
     elapsed_s: float = 0.0  # seconds since training started
     asked: Optional[str] = None  # a callback asked the run to stop: who, after which event
+    steps: int = 0  # the model's updates so far (the replicas stop at stop.max_steps, inside an epoch)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class StopPolicy:
     target: Optional[Target] = None
     at_target: bool = True
     max_wall_s: Optional[float] = None
+    max_steps: Optional[int] = None
 
     def decide(self, snap: EpochSnapshot) -> StopDecision:
         if snap.asked is not None:
@@ -55,6 +57,8 @@ class StopPolicy:
         if t is not None and self.at_target and t.reached(snap.metrics):
             return StopDecision(True, f"target: {t.metric} {snap.metrics[t.metric]:.4f} "
                                       f"{'>=' if t.goal == 'max' else '<='} stop.target ({t.value:g})")
+        if self.max_steps is not None and snap.steps >= self.max_steps:
+            return StopDecision(True, f"max_steps: {snap.steps} >= stop.max_steps ({self.max_steps})")
         if snap.epoch >= self.epochs:
             return StopDecision(True, f"epochs: {snap.epoch} >= stop.epochs ({self.epochs})")
         if self.max_wall_s is not None and snap.elapsed_s >= self.max_wall_s:

@@ -226,11 +226,13 @@ class Schedule:
         return float(opt.param_groups[0]["lr"])
 
 
-def planned_steps(train_rows: int, batch_size: int, accumulate: int, replicas: int, epochs: int) -> int:
+def planned_steps(train_rows: int, batch_size: int, accumulate: int, replicas: int, epochs: int,
+                  max_steps: Optional[int] = None) -> int:
     """The optimizer steps a run plans (each replica's: one per global batch of rows):
-    epochs x ceil(train rows / (batch_size x accumulate x replicas))."""
+    epochs x ceil(train rows / (batch_size x accumulate x replicas)), or stop.max_steps when
+    that comes first."""
     per_epoch = math.ceil(train_rows / max(1, batch_size * accumulate * replicas))
-    return max(1, epochs * per_epoch)
+    return max(1, min(epochs * per_epoch, max_steps or epochs * per_epoch))
 
 
 # ---- the step -------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def readme_snippet() -> str:
 def test_the_readme_s_hugging_face_example_trains_and_its_exports_load_without_the_project(
         ray_cluster, tmp_path, monkeypatch):
     """The README's snippet run as written (a YAML config, the datasets from Python), from a
-    directory of its own: its exports load with from_pretrained and safetensors (the tied
+    directory of its own: it stops inside its first epoch at stop.max_steps; its exports load with from_pretrained and safetensors (the tied
     embeddings tied), and the perplexity computed from the export outside the project is the
     run's."""
     from mlflow.tracking import MlflowClient
@@ -61,7 +61,9 @@ def test_the_readme_s_hugging_face_example_trains_and_its_exports_load_without_t
     namespace: dict = {}
     exec(compile(readme_snippet(), "README.md", "exec"), namespace)
     result = namespace["result"]
-    assert result.epochs == 1
+    assert result.epochs == 1 and result.stop_reason == "max_steps: 12 >= stop.max_steps (12)"
+    [epoch] = [e for e in result.events if e["kind"] == "epoch_end"]  # stopped inside epoch 1, after update 12
+    assert epoch["step"] == 12 and epoch["steps_by_rank"] == [12, 12] and epoch["rows"] <= 12 * 128 < 2160
     assert set(result.final) == {"test_loss", "test_perplexity", "train_loss"}
     assert result.final.test_perplexity == pytest.approx(math.exp(result.final.test_loss), rel=1e-9)
     [exported] = [e for e in result.events if e["kind"] == "exported"]

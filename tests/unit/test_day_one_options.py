@@ -121,3 +121,34 @@ def test_a_callback_s_returned_action_is_held_for_the_policy_that_judges_it(caps
     assert not policy.decide(EpochSnapshot(2, {})).stop
     decision = policy.decide(EpochSnapshot(2, {}, asked=reporter.requests.pop("stop")))
     assert decision.stop and decision.reason == "callback: StopAtEpoch2 after epoch_end asked to stop"
+
+
+def test_max_steps_ends_the_run_once_the_model_took_that_many_updates():
+    from policies.decisions.stop import EpochSnapshot, StopPolicy
+
+    policy = StopPolicy(epochs=10, max_steps=100)
+    assert not policy.decide(EpochSnapshot(1, {}, steps=72)).stop
+    decision = policy.decide(EpochSnapshot(2, {}, steps=100))  # mid-epoch 2: the replicas stopped at step 100
+    assert decision.stop and decision.reason == "max_steps: 100 >= stop.max_steps (100)"
+    assert StopPolicy(epochs=2, max_steps=100).decide(EpochSnapshot(2, {}, steps=90)).reason.startswith("epochs")
+
+
+def test_max_steps_plans_the_schedule_over_the_steps_the_run_takes():
+    from policies.rules.recipe import planned_steps
+
+    assert planned_steps(8721, 64, 1, 2, 4) == 4 * 69
+    assert planned_steps(8721, 64, 1, 2, 4, max_steps=100) == 100  # a warm-up fraction is of these
+    assert planned_steps(8721, 64, 1, 2, 1, max_steps=100) == 69  # the epochs end it first
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "fsdp", "local_sgd", "gossip"])
+def test_max_steps_is_taken_where_every_member_counts_the_same_updates(mode):
+    assert JobConfig.from_dict({}, ["stop.max_steps=12", f"strategy.mode={mode}"]).stop.max_steps == 12
+
+
+@pytest.mark.parametrize("mode", ["downpour", "hogwild", "sandblaster", "easgd"])
+def test_max_steps_in_an_asynchronous_mode_is_one_line(mode):
+    with pytest.raises(ConfigError, match=f"config error: stop.max_steps counts updates every replica takes together; "
+                                          f"{mode}"):
+        JobConfig.from_dict({}, ["stop.max_steps=12", f"strategy.mode={mode}"])
+    JobConfig.from_dict({}, ["stop.max_steps=12", "strategy.mode=easgd", "strategy.variant=sync"])
