@@ -11,13 +11,12 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from orchestrator.errors import MemberLost, TrainingError
-from orchestrator.persistence.run_state import UNSAVED, Position
+from orchestrator.fleet.model_state import whole_state
+from orchestrator.persistence.run_state import CHECKPOINT_FLUSH_S, UNSAVED, Position
 
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
 
-CHECKPOINT_FLUSH_S = 10.0  # the MLflow writes asked for before a checkpoint, stored before it is written
-DRAIN_S = 60.0  # a run that ends (or errs) waits this long for a checkpoint still being written
 
 
 class Written(NamedTuple):
@@ -44,9 +43,7 @@ def take(run: "RunContext", tag: str, timeout_s: float, named: Optional[str] = N
         raise TrainingError(f"checkpoint {tag}: no replica left to take the model from")
     lost = []
     if run.phase.spec.split_state:  # fsdp: gathered whole from every member (a lost one: MemberLost)
-        from orchestrator.control.reconfig.repair import whole_state
-
-        state = whole_state(run, ranks, f"checkpoint {tag}")
+        state = whole_state(run.fleet.group, ranks, f"checkpoint {tag}", run.cfg.strategy.timeout_s)
         ranks = []
     for i, rank in enumerate(ranks):  # a member that does not answer (hung, dying): the next one's copy
         try:

@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from orchestrator.checks import one_line
-from orchestrator.control import checkpointing
-from orchestrator.control.checkpointing import Written
 from orchestrator.config import JobConfig
 from orchestrator.data.in_memory import Dataset
 from orchestrator.errors import Interrupts, MemberLost, TrainingError
@@ -38,7 +36,7 @@ from orchestrator.fleet.replica_group import ReplicaGroup
 from orchestrator.fleet.pause import PauseGate
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.reporting.reporter import Reporter
-from orchestrator.persistence.run_state import Checkpointer, InEpoch, Part, PartUnsaved, Position, RunTotals
+from orchestrator.persistence.run_state import CHECKPOINT_FLUSH_S, DRAIN_S, Checkpointer, InEpoch, Part, PartUnsaved, Position, RunTotals
 from orchestrator.control.states import EpochSegment
 from orchestrator.reporting.tracking import Tracker
 from policies.decisions.failure import FailurePolicy
@@ -184,7 +182,7 @@ class RunContext:
         self.fleet = Fleet(group, group.interrupts, needs_shards=self.phase.server_optimizer is not None)
         self.fleet.pause = PauseGate(lambda: self.fleet.server)
         self.checkpoints = Checkpointer(config.checkpoint.storage, config.checkpoint.keep, config.run.name,
-                                        checkpointing.CHECKPOINT_FLUSH_S,
+                                        CHECKPOINT_FLUSH_S,
                                         config.checkpoint.in_memory_keep_s if config.checkpoint.in_memory else None)
         self.position = self._position()
 
@@ -350,12 +348,6 @@ class RunContext:
             raise TrainingError(f"epoch {status['epoch']}: {status['remaining']} partitions were never served")
         return status
 
-    def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None, step: Optional[int] = None,
-                   details: Optional[dict[str, Any]] = None, wait: bool = True,
-                   probation: Optional[dict[str, Any]] = None) -> Written:
-        """A checkpoint taken and written (orchestrator/control/checkpointing.py: take)."""
-        return checkpointing.take(self, tag, timeout_s, named, step, details, wait, probation)
-
     def halt(self, timeout_s: float) -> None:
         """An interrupted run: the replicas stop at their next partition boundary (the phase
         switch's pause; allreduce replicas all after the same step), so the lowest rank can
@@ -366,8 +358,8 @@ class RunContext:
     def shutdown(self) -> None:
         """Stop every actor this controller started (replicas, spares, shards, the server) and
         take back any autoscaler request this run made; a checkpoint still being written is
-        waited for first (at most checkpointing.DRAIN_S)."""
-        self.checkpoints.drain(checkpointing.DRAIN_S)
+        waited for first (at most DRAIN_S)."""
+        self.checkpoints.drain(DRAIN_S)
         self.checkpoints.close()
         self.fleet.elastic.withdraw()
         self.fleet.group.shutdown()

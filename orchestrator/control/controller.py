@@ -47,6 +47,7 @@ from orchestrator.control import running
 from orchestrator.control import starting
 
 from orchestrator.control.reconfig import evacuate, phase_switch
+from orchestrator.control import checkpointing
 from orchestrator.control.checkpointing import Written
 from orchestrator.control.context import Policies, RunContext
 from orchestrator.data.in_memory import Dataset
@@ -74,7 +75,7 @@ VIEW = {
     "stop_policy": "policies.stop", "failure_policy": "policies.failure", "switch_policy": "policies.switch",
     "cfg": "cfg", "dataset": "dataset", "report": "report", "metric": "metric", "tracker": "tracker",
     "replicas": "replicas", "shards": "shards", "last_state": "last_state",
-    "checkpoint": "checkpoint", "finish_epochs": "finish_epochs", "halt": "halt",
+    "finish_epochs": "finish_epochs", "halt": "halt",
     "shutdown": "shutdown",
 }
 SETTABLE = {"tracker", "stop_policy"}
@@ -180,6 +181,12 @@ class Controller:
         """The switch guard still judging (the state's), as a checkpoint keeps it, or None."""
         pending = getattr(self.state, "pending", None)
         return pending.probation() if pending is not None else None
+
+    def checkpoint(self, tag: str, timeout_s: float, named: Optional[str] = None,
+                   probation: Optional[dict[str, Any]] = None) -> Written:
+        """A checkpoint taken and stored now (orchestrator/control/checkpointing.py: take): the
+        interrupted run's, a test's."""
+        return checkpointing.take(self.context, tag, timeout_s, named, probation=probation)
 
     def __getattr__(self, name: str) -> Any:
         where = VIEW.get(name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Optional
 
+from orchestrator.control import checkpointing
 from orchestrator.control.checkpointing import report_written
 from orchestrator.control import starting
 from orchestrator.control.reconfig import phase_switch
@@ -165,9 +166,10 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
         if best or checkpoint_due(epoch, time.perf_counter(), max(run.checkpoints.last_s, run.ledger.train_started),
                                   ck.every_epochs, ck.every_s):
             try:
-                written = run.checkpoint(f"epoch_{epoch:04d}", cfg.strategy.timeout_s, named="best.pt" if best else None,
-                                         wait=False,  # stored in the background while the next epoch trains
-                                         probation=pending.probation())
+                written = checkpointing.take(run, f"epoch_{epoch:04d}", cfg.strategy.timeout_s,
+                                             named="best.pt" if best else None,
+                                             wait=False,  # stored in the background while the next epoch trains
+                                             probation=pending.probation())
                 tot.checkpoint, lost = written.path, lost + written.lost
                 if best:
                     run.ledger.best_model = run.last_state["model"]

@@ -6,6 +6,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.control import checkpointing
 from orchestrator.control.reconfig import phase_switch
 from orchestrator.control.epoch_end import report_shard_events
 
@@ -26,7 +27,7 @@ def finish(run: "RunContext") -> None:
     run.finish_epochs()
     if run.cfg.validated:
         evaluate_test(run)
-    run.ledger.totals.checkpoint = run.checkpoint("final", run.cfg.strategy.timeout_s, named="model.pt").path
+    run.ledger.totals.checkpoint = checkpointing.take(run, "final", run.cfg.strategy.timeout_s, named="model.pt").path
     with tempfile.TemporaryDirectory() as tmp:
         import torch
 

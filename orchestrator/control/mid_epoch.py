@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from orchestrator.control import checkpointing
 from orchestrator.control.failures import lost_meanwhile
 from orchestrator.control.states import EpochSegment, Pending
 from orchestrator.errors import MemberLost, TrainingError
@@ -109,9 +110,9 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     run.fleet.drains.driver_checkpoints += for_drain
     try:  # one for the driver's drained node is stored before the replicas go on: the node is going, and a
         # newer checkpoint must not replace it in the background before it was written
-        written = run.checkpoint(f"in_epoch_{seg.epoch:04d}", run.cfg.strategy.timeout_s,
-                                 step=run.ledger.totals.steps + place["steps"], details=details, wait=for_drain,
-                                 probation=pending.probation())
+        written = checkpointing.take(run, f"in_epoch_{seg.epoch:04d}", run.cfg.strategy.timeout_s,
+                                     step=run.ledger.totals.steps + place["steps"], details=details, wait=for_drain,
+                                     probation=pending.probation())
         run.ledger.totals.checkpoint = written.path
         for exc in written.lost:
             lost_meanwhile(run, seg, exc, pending)

@@ -10,7 +10,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.control.reconfig import phase_switch
-from orchestrator.control.reconfig.repair import for_loading
+from orchestrator.fleet.model_state import for_loading
 from orchestrator.fleet.cluster import beside_driver
 from orchestrator.data.placement import place_data
 from orchestrator.persistence.run_state import UNSAVED, Position
@@ -127,8 +127,8 @@ def restore(run: "RunContext", state: dict[str, Any]) -> None:
     shards (if any) take its parameters; then each part of the run's position goes back to
     its owner (orchestrator/persistence/run_state.py)."""
     ranks, step = run.fleet.group.ranks, state["step"]
-    payload = for_loading(run, {"model": state["model"], "optimizer": state["optimizer"], "step": step,
-                                "recipe": state.get("recipe"), "worker": state.get("worker")})
+    payload = for_loading({"model": state["model"], "optimizer": state["optimizer"], "step": step,
+                           "recipe": state.get("recipe"), "worker": state.get("worker")}, run.phase.spec.split_state)
     run.fleet.group.call(ranks, "load_state", payload, what="state from the checkpoint", peers=False)
     if run.fleet.shard_group is not None:
         values = run.fleet.group.call([ranks[0]], "flat_parameters", what="parameters")[0]

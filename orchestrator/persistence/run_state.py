@@ -174,6 +174,10 @@ class WriteOrder:
     fields: dict[str, Any] = field(default_factory=dict)  # for its event
 
 
+CHECKPOINT_FLUSH_S = 10.0  # the MLflow writes asked for before a checkpoint, stored before it is written
+DRAIN_S = 60.0  # a run that ends (or errs) waits this long for a checkpoint still being written
+
+
 class Checkpointer:
     """Writes a run's checkpoints (orchestrator/persistence/checkpoint.py) and remembers the newest.
 
@@ -185,7 +189,7 @@ class Checkpointer:
     interrupted checkpoint) drains first and is stored before it returns. A crash mid-write
     leaves a temporary file and no sidecar: the checkpoint before it stays the newest good one."""
 
-    def __init__(self, storage: str, keep: int, run_name: Optional[str], flush_s: float = 10.0,
+    def __init__(self, storage: str, keep: int, run_name: Optional[str], flush_s: float = CHECKPOINT_FLUSH_S,
                  in_memory_keep_s: Optional[float] = None) -> None:
         self.storage, self.keep, self.run_name, self.flush_s = storage, keep, run_name, flush_s
         self.store: Optional[CheckpointStore] = None  # opened at the first checkpoint (the run id is known then)
@@ -289,7 +293,7 @@ class Checkpointer:
                 self._busy = False
                 self._cv.notify_all()
 
-    def drain(self, timeout_s: Optional[float] = None) -> bool:
+    def drain(self, timeout_s: Optional[float] = DRAIN_S) -> bool:
         """Wait (at most timeout_s) until every write asked for is stored; False if one is still going."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from orchestrator.control.reconfig.repair import whole_state
+from orchestrator.fleet.model_state import whole_state
 from orchestrator.control.states import Running
 from orchestrator.errors import ConfigError
 from orchestrator.models import build_model
@@ -36,7 +36,7 @@ def test_fsdp_steps_equal_one_process_on_the_union_of_the_batches(ray_cluster):
         assert isinstance(ctl.step(), Running)
         ctl.run_epoch()
         parts = ctl.group.call(ctl.group.ranks, "export_state", what="state")
-        state = whole_state(ctl.context, ctl.group.ranks, "state")
+        state = whole_state(ctl.group, ctl.group.ranks, "state", 60.0)
     finally:
         ctl.shutdown()
     assert [p["rank"] for p in parts] == [0, 1] and state["step"] > 5  # each its own slices, joined

@@ -17,7 +17,8 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from orchestrator.control.reconfig import carrier
-from orchestrator.control.reconfig.repair import Repair, reconfigure, replan, whole_state
+from orchestrator.control.reconfig.repair import Repair, reconfigure, replan
+from orchestrator.fleet.model_state import whole_state
 from orchestrator.errors import MemberLost
 from orchestrator.control.states import EpochSegment, EvacuationPlan, Pending, Plan
 from orchestrator.fleet.drains import on_draining
@@ -117,7 +118,8 @@ class Evacuate(Repair):
 
     def membership(self, run: "RunContext", seg: EpochSegment) -> None:
         if run.phase.spec.split_state:  # every member is paused and alive: the model whole before any is stopped
-            self.whole = whole_state(run, run.fleet.group.ranks, "the whole model before the move")
+            self.whole = whole_state(run.fleet.group, run.fleet.group.ranks, "the whole model before the move",
+                                     run.cfg.strategy.timeout_s)
         # what the leaving replicas trained since their last grant request, said with their pause
         # or their pass's end (read now: the passes step clears the segment's ended items)
         self.trained = {r: item.unreported for r, item in seg.ended.items()

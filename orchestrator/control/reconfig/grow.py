@@ -10,7 +10,7 @@ import ray
 
 from orchestrator.control.reconfig.carrier import Change
 from orchestrator.control.reconfig.elastic import Elasticity
-from orchestrator.control.reconfig.repair import for_loading, whole_state
+from orchestrator.fleet.model_state import for_loading, whole_state
 from orchestrator.control.states import EpochSegment, GrowPlan
 
 if TYPE_CHECKING:
@@ -62,7 +62,8 @@ class Grow(Change):
         if run.phase.spec.sharded:
             joined, failed = group.admit(refs, "sync_from_shards", self.step, what="state from the shards")
         elif run.phase.spec.split_state:  # fsdp: the model whole from every member; all re-shard it
-            whole = for_loading(run, whole_state(run, self.old, "the whole model for the grow"))
+            whole = for_loading(whole_state(run.fleet.group, self.old, "the whole model for the grow",
+                                            run.cfg.strategy.timeout_s), run.phase.spec.split_state)
             joined, failed = group.admit(refs, "load_state", whole, what="the whole model's state")
             if joined:
                 group.call(self.old, "load_state", whole, what="the whole model's state")

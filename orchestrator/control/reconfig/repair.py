@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from orchestrator.errors import MemberLost, TrainingError
 from orchestrator.control.reconfig.carrier import Change, carry_out as carry
 from orchestrator.control.states import EpochSegment, Plan
+from orchestrator.fleet.model_state import for_loading
 from policies.decisions.failure import DETECTED_BY, Drop, Fail, Replace, ReplicaFailure
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class Repair(Change):
             run.report.say(f"a replica holding a slice of the model is gone: every replica goes on from the "
                            f"{'last checkpoint' if state is not None else 'initial model'} (replica step "
                            f"{self.from_checkpoint}); the steps since are lost")
-        self.donor_step = run.fleet.group.call(run.fleet.group.ranks, "load_state", for_loading(run, state),
+        self.donor_step = run.fleet.group.call(run.fleet.group.ranks, "load_state", for_loading(state, run.phase.spec.split_state),
                                                what="the whole model's state", peers=False)[0]
 
     def regroup(self, run: "RunContext") -> bool:
@@ -214,39 +215,6 @@ class Repair(Change):
         run.report.say(f"{'replaced' if replaced else 'dropped'} replica(s) {replaced or dropped} "
                        f"({', '.join(self.how.values()) or 'no replacement'}); generation {run.fleet.group.generation}")
         return event
-
-
-def whole_state(run: "RunContext", ranks: list[int], what: str) -> dict[str, Any]:
-    """Split state (fsdp): the model's state whole, joined from every member's slices (each
-    member's own call, no collective: a lost one is MemberLost; policies/rules/split_state.py),
-    or, before the model was sharded, the whole state the first member holds."""
-    import ray
-
-    from policies.rules.split_state import join, resolved
-
-    parts = run.fleet.group.call(ranks, "export_state", what=what)
-    first = parts[0]
-    loaded = [p for p in parts if "whole" in p]
-    if loaded:  # loaded and not sharded yet (every member re-shards it): its tensors may still be the driver's refs
-        whole = resolved(loaded[0]["whole"], lambda x: ray.get(x, timeout=run.cfg.strategy.timeout_s)
-                         if isinstance(x, ray.ObjectRef) else x)
-    else:
-        whole = join([p["slices"] for p in sorted(parts, key=lambda p: p["rank"])])
-    return {"model": whole["model"], "optimizer": whole["optimizer"], "step": first["step"], "worker": None,
-            "recipe": first["recipe"]}
-
-
-def for_loading(run: "RunContext", state: Optional[dict[str, Any]]) -> Any:
-    """`state` as load_state's argument to many replicas: one object in the store, or with split
-    state (fsdp) each tensor its own, so a replica reads one tensor at a time and keeps its rows."""
-    import ray
-
-    if state is None or not run.phase.spec.split_state:
-        return ray.put(state)
-    from policies.rules.split_state import by_reference
-
-    return {**state, "model": by_reference(state["model"], ray.put),
-            "optimizer": by_reference(state["optimizer"], ray.put)}
 
 
 def pick_donor(run: "RunContext", plan: Plan, survivors: list[int]) -> tuple[Any, int]:
