@@ -47,16 +47,17 @@ def mlp_bn(in_features: int = 784, hidden: int = 64, num_classes: int = 10) -> n
 
 
 class _FailingMLP(nn.Module):
-    """tiny_mlp whose forward raises after `fail_after_calls` calls in its process."""
+    """tiny_mlp whose forward raises after `fail_after_calls` calls in its process, in training
+    or (`in_eval`) in evaluation."""
 
-    def __init__(self, inner: nn.Module, fail_after_calls: int, once_marker: Optional[str]) -> None:
+    def __init__(self, inner: nn.Module, fail_after_calls: int, once_marker: Optional[str], in_eval: bool) -> None:
         super().__init__()
-        self.inner, self.fail_after_calls, self.once_marker = inner, fail_after_calls, once_marker
+        self.inner, self.fail_after_calls, self.once_marker, self.in_eval = inner, fail_after_calls, once_marker, in_eval
         self.calls = 0
 
     def forward(self, x):
         self.calls += 1
-        if self.calls > self.fail_after_calls and self.training:
+        if self.calls > self.fail_after_calls and self.training != self.in_eval:
             if self.once_marker is None or self._claim(self.once_marker):
                 raise RuntimeError(f"injected failure in forward (call {self.calls})")
         return self.inner(x)
@@ -73,11 +74,13 @@ class _FailingMLP(nn.Module):
 
 
 def failing_mlp(in_features: int = 32, num_classes: int = 4, fail_after_calls: int = 20,
-                once_marker: Optional[str] = None) -> nn.Module:
+                once_marker: Optional[str] = None, in_eval: bool = False) -> nn.Module:
     """Chaos experiments: tiny_mlp whose training forward raises a RuntimeError after
-    `fail_after_calls` calls in each replica's process, as a bug in user code would. With
+    `fail_after_calls` calls in each replica's process, as a bug in user code would (`in_eval`:
+    its evaluation's forward instead, e.g. out of memory on a larger evaluation batch). With
     `once_marker` (a file path) only the first replica to get there raises, once."""
-    return _FailingMLP(tiny_mlp(in_features=in_features, num_classes=num_classes), fail_after_calls, once_marker)
+    return _FailingMLP(tiny_mlp(in_features=in_features, num_classes=num_classes), fail_after_calls, once_marker,
+                       in_eval)
 
 
 def regression_mlp(in_features: int = 10, hidden: int = 64, outputs: int = 1) -> nn.Module:

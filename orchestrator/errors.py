@@ -14,9 +14,12 @@ class MemberLost(TrainingError):
     a switch or a grow). Not the end of the run: the controller hands each to the failure
     policy as a failure, like a death seen on an epoch stream."""
 
-    def __init__(self, ranks: list[int], what: str, cause: str = "died", causes: dict[int, str] | None = None) -> None:
+    def __init__(self, ranks: list[int], what: str, cause: str = "died", causes: dict[int, str] | None = None,
+                 errors: dict[int, tuple[str, str]] | None = None) -> None:
         self.ranks, self.what = sorted(ranks), what
-        self.causes = {r: (causes or {}).get(r, cause) for r in self.ranks}  # rank -> died | hung (no answer in time)
+        # rank -> died | hung (no answer in time) | error (the call raised in the replica: user code)
+        self.causes = {r: (causes or {}).get(r, cause) for r in self.ranks}
+        self.errors = dict(errors or {})  # cause error: rank -> (the error's line, the replica's traceback)
         self.cause = self.causes[self.ranks[0]] if self.ranks else cause
         said = ", ".join(f"{r} {c}" for r, c in self.causes.items())
         super().__init__(f"{what}: replica(s) {said}")

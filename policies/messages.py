@@ -70,7 +70,8 @@ class SegmentEnd:
         merged = replace(self, steps=self.steps + later.steps, samples=self.samples + later.samples,
                          train_s=self.train_s + later.train_s, comm_s=self.comm_s + later.comm_s,
                          consumed=self.consumed + later.consumed, partitions=self.partitions + later.partitions)
-        if later.kind == "epoch":
-            merged = replace(merged, eval=later.eval, loss=later.loss, mode=later.mode, mode_name=later.mode_name,
-                             kind="epoch")
+        if later.kind == "epoch":  # a later segment that trained no row (a repair at the epoch's end) has no loss
+            merged = replace(merged, eval=later.eval if later.eval is not None else self.eval,
+                             loss=later.loss if later.loss == later.loss else self.loss, mode=later.mode,
+                             mode_name=later.mode_name, kind="epoch")
         return merged

@@ -4,7 +4,8 @@ the interrupted checkpoint) or in the background while the replicas train on (th
 with checkpoint.background); `report_written` turns what each write came to into the run's
 `checkpoint` / `checkpoint_failed` events. The MLflow writes asked for before a checkpoint are
 stored before it is written (at most CHECKPOINT_FLUSH_S), so a run resumed from it finds every
-metric it covers."""
+metric it covers. The state taken is the run's newest at once (`RunContext.last_state`); the
+clocks the next checkpoint is due by move only once a write is stored (Checkpointer's doc)."""
 from __future__ import annotations
 
 import time

@@ -226,7 +226,9 @@ class RunContext:
 
     @property
     def last_state(self) -> Optional[dict[str, Any]]:
-        """The newest checkpoint's state (a repair that lost every allreduce replica loads it)."""
+        """The newest checkpoint state taken, stored or not (in memory: a repair that lost every
+        allreduce replica loads it, the best epoch's model and the finish read it); the next
+        checkpoint is due from the newest one stored (persistence/run_state.py: Checkpointer)."""
         return self.checkpoints.last_state
 
     def shard_optimizer(self, strategy: dict[str, Any]) -> tuple[str, float, float, float]:
@@ -339,12 +341,12 @@ class RunContext:
                                                    first_grant, resume, announce)
         seg.heard[rank] = time.perf_counter()
 
-    def finish_epochs(self) -> dict[str, Any]:
+    def finish_epochs(self, whole: bool = True) -> dict[str, Any]:
         """Report the last epoch's final completions; the server's status, which must say the
-        epoch was served whole."""
+        epoch was served whole (unless not `whole`: the run stopped inside it at stop.max_steps)."""
         status = self.fleet.server.call("finish", self.ledger.unreported)
         self.ledger.unreported = {}
-        if not status["complete"]:
+        if whole and not status["complete"]:
             raise TrainingError(f"epoch {status['epoch']}: {status['remaining']} partitions were never served")
         return status
 

@@ -107,7 +107,8 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     tot.rows_per_epoch.append(counts["samples"])
     tot.train_s += counts["train_s"]
     tot.comm_s += counts["comm_s"]
-    tot.train_loss = finals[0].loss if finals else stats[0].loss
+    # the lowest rank's that trained a row (a replacement that joined at the epoch's end has none: nan)
+    tot.train_loss = next((s.loss for s in finals or stats if s.loss == s.loss), float("nan"))
     if pass_figures:  # sandblaster: the loss at the pass's x over every train row
         tot.train_loss = pass_figures["pass_loss"]
     tot.metrics = metrics

@@ -49,7 +49,7 @@ def lost_meanwhile(run: "RunContext", seg: EpochSegment, lost: MemberLost, pendi
         if rank in seg.streams or any(f.rank == rank for f in seg.failures):
             continue  # its stream will say so, or it is already known
         cause = lost.causes[rank]
-        fail(run, seg, ReplicaFailure(rank, cause, f"{cause} while the driver waited on it ({lost.what})",
-                                      replacement=rank in run.fleet.group.replacements))
+        detail, tb = lost.errors.get(rank, (f"{cause} while the driver waited on it ({lost.what})", ""))
+        fail(run, seg, ReplicaFailure(rank, cause, detail, tb, replacement=rank in run.fleet.group.replacements))
     seg.t_first_failure = seg.t_first_failure or now
     return Running(seg, pending)

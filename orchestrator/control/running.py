@@ -6,6 +6,8 @@ are ready.
 
 Failures are seen here, within seconds:
 - died: a stream's next item raises RayActorError (the process or its node is gone: ~0.05 s);
+  ActorUnavailableError (unreachable for now: not known dead) counts as hung
+  (orchestrator/fleet/outcomes.py: outcome_of);
 - error: it raises RayTaskError (the user's model or data raised; the replica left its process
   group first, so its peers fail at once);
 - hung: no item from a replica for fault_tolerance.hang_timeout_s (lock-step modes: plus
@@ -28,6 +30,7 @@ from orchestrator.control.reconfig import evacuate, phase_switch
 from orchestrator.control.epoch_end import close_pass, interval_evaluation, watch_servers
 from orchestrator.errors import TrainingError
 from orchestrator.control.failures import fail
+from orchestrator.fleet.outcomes import replica_failure
 from orchestrator.control.reconfig.repair import decide
 from orchestrator.control.states import EpochSegment, Errored, Finishing, GrowPlan, Pending, Plan, Reconfiguring, State
 from policies.messages import Evaluation, Progress, SegmentEnd, Stepping
@@ -143,9 +146,8 @@ def read_item(run: "RunContext", seg: EpochSegment, rank: int, stream: Any) -> N
     except StopIteration:
         del seg.streams[rank]
         return
-    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:  # its process, or its item's, gone
-        fail(run, seg, ReplicaFailure(rank, "died", f"{type(exc).__name__}: the replica's process is gone",
-                                      replacement=rank in run.fleet.group.replacements))
+    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:  # gone, or unreachable for now
+        fail(run, seg, replica_failure(rank, exc, replacement=rank in run.fleet.group.replacements))
         return
     except ray.exceptions.GetTimeoutError:
         fail(run, seg, ReplicaFailure(rank, "hung", f"its next item did not arrive within strategy.timeout_s "

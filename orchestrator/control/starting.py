@@ -137,7 +137,7 @@ def restore(run: "RunContext", state: dict[str, Any]) -> None:
         if run.phase.spec.sharded:
             run.fleet.group.call(ranks, "sync_from_shards", step, what="state from the shards", peers=False)
     run.ledger.progress = {r: step for r in ranks}
-    run.checkpoints.last_step = step  # checkpoint.every_steps counts from the checkpoint gone on from
+    run.checkpoints.resumed(step)  # checkpoint.every_steps counts from the checkpoint gone on from
     missing = run.position.load(state["run"])
     unsaved = Position.unsaved(state["run"])  # parts the checkpoint was written without, and why
     if "failure" in missing:  # a checkpoint from before the budget was kept: the count

@@ -130,6 +130,9 @@ class SwitchPlan:
     mid_epoch: bool
     from_strategy: dict[str, Any] = field(default_factory=dict)  # the phase running when it was decided
     rollback: Optional[dict[str, Any]] = None  # a rollback: the state from before the switch it undoes
+    # the headline metric before it and its guard, measured once before its commit point: carried
+    # out again after a member was lost past that point, the replicas already run the new rule
+    measured: Optional[tuple[float, Optional["Guard"]]] = None
 
 
 @dataclass

@@ -17,8 +17,10 @@ import ray
 
 from orchestrator.config import JobConfig
 from orchestrator.errors import Interrupts, MemberLost, TrainingError
-from orchestrator.fleet.outcomes import DIED, HUNG, OK, RAISED, Outcome
+from orchestrator.fleet.outcomes import DIED, HUNG, OK, RAISED, Outcome, settle, outcome_of
 from orchestrator.fleet.spares import SparePool, kill as _kill
+from policies.decisions.failure import error_detail
+from policies.rules.modes import Diverged
 from policies.rules.registry import mode_spec
 
 READY_TIMEOUT_S = 120.0  # a new actor imports torch and builds the model
@@ -111,9 +113,9 @@ class ReplicaGroup:
                 refs = {r: getattr(actors[r], method).remote(*args) for r in alive}
             given = self._outcomes(refs, {r: actors[r] for r in alive}, what, self.timeout_s)
             if any(o.actor_error and o.status == RAISED for o in given.values()):
-                dead = self.dead_members()  # the donor: the newcomers wait for the next try
-                if dead:
-                    raise MemberLost(dead, what)
+                lost = self.lost_members()  # the donor, gone or unreachable: the newcomers wait for the next try
+                if lost:
+                    raise MemberLost(list(lost), what, causes=lost)
             failed.update({r: _said(o) for r, o in given.items() if not o.ok})
             alive = [r for r in alive if given[r].ok]
         for rank in failed:
@@ -237,33 +239,22 @@ class ReplicaGroup:
             try:
                 outs[key] = Outcome(OK, ray.get(ref, timeout=0))
             except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
-                # ObjectLostError: the answer was made but its node went away before it was read
-                outs[key] = Outcome(RAISED, detail=f"{type(exc).__name__}: {str(exc).splitlines()[0]}", actor_error=True)
+                # its actor died or is unreachable, or the node holding its answer went (ObjectLostError), or an
+                # input's maker did: the actor itself is asked below (died, hung), else the call raised
+                outs[key] = Outcome(RAISED, detail=outcome_of(exc).detail, actor_error=True)
                 suspects.append(key)
             except ray.exceptions.RayTaskError as exc:
-                outs[key] = Outcome(RAISED, detail=str(exc.cause if hasattr(exc, "cause") else exc))
-        for key in self._gone({k: actors[k] for k in suspects if k in actors}):
-            outs[key] = Outcome(DIED, detail=outs[key].detail)
+                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                outs[key] = Outcome(RAISED, detail=error_detail(type(cause).__name__, str(cause)), traceback=str(exc),
+                                    fatal=isinstance(cause, Diverged))
+        for key, status in self._lost({k: actors[k] for k in suspects if k in actors}).items():
+            outs[key] = Outcome(status, detail=outs[key].detail)
         return outs
 
     def settle(self, outs: dict[int, Outcome], what: str) -> list[Any]:
-        """Members' outcomes as answers in rank order, or the failure they came to: MemberLost
-        for every member that died or hung (the failure policy sees each one); else, when one
-        raised because an actor it depended on died (a state donor), that member's loss; else a
-        TrainingError with the first error raised."""
-        lost = {r: o.status for r, o in outs.items() if o.status in (DIED, HUNG)}
-        if lost:
-            detail = next((outs[r].detail for r in sorted(lost) if outs[r].detail), "")
-            raise MemberLost(list(lost), what + (f" ({detail})" if detail else ""), causes=lost)
-        failed = {r: o for r, o in outs.items() if o.status == RAISED}
-        if not failed:
-            return [outs[r].value for r in sorted(outs)]
-        if any(o.actor_error for o in failed.values()):
-            dead = self.dead_members()
-            if dead:
-                raise MemberLost(dead, what)
-        r = min(failed)
-        raise TrainingError(f"{what}: replica {r}: {failed[r].detail}")
+        """Members' outcomes as answers in rank order, or the failure they came to
+        (orchestrator/fleet/outcomes.py: settle)."""
+        return settle(outs, what, self.lost_members)
 
     def _wait_all(self, refs, timeout: float, after_first: Optional[float] = None) -> None:
         """Wait for `refs` in slices, calling `on_wait` between them (the driver's shard watch: a
@@ -291,26 +282,31 @@ class ReplicaGroup:
                 first = time.monotonic()  # waiting on a server or shard being rebuilt is no hang
 
     def dead_members(self, timeout_s: float = LIVENESS_TIMEOUT_S) -> list[int]:
-        """The members whose actors are gone (a call to them fails with RayActorError)."""
-        return self._gone(dict(self.members), timeout_s)
+        """The members whose actors are gone (asked: a fresh call to each reads `died`)."""
+        return sorted(r for r, status in self._lost(dict(self.members), timeout_s).items() if status == DIED)
+
+    def lost_members(self, timeout_s: float = LIVENESS_TIMEOUT_S) -> dict[int, str]:
+        """The members whose actors are gone or cannot be reached for now, asked: rank -> died | hung."""
+        return self._lost(dict(self.members), timeout_s)
 
     @staticmethod
-    def _gone(actors: dict[Any, Any], timeout_s: float = LIVENESS_TIMEOUT_S) -> list[Any]:
-        """The keys of `actors` whose actor is gone (a fresh call to it fails with RayActorError);
-        one that does not answer in time (busy, stopped) is not known to be dead."""
+    def _lost(actors: dict[Any, Any], timeout_s: float = LIVENESS_TIMEOUT_S) -> dict[Any, str]:
+        """The keys of `actors` whose actor a fresh call finds gone (died) or unreachable for now
+        (hung: Ray's ActorUnavailableError), as outcomes.outcome_of reads it: key -> died | hung.
+        One that does not answer in time (busy, stopped) is not known to be lost."""
         if not actors:
-            return []
+            return {}
         refs = {k: a.pid.remote() for k, a in actors.items()}
         ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        dead = []
+        lost = {}
         for key, ref in refs.items():
             try:
                 ray.get(ref, timeout=0)
-            except ray.exceptions.RayActorError:
-                dead.append(key)
-            except Exception:  # not answered yet (busy or stopped): not known to be dead
-                pass
-        return sorted(dead)
+            except Exception as exc:  # not answered yet (GetTimeoutError: no actor error in it) is not lost
+                out = outcome_of(exc)
+                if out.actor_error and out.status in (DIED, HUNG):
+                    lost[key] = out.status
+        return dict(sorted(lost.items()))
 
     def shutdown(self) -> None:
         for actor in list(self.members.values()) + list(self.joining.values()):

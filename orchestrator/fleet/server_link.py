@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import RayActorError
 
 from actors.incarnation import incarnation_name
 from orchestrator.errors import TrainingError
-from orchestrator.fleet.outcomes import DIED, HUNG, RAISED, gather
+from orchestrator.fleet.outcomes import DIED, HUNG, RAISED, gather, outcome_of
 
 START_TIMEOUT_S = 60.0  # a rebuilt server's process starts and reads its journal within this
 REBUILDS_PER_CALL = 5  # a call that meets this many dead or stopped incarnations in a row ends the run
@@ -128,9 +128,12 @@ class ServerLink:
                 try:
                     ray.get(self._ping, timeout=0)
                     self._ping = None
-                except RayActorError:
-                    self._rebuild("ping")
-            elif now - self._ping_at > self.hang_s:
+                except RayActorError as exc:
+                    if outcome_of(exc).status == DIED:
+                        self._rebuild("ping")
+                    else:  # unreachable for now (hung): asked again, silent since the first unanswered ping
+                        self._ping = self.handle.incarnation.remote()
+            if self._ping is not None and now - self._ping_at > self.hang_s:
                 self._rebuild(f"no answer to a ping for {self.hang_s:.0f}s", kill=True)
         if self._ping is None:
             self._ping, self._ping_at = self.handle.incarnation.remote(), now
@@ -147,11 +150,11 @@ class ServerLink:
                 pass
         self._ping = None
         self._start()
-        try:
-            status = ray.get(self.handle.status.remote(), timeout=START_TIMEOUT_S)
-        except (GetTimeoutError, RayActorError) as exc:
+        started = gather({"server": self.handle.status.remote()}, START_TIMEOUT_S)["server"]
+        if not started.ok:  # died, hung (no answer within START_TIMEOUT_S, or unreachable) or raised
             raise TrainingError(f"partition server: its incarnation {self.generation} did not start within "
-                                f"{START_TIMEOUT_S:.0f}s ({type(exc).__name__})") from None
+                                f"{START_TIMEOUT_S:.0f}s ({started.status}: {started.detail})")
+        status = started.value
         for call_id in sorted(self.pending):
             self._send(self.pending[call_id])
         self.events.append({"kind": "server_rebuilt", "generation": self.generation, "detected_by": detected_by,

@@ -16,7 +16,7 @@ from actors.shards.parameter_shard import ParameterShard
 from actors.shards.client import ShardDirectory
 from orchestrator.fleet.shard_slots import Slot, rebuild_event
 from orchestrator.errors import TrainingError
-from orchestrator.fleet.outcomes import DIED, RAISED, Outcome, describe, gather
+from orchestrator.fleet.outcomes import DIED, HUNG, RAISED, Outcome, describe, gather, outcome_of
 
 ATTEMPTS = 3  # a call every shard must answer: asked again after a rebuild at most this many times
 REBUILD_WAIT_S = 60.0  # the least a rebuild is waited for: a new actor's process start, seconds to tens on a loaded host
@@ -168,15 +168,20 @@ class ShardGroup:
                 version_ref, snap_ref = slot.pending_snapshot
                 if ray.wait([version_ref], timeout=0, fetch_local=False)[0]:
                     self._keep_snapshot(slot, ray.get(version_ref), snap_ref, now)
-        except RayActorError:
-            return self._died(i, slot, "snapshot", now)
+        except RayActorError as exc:
+            if outcome_of(exc).status == DIED:
+                return self._died(i, slot, "snapshot", now)
+            slot.pending_snapshot = None  # unreachable for now (hung): asked again when the next one is due
         try:
             if slot.ping is not None and ray.wait([slot.ping], timeout=0)[0]:
                 _, version, _ = ray.get(slot.ping)
                 slot.known_version = max(version, slot.known_version or 0)
                 slot.ping, slot.answered_at = None, slot.ping_at
-        except RayActorError:
-            return self._died(i, slot, "ping", now)
+        except RayActorError as exc:
+            if outcome_of(exc).status == DIED:
+                return self._died(i, slot, "ping", now)
+            # unreachable for now (hung): asked again, its silence counted from the first unanswered ping
+            slot.ping = slot.handle.status.remote()
         if slot.ping is not None and self.hang_s is not None and now - slot.ping_at > self.hang_s:
             # stopped (SIGSTOP), stuck: its clients would wait on it; a rebuild replaces it
             return self._stop(i, slot, f"no answer to a ping for {self.hang_s:.0f}s", now)
@@ -227,8 +232,11 @@ class ShardGroup:
             return
         try:
             ray.get(slot.starting)
-        except RayActorError:
-            slot.state = "dead"  # the new incarnation died too: try again (same snapshot)
+        except RayActorError as exc:
+            if outcome_of(exc).status == DIED:
+                slot.state = "dead"  # the new incarnation died too: try again (same snapshot)
+            else:  # unreachable for now (hung): asked again
+                slot.starting = slot.handle.status.remote()
             return
         slot.recovery_s = time.monotonic() - slot.dead_at
         slot.state, slot.starting, slot.settling = "up", None, True
@@ -243,8 +251,10 @@ class ShardGroup:
             return None
         try:
             info = ray.get(slot.info)
-        except RayActorError:
-            return None  # died again: _check notices
+        except RayActorError as exc:  # died again (_check notices), or unreachable for now: asked again
+            if outcome_of(exc).status == HUNG:
+                slot.info = None
+            return None
         slot.info = None
         event = rebuild_event(i, slot, info, now)
         if event is not None:

@@ -11,6 +11,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import ray
 
+from orchestrator.fleet.outcomes import DIED, outcome_of
+
 SPARE_PING_S = 2.0  # how often idle spares are asked whether they are alive
 
 
@@ -126,13 +128,12 @@ class SparePool:
             if ping is not None:
                 try:
                     ray.get(ping, timeout=0)
-                except ray.exceptions.RayActorError:
-                    self._drop(spare)
-                    self.actors.append(self._new())
-                    replaced += 1
-                    continue
-                except Exception:  # noqa: BLE001 - not known to be dead
-                    pass
+                except Exception as exc:  # noqa: BLE001 - died: replaced; else (unreachable) not known to be dead
+                    if outcome_of(exc).status == DIED:
+                        self._drop(spare)
+                        self.actors.append(self._new())
+                        replaced += 1
+                        continue
             self._pings[id(spare)] = spare.pid.remote()
         return replaced
 

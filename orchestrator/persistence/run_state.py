@@ -17,8 +17,9 @@ state and step) plus the run's position: named parts, each a `Stateful` owner of
 
 A part a checkpoint lacks (one written before the part existed) keeps its fresh state;
 `Position.load` says which. `Checkpointer` writes checkpoints into the run's CheckpointStore
-(`<checkpoint.storage>/<run.name or mlflow run id>/`) and keeps the newest one's state (a repair
-that lost every allreduce replica goes on from it).
+(`<checkpoint.storage>/<run.name or mlflow run id>/`), keeps the newest state taken (a repair
+that lost every allreduce replica goes on from it) and counts the next checkpoint's due time
+from the newest one stored (`Clock`).
 """
 from __future__ import annotations
 
@@ -160,6 +161,14 @@ class Position:
         return dict(saved.get(UNSAVED) or {})
 
 
+@dataclass(frozen=True)
+class Clock:
+    """When a checkpoint's state was taken: what checkpoint.every_s and checkpoint.every_steps
+    count the next checkpoint from."""
+    at_s: float = 0.0  # perf_counter when its state was taken (0: none yet, the training clock's start counts)
+    step: int = 0  # the replica step in its state
+
+
 @dataclass
 class WriteOrder:
     """One checkpoint to write: its state, where it goes, and what must be stored before it
@@ -172,6 +181,7 @@ class WriteOrder:
     named: Optional[str]
     before: Any = None  # a threading.Event (or None)
     fields: dict[str, Any] = field(default_factory=dict)  # for its event
+    clock: Clock = Clock()  # when its state was taken
 
 
 CHECKPOINT_FLUSH_S = 10.0  # the MLflow writes asked for before a checkpoint, stored before it is written
@@ -187,7 +197,16 @@ class Checkpointer:
     waits behind an older upload). `drain()` waits until nothing is left; `written()` hands back
     what each write came to (for the run's events). A write with `wait=True` (the final and the
     interrupted checkpoint) drains first and is stored before it returns. A crash mid-write
-    leaves a temporary file and no sidecar: the checkpoint before it stays the newest good one."""
+    leaves a temporary file and no sidecar: the checkpoint before it stays the newest good one.
+
+    Two newest, kept apart. `last_state` is the newest state taken, stored or not: it is in
+    memory, so a repair that lost every replica holding the model goes on from it (fewer steps
+    lost than from the one stored), the best epoch's model is kept from it and the finish logs
+    it. `stored` is the clock of the newest checkpoint stored (or resumed from): checkpoint.every_s
+    and every_steps count from it (`last_s`, `last_step`), so a write that failed, or one
+    superseded before it began, moves no clock and the next checkpoint is due from the last one
+    stored. While a write waits or is being written the clocks count from it instead: one is on
+    its way, and asking for another at every look until it lands would only supersede it."""
 
     def __init__(self, storage: str, keep: int, run_name: Optional[str], flush_s: float = CHECKPOINT_FLUSH_S,
                  in_memory_keep_s: Optional[float] = None) -> None:
@@ -195,15 +214,35 @@ class Checkpointer:
         self.store: Optional[CheckpointStore] = None  # opened at the first checkpoint (the run id is known then)
         self.in_memory_keep_s = in_memory_keep_s  # checkpoint.in_memory: a keeper holds each one too, this long unheard
         self.memory: Optional[MemoryCopy] = None  # that keeper (opened with the store)
-        self.last_state: Optional[dict[str, Any]] = None
-        self.last_s = 0.0  # perf_counter when the last checkpoint was taken
-        self.last_step = 0  # the replica step it was taken at (checkpoint.every_steps counts from it)
+        self.last_state: Optional[dict[str, Any]] = None  # the newest state taken, stored or not (class doc)
+        self.stored = Clock()  # the newest checkpoint stored, or the one the run resumed from
         self._cv = threading.Condition()
         self._waiting: Optional[WriteOrder] = None
-        self._busy = False
+        self._writing: Optional[WriteOrder] = None  # the order the background thread is storing
         self._outcomes: list[dict[str, Any]] = []
         self._thread: Optional[threading.Thread] = None
         self.taken_s: dict[tuple[str, int], float] = {}  # (tag, step) -> seconds on the training path (its event's)
+
+    @property
+    def last_s(self) -> float:
+        """perf_counter when the checkpoint that checkpoint.every_s counts from was taken (class doc)."""
+        return self._due_from().at_s
+
+    @property
+    def last_step(self) -> int:
+        """The replica step of the checkpoint that checkpoint.every_steps counts from (class doc)."""
+        return self._due_from().step
+
+    def _due_from(self) -> Clock:
+        """The newest write on its way (waiting, or being written), else the newest stored."""
+        with self._cv:
+            on_its_way = self._waiting or self._writing
+            return on_its_way.clock if on_its_way is not None else self.stored
+
+    def resumed(self, step: int) -> None:
+        """The run goes on from a stored checkpoint at replica step `step`: every_steps counts from it."""
+        with self._cv:
+            self.stored = Clock(self.stored.at_s, step)
 
     def _keeper_key(self, directory: str) -> str:
         """The key of the keeper of the run's checkpoint directory `directory` under this storage."""
@@ -227,10 +266,9 @@ class Checkpointer:
         # the run's step count (monotonic, the x-axis of the epoch metrics) orders the store
         stored = self.store.path_of(CheckpointStore.name_for(step, tag))
         path = self.store.path_of(named) if named else stored
-        self.last_state = state
-        self.last_s = time.perf_counter()
-        self.last_step = int(state.get("step") or 0)
-        order = WriteOrder(state, tag, step, epoch, self.store, named, before, dict(fields or {}))
+        self.last_state = state  # the newest taken; the clocks move once it is stored (class doc)
+        order = WriteOrder(state, tag, step, epoch, self.store, named, before, dict(fields or {}),
+                           Clock(time.perf_counter(), int(state.get("step") or 0)))
         if wait:
             if self.memory is not None:  # a background hand-over to a silent keeper does not hold this one up
                 self.memory.hurry()
@@ -239,8 +277,9 @@ class Checkpointer:
             finally:
                 if self.memory is not None:
                     self.memory.hurry(False)
-            outcome = self._perform(order, waited=True)
+            outcome = self._perform(order, waited=True)  # a store that fails raises: no clock moved
             with self._cv:
+                self.stored = order.clock
                 self._outcomes.append(outcome)
             return path, stored
         with self._cv:
@@ -283,21 +322,24 @@ class Checkpointer:
             with self._cv:
                 while self._waiting is None:
                     self._cv.wait()
-                order, self._waiting, self._busy = self._waiting, None, True
+                order, self._waiting = self._waiting, None
+                self._writing = order
             try:
                 outcome = self._perform(order)
             except Exception as exc:  # the store failed: said as the checkpoint's failure, the previous one kept
                 outcome = {"tag": order.tag, "failed": f"{type(exc).__name__}: {exc}", **order.fields}
             with self._cv:
+                if "failed" not in outcome:  # stored: the clocks count from it
+                    self.stored = order.clock
                 self._outcomes.append(outcome)
-                self._busy = False
+                self._writing = None
                 self._cv.notify_all()
 
     def drain(self, timeout_s: Optional[float] = DRAIN_S) -> bool:
         """Wait (at most timeout_s) until every write asked for is stored; False if one is still going."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
-            while self._busy or self._waiting is not None:
+            while self._writing is not None or self._waiting is not None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False

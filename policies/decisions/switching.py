@@ -86,9 +86,10 @@ class SchedulePolicy:
         below), the task's and train_loss (default: the classification task's)."""
         self.plan = plan
         self.goals = dict(goals or DEFAULT_GOALS)
-        self.current = 0
+        self.current = 0  # the phase decided last (the replicas run it once its switch commits)
         self.mark = _Mark(0, 0, 0.0)
         self.off = False  # a switch was rolled back: no further switch this run
+        self.commit()
 
     def decide(self, obs: Observation) -> Optional[Switch]:
         until = self.plan[self.current]["until"]
@@ -116,15 +117,25 @@ class SchedulePolicy:
         return self._advance(obs, f"until {key}", f"phase {self.current} ({self.plan[self.current]['mode']}) reached "
                              f"{key} {target:g}", numbers)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where the schedule is (a checkpoint holds it; `load_state_dict` takes it back)."""
+    def _place(self) -> dict[str, Any]:
         return {"current": self.current, "mark": [self.mark.epochs, self.mark.step, self.mark.elapsed_s],
                 "off": self.off}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the schedule was at the last switch carried out (`commit`): what a checkpoint
+        holds, so one taken while a decided switch waits records the phase the replicas run
+        (`load_state_dict` takes it back)."""
+        return dict(self._committed)
+
+    def commit(self) -> None:
+        """The switch decided last (or a rollback) is carried out: the replicas run its phase."""
+        self._committed = self._place()
 
     def load_state_dict(self, position: dict[str, Any]) -> None:
         self.current = position["current"]
         self.mark = _Mark(*position["mark"])
         self.off = position.get("off", False)
+        self.commit()
 
     def roll_back(self, phase: int) -> None:
         """A switch that hurt was undone (the controller's guard): the plan is at `phase` again
@@ -154,18 +165,26 @@ class AdaptivePolicy:
         self.probe_s = probe_s
         self.slow_ratio, self.recover_ratio = slow_ratio, recover_ratio
         self.patience, self.min_phase_s = patience, min_phase_s
-        self.current = self.SYNC
+        self.current = self.SYNC  # the phase decided last (the replicas run it once its switch commits)
         self.streak = 0
         self.last_switch_s = 0.0
         self.off = False  # a switch was rolled back: no further switch this run
+        self.commit()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"current": self.current, "streak": self.streak, "last_switch_s": self.last_switch_s, "off": self.off}
+        """The policy at the last switch carried out (`commit`), as a checkpoint holds it (SchedulePolicy)."""
+        return dict(self._committed)
+
+    def commit(self) -> None:
+        """The switch decided last (or a rollback) is carried out: the replicas run its phase."""
+        self._committed = {"current": self.current, "streak": self.streak, "last_switch_s": self.last_switch_s,
+                           "off": self.off}
 
     def load_state_dict(self, position: dict[str, Any]) -> None:
         self.current, self.streak, self.last_switch_s = (position["current"], position["streak"],
                                                          position["last_switch_s"])
         self.off = position.get("off", False)
+        self.commit()
 
     def roll_back(self, phase: int) -> None:
         """A switch that hurt was undone: the policy is in `phase` again and decides no further

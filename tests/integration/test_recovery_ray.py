@@ -165,6 +165,26 @@ def test_a_user_error_is_replaced_once_and_reported_with_its_traceback(ray_clust
     assert events(result, "replica_replaced") and result.epochs == 2
 
 
+@pytest.mark.parametrize("mode", ["downpour", pytest.param("allreduce", marks=pytest.mark.full),
+                                  pytest.param("easgd", marks=pytest.mark.full)])
+def test_a_user_error_in_the_epoch_s_evaluation_is_judged_by_the_failure_policy(ray_cluster, tmp_path, mode):
+    """A replica's evaluation raising once (an out-of-memory there) is a failure of that replica
+    like one in its training step: replaced, the run goes on, and no epoch logs a nan loss. (In
+    the sharded modes the evaluation is a call to every member, not a stream item.)"""
+    marker = tmp_path / "raised-once"
+    model = {"factory": "examples.models:failing_mlp",
+             "kwargs": {"fail_after_calls": 40, "once_marker": str(marker), "in_eval": True}}
+    cfg = job_config(model=model, stop={"epochs": 2}, scaling={"replicas": 2, "cpus_per_replica": 0.5},
+                     data={"batch_size": 8}, strategy={"mode": mode}, checkpoint={"storage": str(tmp_path / "ck")})
+    result = ElasticTrainer(cfg, show_progress=False).fit()
+    assert marker.exists()  # a replica's evaluation raised
+    [failed] = events(result, "replica_failed")
+    assert failed["cause"] == "error" and "injected failure in forward" in failed["detail"], failed
+    assert events(result, "replica_replaced") and result.epochs == 2
+    assert all(np.isfinite(e["train_loss"]) and np.isfinite(e["test_loss"]) for e in events(result, "epoch_end")), \
+        [(e["kind"], e.get("epoch"), e.get("train_loss"), e.get("test_loss"), e.get("rank")) for e in result.events]
+
+
 @pytest.mark.full
 def test_the_same_user_error_twice_on_a_fresh_replica_ends_the_run(ray_cluster, tmp_path):
     model = {"factory": "examples.models:failing_mlp", "kwargs": {"fail_after_calls": 25}}

@@ -356,7 +356,9 @@ def test_a_replica_lost_in_a_switchs_middle_restarts_it_from_the_phase_it_left(r
     a failure, the replica is replaced in downpour, and the switch is carried out again from the
     phase the plan recorded: one mode_switch, allreduce -> downpour, the shards seeded once more
     and every replica loading the reference it gives (before, the retry took the controller's
-    phase for the old one: "downpour -> downpour")."""
+    phase for the old one: "downpour -> downpour"); the metric before it and the guard's model
+    are those measured before the commit point (before, the retry measured them again on the
+    half-switched replicas)."""
     from orchestrator.testing.chaos import kill_process
     from orchestrator.fleet.replica_group import ReplicaGroup
 
@@ -365,6 +367,8 @@ def test_a_replica_lost_in_a_switchs_middle_restarts_it_from_the_phase_it_left(r
     def call(self, ranks, method, *args, **kwargs):
         if method == "set_mode":
             seen["set_mode"] = seen.get("set_mode", 0) + 1
+        if seen.get("set_mode") == 1:  # between the cut-short try and the retry
+            seen.setdefault("between", []).append(method)
         if method == "evaluate_reference" and seen.get("set_mode") == 1 and "killed" not in seen:
             seen["killed"] = kill_process(self.members[ranks[-1]])
         return original(self, ranks, method, *args, **kwargs)
@@ -374,6 +378,9 @@ def test_a_replica_lost_in_a_switchs_middle_restarts_it_from_the_phase_it_left(r
                      stop={"epochs": 2}, checkpoint={"storage": str(tmp_path / "ck")}, **SMALL)
     result, _, _, _ = fit_with(cfg, [])
     assert "killed" in seen and seen["set_mode"] == 2, seen  # carried out twice: once cut short, once whole
+    # the metric before it and the guard's model, measured once, on allreduce's model: the retry
+    # came after the commit point (the replicas in downpour), where they would be the new rule's
+    assert seen["between"].count("evaluate_reference") == 1, seen  # the killed try's check only: no second "before"
     [failed] = events(result, "replica_failed")
     assert failed["rank"] == 1 and failed["cause"] == "died"
     assert events(result, "replica_replaced")[0]["ranks"] == [1]

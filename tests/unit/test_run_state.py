@@ -145,3 +145,60 @@ def test_a_write_that_waits_is_stored_before_it_returns_and_raises_when_the_stor
     assert ck.drain(timeout_s=30)
     outcomes = ck.written()
     assert any("failed" in o for o in outcomes), outcomes  # said, not raised on the writer's thread
+
+
+def test_a_checkpoint_whose_write_failed_moves_no_clock_and_the_next_is_due_from_the_stored_one(tmp_path):
+    """checkpoint.every_s / every_steps count from the newest checkpoint stored: a background write
+    that failed, or one the run waited on that raised, moves neither clock (the next checkpoint is
+    due from the stored one); the state it held is still the newest taken (in memory: a repair
+    that lost every replica goes on from it)."""
+    import time
+
+    from orchestrator.persistence.run_state import Checkpointer
+
+    ck = Checkpointer(str(tmp_path), keep=5, run_name="clk")
+    before = time.perf_counter()
+    ck.write({"step": 10}, "e1", 10, 1, "id", wait=False)
+    assert ck.drain(timeout_s=30)
+    stored_s = ck.last_s
+    assert before <= stored_s <= time.perf_counter() and ck.last_step == 10  # when its state was taken
+    (tmp_path / "clk" / "ckpt-000000020-e2.pt").mkdir()  # a directory where the file must go: the store fails
+    ck.write({"step": 20}, "e2", 20, 2, "id", wait=False)
+    assert ck.drain(timeout_s=30)
+    assert "failed" in ck.written()[-1]
+    assert (ck.last_step, ck.last_s) == (10, stored_s)
+    assert ck.last_state["step"] == 20
+    (tmp_path / "clk" / "ckpt-000000030-final.pt").mkdir()
+    with pytest.raises(Exception):
+        ck.write({"step": 30}, "final", 30, 3, "id")  # one the run waits on: raised, and no clock moved
+    assert (ck.last_step, ck.last_s) == (10, stored_s)
+
+
+def test_a_superseded_checkpoint_moves_no_clock_and_one_on_its_way_is_not_due_again(tmp_path):
+    """While a write waits or is being written, the clocks count from it (a checkpoint inside the
+    epoch is not asked for again at every partition boundary until it lands); one superseded
+    before it was written, and the newer one that then failed, leave them at the stored one."""
+    import threading
+
+    from orchestrator.persistence.run_state import Checkpointer
+
+    ck = Checkpointer(str(tmp_path), keep=5, run_name="sup", flush_s=30)
+    gate, held = threading.Event(), threading.Event()
+
+    class Flush:  # the first checkpoint's MLflow flush: says when the writer waits on it
+        def wait(self, timeout):
+            held.set()
+            return gate.wait(timeout)
+
+    ck.write({"step": 10}, "e10", 10, 1, "id", wait=False, before=Flush())
+    assert held.wait(30) and ck.last_step == 10  # being written: the clocks count from it
+    (tmp_path / "sup" / "ckpt-000000030-e30.pt").mkdir(parents=True)  # the newest one's store will fail
+    for step in (20, 30):
+        ck.write({"step": step}, f"e{step}", step, 1, "id", wait=False)
+        assert ck.last_step == step  # waiting: the newest on its way
+    gate.set()
+    assert ck.drain(timeout_s=30)
+    done = {o["tag"]: o for o in ck.written()}
+    assert "stored" in done["e10"] and done["e20"]["superseded_by"] == "e30" and "failed" in done["e30"]
+    assert ck.last_step == 10  # the stored one: the next checkpoint is due from it
+    assert ck.last_state["step"] == 30  # the newest taken, for a repair

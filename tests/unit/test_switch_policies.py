@@ -53,6 +53,7 @@ def test_a_rolled_back_policy_decides_no_further_switch_and_a_checkpoint_keeps_t
                 adaptive(async_mode="downpour")):
         slow = {0: 0.010, 1: 0.031}
         pol.roll_back(0)
+        pol.commit()  # the rollback carried out (its switch's commit point)
         assert pol.current == 0 and pol.off
         for t in range(3, 12):  # past every threshold, patience and min_phase_s
             assert pol.decide(obs(step=100 * t, elapsed_s=10.0 * t, compute_s=slow)) is None
@@ -236,3 +237,30 @@ def test_with_backups_and_three_replicas_the_in_time_two_alone_are_not_a_recover
     even = {0: 0.010, 1: 0.010, 2: 0.011}
     assert pol.decide(obs(elapsed_s=16, compute_s=even, rows=rows, members=3)) is None
     assert pol.decide(obs(elapsed_s=17, compute_s=even, rows=rows, members=3)).rule == "recovered"
+
+
+def test_a_checkpoint_taken_while_a_decided_switch_waits_records_the_phase_that_runs():
+    """The policy's place in a checkpoint is the phase the replicas run: a switch decided but not
+    carried out yet (the replicas pausing for it, or an epoch's end before it) leaves it where it
+    was, so a run resumed from that checkpoint runs phase N and switches again, from phase N's
+    model (its own mode_switch), instead of starting in N+1 with N's model."""
+    phases = ({"mode": "allreduce", "until": {"steps": 50}}, {"mode": "downpour"})
+    pol = schedule(*phases)
+    assert pol.decide(obs(step=50, elapsed_s=2.0)).phase == 1
+    saved = pol.state_dict()
+    assert saved["current"] == 0 and saved["mark"] == [0, 0, 0.0]
+    resumed = schedule(*phases)
+    resumed.load_state_dict(saved)
+    assert resumed.decide(obs(step=55, elapsed_s=2.5)).phase == 1  # decided again after the resume
+    pol.commit()  # the switch's commit point: the replicas run phase 1 from here
+    assert pol.state_dict()["current"] == 1 and pol.state_dict()["mark"] == [0, 50, 2.0]
+
+    ada = adaptive(patience=1, min_phase_s=0)
+    assert ada.decide(obs(compute_s={0: 0.01, 1: 0.05}, elapsed_s=4.0)).mode == "easgd"
+    assert ada.state_dict()["current"] == 0  # decided, not carried out
+    ada.commit()
+    assert ada.state_dict() == {"current": 1, "streak": 0, "last_switch_s": 4.0, "off": False}
+    ada.roll_back(0)  # a rollback is a switch too: carried out, then committed
+    assert ada.state_dict()["current"] == 1
+    ada.commit()
+    assert ada.state_dict()["current"] == 0 and ada.state_dict()["off"]

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import ray
 
-from orchestrator.checks import Lane
+from orchestrator.checks import Lane, one_line
 from orchestrator.control.states import EpochSegment
 from policies.decisions.failure import ReplicaFailure
 from policies.decisions.lr_scaling import LrSchedule
@@ -51,6 +51,10 @@ if TYPE_CHECKING:
 LOOK_TIMEOUT_S = 10.0  # one look at the cluster's resources
 RAYLET_PROBE_TIMEOUT_S = 1.0  # a node whose raylet does not accept a connection within this is lost
 JOIN_TIMEOUT_S = 120.0  # new replicas not started by then are given up (their resources never came)
+POLL_FAILURES_SAID = 20  # distinct failures of the scaling poll said in a run (not one per poll forever)
+# a bug in this code, not a cluster or autoscaler that did not answer: raised from the poll (the run
+# ends with its traceback), never taken for a failed look and retried every scaling.poll_s
+PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, AssertionError)
 
 
 @dataclass
@@ -64,6 +68,23 @@ class Joining:
     t_decide_wall: float
     t_decide: float
     room_seen_wall: float  # the first poll of the streak that saw room
+
+
+@dataclass
+class PollFailures:
+    """The scaling poll's failures said so far: each distinct one (its type and message) once, so
+    a look that fails in a new way is said even after an earlier one was, and the same failure
+    poll after poll is said once (at most POLL_FAILURES_SAID in a run)."""
+
+    said: set[str] = field(default_factory=set)
+
+    def new(self, exc: BaseException) -> Optional[str]:
+        """`exc` in words ("TimeoutError: ...") if it is to be said now; None if it was already."""
+        words = f"{type(exc).__name__}: {one_line(exc)}"
+        if words in self.said or len(self.said) >= POLL_FAILURES_SAID:
+            return None
+        self.said.add(words)
+        return words
 
 
 @dataclass
@@ -87,7 +108,7 @@ class Elasticity:
     joining: Optional[Joining] = None
     _next_poll: float = 0.0
     _room_since: Optional[float] = None
-    _look_failed: bool = False
+    failures: PollFailures = field(default_factory=PollFailures)  # the poll's failures said so far
     lane: Lane = field(default_factory=lambda: Lane("the cluster"))  # every look and request, one thread
 
     def __post_init__(self) -> None:
@@ -183,20 +204,28 @@ class Elasticity:
 
     # ---- growing -----------------------------------------------------------------------------
     def tick(self, seg: Optional[EpochSegment] = None, switching: bool = False) -> None:
-        """`poll` (and, with the epoch in flight, `pause_for_ready`), where a failed look at the
-        cluster is reported (once) and training goes on. Not while failures wait for the failure
-        policy: a hung or raising replica is already out of the group, and the room it left is
-        its replacement's, not a grow's."""
+        """`poll` (and, with the epoch in flight, `pause_for_ready`). A look at the cluster or a
+        request to the autoscaler that fails (no answer in time, a cluster or autoscaler that
+        refuses) is said, an event and a line, once for each distinct failure (`PollFailures`),
+        and training goes on: the next poll looks again. A programming error here
+        (PROGRAMMING_ERRORS) is raised: the run ends with its traceback rather than running on
+        without elasticity, unsaid. Not while failures wait for the failure policy: a hung or
+        raising replica is already out of the group, and the room it left is its replacement's,
+        not a grow's."""
         if seg is not None and seg.failures:
             return
         try:
             self.poll()
             if seg is not None:
                 self.pause_for_ready(seg, switching)
+        except PROGRAMMING_ERRORS:
+            raise
         except Exception as exc:
-            if not self._look_failed:
-                self._look_failed = True
-                self.run.report.event("scaling_poll_failed", error=f"{type(exc).__name__}: {exc}")
+            said = self.failures.new(exc)
+            if said is not None:
+                self.run.report.event("scaling_poll_failed", error=said)
+                self.run.report.say(f"the scaling poll failed ({said}); training goes on, and the next poll "
+                                    f"(every {self.run.cfg.scaling.poll_s:g}s) looks again")
 
     def poll(self) -> None:
         """Every scaling.poll_s: ask the policy; act on a grow (shrinks come as failures)."""

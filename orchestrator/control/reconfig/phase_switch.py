@@ -143,12 +143,16 @@ class Switching(Change):
         """The metric before; the shards seeded from the replicas or carried over; every replica's
         rule changed in place."""
         group, ranks, timeout_s = run.fleet.group, run.fleet.group.ranks, run.cfg.strategy.timeout_s
-        before = evaluate(run)
-        self.before = run.headline_value(before)
         rollback, margin = self.plan.rollback, run.cfg.strategy.rollback_margin
-        if rollback is None and margin is not None and run.loss_metric in before:  # this switch goes on probation
-            self.guard = Guard(run.phase.phases[-1]["phase"], self.old_mode, group.call([ranks[0]], "state", what="state")[0],
-                               before[run.loss_metric], checks=2 if seg.begun else 1)
+        if self.plan.measured is None:  # once: a retry past the commit point would measure the new rule's model
+            before = evaluate(run)
+            guard = None
+            if rollback is None and margin is not None and run.loss_metric in before:  # this switch goes on probation
+                guard = Guard(run.phase.phases[-1]["phase"], self.old_mode,
+                              group.call([ranks[0]], "state", what="state")[0], before[run.loss_metric],
+                              checks=2 if seg.begun else 1)
+            self.plan.measured = (run.headline_value(before), guard)
+        self.before, self.guard = self.plan.measured
         if self.new_spec.sharded and rollback is None:  # a rollback seeds the shards from the state it loads
             clocks = {r: step for r, step in zip(ranks, group.call(ranks, "current_step", what="steps"))}
             if self.old_spec.sharded:
@@ -173,6 +177,7 @@ class Switching(Change):
         self.pending.guard = self.guard  # an interrupt from here on leaves a checkpoint of the new mode, on probation
         group.set_strategy(self.new_strategy, until)  # a replacement or a grow's replica joins on probation too
         run.phase.set(self.new_strategy)
+        run.policies.switch.commit()  # a checkpoint from here on records the new phase (before: the old one)
         self.carried = group.call(ranks, "set_mode", self.new_strategy, self.old_spec.sharded, until, what="set mode")
         if self.new_spec.process_group and any(c["local_optimizer"] == "carried" for c in self.carried):
             # into allreduce: every replica must take the same step, so the momentum each kept

@@ -60,8 +60,8 @@ def replan(run: "RunContext", plan: Plan, seg: EpochSegment, lost: MemberLost) -
     new = []
     for rank in lost.ranks:
         cause = lost.causes[rank]
-        failure = ReplicaFailure(rank, cause, f"{cause} during a repair ({lost.what})",
-                                 replacement=rank in run.fleet.group.replacements)
+        detail, tb = lost.errors.get(rank, (f"{cause} during a repair ({lost.what})", ""))
+        failure = ReplicaFailure(rank, cause, detail, tb, replacement=rank in run.fleet.group.replacements)
         run.report.event("replica_failed", rank=rank, epoch=seg.epoch, cause=cause,
                          detected_by=DETECTED_BY[cause], detail=failure.detail, t_wall=round(now, 3),
                          during="repair")
