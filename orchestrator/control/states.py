@@ -49,6 +49,8 @@ class Plan:
     decisions: list[Decision]
     t_detect_wall: float
     steps_at_interrupt: dict[int, int] = field(default_factory=dict)  # lock-step survivors' steps
+    # rank -> how: replacements an earlier try of this repair made, alive: kept when it is carried out again
+    made: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass

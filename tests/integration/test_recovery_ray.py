@@ -153,6 +153,41 @@ def test_a_replica_stopped_at_an_epochs_end_is_hung_after_the_hang_timeout_not_t
     assert result.epochs == 2 and np.isfinite(result.final.test_loss)
 
 
+@pytest.mark.full
+def test_a_second_loss_inside_a_repair_keeps_the_replacement_the_first_try_made(ray_cluster, tmp_path, monkeypatch):
+    """allreduce, 3 replicas: replica 2 is SIGKILLed; as the repair re-forms the process group
+    with its replacement, replica 0 (the group's head) is SIGKILLed too. The repair is carried out
+    again with both: the replacement for replica 2, alive and a member, is kept (the same actor
+    to the end) and only replica 0 gets a new one (before, the retry killed the replacement it
+    had made and started another)."""
+    import time
+
+    from orchestrator.fleet.replica_group import ReplicaGroup
+    from orchestrator.testing.chaos import kill_process
+
+    original, seen = ReplicaGroup.form, {"ids_of_2": []}
+
+    def form(self):
+        if self.generation >= 1 and "killed" not in seen:  # the first re-forming: the repair's
+            seen["killed"] = kill_process(self.members[0])
+            time.sleep(1.0)  # gone before the rendezvous asks it
+        if "killed" in seen:
+            seen["ids_of_2"].append(self.members[2]._actor_id.hex())
+        return original(self)
+
+    monkeypatch.setattr(ReplicaGroup, "form", form)
+    cfg = job_config(scaling={"replicas": 3, "cpus_per_replica": 0.5}, stop={"epochs": 2}, data={"batch_size": 8},
+                     tracking={"progress_interval_s": 0, "log_every_steps": 1},
+                     checkpoint={"storage": str(tmp_path / "ck")})
+    result, _, _, _ = fit_with(cfg, [Fault("kill_replica", 2, at_step=20)])
+    failed = events(result, "replica_failed")
+    assert "killed" in seen and [(e["rank"], e.get("during")) for e in failed] == [(2, None), (0, "repair")], failed
+    assert len(seen["ids_of_2"]) >= 2 and len(set(seen["ids_of_2"])) == 1, seen  # one replacement, kept
+    [replaced] = events(result, "replica_replaced")
+    assert sorted(replaced["ranks"]) == [0, 2], replaced
+    assert result.epochs == 2 and np.isfinite(result.final.test_loss)
+
+
 def test_a_user_error_is_replaced_once_and_reported_with_its_traceback(ray_cluster, tmp_path):
     marker = tmp_path / "raised-once"
     model = {"factory": "examples.models:failing_mlp", "kwargs": {"fail_after_calls": 25, "once_marker": str(marker)}}

@@ -46,16 +46,19 @@ def reconfigure(run: "RunContext", plan: Plan, seg: EpochSegment) -> EpochSegmen
     (a survivor, the donor or a newcomer: MemberLost) is decided by the failure policy like any
     failure and folded into the plan, which is carried out again from the top."""
     for _ in range(MAX_REPLANS):
+        repair = Repair(plan)
         try:
-            return carry_out(run, plan, seg)
+            return carry(run, repair, seg)
         except MemberLost as lost:
-            plan = replan(run, plan, seg, lost)
+            plan = replan(run, plan, seg, lost, made={r: repair.how[r] for r in repair.replaced if r not in lost.ranks})
     return carry_out(run, plan, seg)
 
 
-def replan(run: "RunContext", plan: Plan, seg: EpochSegment, lost: MemberLost) -> Plan:
+def replan(run: "RunContext", plan: Plan, seg: EpochSegment, lost: MemberLost,
+           made: Optional[dict[int, str]] = None) -> Plan:
     """The plan with the replicas lost during it added (a failure event and a decision each); a
-    newcomer that died is replaced again, within the restart budget."""
+    newcomer that died is replaced again, within the restart budget. `made`: the replacements
+    the try made that are alive (rank -> how): members already, kept by the next try."""
     now = time.time()
     new = []
     for rank in lost.ranks:
@@ -73,7 +76,8 @@ def replan(run: "RunContext", plan: Plan, seg: EpochSegment, lost: MemberLost) -
         raise TrainingError(f"epoch {seg.epoch}: {decisions.reason}")
     failures = [f for f in plan.failures if f.rank not in lost.ranks] + new
     steps = {r: s for r, s in plan.steps_at_interrupt.items() if r not in lost.ranks}
-    return Plan(failures, kept + decisions, plan.t_detect_wall, steps)
+    alive = {r: how for r, how in {**plan.made, **(made or {})}.items() if r not in lost.ranks}
+    return Plan(failures, kept + decisions, plan.t_detect_wall, steps, made=alive)
 
 
 def carry_out(run: "RunContext", plan: Plan, seg: EpochSegment) -> EpochSegment:
@@ -108,6 +112,10 @@ class Repair(Change):
         group = run.fleet.group
         self.old_size = len(set(group.members) | self.failed)
         for d in self.plan.decisions:
+            if isinstance(d, Replace) and d.rank in self.plan.made and d.rank in group.members:
+                self.how[d.rank] = self.plan.made[d.rank]  # made by an earlier try, alive: kept, not started again
+                self.replaced.append(d.rank)
+                continue
             group.remove(d.rank)  # a dead actor: a no-op; ensures nothing of it is left
             if isinstance(d, Replace):
                 if d.backoff_s:
