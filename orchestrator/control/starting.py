@@ -13,7 +13,7 @@ from orchestrator.control.reconfig import phase_switch
 from orchestrator.fleet.model_state import for_loading
 from orchestrator.fleet.cluster import beside_driver
 from orchestrator.data.placement import place_data
-from orchestrator.persistence.run_state import UNSAVED, Position
+from orchestrator.persistence.run_state import UNSAVED, Position, resolve_probation
 from orchestrator.persistence.resume import FROM_MEMORY
 from orchestrator.control.states import EpochSegment, Guard, Pending
 from policies.decisions.leases import MAX_GRANT
@@ -111,7 +111,7 @@ def resumed_pending(run: "RunContext") -> Pending:
     taken while a switch was on probation) that switch's guard, still judging: the epoch ends it
     has left roll the switch back if the loss rose, as they would have without the restart (the
     replicas were started on probation until its last epoch: RunContext)."""
-    return Pending(guard=Guard.from_saved((run.resume or {}).get("probation")))
+    return Pending(guard=Guard.from_saved(resolve_probation((run.resume or {}).get("probation"))))
 
 
 def estimate_steps(run: "RunContext") -> None:

@@ -104,6 +104,21 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     return torch.load(io.BytesIO(data), weights_only=True)
 
 
+def load_aside(ref: dict[str, Any]) -> dict[str, Any]:
+    """The state a `CheckpointStore.save_aside` reference names, checked against its length and
+    sha256; ValueError saying why when it is gone or differs."""
+    try:
+        fs, p = filesystem_of(ref["path"])
+        with fs.open_input_stream(p) as f:
+            data = f.read()
+    except Exception as exc:
+        raise ValueError(f"{ref['path']}: unreadable ({one_line(exc)})") from None
+    state, why = decode_payload(data, ref)
+    if state is None:
+        raise ValueError(f"{ref['path']}: {why}")
+    return state
+
+
 def _load_error(exc: BaseException, limit: int = 300) -> str:
     """torch.load's complaint, short: weights_only refusals explain at length how to load
     untrusted files; the unpickler's own sentence is what names the problem."""
@@ -203,6 +218,15 @@ class CheckpointStore:
         _write_atomic(self.fs, self.directory, name + SIDECAR, json.dumps(meta, indent=1).encode())
         self.prune()
         return self.path_of(name)
+
+    def save_aside(self, name: str, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` as <name> in the run's directory, beside the checkpoints and never pruned with
+        them (a switch's guard: one copy that every checkpoint on its probation names); returns
+        the reference they hold: its path, length and sha256 (`load_aside`)."""
+        data = _serialize(state)
+        self.fs.create_dir(self.directory, recursive=True)
+        _write_atomic(self.fs, self.directory, name, data)
+        return {"path": self.path_of(name), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
     def _scan(self) -> tuple[list[str], set[str]]:
         """The payload names and the sidecar names in the run's directory (temporary files and

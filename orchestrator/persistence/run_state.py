@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from dataclasses import asdict
 from typing import Any, Callable, Optional, Protocol
 
-from orchestrator.persistence.checkpoint import CheckpointStore, save_checkpoint
+from orchestrator.persistence.checkpoint import CheckpointStore, load_aside, save_checkpoint
 from orchestrator.persistence.memory_copy import MemoryCopy, directory_key, end_leftover
 
 
@@ -212,6 +212,7 @@ class Checkpointer:
                  in_memory_keep_s: Optional[float] = None) -> None:
         self.storage, self.keep, self.run_name, self.flush_s = storage, keep, run_name, flush_s
         self.store: Optional[CheckpointStore] = None  # opened at the first checkpoint (the run id is known then)
+        self._asides: dict[str, Any] = {}  # the guard written beside the checkpoints: its key and reference
         self.in_memory_keep_s = in_memory_keep_s  # checkpoint.in_memory: a keeper holds each one too, this long unheard
         self.memory: Optional[MemoryCopy] = None  # that keeper (opened with the store)
         self.last_state: Optional[dict[str, Any]] = None  # the newest state taken, stored or not (class doc)
@@ -263,6 +264,9 @@ class Checkpointer:
                 self.memory.close()
             if self.in_memory_keep_s is not None:
                 self.memory = MemoryCopy(self._keeper_key(directory), self.in_memory_keep_s)
+        guard = state.get("probation")
+        if guard and "state" in guard:  # a switch's guard: its model once, beside the checkpoints
+            state = {**state, "probation": self._guard_aside(guard, step)}
         # the run's step count (monotonic, the x-axis of the epoch metrics) orders the store
         stored = self.store.path_of(CheckpointStore.name_for(step, tag))
         path = self.store.path_of(named) if named else stored
@@ -335,6 +339,16 @@ class Checkpointer:
                 self._writing = None
                 self._cv.notify_all()
 
+    def _guard_aside(self, guard: dict[str, Any], step: int) -> dict[str, Any]:
+        """A switch's guard (policies: the model from before the switch, kept while it is on
+        probation) as a checkpoint holds it: its small fields and a reference to one copy of its
+        model written beside the checkpoints at the first checkpoint on that probation
+        (`guard-<step>.pt`), so a checkpoint on probation is not twice the size of another."""
+        key = (guard["phase"], guard["mode"], guard["loss"], guard["until"], self.store.directory)
+        if self._asides.get("key") != key:
+            self._asides = {"key": key, "ref": self.store.save_aside(f"guard-{step:09d}.pt", guard["state"])}
+        return {**{k: v for k, v in guard.items() if k != "state"}, "state_ref": self._asides["ref"]}
+
     def drain(self, timeout_s: Optional[float] = DRAIN_S) -> bool:
         """Wait (at most timeout_s) until every write asked for is stored; False if one is still going."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -367,3 +381,11 @@ class Checkpointer:
         with self._cv:
             out, self._outcomes = self._outcomes, []
         return out
+
+
+def resolve_probation(saved: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """A checkpoint's `probation` with its guard's model in hand: read from the copy beside the
+    checkpoints it names (`state_ref`, checked), or as an older checkpoint held it inline."""
+    if not saved or "state_ref" not in saved:
+        return saved
+    return {**{k: v for k, v in saved.items() if k != "state_ref"}, "state": load_aside(saved["state_ref"])}

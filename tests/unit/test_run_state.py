@@ -202,3 +202,29 @@ def test_a_superseded_checkpoint_moves_no_clock_and_one_on_its_way_is_not_due_ag
     assert "stored" in done["e10"] and done["e20"]["superseded_by"] == "e30" and "failed" in done["e30"]
     assert ck.last_step == 10  # the stored one: the next checkpoint is due from it
     assert ck.last_state["step"] == 30  # the newest taken, for a repair
+
+
+def test_a_checkpoint_on_probation_holds_its_guard_s_model_once_beside_it_not_inside(tmp_path):
+    """A switch on probation keeps the model from before it (its guard) so a resumed run can roll
+    back: written once beside the checkpoints, each checkpoint on probation naming it, so one
+    taken on probation is about the size of one taken off it, and the guard comes back whole."""
+    import os
+
+    from orchestrator.persistence.checkpoint import load_checkpoint
+    from orchestrator.persistence.run_state import Checkpointer, resolve_probation
+
+    model = {"w": torch.randn(256, 256)}
+    before = {"model": {"w": torch.randn(256, 256)}, "optimizer": None, "step": 40}
+    guard = {"phase": 0, "mode": "allreduce", "state": before, "loss": 0.3, "checks": 2, "until": 3}
+    ck = Checkpointer(str(tmp_path), keep=5, run_name="p")
+    off, _ = ck.write({"model": model, "step": 40}, "e1", 40, 1, "id")
+    on = [ck.write({"model": model, "step": s, "probation": guard}, f"e{s}", s, 2, "id")[0] for s in (50, 60)]
+    for path in on:
+        assert os.path.getsize(path) <= 1.1 * os.path.getsize(off), (path, os.path.getsize(off))
+    saved = [load_checkpoint(p)["probation"] for p in on]
+    assert saved[0] == saved[1] and "state" not in saved[0]  # both name the one copy
+    back = resolve_probation(saved[1])
+    assert {k: back[k] for k in ("phase", "mode", "loss", "checks", "until")} == \
+        {"phase": 0, "mode": "allreduce", "loss": 0.3, "checks": 2, "until": 3}
+    assert torch.equal(back["state"]["model"]["w"], before["model"]["w"]) and back["state"]["step"] == 40
+    assert resolve_probation(None) is None and resolve_probation(guard) is guard  # an older checkpoint's, inline
