@@ -6,8 +6,8 @@ are ready.
 
 Failures are seen here, within seconds:
 - died: a stream's next item raises RayActorError (the process or its node is gone: ~0.05 s);
-  ActorUnavailableError (unreachable for now: not known dead) counts as hung
-  (orchestrator/fleet/outcomes.py: outcome_of);
+  ActorUnavailableError (unreachable: its node removed or cut off) reads the same, here as in
+  every call (orchestrator/fleet/outcomes.py: outcome_of);
 - error: it raises RayTaskError (the user's model or data raised; the replica left its process
   group first, so its peers fail at once);
 - hung: no item from a replica for fault_tolerance.hang_timeout_s (lock-step modes: plus
@@ -146,7 +146,7 @@ def read_item(run: "RunContext", seg: EpochSegment, rank: int, stream: Any) -> N
     except StopIteration:
         del seg.streams[rank]
         return
-    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:  # gone, or unreachable for now
+    except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:  # gone, or unreachable
         fail(run, seg, replica_failure(rank, exc, replacement=rank in run.fleet.group.replacements))
         return
     except ray.exceptions.GetTimeoutError:

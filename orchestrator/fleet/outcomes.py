@@ -57,31 +57,24 @@ def outcome_of(exc: BaseException) -> Outcome:
     one reading of Ray's errors, for every caller (the group's calls, a replica's epoch stream,
     the shards, the partition server).
 
-        RayTaskError                    raised: the actor ran the call and it raised (the actor
-                                        lives; with an actor's death in it when its own code let
-                                        one escape: `actor_error`)
-        ActorUnavailableError           hung: the actor cannot be reached for now (its node is
-                                        unreachable, or it is restarting); Ray says it may be
-                                        available later and the call may or may not have run. Not
-                                        known dead, and no answer came: what a silent actor is
-        RayActorError (ActorDiedError), died: the actor's process is gone, or the node that held
-        ObjectLostError                 its answer (the caller asks the actor when the error may
-                                        be an input's maker's: ReplicaGroup)
+        RayActorError (ActorDiedError,  died: the actor's process is gone, or the node that held
+        ActorUnavailableError),         its answer; an actor unreachable (its node removed or cut
+        ObjectLostError                 off) is taken for gone too: Ray says it may come back but
+                                        not when, and the call may or may not have run, which a
+                                        lock-step group cannot wait out. A task error with an
+                                        actor's death joined to it reads the same (the caller
+                                        asks the actor when the death may be an input's maker's:
+                                        ReplicaGroup)
+        RayTaskError                    raised: the actor ran the call and it raised
         GetTimeoutError                 hung: no answer in time
-        anything else                   raised
-
-    A subclass of RayActorError is read before RayActorError itself, so an unreachable actor is
-    never taken for a dead one."""
+        anything else                   raised"""
     first = str(exc).splitlines()[0] if str(exc) else ""
     errors = ray.exceptions
+    if isinstance(exc, (errors.RayActorError, errors.ObjectLostError)):  # ActorUnavailableError is one
+        return Outcome(DIED, detail=f"{type(exc).__name__}: {first}", actor_error=True)
     if isinstance(exc, errors.RayTaskError):
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-        death = isinstance(exc, (errors.RayActorError, errors.ObjectLostError))  # Ray's class joined with the cause's
-        return Outcome(RAISED, detail=str(cause), actor_error=death)
-    if isinstance(exc, errors.ActorUnavailableError):
-        return Outcome(HUNG, detail=f"unavailable ({type(exc).__name__}: {first})", actor_error=True)
-    if isinstance(exc, (errors.RayActorError, errors.ObjectLostError)):
-        return Outcome(DIED, detail=f"{type(exc).__name__}: {first}", actor_error=True)
+        return Outcome(RAISED, detail=str(cause))
     if isinstance(exc, errors.GetTimeoutError):
         return Outcome(HUNG, detail=first)
     return Outcome(RAISED, detail=f"{type(exc).__name__}: {first}")
@@ -99,7 +92,7 @@ def replica_failure(rank: int, exc: BaseException, replacement: bool = False) ->
         cause = exc.cause if getattr(exc, "cause", None) is not None else exc
         return ReplicaFailure(rank, "error", error_detail(type(cause).__name__, str(cause)), str(exc),
                               replacement=replacement)
-    gone = "the replica's process is gone" if out.status == DIED else "the replica is unreachable for now"
+    gone = "the replica's process is gone (or unreachable)" if out.status == DIED else "the replica did not answer"
     return ReplicaFailure(rank, REPLICA_CAUSES[out.status], f"{gone} ({out.detail})", replacement=replacement)
 
 

@@ -286,14 +286,14 @@ class ReplicaGroup:
         return sorted(r for r, status in self._lost(dict(self.members), timeout_s).items() if status == DIED)
 
     def lost_members(self, timeout_s: float = LIVENESS_TIMEOUT_S) -> dict[int, str]:
-        """The members whose actors are gone or cannot be reached for now, asked: rank -> died | hung."""
+        """The members whose actors are gone (or unreachable), asked: rank -> died (outcome_of)."""
         return self._lost(dict(self.members), timeout_s)
 
     @staticmethod
     def _lost(actors: dict[Any, Any], timeout_s: float = LIVENESS_TIMEOUT_S) -> dict[Any, str]:
-        """The keys of `actors` whose actor a fresh call finds gone (died) or unreachable for now
-        (hung: Ray's ActorUnavailableError), as outcomes.outcome_of reads it: key -> died | hung.
-        One that does not answer in time (busy, stopped) is not known to be lost."""
+        """The keys of `actors` whose actor a fresh call finds gone, as outcomes.outcome_of reads
+        it (an unreachable one too): key -> died. One that does not answer in time (busy,
+        stopped) is not known to be lost."""
         if not actors:
             return {}
         refs = {k: a.pid.remote() for k, a in actors.items()}

@@ -131,7 +131,7 @@ class ServerLink:
                 except RayActorError as exc:
                     if outcome_of(exc).status == DIED:
                         self._rebuild("ping")
-                    else:  # unreachable for now (hung): asked again, silent since the first unanswered ping
+                    else:  # not known gone: asked again, silent since the first unanswered ping
                         self._ping = self.handle.incarnation.remote()
             if self._ping is not None and now - self._ping_at > self.hang_s:
                 self._rebuild(f"no answer to a ping for {self.hang_s:.0f}s", kill=True)

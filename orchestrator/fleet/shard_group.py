@@ -171,7 +171,7 @@ class ShardGroup:
         except RayActorError as exc:
             if outcome_of(exc).status == DIED:
                 return self._died(i, slot, "snapshot", now)
-            slot.pending_snapshot = None  # unreachable for now (hung): asked again when the next one is due
+            slot.pending_snapshot = None  # not known gone: asked again when the next one is due
         try:
             if slot.ping is not None and ray.wait([slot.ping], timeout=0)[0]:
                 _, version, _ = ray.get(slot.ping)
@@ -180,7 +180,7 @@ class ShardGroup:
         except RayActorError as exc:
             if outcome_of(exc).status == DIED:
                 return self._died(i, slot, "ping", now)
-            # unreachable for now (hung): asked again, its silence counted from the first unanswered ping
+            # not known gone: asked again, its silence counted from the first unanswered ping
             slot.ping = slot.handle.status.remote()
         if slot.ping is not None and self.hang_s is not None and now - slot.ping_at > self.hang_s:
             # stopped (SIGSTOP), stuck: its clients would wait on it; a rebuild replaces it
@@ -235,7 +235,7 @@ class ShardGroup:
         except RayActorError as exc:
             if outcome_of(exc).status == DIED:
                 slot.state = "dead"  # the new incarnation died too: try again (same snapshot)
-            else:  # unreachable for now (hung): asked again
+            else:  # not known gone: asked again
                 slot.starting = slot.handle.status.remote()
             return
         slot.recovery_s = time.monotonic() - slot.dead_at
@@ -251,7 +251,7 @@ class ShardGroup:
             return None
         try:
             info = ray.get(slot.info)
-        except RayActorError as exc:  # died again (_check notices), or unreachable for now: asked again
+        except RayActorError as exc:  # died again (_check notices), or not known gone: asked again
             if outcome_of(exc).status == HUNG:
                 slot.info = None
             return None

@@ -128,7 +128,7 @@ class SparePool:
             if ping is not None:
                 try:
                     ray.get(ping, timeout=0)
-                except Exception as exc:  # noqa: BLE001 - died: replaced; else (unreachable) not known to be dead
+                except Exception as exc:  # noqa: BLE001 - died (or unreachable): replaced; else not known to be dead
                     if outcome_of(exc).status == DIED:
                         self._drop(spare)
                         self.actors.append(self._new())

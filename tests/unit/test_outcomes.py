@@ -11,14 +11,16 @@ from orchestrator.fleet.outcomes import DIED, HUNG, RAISED, outcome_of, replica_
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_an_actor_unreachable_for_now_is_hung_not_dead():
-    """ActorUnavailableError (a RayActorError): its node is unreachable or it is restarting, and
-    it may answer later. Not known dead: hung, as a replica that does not answer is."""
+def test_an_actor_unreachable_is_taken_for_gone_everywhere():
+    """ActorUnavailableError (a RayActorError): its node is unreachable (removed, cut off) or it
+    is restarting. Ray does not say when it comes back, and the call may or may not have run: it
+    reads died for every caller (before, the shards' and the server's reading said hung and the
+    replicas' said died)."""
     exc = rx.ActorUnavailableError("its node is unreachable", None)
     out = outcome_of(exc)
-    assert out.status == HUNG and "unavailable" in out.detail and out.actor_error
+    assert out.status == DIED and "ActorUnavailableError" in out.detail and out.actor_error
     failure = replica_failure(2, exc, replacement=True)
-    assert (failure.rank, failure.cause, failure.replacement) == (2, "hung", True)
+    assert (failure.rank, failure.cause, failure.replacement) == (2, "died", True)
     assert "unreachable" in failure.detail
 
 
@@ -36,11 +38,11 @@ def test_a_call_that_raised_is_raised_and_one_not_answered_in_time_is_hung():
     assert out.status == RAISED and out.detail == "bad batch" and not out.actor_error
     failure = replica_failure(1, raised.as_instanceof_cause())
     assert failure.cause == "error" and failure.detail == "ValueError: bad batch" and "bad batch" in failure.traceback
-    # the actor's own code let another actor's death escape: the actor lives and raised, with a
-    # death in it (ReplicaGroup then looks for the dead member)
+    # an actor's death joined to a task error reads as that death (ReplicaGroup then asks the
+    # actor whether the dead one is it or an input's maker)
     dual = rx.RayTaskError("step", "tb", rx.ActorDiedError()).as_instanceof_cause()
     assert isinstance(dual, rx.RayActorError)
-    assert outcome_of(dual).status == RAISED and outcome_of(dual).actor_error
+    assert outcome_of(dual).status == DIED and outcome_of(dual).actor_error
     assert outcome_of(rx.GetTimeoutError("no answer within 5s")).status == HUNG
     assert not outcome_of(rx.GetTimeoutError("no answer within 5s")).actor_error
 

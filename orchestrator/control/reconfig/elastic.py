@@ -164,11 +164,12 @@ class Elasticity:
         return lost
 
     def placeable(self, failures: list[ReplicaFailure]) -> dict[int, tuple[bool, str]]:
-        """For each failure whose replica died with its node: whether a replacement fits in what
+        """For each failure whose replica died (or went silent) with its node: whether a replacement fits in what
         the other nodes have free (each one placed takes its room), and what was seen. Failures on
         nodes that are still there are not listed: their own resources are there for a replacement."""
         group = self.run.fleet.group
-        on_lost = {f.rank: group.nodes.get(f.rank) for f in failures if f.cause == "died"}
+        # died, or hung: a node removed reads unreachable (ActorUnavailableError) before dead
+        on_lost = {f.rank: group.nodes.get(f.rank) for f in failures if f.cause in ("died", "hung")}
         on_lost = {r: n for r, n in on_lost.items() if self.node_lost(n)}
         if not on_lost:
             return {}
