@@ -21,7 +21,6 @@ against the plain loop's 69).
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import sys
@@ -30,24 +29,9 @@ import time
 
 from common import REPO, parse_args, report
 
+from examples.huggingface import perplexity
+
 CONFIG = os.path.join(REPO, "examples", "hf_gpt2.yaml")
-
-
-def perplexity(model, rows, batch: int = 256) -> float:
-    """Next-token perplexity of `model` over `rows` of ids (no project code)."""
-    import torch
-    import torch.nn.functional as F
-
-    model.eval()
-    nll, tokens = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(rows), batch):
-            x = rows[i:i + batch]
-            logits = model(input_ids=x).logits[:, :-1]
-            nll += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), x[:, 1:].reshape(-1),
-                                         reduction="sum"))
-            tokens += x[:, 1:].numel()
-    return math.exp(nll / tokens)
 
 
 def plain(train, test, seed: int, epochs: int) -> float:

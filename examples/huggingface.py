@@ -52,3 +52,23 @@ def byte_windows(context: int = CONTEXT, test_fraction: float = 0.1, limit: Opti
 def small_windows() -> tuple[Any, Any]:
     """byte_windows over the first 2,400 windows (2,160 train, 240 test): the tests' short runs."""
     return byte_windows(limit=2400)
+
+
+def perplexity(model: Any, rows: Any, batch: int = 256) -> float:
+    """Next-token perplexity of a causal LM over `rows` of ids ([n, T] tensor), in a plain loop
+    that uses nothing of the project: how the tests and benchmarks/hf_gpt2.py score a model."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    model.eval()
+    nll, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(rows), batch):
+            x = rows[i:i + batch]
+            logits = model(input_ids=x).logits[:, :-1]
+            nll += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), x[:, 1:].reshape(-1),
+                                         reduction="sum"))
+            tokens += x[:, 1:].numel()
+    return math.exp(nll / tokens)

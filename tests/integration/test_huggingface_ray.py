@@ -11,8 +11,8 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from examples.huggingface import perplexity
 from orchestrator.config import JobConfig
 from orchestrator.trainer import ElasticTrainer
 
@@ -20,20 +20,6 @@ pytestmark = pytest.mark.ray
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 YAML = os.path.join(REPO, "examples", "hf_gpt2.yaml")
-
-
-def perplexity(model: torch.nn.Module, rows: torch.Tensor, batch: int = 256) -> float:
-    """Next-token perplexity of `model` over `rows` of ids, in a plain loop (no project code)."""
-    model.eval()
-    nll, tokens = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(rows), batch):
-            x = rows[i:i + batch]
-            logits = model(input_ids=x).logits[:, :-1]
-            nll += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), x[:, 1:].reshape(-1),
-                                         reduction="sum"))
-            tokens += x[:, 1:].numel()
-    return math.exp(nll / tokens)
 
 
 def readme_snippet() -> str:
