@@ -9,6 +9,9 @@ batch of 128 rows an update on every side:
              AdamW at torch's defaults (weight_decay 0.01)
   allreduce  ElasticTrainer(config, data=(train, test)): 2 replicas x 64 rows, data.seed = seed
   downpour   the same with strategy.mode downpour (each replica's 64-row gradient pushed alone)
+  plain_stale_64  the plain loop at batch 64 with every gradient computed at the parameters one
+             update old and applied to the current ones: downpour's arithmetic with two replicas
+             (the other replica's push lands between a replica's pull and its push), no Ray
 Each side's perplexity is computed the same way, outside the project, from the model itself
 (ours: the run's save_pretrained export loaded with from_pretrained). Repetition r uses seed r
 on every side. What differs between the sides beyond the mode: ours takes weight_decay 0 (the
@@ -34,7 +37,10 @@ from examples.huggingface import perplexity
 CONFIG = os.path.join(REPO, "examples", "hf_gpt2.yaml")
 
 
-def plain(train, test, seed: int, epochs: int) -> float:
+def plain(train, test, seed: int, epochs: int, batch: int = 128, stale: bool = False) -> float:
+    """The plain loop; `stale`: each gradient is computed at the parameters one update old (what
+    a downpour replica sees when the other replica's push lands between its pull and its push),
+    then applied to the current ones."""
     import torch
 
     from examples.huggingface import tiny_gpt2
@@ -44,12 +50,18 @@ def plain(train, test, seed: int, epochs: int) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     ids = train["input_ids"]
     g = torch.Generator().manual_seed(seed)
+    previous = None
     for _ in range(epochs):
         model.train()
-        for idx in torch.randperm(len(ids), generator=g).split(128):
+        for idx in torch.randperm(len(ids), generator=g).split(batch):
+            current = [p.detach().clone() for p in model.parameters()]
+            if stale and previous is not None:
+                torch._foreach_copy_([p.data for p in model.parameters()], previous)
             opt.zero_grad()
             model(input_ids=ids[idx], labels=ids[idx]).loss.backward()
+            torch._foreach_copy_([p.data for p in model.parameters()], current)
             opt.step()
+            previous = current
     return perplexity(model, test["input_ids"])
 
 
@@ -78,13 +90,14 @@ def main() -> None:
     train, test = byte_windows(torch_format=True)
     os.environ["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    sides: dict[str, list[float]] = {"plain": [], "allreduce": [], "downpour": []}
+    sides: dict[str, list[float]] = {"plain": [], "allreduce": [], "downpour": [], "plain_stale_64": []}
     try:
         for seed in seeds:  # the sides in turn, seed by seed
             for side in sides:
                 t = time.perf_counter()
                 with tempfile.TemporaryDirectory(prefix="eo-hf-") as tmp:
                     ppl = (plain(train, test, seed, epochs) if side == "plain"
+                           else plain(train, test, seed, epochs, batch=64, stale=True) if side == "plain_stale_64"
                            else ours(train, test, side, seed, epochs, tmp))
                 sides[side].append(round(ppl, 4))
                 print(f"seed {seed} {side:<9} perplexity {ppl:7.3f}  ({time.perf_counter() - t:.0f}s)", flush=True)
@@ -94,7 +107,7 @@ def main() -> None:
     for side, v in sides.items():
         print(f"{side:<9} median {med[side]:7.3f}  range {min(v):.3f}-{max(v):.3f}")
     results = {"seeds": seeds, "epochs": epochs, "perplexity": sides, "median": med}
-    ratios = {f"{side}_vs_plain_median_perplexity": med[side] / med["plain"] for side in ("allreduce", "downpour")}
+    ratios = {f"{side}_vs_plain_median_perplexity": med[side] / med["plain"] for side in sides if side != "plain"}
     report("hf_gpt2", args.quick, results, ratios, args.json)
 
 

@@ -117,8 +117,14 @@ class RayShardClient:
 
     # ---- ShardClient ---------------------------------------------------------------------
     def pull(self, into: torch.Tensor) -> list[int]:
+        """The shards' values into `into`, holding every push this client sent before: each
+        shard's pull waits for this client's pushes to it still in flight (Ray runs a call once
+        the calls its arguments name have run), so a replica reads its own writes. Without that
+        a pull, which carries no payload, can overtake a push whose gradient still travels
+        through the object store, and the next gradient is computed one update late."""
         handles = list(self.handles)
-        refs = [h.pull.remote() for h in handles]
+        refs = [h.pull.remote(*[item[i].ref for item in self.in_flight if item[i].handle is h])
+                for i, h in enumerate(handles)]
         versions = []
         for i, ((lo, hi), ref) in enumerate(zip(self.bounds, refs)):
             version, values = self._get(i, handles[i], ref, "pull")

@@ -85,7 +85,9 @@ class ParameterShard:
         self._lbfgs: Optional[tuple[SliceVectors, GradientPass]] = None  # sandblaster: this slice's vectors
 
     # ---- replicas ------------------------------------------------------------------------
-    async def pull(self) -> tuple[int, np.ndarray]:
+    async def pull(self, *after: Any) -> tuple[int, np.ndarray]:
+        """(version, values). `after`: the replies of the caller's pushes still in flight, passed
+        only so that Ray runs this pull once they have been applied (RayShardClient.pull)."""
         return self.state.version, self.state.values.numpy()
 
     async def push(self, grad: np.ndarray, version_seen: int, rank: int, step: int, staleness_lr: bool,

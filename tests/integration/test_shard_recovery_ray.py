@@ -265,3 +265,34 @@ def test_updates_of_a_replica_that_died_survive_a_shard_dying_next(ray_cluster):
     (event,) = events
     assert event["shard"] == 0 and event["lost_updates"] == 0 and event["snapshot_version"] == 5, event
     np.testing.assert_allclose(final, initial + applied, rtol=1e-5, atol=1e-6)
+
+
+def test_a_pull_sees_every_push_its_client_sent_before_it(ray_cluster):
+    """Read your own writes: a replica pushes a gradient and pulls at its next step; the values
+    it pulls hold that push even when the push's payload travels through the object store
+    (over Ray's inline size) and the pull, with no payload, would reach the shard first. A pull
+    that overtook the push would train on parameters one update old, every step (downpour with
+    one replica would not be SGD)."""
+    numel = 200_000  # 400 KB a shard: each push's part goes through the object store
+    initial = np.random.default_rng(0).standard_normal(numel).astype(np.float32)
+    group = ShardGroup.create(initial, shard_bounds(numel, 2), optimizer="sgd", lr=LR, momentum=0.0,
+                              weight_decay=0.0, replicas=1, snapshot_every_s=30.0,
+                              name_prefix=f"test-{uuid.uuid4().hex[:8]}")
+    try:
+        client = RayShardClient(group.directory(), 4, 30.0)
+        flat = torch.zeros(numel)
+        versions = client.pull(flat)
+        expected = torch.from_numpy(initial.copy())
+        rng = np.random.default_rng(1)
+        for step in range(30):
+            g = torch.from_numpy(rng.standard_normal(numel).astype(np.float32))
+            client.push(g, versions, 0, step + 1, False)
+            expected -= LR * g
+            versions = client.pull(flat)
+            assert versions == [step + 1, step + 1], f"step {step}: the pull missed its own push"
+            torch.testing.assert_close(flat, expected)
+        client.drain()
+        stale, _ = client.completed()
+        assert set(stale) == {0}  # one client: every gradient was computed at the newest values
+    finally:
+        group.shutdown()
