@@ -46,6 +46,7 @@ from policies.rules.registry import ModeSpec, mode_spec
 from policies.decisions.batch_size import AdaptiveBatch
 from policies.decisions.stop import BestWatch, ChanceWatch, StopPolicy
 from policies.decisions.switching import SwitchPolicy, entering_optimizer, make_switch_policy, replicas_strategy
+from policies.messages import ProgressRow, ServerStatus
 from policies.rules.tasks import split_metric, sum_stats
 
 SHARD_STATE_TIMEOUT_S = 10.0  # the shards' optimizer states for a checkpoint
@@ -99,7 +100,7 @@ class Ledger:
     t0: float  # perf_counter when the run began (time_to_target_s counts from it)
     totals: RunTotals = field(default_factory=RunTotals)
     progress: dict[int, int] = field(default_factory=dict)  # rank -> the last step it reported
-    signals: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its latest progress row
+    signals: dict[int, ProgressRow] = field(default_factory=dict)  # rank -> its latest progress row
     unreported: dict[int, list[int]] = field(default_factory=dict)  # last epoch's final completions, not yet reported
     consumed: list[dict[int, list[list[int]]]] = field(default_factory=list)  # [epoch] {rank: [step] -> row ids}
     redone: list[dict[str, Any]] = field(default_factory=list)  # partitions served again after a replica died
@@ -322,9 +323,9 @@ class RunContext:
         place = self.ledger.in_epoch.take_for(epoch)  # a restart from a checkpoint inside this epoch
         if self.phase.spec.coordinated:  # sandblaster: the pass's task sums are in no checkpoint: the whole pass again
             place = None
-        resume = {"done": place["done"], "skips": place["skips"]} if place is not None else None
+        resume = {"done": place.done, "skips": place.skips} if place is not None else None
         if place is not None:
-            seg.carried = {k: place[k] for k in ("steps", "samples", "train_s", "comm_s")}
+            seg.carried = place.counts
         first = first_grant_messages(*self.phase.lease_plan, epoch, ranks, self.phase.max_grant, resume, self.phase.backups)
         with self.fleet.interrupts.whole():
             for rank in ranks:
@@ -341,13 +342,13 @@ class RunContext:
                                                    first_grant, resume, announce)
         seg.heard[rank] = time.perf_counter()
 
-    def finish_epochs(self, whole: bool = True) -> dict[str, Any]:
+    def finish_epochs(self, whole: bool = True) -> ServerStatus:
         """Report the last epoch's final completions; the server's status, which must say the
         epoch was served whole (unless not `whole`: the run stopped inside it at stop.max_steps)."""
         status = self.fleet.server.call("finish", self.ledger.unreported)
         self.ledger.unreported = {}
-        if whole and not status["complete"]:
-            raise TrainingError(f"epoch {status['epoch']}: {status['remaining']} partitions were never served")
+        if whole and not status.complete:
+            raise TrainingError(f"epoch {status.epoch}: {status.remaining} partitions were never served")
         return status
 
     def halt(self, timeout_s: float) -> None:

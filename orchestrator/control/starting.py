@@ -143,8 +143,8 @@ def restore(run: "RunContext", state: dict[str, Any]) -> None:
     if "failure" in missing:  # a checkpoint from before the budget was kept: the count
         run.policies.failure.load_state_dict({"restarts": run.ledger.totals.replica_restarts, "in_a_row": 0})
     place = run.ledger.in_epoch.loaded  # a checkpoint taken inside an epoch: the run goes on inside it
-    inside = {"in_epoch": {"epoch": place["epoch"], "partitions_done": len(place["done"]),
-                           "partitions_begun": len(place["skips"]), "rows_trained": place["samples"]}} if place else {}
+    inside = {"in_epoch": {"epoch": place.epoch, "partitions_done": len(place.done),
+                           "partitions_begun": len(place.skips), "rows_trained": place.counts.samples}} if place else {}
     run.report.event("resumed", epoch=run.ledger.totals.epochs, step=run.ledger.totals.steps, replica_step=step, **inside,
                       phase=run.policies.switch.current, mode=run.phase.spec.name,
                       **({"parts_missing": missing} if missing else {}), **({UNSAVED: unsaved} if unsaved else {}),
@@ -152,7 +152,7 @@ def restore(run: "RunContext", state: dict[str, Any]) -> None:
                       **({FROM_MEMORY: state[FROM_MEMORY]} if state.get(FROM_MEMORY) else {}))
     for name, why in unsaved.items():
         run.report.say(f"resumed without the checkpoint's {name} part (not saved: {why}); it starts afresh")
-    where = (f"inside epoch {place['epoch']} ({len(place['done'])} partitions done, {len(place['skips'])} begun)"
+    where = (f"inside epoch {place.epoch} ({len(place.done)} partitions done, {len(place.skips)} begun)"
              if place else f"after epoch {run.ledger.totals.epochs}")
-    run.report.say(f"resumed {where} (step {run.ledger.totals.steps + (place['steps'] if place else 0)}) in "
+    run.report.say(f"resumed {where} (step {run.ledger.totals.steps + (place.counts.steps if place else 0)}) in "
                    f"{run.phase.spec.name}")
