@@ -5,8 +5,9 @@ A progress row (`ProgressRow`) names the figures MLflow logs (docs/events.md).
 
 Below them, the other values that cross between the actors or the fleet and the controller,
 typed the same way: an epoch's counts, the partition server's status, a reader's place in its
-pass, the place inside an epoch a checkpoint holds, a keeper's move and a replica's answer to a
-mode change."""
+pass, the place inside an epoch a checkpoint holds, a keeper's move, a replica's answer to a mode
+change, and typed views of a checkpoint's state and of a switch's guard it keeps (the file stays
+the plain dict it always was)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -188,3 +189,53 @@ class ModeSet:
     step: int
     local_optimizer: str
 
+
+@dataclass(frozen=True)
+class SavedState:
+    """A checkpoint's state as the controller reads it: a typed view (`of`) of the plain dict a
+    replica's `state` gives and a checkpoint file holds, which stays as it is."""
+    model: Any
+    optimizer: Any
+    step: int
+    recipe: Any = None
+    worker: Any = None
+    run: Optional[dict[str, Any]] = None  # the run's position, by part (Position.save)
+    probation: Optional[dict[str, Any]] = None  # a switch's guard still judging (its saved form)
+
+    @classmethod
+    def of(cls, state: dict[str, Any]) -> "SavedState":
+        return cls(state["model"], state.get("optimizer"), state["step"], state.get("recipe"), state.get("worker"),
+                   state.get("run"), state.get("probation") or None)
+
+    def part(self, name: str) -> Any:
+        """The run position's part `name`."""
+        return self.run[name]
+
+    @property
+    def probation_until(self) -> Optional[int]:
+        """The last epoch the guard on probation judges (None: not on probation)."""
+        return int(self.probation["until"]) if self.probation else None
+
+    def loadable(self) -> dict[str, Any]:
+        """What a replica loads (ModelReplica.load_state): model, optimizer, step, recipe, worker."""
+        return {"model": self.model, "optimizer": self.optimizer, "step": self.step, "recipe": self.recipe,
+                "worker": self.worker}
+
+
+@dataclass(frozen=True)
+class Probation:
+    """A switch's guard as a checkpoint keeps it (read back with its model): the phase and mode
+    from before the switch, their model, the test loss at the switch, the epoch ends it has
+    left to judge and the last epoch it judges."""
+    phase: int
+    mode: str
+    state: Any
+    loss: float
+    checks: int
+    until: int
+
+    @classmethod
+    def of(cls, saved: Optional[dict[str, Any]]) -> Optional["Probation"]:
+        """The guard a checkpoint's `probation` dict holds (None when it holds none)."""
+        return None if not saved else cls(int(saved["phase"]), str(saved["mode"]), saved["state"],
+                                          float(saved["loss"]), int(saved["checks"]), int(saved["until"]))

@@ -46,7 +46,7 @@ from policies.rules.registry import ModeSpec, mode_spec
 from policies.decisions.batch_size import AdaptiveBatch
 from policies.decisions.stop import BestWatch, ChanceWatch, StopPolicy
 from policies.decisions.switching import SwitchPolicy, entering_optimizer, make_switch_policy, replicas_strategy
-from policies.messages import ProgressRow, ServerStatus
+from policies.messages import ProgressRow, SavedState, ServerStatus
 from policies.rules.tasks import split_metric, sum_stats
 
 SHARD_STATE_TIMEOUT_S = 10.0  # the shards' optimizer states for a checkpoint
@@ -162,10 +162,11 @@ class RunContext:
         self.target = config.target()
         self.metric = config.headline_metric()  # what progress lines, switch events and phases report
         self.resume = resume
+        self.resumed = SavedState.of(resume) if resume is not None else None  # the same, typed
         self.policies = policies or make_policies(config, self.metric, self.task, dataset)
         if resume is not None:
             # now, for the phase this start runs in; starting.restore loads every part again, this one included
-            self.policies.switch.load_state_dict(resume["run"]["policy"])
+            self.policies.switch.load_state_dict(self.resumed.part("policy"))
         self.phase = Phase(shards_optimizer(config))
         plan = self.policies.switch.plan  # hogwild: its replicas' momentum translated, at a start or resume too
         self.phase.set(replicas_strategy(plan[self.policies.switch.current], config.optimizer.model_dump(),
@@ -173,9 +174,9 @@ class RunContext:
         self.ledger = Ledger(t0)
         self.report = Reporter(tracker, display, t0)
         group = ReplicaGroup(config, strategy=self.phase.strategy, interrupts=interrupts or Interrupts())
-        held = (resume or {}).get("probation")  # resumed inside a switch's probation: the replicas are on it too
-        if held:
-            group.set_strategy(self.phase.strategy, int(held["until"]))
+        held = self.resumed.probation_until if self.resumed is not None else None
+        if held is not None:  # resumed inside a switch's probation: the replicas are on it too
+            group.set_strategy(self.phase.strategy, held)
         # optimizer.schedule's clock: the optimizer steps the run plans (policies/rules/recipe.py planned_steps)
         group.raw["schedule_steps"] = planned_steps(dataset.train_rows, config.data.batch_size,
                                                     config.data.accumulate, config.scaling.replicas, config.stop.epochs,
@@ -231,6 +232,12 @@ class RunContext:
         allreduce replica loads it, the best epoch's model and the finish read it); the next
         checkpoint is due from the newest one stored (persistence/run_state.py: Checkpointer)."""
         return self.checkpoints.last_state
+
+    @property
+    def last_saved(self) -> Optional[SavedState]:
+        """`last_state`, typed (None when none was taken)."""
+        state = self.checkpoints.last_state
+        return SavedState.of(state) if state is not None else None
 
     def shard_optimizer(self, strategy: dict[str, Any]) -> tuple[str, float, float, float]:
         """What the shards apply in this phase: (name, lr, momentum, weight_decay), the phase's

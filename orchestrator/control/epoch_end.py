@@ -174,7 +174,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
                                              probation=pending.probation())
                 tot.checkpoint, lost = written.path, lost + written.lost
                 if best:
-                    run.ledger.best_model = run.last_state["model"]
+                    run.ledger.best_model = run.last_saved.model
                     watched = run.policies.best.metric
                     run.report.event("best_checkpoint", epoch=epoch, metric=watched, value=judged[watched])
             except TrainingError as exc:  # every member stopped or died meanwhile, or the store failed

@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 
 from policies.decisions.failure import Decision, ReplicaFailure
 from policies.decisions.switching import Switch
-from policies.messages import EpochCounts, ProgressRow, SegmentEnd
+from policies.messages import EpochCounts, Probation, ProgressRow, SegmentEnd
 
 
 
@@ -155,9 +155,9 @@ class Guard:
                 "until": self.until}
 
     @classmethod
-    def from_saved(cls, saved: Optional[dict[str, Any]]) -> Optional["Guard"]:
-        return None if not saved else cls(int(saved["phase"]), str(saved["mode"]), saved["state"],
-                                          float(saved["loss"]), int(saved["checks"]), int(saved["until"]))
+    def from_saved(cls, saved: Optional[Probation]) -> Optional["Guard"]:
+        return None if saved is None else cls(saved.phase, saved.mode, saved.state, saved.loss, saved.checks,
+                                              saved.until)
 
 
 @dataclass
