@@ -45,7 +45,7 @@ from policies.rules.recipe import planned_steps
 from policies.rules.registry import ModeSpec, mode_spec
 from policies.decisions.batch_size import AdaptiveBatch
 from policies.decisions.stop import BestWatch, ChanceWatch, StopPolicy
-from policies.decisions.switching import SwitchPolicy, entering_optimizer, make_switch_policy, replicas_strategy
+from policies.decisions.switching import SwitchPolicy, make_switch_policy, replicas_strategy, shard_settings
 from policies.messages import ProgressRow, SavedState, ServerStatus
 from policies.rules.tasks import split_metric, sum_stats
 
@@ -242,15 +242,13 @@ class RunContext:
     def shard_optimizer(self, strategy: dict[str, Any]) -> tuple[str, float, float, float]:
         """What the shards apply in this phase: (name, lr, momentum, weight_decay), the phase's
         optimizer overrides over optimizer.*, translated for the mode it enters
-        (policies/decisions/switching.py: entering_optimizer)."""
+        (policies/decisions/switching.py: shard_settings)."""
         return (self.phase.server_optimizer, *self.phase_optimizer(strategy)[0])
 
     def phase_optimizer(self, strategy: dict[str, Any]) -> tuple[tuple[float, float, float], Optional[str]]:
         """(lr, momentum, weight_decay) of a phase's shards and what was translated (or None)."""
         replicas = len(self.fleet.group.members) or self.cfg.scaling.replicas
-        opt, note = entering_optimizer(strategy["mode"], self.cfg.optimizer.model_dump(), strategy.get("optimizer"),
-                                       replicas, len(self.policies.switch.plan) > 1)
-        return (opt["lr"], opt["momentum"], opt["weight_decay"]), note
+        return shard_settings(strategy, self.cfg.optimizer.model_dump(), replicas, len(self.policies.switch.plan) > 1)
 
     def record_phase(self, sw: Any, step: int, before: float, after: float) -> None:
         """Close the running phase's record and open the next one's (`before`, `after`: the

@@ -98,7 +98,7 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
         check_hangs(run, seg)
         run.fleet.elastic.tick(seg, switching=pending.switch is not None)
         evacuate.notice(run, seg, pending)  # a preemption notice: pause, then move off the node
-        if seg.fresh_signals or run.policies.switch.plan[run.policies.switch.current]["until"] is not None:
+        if seg.fresh_signals or run.policies.switch.until is not None:
             seg.fresh_signals = False
             phase_switch.consider(run, seg, pending)  # before a checkpoint: one due at every tick never starves it
         mid_epoch.consider(run, seg, pending)  # checkpoint.every_steps / every_s: pause, checkpoint, go on

@@ -130,7 +130,7 @@ class SwitchPlan:
     t_decide_wall: float
     t_decide: float
     mid_epoch: bool
-    from_strategy: dict[str, Any] = field(default_factory=dict)  # the phase running when it was decided
+    from_mode: str = ""  # the mode of the phase running when it was decided
     rollback: Optional[dict[str, Any]] = None  # a rollback: the state from before the switch it undoes
     # the headline metric before it and its guard, measured once before its commit point: carried
     # out again after a member was lost past that point, the replicas already run the new rule

@@ -67,8 +67,8 @@ def consider(run: "RunContext", seg: Optional[EpochSegment], pending: Pending, e
     if sw is None:
         return
     mid = not epoch_end and seg is not None and seg.begun
-    pending.switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid, from_strategy=run.phase.strategy)
-    to = f"{sw.mode} (phase {sw.phase})" if sw.mode == run.phase.strategy["mode"] else sw.mode  # e.g. allreduce with backups
+    pending.switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid, from_mode=run.phase.spec.name)
+    to = f"{sw.mode} (phase {sw.phase})" if sw.mode == run.phase.spec.name else sw.mode  # e.g. allreduce with backups
     run.report.say(f"switch to {to} decided ({sw.rule}): {sw.reason}")
     if mid:
         run.fleet.pause.close("switch")
@@ -105,7 +105,7 @@ def check_guard(run: "RunContext", pending: Pending, epoch: int, metrics: dict[s
         reason = (f"{name} {loss:.4f} in {run.phase.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
                   f"switch: back to {g.mode} with the model from before it; no further switch this run")
         pending.switch = SwitchPlan(Switch(g.phase, g.mode, "rollback", reason, numbers), time.time(),
-                                        time.perf_counter(), False, from_strategy=run.phase.strategy, rollback=g.state)
+                                        time.perf_counter(), False, from_mode=run.phase.spec.name, rollback=g.state)
         run.report.event("switch_rolled_back", epoch=epoch, mode=run.phase.spec.name, back_to=g.mode, **numbers)
         run.report.say(f"rolling the switch back: {reason}")
     elif g.checks <= 0:
@@ -134,8 +134,8 @@ class Switching(Change):
         """Unchanged; who paused for it (they go on after it) is noted before the passes are reported.
         The old phase is the plan's, not the controller's: carried out again after a loss in its
         middle, the controller may be in the new phase already."""
-        old = self.plan.from_strategy or run.phase.strategy
-        self.old_spec, self.old_mode = mode_spec(old["mode"]), old["mode"]
+        self.old_mode = self.plan.from_mode or run.phase.spec.name
+        self.old_spec = mode_spec(self.old_mode)
         self.new_strategy = run.policies.switch.plan[self.plan.switch.phase]
         self.new_spec = mode_spec(self.new_strategy["mode"])
         self.paused = seg.paused_ranks()
