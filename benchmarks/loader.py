@@ -183,7 +183,7 @@ class OursSide:
         import ray
 
         status = ray.get(self.server.finish.remote(self.unreported))
-        assert status["complete"], status
+        assert status.complete, status
 
 
 def timed_epochs(runners: dict, epochs: int, fewer: "dict[str, int] | None" = None) -> dict[str, list[float]]:

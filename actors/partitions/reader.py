@@ -26,6 +26,7 @@ import torch
 from actors.incarnation import find_successor, wait_for_successor
 from actors.partitions.server import PAUSE, ServerAddress, is_pause
 from actors.partitions.reading import StreamPlan, read_partition_task
+from policies.messages import ReaderPosition
 from policies.rules.batches import as_tensors, rows as batch_rows, take, to_device
 
 ASK_SLICE_S = 1.0  # a grant unanswered this long: is there a newer server? (the driver replaced a stopped one)
@@ -338,13 +339,13 @@ class PartitionReader:
         for p, n in self.out.popleft():
             self.trained[p] = self.trained.get(p, 0) + n
 
-    def position(self) -> dict[str, Any]:
-        """Where this replica stands in its pass: the partitions trained whole ("full") and the
-        ones trained part way ("partial": partition -> rows of its in-epoch order trained), for
+    def position(self) -> ReaderPosition:
+        """Where this replica stands in its pass: the partitions trained whole (`full`) and the
+        ones trained part way (`partial`: partition -> rows of its in-epoch order trained), for
         a checkpoint taken inside the epoch (the rows it still holds are served again from there)."""
         full = sorted(p for p, n in self.trained.items() if n >= self.sizes.get(p, n + 1))
         partial = {p: n for p, n in self.trained.items() if 0 < n < self.sizes.get(p, n + 1)}
-        return {"full": full, "partial": partial}
+        return ReaderPosition(full, partial)
 
     def task_batches(self, partition: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Every row of `partition` (with `tasks`: of that task's slice), in batches of batch_size,

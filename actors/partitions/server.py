@@ -15,6 +15,7 @@ from typing import Any, Optional
 import ray
 
 from policies.decisions.leases import MAX_GRANT, PartitionLedger, grant_message
+from policies.messages import ServerStatus
 
 PAUSE = "pause"  # what the reader yields where the server said pause (a phase switch)
 
@@ -158,12 +159,12 @@ class PartitionServer:
         for p in partitions:
             self.ledger.complete(rank, p)
 
-    def finish(self, completed: dict[int, list[int]], call: Optional[int] = None) -> dict[str, Any]:
+    def finish(self, completed: dict[int, list[int]], call: Optional[int] = None) -> ServerStatus:
         """Record the last completions of a pass, as the replicas returned them with their epoch
         results (`PartitionReader.unreported`), and return the status."""
         return self._once(f"driver:{call}", call, lambda: self._finish(completed))
 
-    def _finish(self, completed: dict[int, list[int]]) -> dict[str, Any]:
+    def _finish(self, completed: dict[int, list[int]]) -> ServerStatus:
         for rank, partitions in completed.items():
             self.complete(rank, partitions)
         return self.status()
@@ -171,10 +172,9 @@ class PartitionServer:
     def release(self, rank: int, survivors: list[int], call: Optional[int] = None) -> list[int]:
         return self._once(f"driver:{call}", call, lambda: self.ledger.release(rank, survivors))
 
-    def status(self) -> dict[str, Any]:
-        return {"epoch": self.ledger.epoch, "complete": self.ledger.epoch_complete,
-                "remaining": self.ledger.remaining(), "done": dict(self.ledger.done),
-                "redone": list(self.ledger.redone), "generation": self.generation}
+    def status(self) -> ServerStatus:
+        return ServerStatus(self.ledger.epoch, self.ledger.epoch_complete, self.ledger.remaining(),
+                            dict(self.ledger.done), list(self.ledger.redone), self.generation)
 
 
 DRIVER_CALLS_KEPT = 32  # the driver's answered calls a rebuilt server remembers (it re-sends only unanswered ones)

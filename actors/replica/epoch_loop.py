@@ -10,7 +10,7 @@ import time
 from typing import Any, Iterator, Optional, Protocol
 
 from actors.partitions.server import is_pause
-from policies.messages import Evaluation, Progress, SegmentEnd, Stepping
+from policies.messages import Evaluation, Progress, ProgressRow, SegmentEnd, Stepping
 from policies.rules.modes import Diverged, Interrupted
 
 Message = Stepping | Progress | Evaluation | SegmentEnd  # what the epoch stream sends (policies/messages.py)
@@ -176,14 +176,13 @@ def run_epoch(replica: "LoopHost", epoch: int, log_every: int, trace_ids: "bool 
         if steps % log_every == 0:
             now = time.perf_counter()
             replica.apply_lr()  # the row reports the rate the next step takes
-            rows.append({"rank": replica.rank, "epoch": epoch, "step": replica.step, "step_in_epoch": steps,
-                         "loss": loss, "samples_per_s": window / (now - t_window),
-                         "compute_s": win_compute / win_real if win_real else None,
-                         "comm_share": win_comm / (now - t_window), "lr": replica.current_lr(),
-                         "comm_s": win_comm / log_every, **win.row(win_comm / log_every),
-                         "batch_rows": replica.reader.batch_size,
-                         "period": getattr(replica.worker, "balanced_period", None),  # local SGD's, balanced
-                         **({"skipped_steps": replica.recipe.skipped} if replica.recipe.scaler is not None or replica.recipe.skipped else {})})
+            measured = {"comm_s": win_comm / log_every, **win.row(win_comm / log_every)}
+            counts_skips = replica.recipe.scaler is not None or replica.recipe.skipped
+            rows.append(ProgressRow(replica.rank, epoch, replica.step, steps, loss, window / (now - t_window),
+                                    win_compute / win_real if win_real else None, win_comm / (now - t_window),
+                                    replica.current_lr(), batch_rows=replica.reader.batch_size,
+                                    period=getattr(replica.worker, "balanced_period", None),  # local SGD's, balanced
+                                    skipped_steps=replica.recipe.skipped if counts_skips else None, **measured))
             t_window, window, win_compute, win_comm, win_real = now, 0, 0.0, 0.0, 0
             win = StepWindow()
             if now - t_sent >= send_every:  # each message to the driver costs the step loop
@@ -246,7 +245,7 @@ def follow_share(replica: "LoopHost", base_batch: int) -> None:
 
 
 def pause_segment(replica: "LoopHost", epoch: int, steps: int, samples: int, train_s: float, comm_s: float,
-                  consumed: list, loss: float, rows: list) -> Iterator[SegmentEnd]:
+                  consumed: list, loss: float, rows: list[ProgressRow]) -> Iterator[SegmentEnd]:
     """End the segment for a phase switch, keeping the epoch's cursor: the mode's end of
     epoch first (pushes acknowledged, buffers synchronized), then a "paused" item."""
     try:
@@ -275,7 +274,7 @@ def trace_rows(directory: str, replica: "LoopHost", epoch: int, batch: tuple) ->
                             "ids": [int(i) for i in batch[3]["ids"][batch[2].numpy()]]}) + "\n")
 
 def segment_end(replica: "LoopHost", kind: str, epoch: int, steps: int, samples: int, train_s: float, comm_s: float,
-                consumed: list, loss: float, rows: list, **more: Any) -> SegmentEnd:
+                consumed: list, loss: float, rows: list[ProgressRow], **more: Any) -> SegmentEnd:
     return SegmentEnd(kind, replica.rank, epoch, steps, samples, train_s, comm_s, consumed, loss, rows, replica.step,
                       replica.spec.name, **more)
 

@@ -36,6 +36,7 @@ from actors.replica.rates import Rates
 from actors.replica.reducer import EmulatedLink, ProcessGroupReducer, free_port, group_backend, new_process_group
 from actors.partitions.reading import StreamPlan, count_kept, read_range, eval_pieces
 from actors.shards.client import RayShardClient
+from policies.messages import ModeSet
 from policies.rules.factory import build_model, carry_optimizer_state, momentum_buffers, set_momentum_buffers
 from policies.rules.outputs import run_model
 from policies.rules.batches import as_tensors, forward, rows as batch_rows, slice_rows, to_device, tree_map
@@ -118,7 +119,7 @@ class ModelReplica:
         if self.slow and getattr(self.worker, "straggles_inside", False):
             self.worker.straggle = self.slow_down  # backups: the delay before the gradient is ready, cut short when late
 
-    def set_mode(self, strategy: dict[str, Any], load_reference: bool, probation_until: int = -1) -> dict[str, Any]:
+    def set_mode(self, strategy: dict[str, Any], load_reference: bool, probation_until: int = -1) -> ModeSet:
         """Change the update rule in place (a phase switch): the old worker lets go of the model
         (allreduce's gradient hooks removed), the new mode's worker is built over the same model,
         data cursor and step count. `load_reference`: first copy the shards' reference
@@ -140,7 +141,7 @@ class ModelReplica:
         if hasattr(self.worker, "step_count"):
             self.worker.step_count = self.step
         carried = carry_optimizer_state(getattr(old, "optimizer", None), getattr(self.worker, "optimizer", None))
-        return {"rank": self.rank, "step": self.step, "local_optimizer": carried}
+        return ModeSet(self.rank, self.step, carried)
 
     def momentum(self) -> Optional[dict[str, np.ndarray]]:
         """The local optimizer's per-element state (momentum buffers, Adam's moments), flat per

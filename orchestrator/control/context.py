@@ -45,7 +45,8 @@ from policies.rules.recipe import planned_steps
 from policies.rules.registry import ModeSpec, mode_spec
 from policies.decisions.batch_size import AdaptiveBatch
 from policies.decisions.stop import BestWatch, ChanceWatch, StopPolicy
-from policies.decisions.switching import SwitchPolicy, entering_optimizer, make_switch_policy, replicas_strategy
+from policies.decisions.switching import SwitchPolicy, make_switch_policy, replicas_strategy, shard_settings
+from policies.messages import ProgressRow, SavedState, ServerStatus
 from policies.rules.tasks import split_metric, sum_stats
 
 SHARD_STATE_TIMEOUT_S = 10.0  # the shards' optimizer states for a checkpoint
@@ -99,7 +100,7 @@ class Ledger:
     t0: float  # perf_counter when the run began (time_to_target_s counts from it)
     totals: RunTotals = field(default_factory=RunTotals)
     progress: dict[int, int] = field(default_factory=dict)  # rank -> the last step it reported
-    signals: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its latest progress row
+    signals: dict[int, ProgressRow] = field(default_factory=dict)  # rank -> its latest progress row
     unreported: dict[int, list[int]] = field(default_factory=dict)  # last epoch's final completions, not yet reported
     consumed: list[dict[int, list[list[int]]]] = field(default_factory=list)  # [epoch] {rank: [step] -> row ids}
     redone: list[dict[str, Any]] = field(default_factory=list)  # partitions served again after a replica died
@@ -161,10 +162,11 @@ class RunContext:
         self.target = config.target()
         self.metric = config.headline_metric()  # what progress lines, switch events and phases report
         self.resume = resume
+        self.resumed = SavedState.of(resume) if resume is not None else None  # the same, typed
         self.policies = policies or make_policies(config, self.metric, self.task, dataset)
         if resume is not None:
             # now, for the phase this start runs in; starting.restore loads every part again, this one included
-            self.policies.switch.load_state_dict(resume["run"]["policy"])
+            self.policies.switch.load_state_dict(self.resumed.part("policy"))
         self.phase = Phase(shards_optimizer(config))
         plan = self.policies.switch.plan  # hogwild: its replicas' momentum translated, at a start or resume too
         self.phase.set(replicas_strategy(plan[self.policies.switch.current], config.optimizer.model_dump(),
@@ -172,9 +174,9 @@ class RunContext:
         self.ledger = Ledger(t0)
         self.report = Reporter(tracker, display, t0)
         group = ReplicaGroup(config, strategy=self.phase.strategy, interrupts=interrupts or Interrupts())
-        held = (resume or {}).get("probation")  # resumed inside a switch's probation: the replicas are on it too
-        if held:
-            group.set_strategy(self.phase.strategy, int(held["until"]))
+        held = self.resumed.probation_until if self.resumed is not None else None
+        if held is not None:  # resumed inside a switch's probation: the replicas are on it too
+            group.set_strategy(self.phase.strategy, held)
         # optimizer.schedule's clock: the optimizer steps the run plans (policies/rules/recipe.py planned_steps)
         group.raw["schedule_steps"] = planned_steps(dataset.train_rows, config.data.batch_size,
                                                     config.data.accumulate, config.scaling.replicas, config.stop.epochs,
@@ -231,18 +233,22 @@ class RunContext:
         checkpoint is due from the newest one stored (persistence/run_state.py: Checkpointer)."""
         return self.checkpoints.last_state
 
+    @property
+    def last_saved(self) -> Optional[SavedState]:
+        """`last_state`, typed (None when none was taken)."""
+        state = self.checkpoints.last_state
+        return SavedState.of(state) if state is not None else None
+
     def shard_optimizer(self, strategy: dict[str, Any]) -> tuple[str, float, float, float]:
         """What the shards apply in this phase: (name, lr, momentum, weight_decay), the phase's
         optimizer overrides over optimizer.*, translated for the mode it enters
-        (policies/decisions/switching.py: entering_optimizer)."""
+        (policies/decisions/switching.py: shard_settings)."""
         return (self.phase.server_optimizer, *self.phase_optimizer(strategy)[0])
 
     def phase_optimizer(self, strategy: dict[str, Any]) -> tuple[tuple[float, float, float], Optional[str]]:
         """(lr, momentum, weight_decay) of a phase's shards and what was translated (or None)."""
         replicas = len(self.fleet.group.members) or self.cfg.scaling.replicas
-        opt, note = entering_optimizer(strategy["mode"], self.cfg.optimizer.model_dump(), strategy.get("optimizer"),
-                                       replicas, len(self.policies.switch.plan) > 1)
-        return (opt["lr"], opt["momentum"], opt["weight_decay"]), note
+        return shard_settings(strategy, self.cfg.optimizer.model_dump(), replicas, len(self.policies.switch.plan) > 1)
 
     def record_phase(self, sw: Any, step: int, before: float, after: float) -> None:
         """Close the running phase's record and open the next one's (`before`, `after`: the
@@ -322,9 +328,9 @@ class RunContext:
         place = self.ledger.in_epoch.take_for(epoch)  # a restart from a checkpoint inside this epoch
         if self.phase.spec.coordinated:  # sandblaster: the pass's task sums are in no checkpoint: the whole pass again
             place = None
-        resume = {"done": place["done"], "skips": place["skips"]} if place is not None else None
+        resume = {"done": place.done, "skips": place.skips} if place is not None else None
         if place is not None:
-            seg.carried = {k: place[k] for k in ("steps", "samples", "train_s", "comm_s")}
+            seg.carried = place.counts
         first = first_grant_messages(*self.phase.lease_plan, epoch, ranks, self.phase.max_grant, resume, self.phase.backups)
         with self.fleet.interrupts.whole():
             for rank in ranks:
@@ -341,13 +347,13 @@ class RunContext:
                                                    first_grant, resume, announce)
         seg.heard[rank] = time.perf_counter()
 
-    def finish_epochs(self, whole: bool = True) -> dict[str, Any]:
+    def finish_epochs(self, whole: bool = True) -> ServerStatus:
         """Report the last epoch's final completions; the server's status, which must say the
         epoch was served whole (unless not `whole`: the run stopped inside it at stop.max_steps)."""
         status = self.fleet.server.call("finish", self.ledger.unreported)
         self.ledger.unreported = {}
-        if whole and not status["complete"]:
-            raise TrainingError(f"epoch {status['epoch']}: {status['remaining']} partitions were never served")
+        if whole and not status.complete:
+            raise TrainingError(f"epoch {status.epoch}: {status.remaining} partitions were never served")
         return status
 
     def halt(self, timeout_s: float) -> None:

@@ -17,6 +17,7 @@ from orchestrator.control.passes import coordinate_pass
 from orchestrator.control.states import EpochSegment, Finishing, Pending, Running
 from policies.decisions.checkpointing import due as checkpoint_due
 from policies.decisions.stop import EpochSnapshot, StopDecision
+from policies.messages import ProgressRow
 
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
@@ -66,12 +67,12 @@ def close_pass(run: "RunContext", seg: EpochSegment, pending: Pending):
         return end_epoch(run, seg, pending)
     status = run.fleet.server.call("finish", completed)
     seg.ended = {}
-    if status["complete"]:
-        run.ledger.redone += status["redone"]
+    if status.complete:
+        run.ledger.redone += status.redone
         return end_epoch(run, seg, pending)
     seg.passes += 1
     if seg.passes > MAX_PASSES:
-        raise TrainingError(f"epoch {seg.epoch}: {status['remaining']} partitions were never served")
+        raise TrainingError(f"epoch {seg.epoch}: {status.remaining} partitions were never served")
     for rank in run.fleet.group.ranks:  # a further pass: every member asks the server for what is left
         run.open_stream(seg, rank, announce=rank in seg.awaiting_steps())
     return None
@@ -102,11 +103,11 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
 
     tot.epochs = epoch
     counts = seg.counts(stats)  # with what was trained before a restart inside it (mid_epoch.py)
-    tot.steps += counts["steps"]
-    tot.samples += counts["samples"]
-    tot.rows_per_epoch.append(counts["samples"])
-    tot.train_s += counts["train_s"]
-    tot.comm_s += counts["comm_s"]
+    tot.steps += counts.steps
+    tot.samples += counts.samples
+    tot.rows_per_epoch.append(counts.samples)
+    tot.train_s += counts.train_s
+    tot.comm_s += counts.comm_s
     # the lowest rank's that trained a row (a replacement that joined at the epoch's end has none: nan)
     tot.train_loss = next((s.loss for s in finals or stats if s.loss == s.loss), float("nan"))
     if pass_figures:  # sandblaster: the loss at the pass's x over every train row
@@ -118,14 +119,14 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     elapsed = time.perf_counter() - run.ledger.t0
     note_target(run, epoch, judged, elapsed)
 
-    rows_out = [(key, p[name], p["step"]) for p in seg.progress
+    rows_out = [(key, p.figure(name), p.step) for p in seg.progress
                 for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"), ("lr", "lr"),
                                   ("grad_norm", "grad_norm"), ("skipped_steps", "skipped_steps"))
-                if p.get(name) is not None]
+                if p.figure(name) is not None]
     rows_out += step_metric_rows(seg.all_progress)
     figures = step_figures(seg.all_progress)
     if cfg.optimizer.schedule is not None:  # the rate by step for training.png (MLflow's `lr` holds every row)
-        rates = [[p["step"], p["lr"]] for p in seg.progress if p.get("lr") is not None]
+        rates = [[p.step, p.lr] for p in seg.progress if p.lr is not None]
         figures["lr_by_step"] = rates[:: max(1, len(rates) // LR_POINTS)]
     rows_out += [(k, v, tot.steps) for k, v in metrics.items()]
     rows_out += [("epoch", epoch, tot.steps),
@@ -173,7 +174,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
                                              probation=pending.probation())
                 tot.checkpoint, lost = written.path, lost + written.lost
                 if best:
-                    run.ledger.best_model = run.last_state["model"]
+                    run.ledger.best_model = run.last_saved.model
                     watched = run.policies.best.metric
                     run.report.event("best_checkpoint", epoch=epoch, metric=watched, value=judged[watched])
             except TrainingError as exc:  # every member stopped or died meanwhile, or the store failed
@@ -264,34 +265,34 @@ def adapt_batch(run: "RunContext", seg: EpochSegment, diversity: Optional[float]
     return lost
 
 
-def step_metric_rows(progress: list[dict]) -> list[tuple[str, float, int]]:
+def step_metric_rows(progress: list[ProgressRow]) -> list[tuple[str, float, int]]:
     """MLflow rows of the per-step measurements in the replicas' progress rows: each replica's
     `replica<r>/<figure>` (compute, communication and waiting seconds per step, its batch
     rows), and `gradient_diversity` and `busy_spread` (the same on every replica: rank 0's)."""
-    out = [(f"replica{p['rank']}/{k}", p[k], p["step"]) for p in progress for k in STEP_FIGURES
-           if p.get(k) is not None]
-    ranks = sorted({p["rank"] for p in progress})
-    out += [(k, p[k], p["step"]) for p in progress if ranks and p["rank"] == ranks[0]
-            for k in ("gradient_diversity", "busy_spread") if p.get(k) is not None]
+    out = [(f"replica{p.rank}/{k}", p.figure(k), p.step) for p in progress for k in STEP_FIGURES
+           if p.figure(k) is not None]
+    ranks = sorted({p.rank for p in progress})
+    out += [(k, p.figure(k), p.step) for p in progress if ranks and p.rank == ranks[0]
+            for k in ("gradient_diversity", "busy_spread") if p.figure(k) is not None]
     return out
 
 
-def step_figures(progress: list[dict]) -> dict:
+def step_figures(progress: list[ProgressRow]) -> dict:
     """The epoch's per-step measurements for its `epoch_end` event: `step_figures` {rank: mean
     compute_s, comm_s, wait_s, batch_rows per step}, and the mean `gradient_diversity` and
     `busy_spread`; {} when the rows have none."""
     by_rank: dict[int, dict[str, list[float]]] = {}
     shared: dict[str, list[float]] = {"gradient_diversity": [], "busy_spread": []}
-    ranks = sorted({p["rank"] for p in progress})
+    ranks = sorted({p.rank for p in progress})
     for p in progress:
-        mine = by_rank.setdefault(p["rank"], {k: [] for k in STEP_FIGURES})
+        mine = by_rank.setdefault(p.rank, {k: [] for k in STEP_FIGURES})
         for k in STEP_FIGURES:
-            if p.get(k) is not None:
-                mine[k].append(float(p[k]))
-        if p["rank"] == ranks[0]:
+            if p.figure(k) is not None:
+                mine[k].append(float(p.figure(k)))
+        if p.rank == ranks[0]:
             for k in shared:
-                if p.get(k) is not None:
-                    shared[k].append(float(p[k]))
+                if p.figure(k) is not None:
+                    shared[k].append(float(p.figure(k)))
     mean = lambda v: round(sum(v) / len(v), 6) if v else None  # noqa: E731
     figures = {str(r): {k: mean(v) for k, v in f.items() if v} for r, f in sorted(by_rank.items())}
     figures = {r: f for r, f in figures.items() if f}

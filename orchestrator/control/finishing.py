@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from orchestrator.control import checkpointing
 from orchestrator.control.reconfig import phase_switch
 from orchestrator.control.epoch_end import report_shard_events
+from policies.messages import SavedState
 
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
@@ -33,18 +34,18 @@ def finish(run: "RunContext") -> None:
         import torch
 
         path = os.path.join(tmp, "model.pt")
-        torch.save(run.last_state["model"], path)
+        torch.save(run.last_saved.model, path)
         run.report.tracker.log_file(path)
     from orchestrator.persistence.final_model import log_trained_model
 
-    model, which = run.last_state["model"], "final"
+    model, which = run.last_saved.model, "final"
     if run.cfg.checkpoint.keep_best and run.policies.best.best is not None:
         model, which = best_state_model(run), f"best (epoch {run.policies.best.best_epoch})"
     seconds = log_trained_model(run.report.tracker, run.cfg, run.dataset, model)
     if seconds is not None:
         run.report.event("model_logged", name="model", seconds=round(seconds, 3), model=which)
     if run.cfg.checkpoint.export:
-        export(run, {"final": run.last_state["model"], **({"best": model} if which != "final" else {})})
+        export(run, {"final": run.last_saved.model, **({"best": model} if which != "final" else {})})
 
 
 def export(run: "RunContext", states: dict[str, Any]) -> None:
@@ -87,5 +88,6 @@ def best_state_model(run: "RunContext") -> dict[str, Any]:
         from orchestrator.persistence.checkpoint import load_checkpoint
 
         directory = run.cfg.run.name or run.tracker.run_id
-        run.ledger.best_model = load_checkpoint(f"{run.cfg.checkpoint.storage.rstrip('/')}/{directory}/best.pt")["model"]
+        best = load_checkpoint(f"{run.cfg.checkpoint.storage.rstrip('/')}/{directory}/best.pt")
+        run.ledger.best_model = SavedState.of(best).model
     return run.ledger.best_model

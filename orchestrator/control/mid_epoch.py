@@ -25,6 +25,7 @@ from orchestrator.control.failures import lost_meanwhile
 from orchestrator.control.states import EpochSegment, Pending
 from orchestrator.errors import MemberLost, TrainingError
 from policies.decisions.checkpointing import due_for_drain, due_inside
+from policies.messages import InEpochPlace
 
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
@@ -89,18 +90,17 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     # the completions said with a pause or a pass's end go to the ledger now (reported again
     # later by the replica or the epoch's end, they change nothing)
     status = run.fleet.server.call("finish", {r: item.unreported for r, item in ended.items() if item.unreported})
-    done = {int(p) for p in status["done"]}
+    done = {int(p) for p in status.done}
     skips: dict[int, int] = {}
     for item in ended.values():
         if item.position is not None:
-            done.update(int(p) for p in item.position["full"])
-            skips.update({int(p): int(n) for p, n in item.position["partial"].items()})
-    place = {"epoch": seg.epoch, "done": sorted(done), "skips": {p: n for p, n in skips.items() if p not in done},
-             **seg.counts(),
-             "replica_steps": {r: item.step for r, item in ended.items()}}
+            done.update(int(p) for p in item.position.full)
+            skips.update({int(p): int(n) for p, n in item.position.partial.items()})
+    place = InEpochPlace(seg.epoch, sorted(done), {p: n for p, n in skips.items() if p not in done}, seg.counts(),
+                         {r: item.step for r, item in ended.items()})
     run.ledger.in_epoch.taking = place
-    details = {"in_epoch": {"epoch": seg.epoch, "partitions_done": len(place["done"]),
-                            "partitions_begun": len(place["skips"]), "rows_trained": place["samples"],
+    details = {"in_epoch": {"epoch": seg.epoch, "partitions_done": len(place.done),
+                            "partitions_begun": len(place.skips), "rows_trained": place.counts.samples,
                             "pause_s": round(time.perf_counter() - run.fleet.pause.closed_at, 4),
                             **({"for": "driver_node_draining"} if run.fleet.drains.driver_pending else
                                {"for": f"callback {run.ledger.in_epoch.asked_by}"} if run.ledger.in_epoch.asked_by
@@ -111,7 +111,7 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     try:  # one for the driver's drained node is stored before the replicas go on: the node is going, and a
         # newer checkpoint must not replace it in the background before it was written
         written = checkpointing.take(run, f"in_epoch_{seg.epoch:04d}", run.cfg.strategy.timeout_s,
-                                     step=run.ledger.totals.steps + place["steps"], details=details, wait=for_drain,
+                                     step=run.ledger.totals.steps + place.counts.steps, details=details, wait=for_drain,
                                      probation=pending.probation())
         run.ledger.totals.checkpoint = written.path
         for exc in written.lost:

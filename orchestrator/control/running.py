@@ -98,7 +98,7 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
         check_hangs(run, seg)
         run.fleet.elastic.tick(seg, switching=pending.switch is not None)
         evacuate.notice(run, seg, pending)  # a preemption notice: pause, then move off the node
-        if seg.fresh_signals or run.policies.switch.plan[run.policies.switch.current]["until"] is not None:
+        if seg.fresh_signals or run.policies.switch.until is not None:
             seg.fresh_signals = False
             phase_switch.consider(run, seg, pending)  # before a checkpoint: one due at every tick never starves it
         mid_epoch.consider(run, seg, pending)  # checkpoint.every_steps / every_s: pause, checkpoint, go on
@@ -121,13 +121,13 @@ def look_after_spares(run: "RunContext", epoch: int) -> None:
     for figures in pool.ready():
         run.report.event("spare_ready", epoch=epoch, **{k: round(v, 3) for k, v in figures.items()})
     for moved in run.checkpoints.move_keeper_off(run.fleet.drains.draining):  # checkpoint.in_memory's keeper
-        if "failed" in moved:
-            run.report.event("keeper_evacuation_failed", epoch=epoch, node=moved["from"], reason=moved["failed"])
-            run.report.say(f"node {moved['from'][:8]} is being drained: the checkpoint kept in memory there "
-                           f"could not move ({moved['failed']}); the next checkpoint is kept on another node")
+        if moved.failed is not None:
+            run.report.event("keeper_evacuation_failed", epoch=epoch, node=moved.node, reason=moved.failed)
+            run.report.say(f"node {moved.node[:8]} is being drained: the checkpoint kept in memory there "
+                           f"could not move ({moved.failed}); the next checkpoint is kept on another node")
         else:
-            run.report.event("keeper_evacuated", epoch=epoch, node=moved["from"], to=moved["to"],
-                             move_s=moved["move_s"], bytes=moved["bytes"], done_wall=moved["done_wall"])
+            run.report.event("keeper_evacuated", epoch=epoch, node=moved.node, to=moved.to,
+                             move_s=moved.move_s, bytes=moved.bytes, done_wall=moved.done_wall)
 
 
 def ready_streams(streams: list) -> set:
@@ -180,14 +180,14 @@ def read_item(run: "RunContext", seg: EpochSegment, rank: int, stream: Any) -> N
     rows = item.rows if isinstance(item, Progress) else item.progress
     if rows:
         seg.all_progress += rows
-        run.ledger.progress[rank] = max(run.ledger.progress.get(rank, 0), rows[-1]["step"])
+        run.ledger.progress[rank] = max(run.ledger.progress.get(rank, 0), rows[-1].step)
         run.ledger.signals[rank] = rows[-1]
         seg.fresh_signals = True
         note_balance(run, seg)
     if rank == min(run.fleet.group.members, default=rank) and rows:
         seg.progress += rows
         last = rows[-1]
-        run.report.steps(seg.epoch, last["step_in_epoch"], last["loss"], run.ledger.steps_per_epoch)
+        run.report.steps(seg.epoch, last.step_in_epoch, last.loss, run.ledger.steps_per_epoch)
 
 
 def shards_unconfirmed(run: "RunContext") -> bool:
@@ -254,11 +254,11 @@ def note_balance(run: "RunContext", seg: EpochSegment) -> None:
     if not run.phase.strategy.get("balance"):
         return
     members = sorted(run.fleet.group.members)
-    rows = [run.ledger.signals.get(r) or {} for r in members]
+    rows = [run.ledger.signals.get(r) for r in members]
     # what is split: the batch (rows a step), or local SGD's periods (steps a round)
     key = run.phase.spec.balanced_share
     unit, even = ("steps", run.phase.strategy["period"]) if key == "period" else ("rows", run.cfg.data.batch_size)
-    shares = [row.get(key) for row in rows]
+    shares = [row.figure(key) if row is not None else None for row in rows]
     if len(members) < 2 or None in shares or sum(shares) != len(members) * even:
         return
     if shares == run.phase.batch_shares:
@@ -270,8 +270,8 @@ def note_balance(run: "RunContext", seg: EpochSegment) -> None:
     if run.phase.pinned and len(set(shares)) > 1 and seg.begun and not run.fleet.pause.closed:
         run.fleet.server.call("pause", False, share=True)  # uneven shares: the rest of the epoch from one queue
         run.phase.pinned = False
-    run.report.event("batch_rebalanced", epoch=seg.epoch, step=max(row.get("step", 0) for row in rows), unit=unit,
+    run.report.event("batch_rebalanced", epoch=seg.epoch, step=max(row.step for row in rows), unit=unit,
                      shares={str(r): s for r, s in zip(members, shares)},
                      shares_before={str(r): s for r, s in zip(members, before)},
-                     compute_s_by_rank={str(r): row.get("compute_s") for r, row in zip(members, rows)},
-                     wait_s_by_rank={str(r): row.get("wait_s") for r, row in zip(members, rows)})
+                     compute_s_by_rank={str(r): row.compute_s for r, row in zip(members, rows)},
+                     wait_s_by_rank={str(r): row.wait_s for r, row in zip(members, rows)})

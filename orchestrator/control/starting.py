@@ -17,6 +17,7 @@ from orchestrator.persistence.run_state import UNSAVED, Position, resolve_probat
 from orchestrator.persistence.resume import FROM_MEMORY
 from orchestrator.control.states import EpochSegment, Guard, Pending
 from policies.decisions.leases import MAX_GRANT
+from policies.messages import Probation, SavedState
 from policies.rules.gradient_tasks import partition_tasks
 from policies.rules.registry import mode_spec
 
@@ -111,7 +112,8 @@ def resumed_pending(run: "RunContext") -> Pending:
     taken while a switch was on probation) that switch's guard, still judging: the epoch ends it
     has left roll the switch back if the loss rose, as they would have without the restart (the
     replicas were started on probation until its last epoch: RunContext)."""
-    return Pending(guard=Guard.from_saved(resolve_probation((run.resume or {}).get("probation"))))
+    held = run.resumed.probation if run.resumed is not None else None
+    return Pending(guard=Guard.from_saved(Probation.of(resolve_probation(held))))
 
 
 def estimate_steps(run: "RunContext") -> None:
@@ -126,9 +128,9 @@ def restore(run: "RunContext", state: dict[str, Any]) -> None:
     """Go on from a checkpoint: every replica loads its model, optimizer state and step; the
     shards (if any) take its parameters; then each part of the run's position goes back to
     its owner (orchestrator/persistence/run_state.py)."""
-    ranks, step = run.fleet.group.ranks, state["step"]
-    payload = for_loading({"model": state["model"], "optimizer": state["optimizer"], "step": step,
-                           "recipe": state.get("recipe"), "worker": state.get("worker")}, run.phase.spec.split_state)
+    saved = SavedState.of(state)
+    ranks, step = run.fleet.group.ranks, saved.step
+    payload = for_loading(saved.loadable(), run.phase.spec.split_state)
     run.fleet.group.call(ranks, "load_state", payload, what="state from the checkpoint", peers=False)
     if run.fleet.shard_group is not None:
         values = run.fleet.group.call([ranks[0]], "flat_parameters", what="parameters")[0]
@@ -138,21 +140,21 @@ def restore(run: "RunContext", state: dict[str, Any]) -> None:
             run.fleet.group.call(ranks, "sync_from_shards", step, what="state from the shards", peers=False)
     run.ledger.progress = {r: step for r in ranks}
     run.checkpoints.resumed(step)  # checkpoint.every_steps counts from the checkpoint gone on from
-    missing = run.position.load(state["run"])
-    unsaved = Position.unsaved(state["run"])  # parts the checkpoint was written without, and why
+    missing = run.position.load(saved.run)
+    unsaved = Position.unsaved(saved.run)  # parts the checkpoint was written without, and why
     if "failure" in missing:  # a checkpoint from before the budget was kept: the count
         run.policies.failure.load_state_dict({"restarts": run.ledger.totals.replica_restarts, "in_a_row": 0})
     place = run.ledger.in_epoch.loaded  # a checkpoint taken inside an epoch: the run goes on inside it
-    inside = {"in_epoch": {"epoch": place["epoch"], "partitions_done": len(place["done"]),
-                           "partitions_begun": len(place["skips"]), "rows_trained": place["samples"]}} if place else {}
+    inside = {"in_epoch": {"epoch": place.epoch, "partitions_done": len(place.done),
+                           "partitions_begun": len(place.skips), "rows_trained": place.counts.samples}} if place else {}
     run.report.event("resumed", epoch=run.ledger.totals.epochs, step=run.ledger.totals.steps, replica_step=step, **inside,
                       phase=run.policies.switch.current, mode=run.phase.spec.name,
                       **({"parts_missing": missing} if missing else {}), **({UNSAVED: unsaved} if unsaved else {}),
-                      **({"probation_until": int(state["probation"]["until"])} if state.get("probation") else {}),
+                      **({"probation_until": saved.probation_until} if saved.probation else {}),
                       **({FROM_MEMORY: state[FROM_MEMORY]} if state.get(FROM_MEMORY) else {}))
     for name, why in unsaved.items():
         run.report.say(f"resumed without the checkpoint's {name} part (not saved: {why}); it starts afresh")
-    where = (f"inside epoch {place['epoch']} ({len(place['done'])} partitions done, {len(place['skips'])} begun)"
+    where = (f"inside epoch {place.epoch} ({len(place.done)} partitions done, {len(place.skips)} begun)"
              if place else f"after epoch {run.ledger.totals.epochs}")
-    run.report.say(f"resumed {where} (step {run.ledger.totals.steps + (place['steps'] if place else 0)}) in "
+    run.report.say(f"resumed {where} (step {run.ledger.totals.steps + (place.counts.steps if place else 0)}) in "
                    f"{run.phase.spec.name}")

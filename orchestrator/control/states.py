@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 
 from policies.decisions.failure import Decision, ReplicaFailure
 from policies.decisions.switching import Switch
-from policies.messages import SegmentEnd
+from policies.messages import EpochCounts, Probation, ProgressRow, SegmentEnd
 
 
 
@@ -61,8 +61,8 @@ class EpochSegment:
     heard: dict[int, float] = field(default_factory=dict)  # rank -> perf_counter of its last item
     items: list[SegmentEnd] = field(default_factory=list)  # segment ends: "epoch" / "interrupted" / "paused"
     ended: dict[int, SegmentEnd] = field(default_factory=dict)  # rank -> its last segment end this pass
-    progress: list[dict[str, Any]] = field(default_factory=list)  # the lowest rank's progress rows
-    all_progress: list[dict[str, Any]] = field(default_factory=list)  # every rank's (per-replica step figures)
+    progress: list[ProgressRow] = field(default_factory=list)  # the lowest rank's progress rows
+    all_progress: list[ProgressRow] = field(default_factory=list)  # every rank's (per-replica step figures)
     failures: list[ReplicaFailure] = field(default_factory=list)  # seen, not yet judged
     t_first_failure: Optional[float] = None
     recoveries: list[Recovery] = field(default_factory=list)
@@ -73,7 +73,7 @@ class EpochSegment:
     begun: bool = True  # False: the epoch's streams are opened when Running next runs
     fresh_signals: bool = False  # progress rows arrived since the switch policy last looked
     evaluations: dict[int, dict[int, Any]] = field(default_factory=dict)  # eval.every_steps: step -> rank -> sums
-    carried: dict[str, Any] = field(default_factory=dict)  # counts trained before a restart inside it (steps, samples, ...)
+    carried: EpochCounts = field(default_factory=EpochCounts)  # what was trained before a restart inside it
 
     def merged(self) -> list[SegmentEnd]:
         """One totals row per rank (a rank runs several segments when the epoch was interrupted
@@ -94,16 +94,16 @@ class EpochSegment:
                 merged[rank] = replace(m, mode={**m.mode, **mine})
         return [merged[r] for r in sorted(merged)]
 
-    def counts(self, stats: Optional[list[SegmentEnd]] = None) -> dict[str, Any]:
+    def counts(self, stats: Optional[list[SegmentEnd]] = None) -> EpochCounts:
         """The epoch's counts so far: steps (the furthest rank's), samples (all ranks'), train_s
         and comm_s (the slowest rank's), over its segments (`stats`, default `merged()`) plus what
         was trained before a restart inside it (`carried`)."""
         stats = self.merged() if stats is None else stats
         c = self.carried
-        return {"steps": c.get("steps", 0) + max((s.steps for s in stats), default=0),
-                "samples": c.get("samples", 0) + sum(s.samples for s in stats),
-                "train_s": c.get("train_s", 0.0) + max((s.train_s for s in stats), default=0.0),
-                "comm_s": c.get("comm_s", 0.0) + max((s.comm_s for s in stats), default=0.0)}
+        return EpochCounts(c.steps + max((s.steps for s in stats), default=0),
+                           c.samples + sum(s.samples for s in stats),
+                           c.train_s + max((s.train_s for s in stats), default=0.0),
+                           c.comm_s + max((s.comm_s for s in stats), default=0.0))
 
     def consumed(self) -> dict[int, list[list[int]]]:
         out: dict[int, list[list[int]]] = {}
@@ -130,7 +130,7 @@ class SwitchPlan:
     t_decide_wall: float
     t_decide: float
     mid_epoch: bool
-    from_strategy: dict[str, Any] = field(default_factory=dict)  # the phase running when it was decided
+    from_mode: str = ""  # the mode of the phase running when it was decided
     rollback: Optional[dict[str, Any]] = None  # a rollback: the state from before the switch it undoes
     # the headline metric before it and its guard, measured once before its commit point: carried
     # out again after a member was lost past that point, the replicas already run the new rule
@@ -155,9 +155,9 @@ class Guard:
                 "until": self.until}
 
     @classmethod
-    def from_saved(cls, saved: Optional[dict[str, Any]]) -> Optional["Guard"]:
-        return None if not saved else cls(int(saved["phase"]), str(saved["mode"]), saved["state"],
-                                          float(saved["loss"]), int(saved["checks"]), int(saved["until"]))
+    def from_saved(cls, saved: Optional[Probation]) -> Optional["Guard"]:
+        return None if saved is None else cls(saved.phase, saved.mode, saved.state, saved.loss, saved.checks,
+                                              saved.until)
 
 
 @dataclass

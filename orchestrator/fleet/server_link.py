@@ -158,7 +158,7 @@ class ServerLink:
         for call_id in sorted(self.pending):
             self._send(self.pending[call_id])
         self.events.append({"kind": "server_rebuilt", "generation": self.generation, "detected_by": detected_by,
-                            "epoch": status["epoch"], "partitions_done": len(status["done"]),
+                            "epoch": status.epoch, "partitions_done": len(status.done),
                             "calls_resent": len(self.pending), "recovery_s": round(time.monotonic() - t0, 3)})
 
     def shutdown(self) -> None:

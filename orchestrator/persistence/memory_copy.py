@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable, Optional
 
 from orchestrator.checks import bounded, one_line
+from policies.messages import KeeperMove
 
 CALL_TIMEOUT_S = 60.0  # handing a checkpoint to the keeper, fetching it: this, plus BYTES_PER_S's share
 BYTES_PER_S = 50e6  # the slowest transfer a hand-over or a fetch is given time for
@@ -145,7 +146,7 @@ class MemoryCopy:
         self._newest: Optional[tuple[dict[str, Any], bytes]] = None  # for the keeper once the move is made
         self._retry_at = 0.0  # a failed move is tried again from then (monotonic)
         self._unmovable: Optional[str] = None  # a node with no other to move to (not tried again)
-        self._moves: list[dict[str, Any]] = []
+        self._moves: list[KeeperMove] = []
         self._small = threading.Lock()  # _moving, _newest and _moves: never held across a remote call
         self._hurry = threading.Event()  # set while a checkpoint the run waits on waits for the writer
 
@@ -257,9 +258,8 @@ class MemoryCopy:
                                        daemon=True)
         self._mover.start()
 
-    def moves(self) -> list[dict[str, Any]]:
-        """What each move since the last call came to: {"from", "to", "move_s", "bytes", "done_wall"}
-        or {"from", "failed": why}."""
+    def moves(self) -> list[KeeperMove]:
+        """What each move since the last call came to (KeeperMove: where to, or why it failed)."""
         with self._small:
             out, self._moves = self._moves, []
         return out
@@ -288,7 +288,7 @@ class MemoryCopy:
                 old, self.keeper, self.node = self.keeper, None, None
                 _end(old, "ending the keeper on the drained node")
                 self._wait_name_free(LOOK_TIMEOUT_S)
-                moved = {"from": node, "to": None, "bytes": 0}
+                moved = {"node": node, "to": None, "bytes": 0}
                 while True:  # the fetched copy, or the newest checkpoint handed meanwhile
                     with self._small:
                         newest, self._newest = self._newest, None
@@ -303,7 +303,7 @@ class MemoryCopy:
                     carrying = None
                 moved.update(move_s=round(time.perf_counter() - t, 3), done_wall=round(time.time(), 3))
             except Exception as exc:  # before the kill the keeper stays (tried again later); after it, the
-                moved = {"from": node, "failed": one_line(exc)}  # copy is handed once more, else none is kept
+                moved = {"node": node, "failed": one_line(exc)}  # copy is handed once more, else none is kept
                 self._retry_at = time.monotonic() + MOVE_RETRY_S
                 with self._small:
                     newest, self._newest, self._moving = self._newest, None, False
@@ -314,7 +314,7 @@ class MemoryCopy:
                 if newest is not None:
                     self._hold(*newest, avoid=draining)
         with self._small:
-            self._moves.append(moved)
+            self._moves.append(KeeperMove(**moved))
 
     def _wait_name_free(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

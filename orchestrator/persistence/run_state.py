@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from orchestrator.persistence.checkpoint import CheckpointStore, load_aside, save_checkpoint
 from orchestrator.persistence.memory_copy import MemoryCopy, directory_key, end_leftover
+from policies.messages import InEpochPlace, KeeperMove
 
 
 @dataclass
@@ -72,20 +73,21 @@ class InEpoch:
     """
 
     def __init__(self) -> None:
-        self.taking: Optional[dict[str, Any]] = None
-        self.loaded: Optional[dict[str, Any]] = None
+        self.taking: Optional[InEpochPlace] = None
+        self.loaded: Optional[InEpochPlace] = None
         self.asked_by: Optional[str] = None  # the callback whose Action.CHECKPOINT the one being taken answers
 
     def state_dict(self) -> Optional[dict[str, Any]]:
-        return self.taking
+        """The place as a checkpoint holds it: a plain dict (InEpochPlace.saved), or None."""
+        return self.taking.saved() if self.taking is not None else None
 
     def load_state_dict(self, saved: Optional[dict[str, Any]]) -> None:
-        self.loaded = saved
+        self.loaded = InEpochPlace.from_saved(saved) if saved else None
 
-    def take_for(self, epoch: int) -> Optional[dict[str, Any]]:
+    def take_for(self, epoch: int) -> Optional[InEpochPlace]:
         """The loaded place if it is inside `epoch` (then forgotten: it is used once)."""
         place, self.loaded = self.loaded, None
-        return place if place is not None and place.get("epoch") == epoch else None
+        return place if place is not None and place.epoch == epoch else None
 
 
 class Stateful(Protocol):
@@ -360,7 +362,7 @@ class Checkpointer:
                 self._cv.wait(left)
         return True
 
-    def move_keeper_off(self, draining: dict[str, Any]) -> list[dict[str, Any]]:
+    def move_keeper_off(self, draining: dict[str, Any]) -> list[KeeperMove]:
         """checkpoint.in_memory: the keeper's node is being drained -> its copy moves to another
         node (in the background, MemoryCopy.move_off). What each move since the last call came to."""
         if self.memory is None:

@@ -134,7 +134,7 @@ class FaultInjector:
             return reconfiguring(ctl) == fault.during
         if fault.in_epoch is not None:  # a step of that epoch (or any later epoch's: it was passed unseen)
             rows = list((getattr(ctl, "signals", None) or {}).values())
-            return any((r.get("epoch", 0), r.get("step_in_epoch", 0)) >= (fault.in_epoch, fault.at_step) for r in rows)
+            return any((r.epoch, r.step_in_epoch) >= (fault.in_epoch, fault.at_step) for r in rows)
         progress = getattr(ctl, "progress", None) or {}
         return bool(progress) and max(progress.values()) >= fault.at_step
 

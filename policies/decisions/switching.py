@@ -91,8 +91,13 @@ class SchedulePolicy:
         self.off = False  # a switch was rolled back: no further switch this run
         self.commit()
 
+    @property
+    def until(self) -> Optional[dict[str, Any]]:
+        """The running phase's `until` (None: the last phase's)."""
+        return self.plan[self.current]["until"]
+
     def decide(self, obs: Observation) -> Optional[Switch]:
-        until = self.plan[self.current]["until"]
+        until = self.until
         if until is None or self.off:
             return None
         (key, target), = until.items()
@@ -170,6 +175,11 @@ class AdaptivePolicy:
         self.last_switch_s = 0.0
         self.off = False  # a switch was rolled back: no further switch this run
         self.commit()
+
+    @property
+    def until(self) -> Optional[dict[str, Any]]:
+        """The running phase's `until`: None (its rule ends a phase, not an `until`)."""
+        return self.plan[self.current]["until"]
 
     def state_dict(self) -> dict[str, Any]:
         """The policy at the last switch carried out (`commit`), as a checkpoint holds it (SchedulePolicy)."""
@@ -355,6 +365,14 @@ def entering_optimizer(mode: str, job: dict[str, Any], phase: Optional[dict[str,
     note = (f"momentum {opt['momentum']:g} -> {explicit:g} {ASYNC_SHARED[mode]}: {replicas} asynchronous replicas add "
             f"about {implicit:g} (1 - 1/n); set this phase's optimizer.momentum to choose it")
     return {**opt, "momentum": explicit}, note
+
+
+def shard_settings(strategy: dict[str, Any], job: dict[str, Any], replicas: int,
+                   in_phases: bool) -> tuple[tuple[float, float, float], Optional[str]]:
+    """(lr, momentum, weight_decay) of a phase's shards: `entering_optimizer` for the phase's
+    mode under its optimizer overrides; and what was translated (None: nothing)."""
+    opt, note = entering_optimizer(strategy["mode"], job, strategy.get("optimizer"), replicas, in_phases)
+    return (opt["lr"], opt["momentum"], opt["weight_decay"]), note
 
 
 def replicas_strategy(strategy: dict[str, Any], job: dict[str, Any], replicas: int,

@@ -157,7 +157,7 @@ def test_the_keeper_is_off_the_drivers_node_and_moves_off_a_drained_one(own_clus
             moves = copy.moves()
             time.sleep(0.2)
         [other] = workers - {first}
-        assert moves and moves[0]["from"] == first and moves[0]["to"] == other and moves[0]["bytes"] == len(data2), moves
+        assert moves and moves[0].node == first and moves[0].to == other and moves[0].bytes == len(data2), moves
         [gone] = [n for n in own_cluster.worker_nodes if n.node_id == first]
         own_cluster.remove_node(gone)  # at the deadline
         back_meta, back, why = look(f"{tmp_path}/run0")

@@ -108,14 +108,14 @@ def test_a_killed_replica_leaves_every_row_once_plus_the_reported_redo(ray_clust
     finally:
         ctl.shutdown()
     train_ids, _ = expected_ids(parquet_dir, cfg)
-    by_dead = [i for p, rank in status["done"].items() if rank == 2
+    by_dead = [i for p, rank in status.done.items() if rank == 2
                for i in read_partition(dataset.train_plan, int(p))["ids"]]
     survivors = ctl.consumed[0]
     assert set(survivors) == {0, 1}
     assert sorted(ids_of(survivors) + by_dead) == train_ids
     assert ctl.redone and all(r["from_rank"] == 2 and r["epoch"] == 1 for r in ctl.redone)
     redone = {r["partition"] for r in ctl.redone}
-    assert all(status["done"][p] in (0, 1) for p in redone)  # served again, by a survivor
+    assert all(status.done[p] in (0, 1) for p in redone)  # served again, by a survivor
     assert ids_of(ctl.consumed[1]) == train_ids
     lost = [e for e in ctl.tracker.events if e["kind"] == "replica_dropped"]
     assert lost and lost[0]["ranks"] == [2] and lost[0]["partitions_served_again"]
@@ -181,6 +181,6 @@ def test_readers_see_every_partition_once_and_an_unreported_epoch_cannot_be_foll
         with pytest.raises(ray.exceptions.RayTaskError, match="epoch 3 could not start: epoch 2 is not finished"):
             ray.get(server.grant.remote(0, [], 3), timeout=30)  # a replica that began epoch 3 learns why
         status = ray.get(server.finish.remote(unreported), timeout=30)
-        assert status["complete"] and status["epoch"] == 2 and len(status["done"]) == parts
+        assert status.complete and status.epoch == 2 and len(status.done) == parts
     finally:
         ray.kill(server)

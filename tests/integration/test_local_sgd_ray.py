@@ -40,7 +40,7 @@ def test_balanced_a_slow_replica_takes_fewer_steps_and_a_killed_one_is_replaced(
     for f in again[1:]:
         np.testing.assert_array_equal(f, again[0])
     assert not np.array_equal(again[0], flats[0])
-    assert status["complete"]  # every partition served in the epoch of the kill
+    assert status.complete  # every partition served in the epoch of the kill
     [replaced] = [e for e in ctl.tracker.events if e["kind"] == "replica_replaced"]
     assert replaced["ranks"] == [1] and replaced["survivors_kept"] == [0, 2]
     last = [e for e in ctl.tracker.events if e["kind"] == "epoch_end"][-1]

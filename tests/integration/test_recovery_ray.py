@@ -77,7 +77,7 @@ def test_a_middle_rank_killed_in_allreduce_is_replaced_from_a_spare_the_survivor
     assert after[0] == before[0] and after[2] == before[2] and after[1] != before[1]
     for f in flats[1:]:
         np.testing.assert_array_equal(f, flats[0])  # the replacement copied a survivor; all stepped alike since
-    assert status["complete"]  # every partition served in the epoch of the kill
+    assert status.complete  # every partition served in the epoch of the kill
     # nobody waited out the collective timeout: the only failure is the killed rank's death
     assert [(e["rank"], e["cause"]) for e in ctl.tracker.events if e["kind"] == "replica_failed"] == [(1, "died")]
     [replaced] = [e for e in ctl.tracker.events if e["kind"] == "replica_replaced"]

@@ -194,7 +194,7 @@ def test_mid_epoch_switches_pause_at_partition_boundaries_and_serve_every_row_on
     for epoch in ctl.consumed:  # every train row exactly once per epoch, across the switches
         rows = [i for steps in epoch.values() for batch in steps for i in batch]
         assert sorted(rows) == sorted(set(rows)) and len(rows) == n_train
-    assert status["complete"]
+    assert status.complete
     assert [p["mode"] for p in ctl.phases] == modes
     assert ctl.phases[0]["end_step"] == ctl.phases[1]["start_step"] > 0
     np.testing.assert_array_equal(flats[0], flats[1])  # hogwild let go of: each replica's own copy, equal

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 from typing import TYPE_CHECKING, Any, Optional
@@ -48,9 +49,9 @@ MODE_CODES = {"allreduce": 0, "downpour": 1, "easgd": 2, "local_sgd": 3, "gossip
 
 def observe(run: "RunContext", epoch_end: bool, metrics: Optional[dict[str, float]] = None) -> Observation:
     rows = {r: row for r, row in run.ledger.signals.items() if r in run.fleet.group.members}
-    compute = {r: row["compute_s"] for r, row in rows.items() if row.get("compute_s")}
-    shares = [row["comm_share"] for row in rows.values() if row.get("comm_share") is not None]
-    batch = {r: row["batch_rows"] for r, row in rows.items() if row.get("batch_rows")}
+    compute = {r: row.compute_s for r, row in rows.items() if row.compute_s}
+    shares = [row.comm_share for row in rows.values() if row.comm_share is not None]
+    batch = {r: row.batch_rows for r, row in rows.items() if row.batch_rows}
     return Observation(epoch_end, run.ledger.totals.epochs, max(run.ledger.progress.values(), default=0),
                        time.perf_counter() - run.ledger.train_started, metrics or {}, compute,
                        sum(shares) / len(shares) if shares else None, batch, len(run.fleet.group.members))
@@ -66,8 +67,8 @@ def consider(run: "RunContext", seg: Optional[EpochSegment], pending: Pending, e
     if sw is None:
         return
     mid = not epoch_end and seg is not None and seg.begun
-    pending.switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid, from_strategy=run.phase.strategy)
-    to = f"{sw.mode} (phase {sw.phase})" if sw.mode == run.phase.strategy["mode"] else sw.mode  # e.g. allreduce with backups
+    pending.switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid, from_mode=run.phase.spec.name)
+    to = f"{sw.mode} (phase {sw.phase})" if sw.mode == run.phase.spec.name else sw.mode  # e.g. allreduce with backups
     run.report.say(f"switch to {to} decided ({sw.rule}): {sw.reason}")
     if mid:
         run.fleet.pause.close("switch")
@@ -98,13 +99,13 @@ def check_guard(run: "RunContext", pending: Pending, epoch: int, metrics: dict[s
         pending.guard = None
         run.policies.switch.roll_back(g.phase)  # the policy's place is the policy's to move; it decides no more
         numbers = {f"{name}_at_switch": round(g.loss, 4), f"{name}_now": round(loss, 4), "margin": margin}
-        skipped = sum(s.get("skipped_steps", 0) for s in run.ledger.signals.values())  # on probation (and fp16 ones)
+        skipped = sum(s.skipped_steps or 0 for s in run.ledger.signals.values())  # on probation (and fp16 ones)
         if skipped:
             numbers["skipped_steps"] = skipped
         reason = (f"{name} {loss:.4f} in {run.phase.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
                   f"switch: back to {g.mode} with the model from before it; no further switch this run")
         pending.switch = SwitchPlan(Switch(g.phase, g.mode, "rollback", reason, numbers), time.time(),
-                                        time.perf_counter(), False, from_strategy=run.phase.strategy, rollback=g.state)
+                                        time.perf_counter(), False, from_mode=run.phase.spec.name, rollback=g.state)
         run.report.event("switch_rolled_back", epoch=epoch, mode=run.phase.spec.name, back_to=g.mode, **numbers)
         run.report.say(f"rolling the switch back: {reason}")
     elif g.checks <= 0:
@@ -133,8 +134,8 @@ class Switching(Change):
         """Unchanged; who paused for it (they go on after it) is noted before the passes are reported.
         The old phase is the plan's, not the controller's: carried out again after a loss in its
         middle, the controller may be in the new phase already."""
-        old = self.plan.from_strategy or run.phase.strategy
-        self.old_spec, self.old_mode = mode_spec(old["mode"]), old["mode"]
+        self.old_mode = self.plan.from_mode or run.phase.spec.name
+        self.old_spec = mode_spec(self.old_mode)
         self.new_strategy = run.policies.switch.plan[self.plan.switch.phase]
         self.new_spec = mode_spec(self.new_strategy["mode"])
         self.paused = seg.paused_ranks()
@@ -179,7 +180,7 @@ class Switching(Change):
         run.phase.set(self.new_strategy)
         run.policies.switch.commit()  # a checkpoint from here on records the new phase (before: the old one)
         self.carried = group.call(ranks, "set_mode", self.new_strategy, self.old_spec.sharded, until, what="set mode")
-        if self.new_spec.process_group and any(c["local_optimizer"] == "carried" for c in self.carried):
+        if self.new_spec.process_group and any(c.local_optimizer == "carried" for c in self.carried):
             # into allreduce: every replica must take the same step, so the momentum each kept
             # in the other mode (momentum, Adam's moments) is averaged once, as the parameters were
             buffers = group.call(ranks, "momentum", what="momentum")
@@ -188,7 +189,7 @@ class Switching(Change):
                 mean = {key: np.mean(np.stack([k[key] for k in kept]), axis=0).astype(kept[0][key].dtype)
                         for key in kept[0]}
                 group.call(ranks, "set_momentum", mean, what="momentum")
-                self.carried = [{**c, "local_optimizer": "carried, averaged"} for c in self.carried]
+                self.carried = [replace(c, local_optimizer="carried, averaged") for c in self.carried]
         if rollback is not None:  # the model from before the switch it undoes, at each replica's own step
             steps = dict(zip(ranks, group.call(ranks, "current_step", what="steps")))
             group.call(ranks, "load_state", what="the state from before the switch",
@@ -236,6 +237,6 @@ class Switching(Change):
                 "phase": sw.phase, "rule": sw.rule, "reason": sw.reason, "numbers": sw.numbers, "at_step": step,
                 "mid_epoch": bool(seg.begun), "metric": run.metric, f"{run.metric}_before": round(before, 4),
                 f"{run.metric}_after": round(after, 4), "shards": self.shards_did,
-                "local_optimizer": sorted({c["local_optimizer"] for c in self.carried}),
+                "local_optimizer": sorted({c.local_optimizer for c in self.carried}),
                 **({"optimizer_translated": self.translated} if self.translated else {}),
                 **({"rollback": True} if self.plan.rollback is not None else {})}

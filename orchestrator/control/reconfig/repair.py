@@ -13,6 +13,7 @@ from orchestrator.control.reconfig.carrier import Change, carry_out as carry
 from orchestrator.control.states import EpochSegment, Plan
 from orchestrator.fleet.model_state import for_loading
 from policies.decisions.failure import DETECTED_BY, Drop, Fail, Replace, ReplicaFailure
+from policies.messages import SavedState
 
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
@@ -152,7 +153,7 @@ class Repair(Change):
                 raise TrainingError(f"epoch {seg.epoch}: every replica holding the model died at once (replicas "
                                     f"{sorted(newcomers)}) and the run has no checkpoint to go on from "
                                     "(checkpoint.every_epochs)")
-            self.from_checkpoint = run.last_state["step"]
+            self.from_checkpoint = run.last_saved.step
             self.donor_step = group.call(newcomers, "load_state", run.last_state,
                                          what="state from the last checkpoint", peers=False)[0]
             run.report.say(f"every replica holding the model died: going on from the last checkpoint "
@@ -173,7 +174,7 @@ class Repair(Change):
         failure took a slice that exists nowhere else; none yet: the initial model)."""
         state = self.whole if self.whole is not None else run.last_state
         if self.whole is None:
-            self.from_checkpoint = state["step"] if state is not None else 0
+            self.from_checkpoint = SavedState.of(state).step if state is not None else 0
             run.report.say(f"a replica holding a slice of the model is gone: every replica goes on from the "
                            f"{'last checkpoint' if state is not None else 'initial model'} (replica step "
                            f"{self.from_checkpoint}); the steps since are lost")
