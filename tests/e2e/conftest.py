@@ -32,15 +32,16 @@ def submit(ray_head, entrypoint: list[str], timeout_s: float = 600, options: tup
 @pytest.fixture(scope="session")
 def main_example_job(ray_head, mlflow_server, tmp_path_factory):
     """The main example, unchanged, submitted with `ray job submit` to the session's head and
-    tracked to the session's `mlflow server`: (the finished `ray job submit`, its result JSON).
-    The job-submit test checks the job; the resume test takes it as the uncrashed reference."""
+    tracked to the session's `mlflow server`, its model registered: (the finished `ray job
+    submit`, its result JSON, the folder holding the JSON and the checkpoints). The job-submit
+    test checks the job and what it tracked; the resume test takes it as the uncrashed reference."""
     tmp = tmp_path_factory.mktemp("main_example_job")
     out = tmp / "result.json"
     proc = submit(ray_head, [sys.executable, "-m", "orchestrator", "run", MAIN_EXAMPLE,
-                             "--set", f"tracking.tracking_uri={mlflow_server}",
+                             "--set", f"tracking.tracking_uri={mlflow_server}", "--set", "tracking.register_as=e2e-main",
                              "--set", f"checkpoint.storage={tmp}/ck", "--result-json", str(out)])
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return proc, json.loads(out.read_text())
+    return proc, json.loads(out.read_text()), tmp
 
 
 @pytest.fixture

@@ -13,13 +13,14 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import REPO
-from tests.e2e.conftest import submit
+from tests.e2e.conftest import MAIN_EXAMPLE, submit
 
 pytestmark = pytest.mark.e2e
 REQUIRED = {"mlflow_run_id", "mode", "replicas", "epochs", "steps", "samples", "wall_s", "samples_per_s",
             "time_to_target_s", "final", "events"}
 
 
+@pytest.mark.full  # make test: the job below runs the same command through `ray job submit` and checks the same
 @pytest.mark.empty_tmp  # it checks that nothing was written to tmp_path
 def test_cli_run_joins_ray_address_and_tracks_to_server(ray_head, mlflow_server, tmp_path):
     """Also: the run's model loads with mlflow.pytorch.load_model and scores the run's final test
@@ -121,16 +122,52 @@ def accuracy_of_logged_model(tracking_uri: str, run_id: str, dataset, batch_size
     return correct / len(y)
 
 
-def test_ray_job_submit_main_example_reaches_97(main_example_job, mlflow_server):
-    proc, result = main_example_job
+def test_ray_job_submit_main_example_reaches_97(main_example_job, mlflow_server, tmp_path):
+    """The CLI inside a job joins the job's cluster and tracks to the server. Also: the run's
+    model loads with mlflow.pytorch.load_model and scores the run's final test accuracy on the
+    test split; it is registered as tracking.register_as; training.png is in the run and next
+    to the result JSON; the progress lines are plain (the job's output is no terminal); the
+    cost model calibrates from the run's own figures."""
+    proc, result, folder = main_example_job
     assert "succeeded" in proc.stdout
-    assert result["final"]["test_accuracy"] >= 0.97
+    assert REQUIRED <= set(result) and result["final"]["test_accuracy"] >= 0.97
     assert result["time_to_target_s"] is not None and result["replicas"] == 2
+    ours = [ln for ln in proc.stdout.splitlines() if ln.startswith("epoch ")]  # Ray's own lines are coloured
+    assert ours and ours[0].startswith("epoch 1: test_accuracy") and not any("\x1b[" in ln for ln in ours), ours
+    run_id = result["mlflow_run_id"]
+    assert os.path.exists(f"{folder}/ck/{run_id}/model.pt")
     client = MlflowClient(mlflow_server)
-    run = client.get_run(result["mlflow_run_id"])
-    assert run.data.tags["mode"] == "allreduce"
-    history = client.get_metric_history(result["mlflow_run_id"], "test_accuracy")
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["mode"] == "allreduce"
+    history = client.get_metric_history(run_id, "test_accuracy")
     assert max(m.value for m in history) >= 0.97
+
+    from orchestrator.config import JobConfig
+    from orchestrator.data.loading import load_dataset
+
+    cfg = JobConfig.from_yaml(MAIN_EXAMPLE, [])
+    accuracy = accuracy_of_logged_model(mlflow_server, run_id, load_dataset(cfg.data), cfg.data.batch_size, tmp_path)
+    assert abs(accuracy - result["final"]["test_accuracy"]) <= 1e-6, (accuracy, result["final"])
+    [version] = client.search_model_versions("name = 'e2e-main'")
+    assert version.run_id == run_id
+    assert "training.png" in [a.path for a in client.list_artifacts(run_id)]
+    png = client.download_artifacts(run_id, "training.png", str(tmp_path / "dl"))
+    assert open(png, "rb").read(8) == PNG_MAGIC
+    assert (folder / "training.png").read_bytes()[:8] == PNG_MAGIC  # next to result.json
+
+    # the cost model calibrated from this run's own figures
+    sim = [sys.executable, "-m", "orchestrator", "simulate", MAIN_EXAMPLE, "--from-run", run_id,
+           "--tracking-uri", mlflow_server, "--replicas", "1,2,4,64,1024", "--plot", str(tmp_path / "sim.png"),
+           "--json", str(tmp_path / "sim.json")]
+    sim_env = dict(os.environ, PYTHONPATH=REPO)
+    sim_env.pop("MLFLOW_TRACKING_URI", None)
+    proc = subprocess.run(sim, cwd=tmp_path, env=sim_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    predicted = json.loads((tmp_path / "sim.json").read_text())
+    assert f"run {run_id}" in predicted["calibration"]["source"]
+    at = {(p["mode"], p["replicas"]): p for p in predicted["predictions"]}
+    assert {("allreduce", 1024), ("downpour", 64), ("easgd", 2), ("local_sgd", 4), ("single", 1)} <= set(at)
+    assert (tmp_path / "sim.png").read_bytes()[:8] == PNG_MAGIC and "allreduce" in proc.stdout
 
 
 def job_get(ray_head, path: str) -> dict:

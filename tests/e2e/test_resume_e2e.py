@@ -120,7 +120,7 @@ def test_a_killed_named_run_goes_on_when_the_same_command_runs_again(ray_head, m
 
     # the uncrashed run of the same config (the session's `ray job submit` of it) takes the same
     # path, epoch by epoch
-    _, uncrashed = main_example_job
+    _, uncrashed, _ = main_example_job
     for metric in ("test_accuracy", "train_loss"):
         assert by_step(client, run_id, metric) == pytest.approx(by_step(client, uncrashed["mlflow_run_id"], metric),
                                                                 rel=1e-4), metric

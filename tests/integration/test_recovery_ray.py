@@ -200,8 +200,8 @@ def test_a_user_error_is_replaced_once_and_reported_with_its_traceback(ray_clust
     assert events(result, "replica_replaced") and result.epochs == 2
 
 
-@pytest.mark.parametrize("mode", ["downpour", pytest.param("allreduce", marks=pytest.mark.full),
-                                  pytest.param("easgd", marks=pytest.mark.full)])
+@pytest.mark.full  # make test: a user error replaced (above); its judging, tests/unit/test_settle.py
+@pytest.mark.parametrize("mode", ["downpour", "allreduce", "easgd"])
 def test_a_user_error_in_the_epoch_s_evaluation_is_judged_by_the_failure_policy(ray_cluster, tmp_path, mode):
     """A replica's evaluation raising once (an out-of-memory there) is a failure of that replica
     like one in its training step: replaced, the run goes on, and no epoch logs a nan loss. (In

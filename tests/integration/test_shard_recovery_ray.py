@@ -135,6 +135,7 @@ def test_a_killed_shard_is_rebuilt_and_no_acknowledged_update_is_lost(ray_cluste
     np.testing.assert_allclose(final, reference.values.numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.full  # make test: one kill (above) and the chaos e2e's
 def test_a_shard_killed_twice_before_its_next_snapshot_still_loses_nothing(ray_cluster):
     """The second rebuild starts from the same snapshot as the first: clients replay again."""
     group = make_group(snapshot_every_s=3600)  # only snapshot 0

@@ -155,11 +155,11 @@ def arm(state: str, monkeypatch, tmp_path):
     raise AssertionError(state)
 
 
+@pytest.mark.full  # make test: SIGTERM to a run stepping, through the CLI (tests/e2e/test_cli_e2e.py)
 @pytest.mark.parametrize("state,sig", [
-    (s, signal.SIGTERM) if s == "switching"  # make test: a run reconfiguring (one stepping: tests/e2e/test_cli_e2e.py)
-    else pytest.param(s, signal.SIGTERM, marks=pytest.mark.full)
+    (s, signal.SIGTERM)
     for s in ("starting", "running", "between_epochs", "repairing", "shrinking", "switching", "growing", "checkpointing")]
-    + [pytest.param("repairing", signal.SIGINT, marks=pytest.mark.full)])  # one handler takes both signals
+    + [("repairing", signal.SIGINT)])  # one handler takes both signals
 def test_sigterm_in_every_state_ends_killed_and_leaves_nothing(ray_cluster, tmp_path, monkeypatch, state, sig):
     monkeypatch.setitem(SENT, "signal", sig)
     actors_before, groups_before = alive_run_actors(), live_placement_groups()

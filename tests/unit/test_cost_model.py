@@ -211,6 +211,7 @@ def test_on_shared_cores_communication_slows_as_compute_does():
     assert predict("allreduce", 2, shared).comm_s == pytest.approx(ring_allreduce_s(own, 2))  # within the cores
 
 
+@pytest.mark.full  # make test: the link calibrated from a run (above)
 def test_a_half_precision_run_calibrates_the_link_with_the_bytes_it_sent():
     """--from-run of an fp16 allreduce run: the link is fitted to the bytes the prediction counts
     (2 per parameter), so the model gives the run's own communication back at its n."""
