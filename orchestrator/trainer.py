@@ -265,7 +265,8 @@ class ElasticTrainer:
         tracker.event("finished", t0, wall_s=round(result.wall_s, 3))
         tracker.log_metrics([("wall_s", result.wall_s, totals.steps),
                              ("samples_per_s_whole", result.samples_per_s, totals.steps),
-                             ("steady_samples_per_s", result.steady_samples_per_s, totals.steps)])
+                             ("steady_samples_per_s", result.steady_samples_per_s, totals.steps)]
+                            + [(f"state_s.{name}", seconds, totals.steps) for name, seconds in result.state_s.items()])
         tracker.log_text(result.to_json(), "result.json")
         _log_plot(tracker)
         tracker.finish("FINISHED")
@@ -368,5 +369,5 @@ def _result(cfg: JobConfig, totals, tracker, wall_s: float, phases: list) -> Tra
         final=FinalMetrics({**totals.metrics, "train_loss": totals.train_loss}),
         stop_reason=totals.stop_reason, checkpoint=totals.checkpoint,
         tracking_uri=tracker.tracking_uri, experiment_id=tracker.experiment_id,
-        rows_per_epoch=list(totals.rows_per_epoch), events=tracker.events,
+        rows_per_epoch=list(totals.rows_per_epoch), state_s=dict(totals.state_s), events=tracker.events,
     )

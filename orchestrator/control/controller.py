@@ -32,6 +32,7 @@ generations; the PartitionServer is the one ledger of what each epoch served; th
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 from orchestrator.control import failures
@@ -59,7 +60,7 @@ from orchestrator.errors import Interrupts, MemberLost
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.persistence.run_state import RunTotals
 from orchestrator.control.states import (TERMINAL, Errored, EvacuationPlan, Finished, Finishing, Plan, Reconfiguring,
-                                         Running, Starting, State, SwitchPlan)
+                                         Running, Starting, State, SwitchPlan, state_name)
 from orchestrator.reporting.tracking import Tracker
 
 __all__ = ["Controller", "Written"]
@@ -104,8 +105,10 @@ class Controller:
 
     # ---- the state machine ---------------------------------------------------------------
     def step(self) -> State:
-        """Run the current state once; the next state."""
+        """Run the current state once; the next state. Its seconds count under its name
+        (RunTotals.state_s), whether it ends in another state or an error."""
         state = self.state
+        started = time.perf_counter()
         try:
             if isinstance(state, Starting):
                 nxt = Running(starting.start(self.context), starting.resumed_pending(self.context))
@@ -122,14 +125,21 @@ class Controller:
             else:
                 return state
         except BaseException as exc:  # what was pending stays readable (the interrupted checkpoint's probation)
+            self._count(state, started)
             self.state = Errored(exc, getattr(state, "pending", None))
             self.context.report.state(state, self.state)
             raise
+        self._count(state, started)
         self.state = nxt
         self.context.report.state(state, nxt)
         if isinstance(nxt, Errored):
             raise nxt.error
         return nxt
+
+    def _count(self, state: State, started: float) -> None:
+        spent = self.context.ledger.totals.state_s
+        name = state_name(state)
+        spent[name] = round(spent.get(name, 0.0) + time.perf_counter() - started, 6)
 
     def _reconfigure(self, state: Reconfiguring) -> State:
         """Reconfiguring: the plan as the one carrier's steps (orchestrator/control/reconfig/carrier.py),

@@ -233,3 +233,12 @@ class Errored:
 
 State = Union[Starting, Running, Reconfiguring, Finishing, Finished, Errored]
 TERMINAL = (Finished, Errored)
+PLAN_NAMES = ((Plan, "repair"), (SwitchPlan, "switch"), (GrowPlan, "grow"), (EvacuationPlan, "evacuation"))
+
+
+def state_name(state: State) -> str:
+    """The name a state's seconds are counted under (RunTotals.state_s): starting, running,
+    repair, switch, grow, evacuation (Reconfiguring, by its plan), finishing."""
+    if isinstance(state, Reconfiguring):
+        return next(name for kind, name in PLAN_NAMES if isinstance(state.plan, kind))
+    return type(state).__name__.lower()

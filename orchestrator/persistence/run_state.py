@@ -50,6 +50,9 @@ class RunTotals:
     checkpoint: Optional[str] = None
     rows_per_epoch: list[int] = field(default_factory=list)  # train rows each epoch stepped on (all replicas)
     replica_restarts: int = 0
+    # the driver's seconds in each state of its loop (control/states.py state_name), the run's
+    # earlier drivers' included when it resumed
+    state_s: dict[str, float] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k not in ("checkpoint", "stop_reason")}

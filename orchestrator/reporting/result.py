@@ -39,6 +39,10 @@ class TrainResult:
     # which mode ran when: {phase, mode, start_step, end_step, start_s, end_s (training seconds), start_epoch,
     # <metric>_at_start, <metric>_at_end (the headline metric, e.g. test_accuracy_at_start), ended_by}
     phases: list[dict[str, Any]] = field(default_factory=list)
+    # the driver's seconds in each state of its loop: starting, running, repair, switch, grow,
+    # evacuation, finishing (earlier drivers' of a resumed run included); wall_s less their sum
+    # is fit()'s own time around the loop (connecting, MLflow, the final plot)
+    state_s: dict[str, float] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def headline(self, metric: str) -> str:

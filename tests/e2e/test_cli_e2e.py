@@ -141,6 +141,8 @@ def test_ray_job_submit_main_example_reaches_97(main_example_job, mlflow_server,
     assert run.info.status == "FINISHED" and run.data.tags["mode"] == "allreduce"
     history = client.get_metric_history(run_id, "test_accuracy")
     assert max(m.value for m in history) >= 0.97
+    assert {"starting", "running", "finishing"} <= set(result["state_s"]) and sum(result["state_s"].values()) <= result["wall_s"]
+    assert run.data.metrics["state_s.running"] == pytest.approx(result["state_s"]["running"])
 
     from orchestrator.config import JobConfig
     from orchestrator.data.loading import load_dataset

@@ -198,6 +198,10 @@ def test_a_user_error_is_replaced_once_and_reported_with_its_traceback(ray_clust
     assert failed["cause"] == "error" and "injected failure in forward" in failed["detail"]
     assert "line" in failed["traceback"] and "in forward" in failed["traceback"]  # the replica's traceback
     assert events(result, "replica_replaced") and result.epochs == 2
+    # the driver's seconds by state: the repair is a state of its own, and the states add up to
+    # no more than the run's wall time
+    assert set(result.state_s) == {"starting", "running", "repair", "finishing"}, result.state_s
+    assert all(s > 0 for s in result.state_s.values()) and sum(result.state_s.values()) <= result.wall_s
 
 
 @pytest.mark.full  # make test: a user error replaced (above); its judging, tests/unit/test_settle.py

@@ -44,7 +44,8 @@ def test_a_part_its_owner_cannot_give_is_named_with_why_not_left_empty():
 def test_owners_are_stateful_parts_and_totals_keep_this_starts_own_figures():
     """A policy, the totals and the learning-rate schedule are parts themselves (state_dict /
     load_state_dict); the totals' start-up time is this start's, never the checkpoint's."""
-    totals, lr = RunTotals(epochs=3, steps=90, startup_s=4.0, stop_reason="x"), LrSchedule(1.0, 2, "linear", 10)
+    totals = RunTotals(epochs=3, steps=90, startup_s=4.0, stop_reason="x", state_s={"running": 30.0, "repair": 2.5})
+    lr = LrSchedule(1.0, 2, "linear", 10)
     lr.resize(50, 4)
     pos = Position()
     pos.register("totals", totals)
@@ -57,6 +58,7 @@ def test_owners_are_stateful_parts_and_totals_keep_this_starts_own_figures():
     again.register("lr_schedule", fresh_lr)
     assert again.load(saved) == []
     assert (fresh_totals.epochs, fresh_totals.steps, fresh_totals.startup_s) == (3, 90, 1.5)
+    assert fresh_totals.state_s == {"running": 30.0, "repair": 2.5}  # a resumed run's seconds go on from its earlier drivers'
     assert fresh_lr.state_dict() == lr.state_dict() and fresh_lr.replicas == 4
 
 
@@ -228,3 +230,15 @@ def test_a_checkpoint_on_probation_holds_its_guard_s_model_once_beside_it_not_in
         {"phase": 0, "mode": "allreduce", "loss": 0.3, "checks": 2, "until": 3}
     assert torch.equal(back["state"]["model"]["w"], before["model"]["w"]) and back["state"]["step"] == 40
     assert resolve_probation(None) is None and resolve_probation(guard) is guard  # an older checkpoint's, inline
+
+
+def test_each_state_counts_under_its_name_and_a_reconfiguration_under_its_plan_s():
+    from orchestrator.control.states import (EpochSegment, EvacuationPlan, Finished, Finishing, GrowPlan, Plan,
+                                             Reconfiguring, Running, Starting, SwitchPlan, state_name)
+
+    seg = object.__new__(EpochSegment)  # the names read no field of the segment or the plans
+    plans = {kind: object.__new__(kind) for kind in (Plan, SwitchPlan, GrowPlan, EvacuationPlan)}
+    assert [state_name(s) for s in (Starting(), Running(seg), Finishing(), Finished())] == \
+        ["starting", "running", "finishing", "finished"]
+    assert [state_name(Reconfiguring(plans[k], seg)) for k in (Plan, SwitchPlan, GrowPlan, EvacuationPlan)] == \
+        ["repair", "switch", "grow", "evacuation"]
