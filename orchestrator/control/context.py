@@ -37,7 +37,7 @@ from orchestrator.fleet.pause import PauseGate
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.reporting.reporter import Reporter
 from orchestrator.persistence.run_state import CHECKPOINT_FLUSH_S, DRAIN_S, Checkpointer, InEpoch, Part, PartUnsaved, Position, RunTotals
-from orchestrator.control.states import EpochSegment
+from orchestrator.control.states import EpochSegment, RateBase
 from orchestrator.reporting.tracking import Tracker
 from policies.decisions.failure import FailurePolicy
 from policies.decisions.leases import MAX_GRANT, first_grant_messages
@@ -238,6 +238,10 @@ class RunContext:
         """`last_state`, typed (None when none was taken)."""
         state = self.checkpoints.last_state
         return SavedState.of(state) if state is not None else None
+
+    def rate_base(self) -> RateBase:
+        """The running phase's rate a resize's schedule is a factor of (Elasticity.follow)."""
+        return RateBase(self.shard_optimizer(self.phase.strategy)[1], self.phase.spec.global_batch)
 
     def shard_optimizer(self, strategy: dict[str, Any]) -> tuple[str, float, float, float]:
         """What the shards apply in this phase: (name, lr, momentum, weight_decay), the phase's

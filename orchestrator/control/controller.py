@@ -90,7 +90,9 @@ class Controller:
         """The arguments are the run context's (orchestrator/control/context.py: RunContext);
         `policies` (failure, stop, switch, best, chance) are passed in, else the config's."""
         self.context = ctx = RunContext(config, dataset, tracker, t0, display, trace_ids, resume, interrupts, policies)
-        ctx.fleet.elastic = Elasticity(ctx)  # growing and shrinking with the cluster
+        # growing and shrinking with the cluster
+        ctx.fleet.elastic = Elasticity(config.scaling, config.data, ctx.fleet.group, ctx.fleet.pause, ctx.fleet.drains,
+                                       ctx.report, ctx.ledger.progress)
         ctx.position.register("batch_size", ctx.fleet.elastic.batch)  # before the rate, which follows it
         ctx.position.register("lr_schedule", ctx.fleet.elastic)  # every resize's learning-rate segment
         # while the driver waits on replicas (a repair, a switch, an evaluation): a dead shard or

@@ -251,7 +251,7 @@ def adapt_batch(run: "RunContext", seg: EpochSegment, diversity: Optional[float]
     lost: list[MemberLost] = []
     if grown is not None:
         try:
-            lr = elastic.rebatch(max(run.ledger.progress.values(), default=0), grown[0])
+            lr = elastic.rebatch(max(run.ledger.progress.values(), default=0), grown[0], run.rate_base())
         except MemberLost as exc:  # the others were told (one fan-out); the newcomer is told as it joins
             lr, lost = {}, [exc]
         starting.estimate_steps(run)  # the display's

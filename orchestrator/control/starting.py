@@ -138,7 +138,8 @@ def restore(run: "RunContext", state: dict[str, Any]) -> None:
                                 timeout_s=run.cfg.strategy.timeout_s)
         if run.phase.spec.sharded:
             run.fleet.group.call(ranks, "sync_from_shards", step, what="state from the shards", peers=False)
-    run.ledger.progress = {r: step for r in ranks}
+    run.ledger.progress.clear()  # in place: the elasticity reads the same dict
+    run.ledger.progress.update({r: step for r in ranks})
     run.checkpoints.resumed(step)  # checkpoint.every_steps counts from the checkpoint gone on from
     missing = run.position.load(saved.run)
     unsaved = Position.unsaved(saved.run)  # parts the checkpoint was written without, and why

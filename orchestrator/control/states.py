@@ -197,6 +197,15 @@ class GrowPlan:
     mid_epoch: bool  # every replica paused for it mid-epoch; else at an epoch boundary
 
 
+@dataclass(frozen=True)
+class RateBase:
+    """The phase's rate a resize's schedule is a factor of: its shards' (or replicas') optimizer
+    lr, and whether the mode's rate applies to the global batch (the resize event's fields)."""
+
+    lr: float
+    global_batch: bool
+
+
 @dataclass
 class Starting:
     pass

@@ -47,7 +47,8 @@ def elasticity() -> tuple[Elasticity, FailingLane, Heard]:
     heard = Heard()
     run.report.callbacks.append(heard)
     run.report.display = heard
-    elastic = Elasticity(run)
+    elastic = Elasticity(cfg.scaling, cfg.data, run.fleet.group, run.fleet.pause, run.fleet.drains, run.report,
+                         run.ledger.progress)
     elastic.lane = FailingLane()
     return elastic, elastic.lane, heard
 
@@ -74,3 +75,22 @@ def test_a_programming_error_in_the_poll_is_raised_not_swallowed():
     lane.fail_with(TypeError("unsupported operand type(s) for -: 'dict' and 'int'"))
     with pytest.raises(TypeError):
         elastic.tick()
+
+
+def test_the_elasticity_holds_the_parts_it_uses_not_the_run():
+    """No field of the Elasticity, nor of what its fields hold (to depth 3), is the run's context:
+    it is given the scaling and data sections, the group, the pause gate, the drain watch, the
+    reporter and the progress dict."""
+    elastic, _, _ = elasticity()
+
+    def reaches_run(obj, depth: int) -> list[str]:
+        if isinstance(obj, RunContext):
+            return [type(obj).__name__]
+        if depth == 0:
+            return []
+        values = (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set))
+                  else vars(obj).values() if hasattr(obj, "__dict__") and not callable(obj) else ())
+        return [path for v in list(values) for path in reaches_run(v, depth - 1)]
+
+    assert not hasattr(elastic, "run")
+    assert reaches_run(elastic, 3) == []

@@ -40,13 +40,17 @@ from typing import TYPE_CHECKING, Any, Optional
 import ray
 
 from orchestrator.checks import Lane, one_line
-from orchestrator.control.states import EpochSegment
+from orchestrator.control.states import EpochSegment, RateBase
 from policies.decisions.failure import ReplicaFailure
 from policies.decisions.lr_scaling import LrSchedule
 from policies.decisions.scaling import ClusterView, ScaleDecision, make_scaling_policy
 
 if TYPE_CHECKING:
-    from orchestrator.control.context import RunContext
+    from orchestrator.config import DataConfig, ScalingConfig
+    from orchestrator.fleet.drains import DrainWatch
+    from orchestrator.fleet.pause import PauseGate
+    from orchestrator.fleet.replica_group import ReplicaGroup
+    from orchestrator.reporting.reporter import Reporter
 
 LOOK_TIMEOUT_S = 10.0  # one look at the cluster's resources
 RAYLET_PROBE_TIMEOUT_S = 1.0  # a node whose raylet does not accept a connection within this is lost
@@ -102,7 +106,17 @@ class BatchSize:
 
 @dataclass
 class Elasticity:
-    run: "RunContext"
+    """The run's elasticity, given the parts it uses (never the run): the scaling and data
+    sections, the replica group, the pause gate, the drain watch, the reporter and the ranks'
+    last reported steps (the dict the ledger keeps, updated in place)."""
+
+    scaling: "ScalingConfig"
+    data: "DataConfig"
+    group: "ReplicaGroup"
+    pause: "PauseGate"
+    drains: "DrainWatch"
+    report: "Reporter"
+    progress: dict[int, int]
     lost_nodes: set[str] = field(default_factory=set)
     requested: list[dict[str, float]] = field(default_factory=list)  # the bundles this run asked for last
     joining: Optional[Joining] = None
@@ -112,15 +126,15 @@ class Elasticity:
     lane: Lane = field(default_factory=lambda: Lane("the cluster"))  # every look and request, one thread
 
     def __post_init__(self) -> None:
-        s = self.run.cfg.scaling
+        s = self.scaling
         self.policy = make_scaling_policy(s)
         self.lr = LrSchedule(1.0, s.replicas, s.lr_scaling, s.lr_warmup_steps)  # a factor over optimizer.lr
-        self.batch = BatchSize(self.run.cfg.data.batch_size)
+        self.batch = BatchSize(self.data.batch_size)
 
     def units(self, replicas: int) -> int:
         """The global batch in the schedule's units (scaling.replicas x data.batch_size rows are
         scaling.replicas units): replicas, times the batch's growth (data.adaptive_batch)."""
-        return replicas * self.batch.value // self.run.cfg.data.batch_size
+        return replicas * self.batch.value // self.data.batch_size
 
     # ---- looking at the cluster ----------------------------------------------------------
     def view(self, exclude: frozenset = frozenset()) -> ClusterView:
@@ -132,7 +146,7 @@ class Elasticity:
             return ray.nodes(), available_resources_per_node()
 
         nodes, free = self.lane.call(look, LOOK_TIMEOUT_S, "the Ray cluster's resources")
-        gone = self.lost_nodes | set(self.run.fleet.drains.draining) | exclude  # a drained node takes nothing new
+        gone = self.lost_nodes | set(self.drains.draining) | exclude  # a drained node takes nothing new
         alive = [n for n in nodes if n.get("Alive") and n["NodeID"] not in gone]
         total = {k: sum(n.get("Resources", {}).get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
         available = {k: sum(free.get(n["NodeID"], {}).get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
@@ -167,7 +181,7 @@ class Elasticity:
         """For each failure whose replica died (or went silent) with its node: whether a replacement fits in what
         the other nodes have free (each one placed takes its room), and what was seen. Failures on
         nodes that are still there are not listed: their own resources are there for a replacement."""
-        group = self.run.fleet.group
+        group = self.group
         # died, or hung: a node removed reads unreachable (ActorUnavailableError) before dead
         on_lost = {f.rank: group.nodes.get(f.rank) for f in failures if f.cause in ("died", "hung")}
         on_lost = {r: n for r, n in on_lost.items() if self.node_lost(n)}
@@ -192,7 +206,7 @@ class Elasticity:
 
         self.lane.call(lambda: request_resources(bundles=bundles), LOOK_TIMEOUT_S, "the autoscaler request")
         self.requested = list(bundles)
-        self.run.report.event("autoscaler_request", bundles=len(bundles), bundle=bundles[0] if bundles else None,
+        self.report.event("autoscaler_request", bundles=len(bundles), bundle=bundles[0] if bundles else None,
                               withdrawn=not bundles, why=why, read_back=len(read_request()))
 
     def withdraw(self) -> None:
@@ -224,17 +238,17 @@ class Elasticity:
         except Exception as exc:
             said = self.failures.new(exc)
             if said is not None:
-                self.run.report.event("scaling_poll_failed", error=said)
-                self.run.report.say(f"the scaling poll failed ({said}); training goes on, and the next poll "
-                                    f"(every {self.run.cfg.scaling.poll_s:g}s) looks again")
+                self.report.event("scaling_poll_failed", error=said)
+                self.report.say(f"the scaling poll failed ({said}); training goes on, and the next poll "
+                                    f"(every {self.scaling.poll_s:g}s) looks again")
 
     def poll(self) -> None:
         """Every scaling.poll_s: ask the policy; act on a grow (shrinks come as failures)."""
         now = time.perf_counter()
         if now < self._next_poll or self.joining is not None:
             return
-        self._next_poll = now + self.run.cfg.scaling.poll_s
-        current = len(self.run.fleet.group.members)
+        self._next_poll = now + self.scaling.poll_s
+        current = len(self.group.members)
         view = self.view()
         decision = self.policy.decide(current, view)
         if self.policy.grow_streak == 1 or (decision.kind == "grow" and self._room_since is None):
@@ -248,7 +262,7 @@ class Elasticity:
     def start_grow(self, decision: ScaleDecision, current: int) -> None:
         """Start the new replicas now (they boot while the epoch runs); they join at the next
         epoch boundary or, mid-epoch, once paused (`Grow`)."""
-        group = self.run.fleet.group
+        group = self.group
         ranks, r = [], 0
         while len(ranks) < decision.target - current:
             if r not in group.members:
@@ -258,7 +272,7 @@ class Elasticity:
         self.joining = Joining(ranks, ready, decision, current, time.time(), time.perf_counter(),
                                self._room_since or time.time())
         self._room_since = None
-        self.run.report.say(f"growing {current} -> {decision.target}: {decision.reason}")
+        self.report.say(f"growing {current} -> {decision.target}: {decision.reason}")
 
     def pause_for_ready(self, seg: EpochSegment, switching: bool = False) -> None:
         """Mid-epoch, once a started replica is ready: the partition server pauses the replicas at
@@ -266,11 +280,11 @@ class Elasticity:
         (Running -> Reconfiguring(GrowPlan): `Grow`). Not while a phase switch is pending (`switching`)
         or a failure is being handled."""
         j = self.joining
-        if j is None or self.run.fleet.pause.closed or not seg.begun or switching or seg.failures:
+        if j is None or self.pause.closed or not seg.begun or switching or seg.failures:
             return
         done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
         if done:
-            self.run.fleet.pause.close("grow")
+            self.pause.close("grow")
 
     def ready_to_join(self) -> bool:
         """Whether replicas started for a grow are ready to join (none ready within
@@ -287,10 +301,10 @@ class Elasticity:
 
     def abandon(self, j: Joining, reason: str, **fields: Any) -> None:
         """Give a grow up: its started replicas are stopped (the policy polls again)."""
-        self.run.fleet.group.abandon_joining(j.ranks)
+        self.group.abandon_joining(j.ranks)
         if self.joining is j:
             self.joining = None
-        self.run.report.event("resize_abandoned", ranks=j.ranks, reason=reason, **fields)
+        self.report.event("resize_abandoned", ranks=j.ranks, reason=reason, **fields)
 
     def promote_joining(self) -> list[int]:
         """Every member is gone (a repair with nobody left) while replicas started for a grow are
@@ -302,40 +316,40 @@ class Elasticity:
             return []
         self.joining = None
         self.stop_pausing()
-        group = self.run.fleet.group
+        group = self.group
         joined, failed = group.admit(dict(j.ready))
         if failed:
-            self.run.report.event("resize_abandoned", ranks=sorted(failed), reason="died while starting",
+            self.report.event("resize_abandoned", ranks=sorted(failed), reason="died while starting",
                                   outcomes={str(r): why for r, why in failed.items()})
         if not joined:
             return []
-        self.run.report.say(f"replicas {joined}, started for a grow, go on in place of the lost ones")
+        self.report.say(f"replicas {joined}, started for a grow, go on in place of the lost ones")
         return sorted(joined)
 
     def stop_pausing(self) -> None:
         """An epoch boundary: a grow's pause nobody reached (every replica held its last
         partitions) is lifted; the ready replicas join before the next epoch opens."""
-        if self.run.fleet.pause.reason == "grow":
-            self.run.fleet.pause.open()
+        if self.pause.reason == "grow":
+            self.pause.open()
 
     # ---- the learning rate ---------------------------------------------------------------------
-    def follow(self, step: int, replicas: int, ranks: Optional[list[int]] = None) -> dict[str, Any]:
+    def follow(self, step: int, replicas: int, rate: "RateBase", ranks: Optional[list[int]] = None) -> dict[str, Any]:
         """The replica count changed at `step`: move the schedule and tell the replicas (`ranks`,
-        default all). Returns the event's learning-rate fields."""
+        default all). Returns the event's learning-rate fields, in the phase's rate (`rate`)."""
         step = max(step, self.lr.segments[-1].from_step)  # asynchronous replicas' steps differ: never back
         before = self.lr.lr_at(step)
         self.lr.resize(step, self.units(replicas))
         self.send_lr(ranks)
         seg = self.lr.segments[-1]
-        base = self.run.shard_optimizer(self.run.phase.strategy)[1]
+        base = rate.lr
         return {"lr_rule": self.lr.rule, "lr_before": round(base * before, 6), "lr_target": round(base * seg.target_lr, 6),
-                "lr_warmup_steps": seg.ramp_steps, "lr_applies": self.run.phase.spec.global_batch}
+                "lr_warmup_steps": seg.ramp_steps, "lr_applies": rate.global_batch}
 
-    def rebatch(self, step: int, batch: int) -> dict[str, Any]:
+    def rebatch(self, step: int, batch: int, rate: "RateBase") -> dict[str, Any]:
         """data.adaptive_batch grew the replicas' batch from `step` on: the rate follows the global
         batch as on a resize, and every replica (and any started later) takes the batch."""
-        self.batch.value = self.run.fleet.group.raw["data"]["batch_size"] = batch
-        return self.follow(step, len(self.run.fleet.group.ranks))
+        self.batch.value = self.group.raw["data"]["batch_size"] = batch
+        return self.follow(step, len(self.group.ranks), rate)
 
     def state_dict(self) -> list[list]:
         """A checkpoint's part: every resize's learning-rate segment."""
@@ -348,10 +362,10 @@ class Elasticity:
         """A resumed run: the schedule as the checkpoint kept it, moved to the replica count the
         run starts again with, and sent to the replicas."""
         self.lr.load_state_dict(segments)
-        self.run.fleet.group.raw["data"]["batch_size"] = self.batch.value  # its part loads first
-        members = self.units(len(self.run.fleet.group.ranks))
+        self.group.raw["data"]["batch_size"] = self.batch.value  # its part loads first
+        members = self.units(len(self.group.ranks))
         if self.lr.replicas != members:
-            step = max(self.run.ledger.progress.values(), default=0)
+            step = max(self.progress.values(), default=0)
             self.lr.resize(max(step, self.lr.segments[-1].from_step), members)
         self.send_lr()
 
@@ -362,7 +376,7 @@ class Elasticity:
         seg = self.lr.segments[-1]
         ramp = {"from_step": seg.from_step, "start": seg.start_lr, "target": seg.target_lr, "steps": seg.ramp_steps,
                 "batch_size": self.batch.value}
-        group = self.run.fleet.group
+        group = self.group
         group.call(ranks or group.ranks, "set_lr_scale", ramp, what="learning rate")
 
 

@@ -89,7 +89,7 @@ class Grow(Change):
         return bool(self.newcomers)
 
     def learning_rate(self, run: "RunContext") -> dict[str, Any]:
-        return self.elastic.follow(self.step, len(run.fleet.group.ranks)) if self.newcomers else {}
+        return self.elastic.follow(self.step, len(run.fleet.group.ranks), run.rate_base()) if self.newcomers else {}
 
     def reopen(self, run: "RunContext", seg: EpochSegment) -> list[int]:
         return run.fleet.group.ranks if run.phase.lock_step else self.paused + self.newcomers

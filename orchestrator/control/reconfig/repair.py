@@ -187,7 +187,7 @@ class Repair(Change):
 
     def learning_rate(self, run: "RunContext") -> dict[str, Any]:
         members = run.fleet.group.ranks
-        lr = run.fleet.elastic.follow(self.donor_step, len(members)) if self.dropped else {}  # the rate follows the batch
+        lr = run.fleet.elastic.follow(self.donor_step, len(members), run.rate_base()) if self.dropped else {}  # the rate follows the batch
         if self.replaced and not self.dropped:
             run.fleet.elastic.send_lr(self.replaced)  # a newcomer steps at the rate the others do
         return lr
