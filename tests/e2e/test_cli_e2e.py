@@ -63,17 +63,7 @@ def test_cli_run_joins_ray_address_and_tracks_to_server(ray_head, mlflow_server,
     assert open(png, "rb").read(8) == PNG_MAGIC
     assert (tmp_path / "training.png").read_bytes()[:8] == PNG_MAGIC  # next to result.json
 
-    # the cost model calibrated from this run's own figures
-    sim = [sys.executable, "-m", "orchestrator", "simulate", example, "--from-run", result["mlflow_run_id"],
-           "--tracking-uri", mlflow_server, "--replicas", "1,2,4,64,1024", "--plot", str(tmp_path / "sim.png"),
-           "--json", str(tmp_path / "sim.json")] + [a for o in overrides for a in ("--set", o)]
-    proc = subprocess.run(sim, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    predicted = json.loads((tmp_path / "sim.json").read_text())
-    assert f"run {result['mlflow_run_id']}" in predicted["calibration"]["source"]
-    at = {(p["mode"], p["replicas"]): p for p in predicted["predictions"]}
-    assert {("allreduce", 1024), ("downpour", 64), ("easgd", 2), ("local_sgd", 4), ("single", 1)} <= set(at)
-    assert (tmp_path / "sim.png").read_bytes()[:8] == PNG_MAGIC and "allreduce" in proc.stdout
+    simulates_from_run(example, result["mlflow_run_id"], mlflow_server, tmp_path, env, overrides)
 
 
 @pytest.mark.full
@@ -99,6 +89,21 @@ def test_simulate_calibrates_here_and_refuses_bad_input(tmp_path):
 
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def simulates_from_run(example: str, run_id: str, tracking_uri: str, tmp_path, env: dict, overrides: list[str]) -> None:
+    """`simulate --from-run`: the cost model calibrated from the run's own figures gives a table
+    for every mode, a JSON naming the run and a plot."""
+    sim = [sys.executable, "-m", "orchestrator", "simulate", example, "--from-run", run_id,
+           "--tracking-uri", tracking_uri, "--replicas", "1,2,4,64,1024", "--plot", str(tmp_path / "sim.png"),
+           "--json", str(tmp_path / "sim.json")] + [a for o in overrides for a in ("--set", o)]
+    proc = subprocess.run(sim, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    predicted = json.loads((tmp_path / "sim.json").read_text())
+    assert f"run {run_id}" in predicted["calibration"]["source"]
+    at = {(p["mode"], p["replicas"]): p for p in predicted["predictions"]}
+    assert {("allreduce", 1024), ("downpour", 64), ("easgd", 2), ("local_sgd", 4), ("single", 1)} <= set(at)
+    assert (tmp_path / "sim.png").read_bytes()[:8] == PNG_MAGIC and "allreduce" in proc.stdout
 
 
 def accuracy_of_logged_model(tracking_uri: str, run_id: str, dataset, batch_size: int, tmp_path) -> float:
@@ -157,19 +162,9 @@ def test_ray_job_submit_main_example_reaches_97(main_example_job, mlflow_server,
     assert open(png, "rb").read(8) == PNG_MAGIC
     assert (folder / "training.png").read_bytes()[:8] == PNG_MAGIC  # next to result.json
 
-    # the cost model calibrated from this run's own figures
-    sim = [sys.executable, "-m", "orchestrator", "simulate", MAIN_EXAMPLE, "--from-run", run_id,
-           "--tracking-uri", mlflow_server, "--replicas", "1,2,4,64,1024", "--plot", str(tmp_path / "sim.png"),
-           "--json", str(tmp_path / "sim.json")]
     sim_env = dict(os.environ, PYTHONPATH=REPO)
     sim_env.pop("MLFLOW_TRACKING_URI", None)
-    proc = subprocess.run(sim, cwd=tmp_path, env=sim_env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    predicted = json.loads((tmp_path / "sim.json").read_text())
-    assert f"run {run_id}" in predicted["calibration"]["source"]
-    at = {(p["mode"], p["replicas"]): p for p in predicted["predictions"]}
-    assert {("allreduce", 1024), ("downpour", 64), ("easgd", 2), ("local_sgd", 4), ("single", 1)} <= set(at)
-    assert (tmp_path / "sim.png").read_bytes()[:8] == PNG_MAGIC and "allreduce" in proc.stdout
+    simulates_from_run(MAIN_EXAMPLE, run_id, mlflow_server, tmp_path, sim_env, [])
 
 
 def job_get(ray_head, path: str) -> dict:
