@@ -21,7 +21,7 @@ replacement joins.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import ray
 
@@ -31,10 +31,12 @@ from orchestrator.control.epoch_end import close_pass, interval_evaluation, watc
 from orchestrator.errors import TrainingError
 from orchestrator.control.failures import fail
 from orchestrator.fleet.outcomes import replica_failure
-from orchestrator.control.reconfig.repair import decide
-from orchestrator.control.states import EpochSegment, Errored, Finishing, GrowPlan, Pending, Plan, Reconfiguring, State
+from orchestrator.control.reconfig import repair
+from orchestrator.control.decide import (LEAVING, ClosePass, Exit, Grow, Interrupt, Judge, Observation, OpenEpoch,
+                                         TakeCheckpoint, decide, enter, judged)
+from orchestrator.control.states import EpochSegment, Pending, State
 from policies.messages import Evaluation, Progress, SegmentEnd, Stepping
-from policies.decisions.failure import Fail, ReplicaFailure, error_detail
+from policies.decisions.failure import ReplicaFailure, error_detail
 from policies.rules.modes import Diverged
 
 if TYPE_CHECKING:
@@ -45,65 +47,78 @@ HANG_GRACE_S = 5.0
 
 
 def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "State":
-    """Running(seg, pending): read the epoch's streams until the epoch ends or a failure, a
-    switch or a grow needs a reconfiguration (each state after this carries `pending` on). Every
-    replica's hang clock starts again on entry: while another state worked (a repair, its
-    restart backoff, a switch) nobody read the survivors' streams, and what they sent meanwhile
-    waits unread; silence is measured from now."""
+    """Running(seg, pending): observe -> decide -> act, until the epoch ends or a failure, a
+    switch, a grow or an evacuation needs a reconfiguration (each state after this carries
+    `pending` on). `decide` (orchestrator/control/decide.py) is pure: it names the exit; the
+    actions below carry it out. Every replica's hang clock starts again on entry: while another
+    state worked (a repair, its restart backoff, a switch) nobody read the survivors' streams,
+    and what they sent meanwhile waits unread; silence is measured from now."""
     restart_hang_clocks(seg)
-    if not seg.begun:
-        if seg.failures:  # a replica died between epochs (e.g. during a switch): repaired first
-            return judge(run, seg, pending)
-        if pending.switch is not None:  # decided at the last epoch's end: switch before this one opens
-            return Reconfiguring(pending.switch, seg, pending)
-        if pending.stopping:  # the run stopped at the last epoch's end; a rollback was carried out first
-            return Finishing()
-        moving = evacuate.draining_members(run)  # members on a drained node move before the epoch opens
-        if moving is not None:
-            return Reconfiguring(moving, seg, pending)
-        run.fleet.elastic.stop_pausing()  # a grow's pause nobody reached
-        if run.fleet.elastic.ready_to_join():  # replicas started for a grow join at the epoch boundary
-            return Reconfiguring(GrowPlan(mid_epoch=False), seg, pending)
-        run.open_epoch(seg, frozenset(seg.awaiting_steps()))
     while True:
-        if seg.failures and (not run.phase.lock_step or not seg.streams):
-            mid_epoch.abandon(run, seg)  # a checkpoint inside the epoch waiting for the pause: given up
-            return judge(run, seg, pending)
-        if not seg.streams:
-            paused = bool(seg.paused_ranks())
-            if run.fleet.pause.reason == "switch" and paused:
-                return Reconfiguring(pending.switch, seg, pending)
-            if run.fleet.pause.reason == "grow" and paused:  # ready newcomers join; the epoch goes on
-                return Reconfiguring(GrowPlan(mid_epoch=True), seg, pending)
-            if run.fleet.pause.reason == "evacuate" and paused and pending.evacuation is not None:
-                return Reconfiguring(pending.evacuation, seg, pending)  # off the drained node(s); the epoch goes on
-            if run.fleet.pause.reason == mid_epoch.REASON:
-                if paused:  # a checkpoint inside the epoch; then the paused replicas go on
-                    mid_epoch.take(run, seg, pending)
-                    continue
-                mid_epoch.give_up(run)  # every replica ended its pass first: the epoch's end checkpoints
-            nxt = close_pass(run, seg, pending)
-            if nxt is None:
-                continue  # a further pass of the epoch started
+        exit_ = decide(observe(run, seg, pending))
+        nxt = act(run, seg, pending, exit_)
+        if nxt is not None:
             return nxt
-        if run.fleet.interrupts.seen.is_set():  # a SIGTERM whose KeyboardInterrupt was swallowed where it landed
-            raise KeyboardInterrupt
-        ready = ready_streams(list(seg.streams.values()))
-        for rank, stream in list(seg.streams.items()):
-            if stream in ready:
-                read_item(run, seg, rank, stream)
-        if watch_servers(run, seg.epoch) or shards_unconfirmed(run):  # time spent waiting on a server or
-            restart_hang_clocks(seg)  # shard being rebuilt, or not yet known to be stopped, is no hang
-        look_after_spares(run, seg.epoch)
-        check_hangs(run, seg)
-        run.fleet.elastic.tick(seg, switching=pending.switch is not None)
-        evacuate.notice(run, seg, pending)  # a preemption notice: pause, then move off the node
-        if seg.fresh_signals or run.policies.switch.until is not None:
-            seg.fresh_signals = False
-            phase_switch.consider(run, seg, pending)  # before a checkpoint: one due at every tick never starves it
-        mid_epoch.consider(run, seg, pending)  # checkpoint.every_steps / every_s: pause, checkpoint, go on
-        if seg.failures and run.phase.lock_step and run.fleet.shard_group is not None:
-            run.fleet.shard_group.abort_rounds(timeout_s=TICK_S)  # each tick: a survivor may reach the round after an abort
+
+
+def observe(run: "RunContext", seg: EpochSegment, pending: Pending) -> Observation:
+    """One observation of the epoch for `decide`. Before the epoch opens it also looks at the
+    drains (members on a drained node move first) and at a grow's replicas (ready: they join);
+    while it runs, the streams' items are read by the Read action, not here."""
+    boundary = not seg.begun and not seg.failures and pending.switch is None and not pending.stopping
+    drained = evacuate.draining_members(run) if boundary else None
+    return Observation(begun=seg.begun, failures=len(seg.failures), lock_step=run.phase.lock_step,
+                       open_streams=len(seg.streams), paused=bool(seg.paused_ranks()), gate=run.fleet.pause.reason,
+                       switch_pending=pending.switch is not None, evacuation_pending=pending.evacuation is not None,
+                       stopping=pending.stopping, drained=drained,
+                       grow_ready=boundary and drained is None and run.fleet.elastic.ready_to_join(),
+                       interrupted=run.fleet.interrupts.seen.is_set())
+
+
+def act(run: "RunContext", seg: EpochSegment, pending: Pending, exit_: Exit) -> "Optional[State]":
+    """Carry out one exit; the next state, or None to observe again."""
+    if isinstance(exit_, Judge):
+        if exit_.abandon_checkpoint:
+            mid_epoch.abandon(run, seg)  # a checkpoint inside the epoch waiting for the pause: given up
+        return judge(run, seg, pending)
+    if isinstance(exit_, OpenEpoch) or exit_ == Grow(mid_epoch=False):
+        run.fleet.elastic.stop_pausing()  # an epoch boundary: a grow's pause nobody reached
+    if isinstance(exit_, LEAVING):
+        return enter(exit_, seg, pending)
+    if isinstance(exit_, OpenEpoch):
+        run.open_epoch(seg, frozenset(seg.awaiting_steps()))
+    elif isinstance(exit_, TakeCheckpoint):
+        mid_epoch.take(run, seg, pending)  # a checkpoint inside the epoch; then the paused replicas go on
+    elif isinstance(exit_, ClosePass):
+        if exit_.give_up_checkpoint:
+            mid_epoch.give_up(run)  # every replica ended its pass first: the epoch's end checkpoints
+        return close_pass(run, seg, pending)  # None: a further pass of the epoch started
+    elif isinstance(exit_, Interrupt):
+        raise KeyboardInterrupt
+    else:
+        read(run, seg, pending)
+    return None
+
+
+def read(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
+    """One tick: the items every ready stream sent, the servers and shards, the spares, the hang
+    clocks, a grow, a drain notice, a switch and a checkpoint due (each may close the gate)."""
+    ready = ready_streams(list(seg.streams.values()))
+    for rank, stream in list(seg.streams.items()):
+        if stream in ready:
+            read_item(run, seg, rank, stream)
+    if watch_servers(run, seg.epoch) or shards_unconfirmed(run):  # time spent waiting on a server or
+        restart_hang_clocks(seg)  # shard being rebuilt, or not yet known to be stopped, is no hang
+    look_after_spares(run, seg.epoch)
+    check_hangs(run, seg)
+    run.fleet.elastic.tick(seg, switching=pending.switch is not None)
+    evacuate.notice(run, seg, pending)  # a preemption notice: pause, then move off the node
+    if seg.fresh_signals or run.policies.switch.until is not None:
+        seg.fresh_signals = False
+        phase_switch.consider(run, seg, pending)  # before a checkpoint: one due at every tick never starves it
+    mid_epoch.consider(run, seg, pending)  # checkpoint.every_steps / every_s: pause, checkpoint, go on
+    if seg.failures and run.phase.lock_step and run.fleet.shard_group is not None:
+        run.fleet.shard_group.abort_rounds(timeout_s=TICK_S)  # each tick: a survivor may reach the round after an abort
 
 
 def look_after_spares(run: "RunContext", epoch: int) -> None:
@@ -231,17 +246,13 @@ def stepped(run: "RunContext", seg: EpochSegment, rank: int, t_wall: float) -> N
 
 
 def judge(run: "RunContext", seg: EpochSegment, pending: Pending) -> "State":
-    """The failure policy decides each failure; Fail ends the run, else Reconfiguring."""
-
+    """The failure policy decides each failure; Fail ends the run, else Reconfiguring (the state
+    built by decide.judged)."""
     failures, seg.failures = seg.failures, []
-    failed = {f.rank for f in failures}
-    decisions = decide(run, failures, failed)
-    if isinstance(decisions, Fail):
-        return Errored(TrainingError(f"epoch {seg.epoch}: {decisions.reason}"))
-    steps = {r: item.step for r, item in seg.ended.items() if r not in failed and item.kind == "interrupted"}
-    plan = Plan(failures, decisions, seg.t_first_failure or time.time(), steps)
+    decisions = repair.decide(run, failures, {f.rank for f in failures})
+    nxt = judged(seg, pending, failures, decisions, seg.t_first_failure or time.time())
     seg.t_first_failure = None
-    return Reconfiguring(plan, seg, pending)
+    return nxt
 
 
 def note_balance(run: "RunContext", seg: EpochSegment) -> None:

@@ -250,18 +250,18 @@ def test_entering_downpour_with_the_jobs_momentum_is_translated_and_does_not_col
     assert min(after) > 0.9, after
 
 
-def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_cluster, tmp_path):
+ROLLBACK_CK = {"every_steps": 20, "keep": 30}
+# the driver hears every step: the checkpoint due 20 steps in comes before the ~31-step epoch ends
+HEARD = {"log_every_steps": 1, "progress_interval_s": 0}
+
+
+def rolled_back_run(tmp_path):
     """A downpour phase whose shards step at lr 1e12: within steps of the switch the loss is not
     finite. On probation that does not end the run (it would outside one: a divergence); the
     steps are skipped, that epoch's end finds the test loss not finite or far above the loss at
     the switch, and the run goes back to allreduce with the model from before the switch, and
-    stays there. The run checkpoints inside its epochs too: resumed from the one taken inside
-    the probation's epoch, the run is on probation again (the replicas skip the non-finite steps
-    instead of ending the run as diverged) and that epoch's end rolls the switch back."""
-    ck = {"every_steps": 20, "keep": 30}
-    # the driver hears every step: the checkpoint due 20 steps in comes before the ~31-step epoch ends
-    heard = {"log_every_steps": 1, "progress_interval_s": 0}
-    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=4, checkpoint=ck, tracking=heard)
+    stays there. Returns the result and its switch_rolled_back event."""
+    result = phases_run(tmp_path, [ALLREDUCE_2, HURTING], epochs=4, checkpoint=ROLLBACK_CK, tracking=HEARD)
     [rolled] = events(result, "switch_rolled_back")
     now, at = rolled["test_loss_now"], rolled["test_loss_at_switch"]
     assert rolled["back_to"] == "allreduce" and (not math.isfinite(now) or now > at * 1.5), rolled
@@ -274,10 +274,23 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
     ends = events(result, "epoch_end")
     assert ends[-1]["test_accuracy"] >= first["test_accuracy_before"]
     assert [p["mode"] for p in result.phases] == ["allreduce", "downpour", "allreduce"]
+    return result, rolled
 
+
+def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_cluster, tmp_path):
+    """rolled_back_run's switch, rolled back (its checks); the run also checkpoints inside its epochs."""
+    rolled_back_run(tmp_path)
+
+
+@pytest.mark.full  # the same run again (~15 s), then resumed (~10 s): make test keeps the rollback itself
+def test_a_run_resumed_inside_a_probation_is_on_probation_again(ray_cluster, tmp_path):
+    """Resumed from the checkpoint taken inside the probation's epoch, the run is on probation
+    again (the replicas skip the non-finite steps instead of ending the run as diverged) and that
+    epoch's end rolls the switch back."""
     from orchestrator.persistence.checkpoint import CheckpointStore
     from orchestrator.trainer import ElasticTrainer
 
+    _, rolled = rolled_back_run(tmp_path)
     inside = sorted(glob.glob(str(tmp_path / "ck" / "*" / f"*-in_epoch_{rolled['epoch']:04d}.pt.json")))
     assert inside, "no checkpoint was taken inside the probation's epoch"
     sidecar = inside[-1]
@@ -285,9 +298,8 @@ def test_a_switch_that_hurts_is_rolled_back_to_the_mode_and_model_before_it(ray_
     [entry] = [e for e in store.list() if e.name == os.path.basename(sidecar)[: -len(".json")]]
     state, why = store.verify(entry)
     assert state is not None and state["probation"]["until"] == rolled["epoch"], why
-    again = ElasticTrainer(phases_config(tmp_path, [ALLREDUCE_2, HURTING], epochs=4, checkpoint=ck, tracking=heard),
-                           show_progress=False,
-                           resume=state).fit()
+    again = ElasticTrainer(phases_config(tmp_path, [ALLREDUCE_2, HURTING], epochs=4, checkpoint=ROLLBACK_CK,
+                                         tracking=HEARD), show_progress=False, resume=state).fit()
     [resumed] = events(again, "resumed")
     assert resumed["probation_until"] == rolled["epoch"] and resumed["in_epoch"]["epoch"] == rolled["epoch"]
     since = again.events[again.events.index(resumed):]  # the run's event log goes on from the first run's

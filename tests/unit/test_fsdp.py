@@ -105,7 +105,9 @@ def _reload(rank: int, world: int, port: int, out: str, evaluate_first: bool) ->
     dist.destroy_process_group()
 
 
-def test_two_replicas_step_as_one_process_on_the_union_of_their_batches(tmp_path):
+def two_replicas_stepped(tmp_path):
+    """Two fsdp replicas step on their batches: their slices joined equal one process's step on
+    the union; each held about half. Returns the joined whole state."""
     import torch.multiprocessing as mp
 
     from actors.replica.reducer import free_port
@@ -139,29 +141,45 @@ def test_two_replicas_step_as_one_process_on_the_union_of_their_batches(tmp_path
     for r in (r0, r1):
         assert 0.45 * size <= r["bytes"] <= 0.6 * size
 
-    # the joined state loads into a group of 3 (a resize): each keeps its rows, and joined again it is
-    # the same; the group's first act a step nobody has rows for, or an evaluation (it evaluates
-    # the state loaded, and training goes on after it)
+    return whole
+
+
+def regrouped_in_three(tmp_path, whole, evaluate_first: bool) -> None:
+    """The joined state loads into a group of 3 (a resize): each keeps its rows, and joined again it is
+    the same; the group's first act a step nobody has rows for, or an evaluation (it evaluates
+    the state loaded, and training goes on after it)."""
+    import torch.multiprocessing as mp
+
+    from actors.replica.reducer import free_port
+
     torch.save(whole, tmp_path / "whole.pt")
     loaded = Net()
     loaded.load_state_dict(whole["model"])
     with torch.no_grad():
         expected = loaded(PROBE)
-    for evaluate_first in (False, True):
-        mp.spawn(_reload, args=(3, free_port(), str(tmp_path), evaluate_first), nprocs=3, join=True)
-        parts = [torch.load(tmp_path / f"again{r}.pt", weights_only=False) for r in range(3)]
-        assert [p["rank"] for p in parts] == [0, 1, 2]
-        again = join([p["slices"] for p in parts])
-        for name, value in whole["model"].items():
-            assert torch.equal(again["model"][name], value), name
-        for name, entries in whole["optimizer"]["state"].items():
-            for key, value in entries.items():
-                assert torch.equal(again["optimizer"]["state"][name][key], value), (name, key)
-        head = parts[2]["slices"]["model"]["head.weight"]  # 3 rows over 3 ranks: one each
-        assert head.shape == (3, 16) and head.local.shape == (1, 16)
-        if evaluate_first:
-            for r in range(3):
-                assert torch.allclose(torch.load(tmp_path / f"evaluated{r}.pt"), expected, atol=1e-5), r
+    mp.spawn(_reload, args=(3, free_port(), str(tmp_path), evaluate_first), nprocs=3, join=True)
+    parts = [torch.load(tmp_path / f"again{r}.pt", weights_only=False) for r in range(3)]
+    assert [p["rank"] for p in parts] == [0, 1, 2]
+    again = join([p["slices"] for p in parts])
+    for name, value in whole["model"].items():
+        assert torch.equal(again["model"][name], value), name
+    for name, entries in whole["optimizer"]["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(again["optimizer"]["state"][name][key], value), (name, key)
+    head = parts[2]["slices"]["model"]["head.weight"]  # 3 rows over 3 ranks: one each
+    assert head.shape == (3, 16) and head.local.shape == (1, 16)
+    if evaluate_first:
+        for r in range(3):
+            assert torch.allclose(torch.load(tmp_path / f"evaluated{r}.pt"), expected, atol=1e-5), r
+
+
+def test_two_replicas_step_as_one_process_and_an_evaluation_first_after_a_regroup_into_three(tmp_path):
+    regrouped_in_three(tmp_path, two_replicas_stepped(tmp_path), evaluate_first=True)
+
+
+@pytest.mark.full  # ~12 s of processes: make test keeps the regroup whose first act is an evaluation
+def test_a_regroup_into_three_whose_first_act_is_a_step_nobody_has_rows_for(tmp_path):
+    regrouped_in_three(tmp_path, two_replicas_stepped(tmp_path), evaluate_first=False)
 
 
 def test_the_cut_is_torch_chunks():

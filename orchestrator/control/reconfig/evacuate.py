@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
+from orchestrator.control.decide import Drained
 from orchestrator.control.reconfig import carrier
 from orchestrator.control.reconfig.repair import Repair, reconfigure, replan
 from orchestrator.fleet.model_state import whole_state
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
 
 
-def draining_members(run: "RunContext") -> Optional[EvacuationPlan]:
+def draining_members(run: "RunContext") -> Optional[Drained]:
     """The members on nodes being drained now (looked at every DRAIN_POLL_S), or None. Not those
     on the driver's own node: they end with the driver (mid_epoch.driver_drained checkpoints)."""
     draining = dict(run.fleet.drains.look())
@@ -41,7 +42,7 @@ def draining_members(run: "RunContext") -> Optional[EvacuationPlan]:
     if not nodes:
         return None
     seen = min(run.fleet.drains.first_seen.get(n, time.time()) for n in nodes.values())
-    return EvacuationPlan(nodes, {r: draining[n] for r, n in nodes.items()}, seen)
+    return Drained(tuple((r, n, draining[n]) for r, n in sorted(nodes.items())), seen)
 
 
 def notice(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
@@ -50,10 +51,10 @@ def notice(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     decision or another reconfiguration holds the gate (it is looked at again each tick)."""
     if pending.evacuation is not None or pending.switch is not None or seg.failures or run.fleet.pause.closed:
         return
-    plan = draining_members(run)
-    if plan is None:
+    drained = draining_members(run)
+    if drained is None:
         return
-    pending.evacuation = plan
+    pending.evacuation = plan = drained.plan()
     run.fleet.pause.close("evacuate")
     left = {r: round(d - time.time(), 1) if d else None for r, d in plan.deadlines.items()}
     run.report.say(f"node(s) {sorted({n[:8] for n in plan.nodes.values()})} being drained (seconds left: "

@@ -1,0 +1,191 @@
+"""Running's decision, pure: what the loop does next, from one observation of the epoch.
+
+Each tick of Running (orchestrator/control/running.py: run_segment) gathers an `Observation`
+(frozen, hashable: counts and flags, never a stream or an actor), `decide` names the next
+`Exit` (one of the frozen values below), and the loop's actions carry it out. Nothing here
+imports Ray or the run's context; every exit has a unit test on a constructed observation
+(tests/unit/test_decide.py).
+
+Before the epoch's streams open (`begun` False), in this order:
+    unjudged failures          -> Judge          (a replica died between epochs: repaired first)
+    a switch pending           -> CarrySwitch    (decided at the last epoch's end)
+    a stop pending             -> Finish         (the run stopped once a rollback was carried out)
+    members on a drained node  -> Evacuate       (they move before the epoch opens)
+    a grow's replicas ready    -> Grow(False)    (they join at the epoch boundary)
+    else                       -> OpenEpoch
+While it runs:
+    failures, and the mode is not lock-step or every stream ended -> Judge (a checkpoint waiting
+        for its pause is given up first: `abandon_checkpoint`)
+    every stream ended, members paused for a switch -> CarrySwitch; for a grow -> Grow(True);
+        for an evacuation -> CarryEvacuation; for a checkpoint -> TakeCheckpoint
+    every stream ended otherwise -> ClosePass (a checkpoint nobody paused for given up first)
+    a SIGTERM seen               -> Interrupt
+    else                         -> Read (one tick: read the streams, watch the fleet)
+
+The states these exits lead to are built here too (`enter`; `judged`: the failure policy's
+answer as a repair plan, or the run's error), from the segment and what is pending.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from orchestrator.control.states import (EpochSegment, Errored, EvacuationPlan, Finishing, GrowPlan, Pending, Plan,
+                                         Reconfiguring, State)
+from orchestrator.errors import TrainingError
+from policies.decisions.failure import Decision, Fail, ReplicaFailure
+
+PAUSES = ("switch", "grow", "halt", "evacuate", "checkpoint")  # why the pause gate may be closed
+
+
+@dataclass(frozen=True)
+class Drained:
+    """Members on nodes being drained, as the drain watch saw them: (rank, node, deadline) each
+    (deadline: wall-clock seconds, 0 when none was given), and when the first drain was seen."""
+
+    members: tuple[tuple[int, str, float], ...]
+    seen_wall: float
+
+    def plan(self) -> EvacuationPlan:
+        return EvacuationPlan({r: n for r, n, _ in self.members}, {r: d for r, _, d in self.members}, self.seen_wall)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What Running's exits read, gathered once a tick (running.observe)."""
+
+    begun: bool  # the epoch's streams are open (False: opened when Running next runs)
+    failures: int  # failures seen and not judged yet
+    lock_step: bool  # the phase's mode steps together (allreduce, synchronous EASGD)
+    open_streams: int  # members whose segment has not ended this pass
+    paused: bool  # a member's segment ended paused this pass
+    gate: Optional[str]  # why the pause gate is closed (one of PAUSES), None while open
+    switch_pending: bool
+    evacuation_pending: bool
+    stopping: bool
+    drained: Optional[Drained] = None  # before the epoch opens: members on drained nodes
+    grow_ready: bool = False  # before the epoch opens: replicas started for a grow are ready
+    interrupted: bool = False  # a SIGTERM whose KeyboardInterrupt was swallowed where it landed
+
+    def __post_init__(self) -> None:
+        if self.gate is not None and self.gate not in PAUSES:
+            raise ValueError(f"gate must be one of {PAUSES} or None, got {self.gate!r}")
+
+
+@dataclass(frozen=True)
+class Judge:
+    abandon_checkpoint: bool = False  # the gate was closed for a checkpoint: it is given up first
+
+
+@dataclass(frozen=True)
+class CarrySwitch:
+    pass
+
+
+@dataclass(frozen=True)
+class Finish:
+    pass
+
+
+@dataclass(frozen=True)
+class Evacuate:
+    drained: Drained  # before the epoch opens
+
+
+@dataclass(frozen=True)
+class CarryEvacuation:
+    pass  # mid-epoch: the evacuation pending since the notice
+
+
+@dataclass(frozen=True)
+class Grow:
+    mid_epoch: bool
+
+
+@dataclass(frozen=True)
+class OpenEpoch:
+    pass
+
+
+@dataclass(frozen=True)
+class TakeCheckpoint:
+    pass
+
+
+@dataclass(frozen=True)
+class ClosePass:
+    give_up_checkpoint: bool = False  # the gate was closed for a checkpoint nobody paused for
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    pass
+
+
+@dataclass(frozen=True)
+class Read:
+    pass
+
+
+Exit = Union[Judge, CarrySwitch, Finish, Evacuate, CarryEvacuation, Grow, OpenEpoch, TakeCheckpoint, ClosePass,
+             Interrupt, Read]
+LEAVING = (CarrySwitch, Finish, Evacuate, CarryEvacuation, Grow)  # exits `enter` turns into the next state
+
+
+def decide(obs: Observation) -> Exit:
+    """The next exit of Running for one observation (module doc: the order)."""
+    if not obs.begun:
+        if obs.failures:
+            return Judge()
+        if obs.switch_pending:
+            return CarrySwitch()
+        if obs.stopping:
+            return Finish()
+        if obs.drained is not None:
+            return Evacuate(obs.drained)
+        if obs.grow_ready:
+            return Grow(mid_epoch=False)
+        return OpenEpoch()
+    if obs.failures and (not obs.lock_step or not obs.open_streams):
+        return Judge(abandon_checkpoint=obs.gate == "checkpoint")
+    if not obs.open_streams:
+        if obs.paused and obs.gate == "switch" and obs.switch_pending:
+            return CarrySwitch()
+        if obs.paused and obs.gate == "grow":
+            return Grow(mid_epoch=True)
+        if obs.paused and obs.gate == "evacuate" and obs.evacuation_pending:
+            return CarryEvacuation()
+        if obs.gate == "checkpoint":
+            return TakeCheckpoint() if obs.paused else ClosePass(give_up_checkpoint=True)
+        return ClosePass()
+    if obs.interrupted:
+        return Interrupt()
+    return Read()
+
+
+def enter(exit_: Exit, seg: EpochSegment, pending: Pending) -> State:
+    """The state an exit in LEAVING leads to."""
+    if isinstance(exit_, CarrySwitch):
+        assert pending.switch is not None
+        return Reconfiguring(pending.switch, seg, pending)
+    if isinstance(exit_, Finish):
+        return Finishing()
+    if isinstance(exit_, Evacuate):
+        return Reconfiguring(exit_.drained.plan(), seg, pending)
+    if isinstance(exit_, CarryEvacuation):
+        assert pending.evacuation is not None
+        return Reconfiguring(pending.evacuation, seg, pending)
+    if isinstance(exit_, Grow):
+        return Reconfiguring(GrowPlan(mid_epoch=exit_.mid_epoch), seg, pending)
+    raise ValueError(f"{type(exit_).__name__} leads to no state of its own")
+
+
+def judged(seg: EpochSegment, pending: Pending, failures: list[ReplicaFailure], decisions: Union[Fail, list[Decision]],
+           t_first_failure: float) -> State:
+    """Judge's next state: the failure policy's `Fail` ends the run (Errored); else the repair
+    plan, with the lock-step survivors' steps at their interruption."""
+    if isinstance(decisions, Fail):
+        return Errored(TrainingError(f"epoch {seg.epoch}: {decisions.reason}"))
+    failed = {f.rank for f in failures}
+    steps = {r: item.step for r, item in seg.ended.items() if r not in failed and item.kind == "interrupted"}
+    return Reconfiguring(Plan(failures, decisions, t_first_failure, steps), seg, pending)

@@ -1,0 +1,138 @@
+"""Running's decision (orchestrator/control/decide.py): every exit of `decide` from a constructed
+observation, no Ray; the states `enter` and `judged` build; observations and exits are hashable;
+the module imports nothing that brings Ray in."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+
+import pytest
+
+from orchestrator.control import decide as d
+from orchestrator.control.states import (EpochSegment, Errored, EvacuationPlan, Finishing, GrowPlan, Pending, Plan,
+                                         Reconfiguring, SwitchPlan)
+from policies.decisions.failure import Fail, Replace, ReplicaFailure
+from policies.decisions.switching import Switch
+from policies.messages import SegmentEnd
+from tests.unit.test_import_graph import import_graph, modules
+
+# an epoch running, two streams open, nothing pending: the loop reads
+RUNNING = d.Observation(begun=True, failures=0, lock_step=True, open_streams=2, paused=False, gate=None,
+                        switch_pending=False, evacuation_pending=False, stopping=False)
+BOUNDARY = dataclasses.replace(RUNNING, begun=False, open_streams=0)
+DRAINED = d.Drained(((1, "node-b", 1234.0),), 1200.0)
+
+
+def at(obs: d.Observation, **changes) -> d.Exit:
+    return d.decide(dataclasses.replace(obs, **changes))
+
+
+# ---- before the epoch opens --------------------------------------------------------------------
+def test_boundary_exits_in_order():
+    assert d.decide(BOUNDARY) == d.OpenEpoch()
+    assert at(BOUNDARY, grow_ready=True) == d.Grow(mid_epoch=False)
+    assert at(BOUNDARY, grow_ready=True, drained=DRAINED) == d.Evacuate(DRAINED)
+    assert at(BOUNDARY, drained=DRAINED, stopping=True) == d.Finish()
+    assert at(BOUNDARY, stopping=True, switch_pending=True) == d.CarrySwitch()
+    assert at(BOUNDARY, switch_pending=True, failures=1) == d.Judge(abandon_checkpoint=False)
+
+
+# ---- while the epoch runs ------------------------------------------------------------------------
+def test_reading_goes_on_until_something_is_due():
+    assert d.decide(RUNNING) == d.Read()
+    assert at(RUNNING, interrupted=True) == d.Interrupt()
+    assert at(RUNNING, gate="switch", switch_pending=True) == d.Read()  # paused ranks still streaming
+
+
+def test_a_lock_step_failure_waits_for_every_stream_to_end():
+    assert at(RUNNING, failures=1) == d.Read()  # the peers' collective fails too: they end their segments
+    assert at(RUNNING, failures=1, open_streams=0) == d.Judge()
+    assert at(RUNNING, failures=1, lock_step=False) == d.Judge()  # asynchronous: judged at once
+    assert at(RUNNING, failures=1, lock_step=False, gate="checkpoint") == d.Judge(abandon_checkpoint=True)
+
+
+def test_every_pause_has_its_exit_once_the_streams_ended():
+    ended = dataclasses.replace(RUNNING, open_streams=0, paused=True)
+    assert at(ended, gate="switch", switch_pending=True) == d.CarrySwitch()
+    assert at(ended, gate="grow") == d.Grow(mid_epoch=True)
+    assert at(ended, gate="evacuate", evacuation_pending=True) == d.CarryEvacuation()
+    assert at(ended, gate="checkpoint") == d.TakeCheckpoint()
+    assert at(ended, gate="checkpoint", paused=False) == d.ClosePass(give_up_checkpoint=True)
+    assert at(ended, gate=None, paused=False) == d.ClosePass()
+    assert at(ended, gate="halt") == d.ClosePass()  # the interrupted run's pause: the epoch's end checkpoints
+    # a pause whose plan is not pending (nothing to carry out) ends the pass instead
+    assert at(ended, gate="switch") == d.ClosePass()
+    assert at(ended, gate="evacuate") == d.ClosePass()
+    # a pause nobody reached (every member ended its pass first) is no pause: the pass closes
+    assert at(ended, gate="grow", paused=False) == d.ClosePass()
+
+
+def test_an_unknown_pause_is_refused():
+    with pytest.raises(ValueError, match="gate must be one of"):
+        dataclasses.replace(RUNNING, gate="lunch")
+
+
+def test_observations_and_exits_are_hashable_values():
+    seen = {RUNNING, BOUNDARY, dataclasses.replace(BOUNDARY, drained=DRAINED)}
+    assert len(seen) == 3 and RUNNING in seen
+    exits = {d.decide(o) for o in seen}
+    assert exits == {d.Read(), d.OpenEpoch(), d.Evacuate(DRAINED)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RUNNING.failures = 2  # type: ignore[misc]
+
+
+# ---- the states the exits lead to ----------------------------------------------------------------
+def test_enter_builds_each_leaving_state():
+    seg = EpochSegment(epoch=3, t_start=0.0)
+    switch = SwitchPlan(Switch(phase=1, mode="downpour", rule="until epochs", reason="plateau", numbers={}), 0.0, 0.0, mid_epoch=True)
+    pending = Pending(switch=switch)
+    nxt = d.enter(d.CarrySwitch(), seg, pending)
+    assert isinstance(nxt, Reconfiguring) and nxt.plan is switch and nxt.segment is seg and nxt.pending is pending
+    assert isinstance(d.enter(d.Finish(), seg, pending), Finishing)
+    moved = d.enter(d.Evacuate(DRAINED), seg, Pending())
+    assert moved.plan == EvacuationPlan({1: "node-b"}, {1: 1234.0}, 1200.0)
+    evac = EvacuationPlan({0: "node-a"}, {0: 0.0}, 5.0)
+    assert d.enter(d.CarryEvacuation(), seg, Pending(evacuation=evac)).plan is evac
+    assert d.enter(d.Grow(mid_epoch=True), seg, Pending()).plan == GrowPlan(mid_epoch=True)
+    with pytest.raises(ValueError, match="no state of its own"):
+        d.enter(d.Read(), seg, pending)
+
+
+def ended_at(rank: int, step: int) -> SegmentEnd:
+    return SegmentEnd(kind="interrupted", rank=rank, epoch=2, steps=step, samples=0, train_s=0.0, comm_s=0.0,
+                      consumed=[], loss=0.0, progress=[], step=step, mode_name="allreduce")
+
+
+def test_judged_is_a_repair_plan_or_the_runs_error():
+    seg = EpochSegment(epoch=2, t_start=0.0)
+    seg.ended = {0: ended_at(0, 17), 1: ended_at(1, 9)}
+    failures = [ReplicaFailure(1, "died", "gone")]
+    nxt = d.judged(seg, Pending(), failures, [Replace(1, 0.0, "a new actor")], 99.0)
+    assert isinstance(nxt, Reconfiguring) and isinstance(nxt.plan, Plan)
+    assert nxt.plan.steps_at_interrupt == {0: 17}  # the survivors' steps, not the failed one's
+    assert nxt.plan.t_detect_wall == 99.0 and nxt.plan.failures == failures
+    ended = d.judged(seg, Pending(), failures, Fail("no restarts left"), 99.0)
+    assert isinstance(ended, Errored) and "epoch 2: no restarts left" in str(ended.error)
+
+
+def test_the_decision_module_brings_no_ray_in():
+    """Neither decide.py nor any module of the project it imports, however deep, imports Ray
+    (the packages' __init__ files, which Python loads on the way, aside)."""
+    mods = modules()
+    graph = import_graph(mods)
+    seen, todo = set(), ["orchestrator.control.decide"]
+    while todo:
+        mod = todo.pop()
+        if mod not in seen:
+            seen.add(mod)
+            todo.extend(graph[mod])
+    with_ray = []
+    for mod in sorted(seen):
+        with open(mods[mod], encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level]
+        if any(name == "ray" or name.startswith("ray.") for name in names):
+            with_ray.append(mod)
+    assert "orchestrator.control.states" in seen and len(seen) >= 4
+    assert with_ray == [], f"the decision reaches Ray through {with_ray}"
