@@ -60,7 +60,7 @@ class Fleet:
     needs_shards: bool  # any phase keeps its reference in shards
     shard_group: Any = None  # ShardGroup (sharded modes), from Starting on
     server: Any = None  # ServerLink to the PartitionServer, from Starting on
-    pause: Optional[PauseGate] = None  # why the replicas are held at partition boundaries
+    pause: Optional[PauseGate] = None  # holds the replicas at partition boundaries (why: the state's Pending.pause)
     elastic: Any = None  # Elasticity (orchestrator/control/reconfig/elastic.py): growing and shrinking with the cluster
     data: Any = None  # where the data lives (orchestrator/data/placement.py): in-memory refs kept alive here
     drains: DrainWatch = field(default_factory=DrainWatch)  # nodes being drained (preemption notices)
@@ -365,7 +365,7 @@ class RunContext:
         switch's pause; allreduce replicas all after the same step), so the lowest rank can
         answer for the final checkpoint without finishing its epoch."""
         if self.fleet.server is not None:
-            self.fleet.pause.close("halt", timeout_s)  # already closed (a switch, a grow): the replicas pause anyway
+            self.fleet.pause.close(timeout_s)  # already closed (a switch, a grow): the replicas pause anyway
 
     def shutdown(self) -> None:
         """Stop every actor this controller started (replicas, spares, shards, the server) and

@@ -50,6 +50,7 @@ from orchestrator.control import starting
 from orchestrator.control.reconfig import evacuate, phase_switch
 from orchestrator.control import checkpointing
 from orchestrator.control.checkpointing import Written
+from orchestrator.control.decide import normal
 from orchestrator.control.context import Policies, RunContext
 from orchestrator.data.in_memory import Dataset
 from orchestrator.config import JobConfig
@@ -150,18 +151,21 @@ class Controller:
         and is carried out again after that repair, from the phase it recorded; a grow's
         newcomers are members by then and the repair sees to the lost one."""
         plan, seg, pending = state.plan, state.segment, state.pending
-        if isinstance(plan, Plan):
-            return Running(repair.reconfigure(self.context, plan, seg), pending)
-        if isinstance(plan, EvacuationPlan):  # members off drained nodes (a lost one: folded into a repair)
-            pending.evacuation = None
-            return Running(evacuate.carry_out(self.context, plan, seg), pending)
-        change = phase_switch.Switching(plan, pending) if isinstance(plan, SwitchPlan) else Grow(plan, self.context.fleet.elastic)
         try:
-            return Running(carrier.carry_out(self.context, change, seg), pending)
-        except MemberLost as lost:
-            if isinstance(plan, SwitchPlan):
-                pending.switch = plan
-            return failures.lost_meanwhile(self.context, seg, lost, pending)
+            if isinstance(plan, Plan):
+                return Running(repair.reconfigure(self.context, plan, seg, pending.pause), pending)
+            if isinstance(plan, EvacuationPlan):  # members off drained nodes (a lost one: folded into a repair)
+                pending.evacuation = None
+                return Running(evacuate.carry_out(self.context, plan, seg, pending.pause), pending)
+            change = phase_switch.Switching(plan, pending) if isinstance(plan, SwitchPlan) else Grow(plan, self.context.fleet.elastic)
+            try:
+                return Running(carrier.carry_out(self.context, change, seg, pending.pause), pending)
+            except MemberLost as lost:
+                if isinstance(plan, SwitchPlan):
+                    pending.switch = plan
+                return failures.lost_meanwhile(self.context, seg, lost, pending)
+        finally:
+            normal(pending, self.context.fleet.pause.closed)  # the change opened the gate: its pause is over
 
     def run(self) -> RunTotals:
         while not isinstance(self.step(), TERMINAL):

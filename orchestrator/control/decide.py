@@ -35,7 +35,7 @@ from orchestrator.control.states import (EpochSegment, Errored, EvacuationPlan, 
 from orchestrator.errors import TrainingError
 from policies.decisions.failure import Decision, Fail, ReplicaFailure
 
-PAUSES = ("switch", "grow", "halt", "evacuate", "checkpoint")  # why the pause gate may be closed
+PAUSES = ("switch", "grow", "evacuate", "checkpoint")  # why the replicas may be pausing (Pending.pause)
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,8 @@ class Observation:
     lock_step: bool  # the phase's mode steps together (allreduce, synchronous EASGD)
     open_streams: int  # members whose segment has not ended this pass
     paused: bool  # a member's segment ended paused this pass
-    gate: Optional[str]  # why the pause gate is closed (one of PAUSES), None while open
+    gate: Optional[str]  # why the replicas are pausing (Pending.pause, one of PAUSES); None: the gate is open
+    # (or closed for an interrupted run, which ends where it is)
     switch_pending: bool
     evacuation_pending: bool
     stopping: bool
@@ -70,6 +71,13 @@ class Observation:
     def __post_init__(self) -> None:
         if self.gate is not None and self.gate not in PAUSES:
             raise ValueError(f"gate must be one of {PAUSES} or None, got {self.gate!r}")
+
+
+def normal(pending: Pending, gate_closed: bool) -> None:
+    """Pending.pause is None whenever the gate is open: whoever opened it (a checkpoint taken, a
+    change carried out, a grow's pause lifted at the boundary) ended the pause."""
+    if not gate_closed and pending.pause is not None:
+        pending.pause = None
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from policies.messages import InEpochPlace
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
 
-REASON = "checkpoint"
+PAUSE = "checkpoint"  # Pending.pause while the replicas pause for one
 
 
 def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
@@ -55,7 +55,8 @@ def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     if drained or asked or due_inside(steps, seconds, ck.every_steps, ck.every_s):
         run.fleet.drains.driver_pending = drained  # counted once written (`take`); its event says what it was for
         run.ledger.in_epoch.asked_by = run.report.requests.pop("checkpoint", None)
-        run.fleet.pause.close(REASON)
+        if run.fleet.pause.close():
+            pending.pause = PAUSE
 
 
 def driver_drained(run: "RunContext", seg: EpochSegment) -> bool:
@@ -145,8 +146,6 @@ def abandon(run: "RunContext", seg: EpochSegment) -> None:
     gate opens before the repair. In the asynchronous modes the replicas that paused go on now
     (each reports what it trained with its next grant request); in the lock-step modes the
     repair reopens every member."""
-    if run.fleet.pause.reason != REASON:
-        return
     give_up(run)
     why = "a replica failed while the replicas paused for it: given up, the next one comes when due"
     run.report.event("checkpoint_failed", epoch=seg.epoch, reason=why)

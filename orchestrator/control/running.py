@@ -33,7 +33,7 @@ from orchestrator.control.failures import fail
 from orchestrator.fleet.outcomes import replica_failure
 from orchestrator.control.reconfig import repair
 from orchestrator.control.decide import (LEAVING, ClosePass, Exit, Grow, Interrupt, Judge, Observation, OpenEpoch,
-                                         TakeCheckpoint, decide, enter, judged)
+                                         TakeCheckpoint, decide, enter, judged, normal)
 from orchestrator.control.states import EpochSegment, Pending, State
 from policies.messages import Evaluation, Progress, SegmentEnd, Stepping
 from policies.decisions.failure import ReplicaFailure, error_detail
@@ -57,6 +57,7 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
     while True:
         exit_ = decide(observe(run, seg, pending))
         nxt = act(run, seg, pending, exit_)
+        normal(pending, run.fleet.pause.closed)
         if nxt is not None:
             return nxt
 
@@ -68,7 +69,8 @@ def observe(run: "RunContext", seg: EpochSegment, pending: Pending) -> Observati
     boundary = not seg.begun and not seg.failures and pending.switch is None and not pending.stopping
     drained = evacuate.draining_members(run) if boundary else None
     return Observation(begun=seg.begun, failures=len(seg.failures), lock_step=run.phase.lock_step,
-                       open_streams=len(seg.streams), paused=bool(seg.paused_ranks()), gate=run.fleet.pause.reason,
+                       open_streams=len(seg.streams), paused=bool(seg.paused_ranks()),
+                       gate=pending.pause if run.fleet.pause.closed else None,
                        switch_pending=pending.switch is not None, evacuation_pending=pending.evacuation is not None,
                        stopping=pending.stopping, drained=drained,
                        grow_ready=boundary and drained is None and run.fleet.elastic.ready_to_join(),
@@ -82,7 +84,7 @@ def act(run: "RunContext", seg: EpochSegment, pending: Pending, exit_: Exit) -> 
             mid_epoch.abandon(run, seg)  # a checkpoint inside the epoch waiting for the pause: given up
         return judge(run, seg, pending)
     if isinstance(exit_, OpenEpoch) or exit_ == Grow(mid_epoch=False):
-        run.fleet.elastic.stop_pausing()  # an epoch boundary: a grow's pause nobody reached
+        run.fleet.elastic.stop_pausing(pending.pause)  # an epoch boundary: a grow's pause nobody reached
     if isinstance(exit_, LEAVING):
         return enter(exit_, seg, pending)
     if isinstance(exit_, OpenEpoch):
@@ -111,7 +113,8 @@ def read(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
         restart_hang_clocks(seg)  # shard being rebuilt, or not yet known to be stopped, is no hang
     look_after_spares(run, seg.epoch)
     check_hangs(run, seg)
-    run.fleet.elastic.tick(seg, switching=pending.switch is not None)
+    if run.fleet.elastic.tick(seg, switching=pending.switch is not None):
+        pending.pause = "grow"  # a grow's replicas are ready: every replica pauses, then they join
     evacuate.notice(run, seg, pending)  # a preemption notice: pause, then move off the node
     if seg.fresh_signals or run.policies.switch.until is not None:
         seg.fresh_signals = False

@@ -1,6 +1,6 @@
 """The controller's states and what they carry: the epoch in flight (`EpochSegment`), what is
 pending beyond it (`Pending`: a switch decided, a switch on probation, a stop waiting for a
-rollback, an evacuation waiting for the pause), a repair plan (`Plan`), a switch plan
+rollback, an evacuation waiting for the pause, why the replicas are pausing), a repair plan (`Plan`), a switch plan
 (`SwitchPlan`), a grow plan (`GrowPlan`), an evacuation plan (`EvacuationPlan`), the reason a run
 errored. All of the run's control state is here, in the state the controller holds;
 the contexts (orchestrator/control/context.py) hold the fleet, the phase running, the ledger of
@@ -183,6 +183,9 @@ class Pending:
     guard: Optional[Guard] = None
     stopping: bool = False
     evacuation: Optional[EvacuationPlan] = None  # members on a drained node: carried out once every replica paused
+    # why the replicas are pausing at their next partition boundary (decide.PAUSES: "switch",
+    # "grow", "evacuate", "checkpoint"), set with the gate's close; None while the gate is open
+    pause: Optional[str] = None
 
     def probation(self) -> Optional[dict[str, Any]]:
         """The guard still judging, as a checkpoint keeps it (`Guard.saved`), or None."""

@@ -59,7 +59,6 @@ def test_every_pause_has_its_exit_once_the_streams_ended():
     assert at(ended, gate="checkpoint") == d.TakeCheckpoint()
     assert at(ended, gate="checkpoint", paused=False) == d.ClosePass(give_up_checkpoint=True)
     assert at(ended, gate=None, paused=False) == d.ClosePass()
-    assert at(ended, gate="halt") == d.ClosePass()  # the interrupted run's pause: the epoch's end checkpoints
     # a pause whose plan is not pending (nothing to carry out) ends the pass instead
     assert at(ended, gate="switch") == d.ClosePass()
     assert at(ended, gate="evacuate") == d.ClosePass()
@@ -136,3 +135,11 @@ def test_the_decision_module_brings_no_ray_in():
             with_ray.append(mod)
     assert "orchestrator.control.states" in seen and len(seen) >= 4
     assert with_ray == [], f"the decision reaches Ray through {with_ray}"
+
+
+def test_the_pause_is_the_states_and_ends_when_the_gate_opens():
+    pending = Pending(pause="grow")
+    d.normal(pending, gate_closed=True)
+    assert pending.pause == "grow"  # still pausing: the replicas have not all paused yet
+    d.normal(pending, gate_closed=False)
+    assert pending.pause is None  # the gate opened (the grow carried out, or lifted at the boundary)

@@ -42,7 +42,7 @@ class Change:
     """One reconfiguration's meaning of each step; the defaults do nothing."""
 
     kind = ""
-    pause_reason: Optional[str] = None  # the gate reason this kind closes (and so opens when done)
+    pause: Optional[str] = None  # the pause (Pending.pause) this kind closes the gate for, and so opens when done
     duration_key = "recovery_s"  # the event's name for the seconds until every member stepped
     passes_between_epochs = False  # report ended passes also when the epoch has not begun
 
@@ -67,8 +67,10 @@ class Change:
         return None
 
 
-def carry_out(run: "RunContext", change: Change, seg: EpochSegment) -> EpochSegment:
-    """Carry `change` out, step by step (module doc); the same epoch goes on."""
+def carry_out(run: "RunContext", change: Change, seg: EpochSegment, paused: Optional[str] = None) -> EpochSegment:
+    """Carry `change` out, step by step (module doc); the same epoch goes on. `paused`: why the
+    replicas are pausing (the Running state's Pending.pause): the gate opens when it is this
+    change's pause."""
     t0 = time.perf_counter()
     parts: dict[str, float] = {}
 
@@ -90,7 +92,7 @@ def carry_out(run: "RunContext", change: Change, seg: EpochSegment) -> EpochSegm
     lr = timed("lr", change.learning_rate, run)
     timed("verify", change.verify, run, seg)
     share = change.share(seg)
-    if share is not None or (change.pause_reason is not None and run.fleet.pause.reason == change.pause_reason):
+    if share is not None or (change.pause is not None and run.fleet.pause.closed and paused == change.pause):
         timed("gate", run.fleet.pause.open, share)
     reopened = change.reopen(run, seg) if seg.begun else []
     t = time.perf_counter()

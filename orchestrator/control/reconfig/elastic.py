@@ -218,7 +218,7 @@ class Elasticity:
                 pass
 
     # ---- growing -----------------------------------------------------------------------------
-    def tick(self, seg: Optional[EpochSegment] = None, switching: bool = False) -> None:
+    def tick(self, seg: Optional[EpochSegment] = None, switching: bool = False) -> bool:
         """`poll` (and, with the epoch in flight, `pause_for_ready`). A look at the cluster or a
         request to the autoscaler that fails (no answer in time, a cluster or autoscaler that
         refuses) is said, an event and a line, once for each distinct failure (`PollFailures`),
@@ -226,13 +226,13 @@ class Elasticity:
         (PROGRAMMING_ERRORS) is raised: the run ends with its traceback rather than running on
         without elasticity, unsaid. Not while failures wait for the failure policy: a hung or
         raising replica is already out of the group, and the room it left is its replacement's,
-        not a grow's."""
+        not a grow's. True when it closed the gate for a grow (the caller's Pending.pause)."""
         if seg is not None and seg.failures:
-            return
+            return False
         try:
             self.poll()
             if seg is not None:
-                self.pause_for_ready(seg, switching)
+                return self.pause_for_ready(seg, switching)
         except PROGRAMMING_ERRORS:
             raise
         except Exception as exc:
@@ -241,6 +241,7 @@ class Elasticity:
                 self.report.event("scaling_poll_failed", error=said)
                 self.report.say(f"the scaling poll failed ({said}); training goes on, and the next poll "
                                     f"(every {self.scaling.poll_s:g}s) looks again")
+        return False
 
     def poll(self) -> None:
         """Every scaling.poll_s: ask the policy; act on a grow (shrinks come as failures)."""
@@ -274,17 +275,16 @@ class Elasticity:
         self._room_since = None
         self.report.say(f"growing {current} -> {decision.target}: {decision.reason}")
 
-    def pause_for_ready(self, seg: EpochSegment, switching: bool = False) -> None:
+    def pause_for_ready(self, seg: EpochSegment, switching: bool = False) -> bool:
         """Mid-epoch, once a started replica is ready: the partition server pauses the replicas at
         their next partition boundary (allreduce: all after the same step), where it joins
         (Running -> Reconfiguring(GrowPlan): `Grow`). Not while a phase switch is pending (`switching`)
-        or a failure is being handled."""
+        or a failure is being handled. True when it closed the gate."""
         j = self.joining
         if j is None or self.pause.closed or not seg.begun or switching or seg.failures:
-            return
+            return False
         done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
-        if done:
-            self.pause.close("grow")
+        return bool(done) and self.pause.close()
 
     def ready_to_join(self) -> bool:
         """Whether replicas started for a grow are ready to join (none ready within
@@ -306,7 +306,7 @@ class Elasticity:
             self.joining = None
         self.report.event("resize_abandoned", ranks=j.ranks, reason=reason, **fields)
 
-    def promote_joining(self) -> list[int]:
+    def promote_joining(self, grow_paused: bool = False) -> list[int]:
         """Every member is gone (a repair with nobody left) while replicas started for a grow are
         on their way: they become the members now (waited for, bounded by strategy.timeout_s);
         the repair gives them state and data as it does replacements. Their ranks ([] if none,
@@ -315,7 +315,7 @@ class Elasticity:
         if j is None or not j.ready:
             return []
         self.joining = None
-        self.stop_pausing()
+        self.stop_pausing("grow" if grow_paused else None)
         group = self.group
         joined, failed = group.admit(dict(j.ready))
         if failed:
@@ -326,10 +326,11 @@ class Elasticity:
         self.report.say(f"replicas {joined}, started for a grow, go on in place of the lost ones")
         return sorted(joined)
 
-    def stop_pausing(self) -> None:
+    def stop_pausing(self, paused: Optional[str]) -> None:
         """An epoch boundary: a grow's pause nobody reached (every replica held its last
-        partitions) is lifted; the ready replicas join before the next epoch opens."""
-        if self.pause.reason == "grow":
+        partitions) is lifted; the ready replicas join before the next epoch opens. `paused`:
+        why the replicas are pausing (the Running state's Pending.pause)."""
+        if paused == "grow" and self.pause.closed:
             self.pause.open()
 
     # ---- the learning rate ---------------------------------------------------------------------

@@ -55,7 +55,8 @@ def notice(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     if drained is None:
         return
     pending.evacuation = plan = drained.plan()
-    run.fleet.pause.close("evacuate")
+    if run.fleet.pause.close():
+        pending.pause = "evacuate"
     left = {r: round(d - time.time(), 1) if d else None for r, d in plan.deadlines.items()}
     run.report.say(f"node(s) {sorted({n[:8] for n in plan.nodes.values()})} being drained (seconds left: "
                    f"{left}): moving replica(s) {sorted(plan.nodes)} off at the next partition boundary")
@@ -89,17 +90,17 @@ def decisions(run: "RunContext", plan: EvacuationPlan) -> list[Any]:
     return out
 
 
-def carry_out(run: "RunContext", plan: EvacuationPlan, seg: EpochSegment) -> EpochSegment:
+def carry_out(run: "RunContext", plan: EvacuationPlan, seg: EpochSegment, paused: Optional[str] = None) -> EpochSegment:
     """The move (`Evacuate`); a member lost in its middle makes it a repair of everything: the
     gate opens and the plan, with the loss decided by the failure policy, is carried out again as
     one (repair.replan), so a successor never goes on without state."""
     change = Evacuate(run, plan)
     try:
-        return carrier.carry_out(run, change, seg)
+        return carrier.carry_out(run, change, seg, paused)
     except MemberLost as lost:
-        if run.fleet.pause.reason == "evacuate":
+        if paused == "evacuate":
             run.fleet.pause.open()
-        return reconfigure(run, replan(run, change.plan, seg, lost), seg)
+        return reconfigure(run, replan(run, change.plan, seg, lost), seg, paused)
 
 
 class Evacuate(Repair):
@@ -107,7 +108,7 @@ class Evacuate(Repair):
     with the members on drained nodes replaced or dropped (module doc)."""
 
     kind = "evacuate"
-    pause_reason = "evacuate"
+    pause = "evacuate"
     duration_key = "evacuate_s"
     counts_restart = False
 

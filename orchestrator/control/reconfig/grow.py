@@ -27,7 +27,7 @@ class Grow(Change):
     modes: the newcomers lease from the shared queue)."""
 
     kind = "grow"
-    pause_reason = "grow"
+    pause = "grow"
     duration_key = "resize_s"
 
     def __init__(self, plan: GrowPlan, elastic: Elasticity) -> None:

@@ -70,8 +70,8 @@ def consider(run: "RunContext", seg: Optional[EpochSegment], pending: Pending, e
     pending.switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid, from_mode=run.phase.spec.name)
     to = f"{sw.mode} (phase {sw.phase})" if sw.mode == run.phase.spec.name else sw.mode  # e.g. allreduce with backups
     run.report.say(f"switch to {to} decided ({sw.rule}): {sw.reason}")
-    if mid:
-        run.fleet.pause.close("switch")
+    if mid and run.fleet.pause.close():
+        pending.pause = "switch"
 
 
 def evaluate(run: "RunContext", split: Optional[str] = None) -> dict[str, float]:
@@ -118,7 +118,7 @@ class Switching(Change):
     rule; the verify step evaluates the new mode's reference."""
 
     kind = "switch"
-    pause_reason = "switch"
+    pause = "switch"
     duration_key = "switch_s"
 
     def __init__(self, plan: SwitchPlan, pending: Pending) -> None:

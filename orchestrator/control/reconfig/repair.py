@@ -42,17 +42,19 @@ def decide(run: "RunContext", failures: list[ReplicaFailure], failed: set[int],
 MAX_REPLANS = 5  # deaths during one repair that are folded into it before the run gives up
 
 
-def reconfigure(run: "RunContext", plan: Plan, seg: EpochSegment) -> EpochSegment:
+def reconfigure(run: "RunContext", plan: Plan, seg: EpochSegment, paused: Optional[str] = None) -> EpochSegment:
     """Carry the plan out and return the same epoch, going on. A replica that dies meanwhile
     (a survivor, the donor or a newcomer: MemberLost) is decided by the failure policy like any
-    failure and folded into the plan, which is carried out again from the top."""
+    failure and folded into the plan, which is carried out again from the top. `paused`: why
+    the replicas were pausing (Pending.pause: a grow's pause is lifted if its newcomers become
+    the members)."""
     for _ in range(MAX_REPLANS):
-        repair = Repair(plan)
+        repair = Repair(plan, paused)
         try:
             return carry(run, repair, seg)
         except MemberLost as lost:
             plan = replan(run, plan, seg, lost, made={r: repair.how[r] for r in repair.replaced if r not in lost.ranks})
-    return carry_out(run, plan, seg)
+    return carry_out(run, plan, seg, paused)
 
 
 def replan(run: "RunContext", plan: Plan, seg: EpochSegment, lost: MemberLost,
@@ -81,8 +83,8 @@ def replan(run: "RunContext", plan: Plan, seg: EpochSegment, lost: MemberLost,
     return Plan(failures, kept + decisions, plan.t_detect_wall, steps, made=alive)
 
 
-def carry_out(run: "RunContext", plan: Plan, seg: EpochSegment) -> EpochSegment:
-    return carry(run, Repair(plan), seg)
+def carry_out(run: "RunContext", plan: Plan, seg: EpochSegment, paused: Optional[str] = None) -> EpochSegment:
+    return carry(run, Repair(plan, paused), seg)
 
 
 class Repair(Change):
@@ -94,9 +96,9 @@ class Repair(Change):
     passes_between_epochs = True  # a failure seen after the pass closed: its completions go now
     counts_restart = True  # a replaced replica is a restart (an evacuation's move is not)
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, pausing: Optional[str] = None) -> None:
         super().__init__(plan.t_detect_wall)
-        self.plan = plan
+        self.plan, self.pausing = plan, pausing
         self.failed = {f.rank for f in plan.failures}
         self.replaced: list[int] = []
         self.dropped: list[int] = []
@@ -128,7 +130,7 @@ class Repair(Change):
         self.survivors = [r for r in group.ranks if r not in self.replaced]
         # every member gone, none replaced, replicas on their way for a grow: they are the run now
         if not self.survivors and not self.replaced:
-            self.joined = run.fleet.elastic.promote_joining()
+            self.joined = run.fleet.elastic.promote_joining(grow_paused=self.pausing == "grow")
         self.newcomers = self.replaced + self.joined
         self.resized = bool(self.dropped)
         if not self.survivors and not self.newcomers:
