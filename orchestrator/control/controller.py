@@ -50,7 +50,7 @@ from orchestrator.control import starting
 from orchestrator.control.reconfig import evacuate, phase_switch
 from orchestrator.control import checkpointing
 from orchestrator.control.checkpointing import Written
-from orchestrator.control.decide import normal
+from orchestrator.control import decide
 from orchestrator.control.context import Policies, RunContext
 from orchestrator.data.in_memory import Dataset
 from orchestrator.config import JobConfig
@@ -60,7 +60,7 @@ from orchestrator.control.epoch_end import watch_servers
 from orchestrator.errors import Interrupts, MemberLost
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.persistence.run_state import RunTotals
-from orchestrator.control.states import (TERMINAL, Errored, EvacuationPlan, Finished, Finishing, Plan, Reconfiguring,
+from orchestrator.control.states import (TERMINAL, Errored, EvacuationPlan, Finishing, Plan, Reconfiguring,
                                          Running, Starting, State, SwitchPlan, state_name)
 from orchestrator.reporting.tracking import Tracker
 
@@ -100,7 +100,7 @@ class Controller:
         # partition server is still noticed and rebuilt, so a replica waiting for one is not left
         # waiting; True when one was (a replica that waited on it was not hung meanwhile)
         ctx.fleet.group.on_wait = lambda: watch_servers(ctx, ctx.ledger.totals.epochs + 1)
-        self.state: State = Starting()
+        self.state: State = decide.starting()
 
     def launch(self) -> None:
         """Ask Ray for the actors the mode needs and return at once (orchestrator/control/starting.py)."""
@@ -114,7 +114,7 @@ class Controller:
         started = time.perf_counter()
         try:
             if isinstance(state, Starting):
-                nxt = Running(starting.start(self.context), starting.resumed_pending(self.context))
+                nxt = decide.running(starting.start(self.context), starting.resumed_pending(self.context))
             elif isinstance(state, Running):
                 try:
                     nxt = running.run_segment(self.context, state.segment, state.pending)
@@ -124,12 +124,12 @@ class Controller:
                 nxt = self._reconfigure(state)
             elif isinstance(state, Finishing):
                 finishing.finish(self.context)
-                nxt = Finished()
+                nxt = decide.finished()
             else:
                 return state
         except BaseException as exc:  # what was pending stays readable (the interrupted checkpoint's probation)
             self._count(state, started)
-            self.state = Errored(exc, getattr(state, "pending", None))
+            self.state = decide.errored(exc, getattr(state, "pending", None))
             self.context.report.state(state, self.state)
             raise
         self._count(state, started)
@@ -153,19 +153,19 @@ class Controller:
         plan, seg, pending = state.plan, state.segment, state.pending
         try:
             if isinstance(plan, Plan):
-                return Running(repair.reconfigure(self.context, plan, seg, pending.pause), pending)
+                return decide.running(repair.reconfigure(self.context, plan, seg, pending.pause), pending)
             if isinstance(plan, EvacuationPlan):  # members off drained nodes (a lost one: folded into a repair)
                 pending.evacuation = None
-                return Running(evacuate.carry_out(self.context, plan, seg, pending.pause), pending)
+                return decide.running(evacuate.carry_out(self.context, plan, seg, pending.pause), pending)
             change = phase_switch.Switching(plan, pending) if isinstance(plan, SwitchPlan) else Grow(plan, self.context.fleet.elastic)
             try:
-                return Running(carrier.carry_out(self.context, change, seg, pending.pause), pending)
+                return decide.running(carrier.carry_out(self.context, change, seg, pending.pause), pending)
             except MemberLost as lost:
                 if isinstance(plan, SwitchPlan):
                     pending.switch = plan
                 return failures.lost_meanwhile(self.context, seg, lost, pending)
         finally:
-            normal(pending, self.context.fleet.pause.closed)  # the change opened the gate: its pause is over
+            decide.normal(pending, self.context.fleet.pause.closed)  # the change opened the gate: its pause is over
 
     def run(self) -> RunTotals:
         while not isinstance(self.step(), TERMINAL):

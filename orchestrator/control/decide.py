@@ -23,17 +23,23 @@ While it runs:
     else                         -> Read (one tick: read the streams, watch the fleet)
 
 The states these exits lead to are built here too (`enter`; `judged`: the failure policy's
-answer as a repair plan, or the run's error), from the segment and what is pending.
+answer as a repair plan, or the run's error), from the segment and what is pending; so are the
+other handlers' next states and the plans (the end of this module): no other module builds a
+state or a plan (tests/unit/test_decide.py reads the code for it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from orchestrator.control.states import (EpochSegment, Errored, EvacuationPlan, Finishing, GrowPlan, Pending, Plan,
-                                         Reconfiguring, State)
+import time
+from typing import Any
+
+from orchestrator.control.states import (EpochSegment, Errored, EvacuationPlan, Finished, Finishing, GrowPlan, Pending,
+                                         Plan, Reconfiguring, Running, Starting, State, SwitchPlan)
 from orchestrator.errors import TrainingError
 from policies.decisions.failure import Decision, Fail, ReplicaFailure
+from policies.decisions.switching import Switch
 
 PAUSES = ("switch", "grow", "evacuate", "checkpoint")  # why the replicas may be pausing (Pending.pause)
 
@@ -196,4 +202,42 @@ def judged(seg: EpochSegment, pending: Pending, failures: list[ReplicaFailure], 
         return Errored(TrainingError(f"epoch {seg.epoch}: {decisions.reason}"))
     failed = {f.rank for f in failures}
     steps = {r: item.step for r, item in seg.ended.items() if r not in failed and item.kind == "interrupted"}
-    return Reconfiguring(Plan(failures, decisions, t_first_failure, steps), seg, pending)
+    return Reconfiguring(repair_plan(failures, decisions, t_first_failure, steps), seg, pending)
+
+
+# ---- the other handlers' next states, and the plans ----------------------------------------------
+def starting() -> Starting:
+    return Starting()
+
+
+def running(seg: EpochSegment, pending: Pending) -> Running:
+    """Running: the run started, a reconfiguration carried out or a member lost while the driver
+    waited (the same segment goes on), or the next epoch (a new segment, not begun)."""
+    return Running(seg, pending)
+
+
+def after_epoch(finish: bool, nxt: EpochSegment, pending: Pending) -> State:
+    """An epoch's end: Finishing when the run stops there (no rollback pending), else the next
+    epoch (a stop waiting for a rollback is `pending.stopping`)."""
+    return Finishing() if finish else Running(nxt, pending)
+
+
+def finished() -> Finished:
+    return Finished()
+
+
+def errored(exc: BaseException, pending: Optional[Pending]) -> Errored:
+    return Errored(exc, pending)
+
+
+def switch_plan(sw: Switch, mid_epoch: bool, from_mode: str, rollback: Optional[dict[str, Any]] = None) -> SwitchPlan:
+    """A switch the policy decided (or a rollback: the state from before the switch it undoes),
+    timed from now."""
+    return SwitchPlan(sw, time.time(), time.perf_counter(), mid_epoch, from_mode=from_mode, rollback=rollback)
+
+
+def repair_plan(failures: list[ReplicaFailure], decisions: list[Decision], t_detect_wall: float,
+                steps_at_interrupt: Optional[dict[int, int]] = None, made: Optional[dict[int, str]] = None) -> Plan:
+    """Failures with the failure policy's decisions (a repair folded again after a loss: the
+    replacements it already made, `made`, are kept)."""
+    return Plan(failures, decisions, t_detect_wall, dict(steps_at_interrupt or {}), made=dict(made or {}))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Optional
 
+from orchestrator.control.decide import after_epoch
 from orchestrator.control import checkpointing
 from orchestrator.control.checkpointing import report_written
 from orchestrator.control import starting
@@ -14,7 +15,7 @@ from orchestrator.control.reconfig import phase_switch
 from orchestrator.errors import MemberLost, TrainingError
 from orchestrator.control.failures import lost_meanwhile
 from orchestrator.control.passes import coordinate_pass
-from orchestrator.control.states import EpochSegment, Finishing, Pending, Running
+from orchestrator.control.states import EpochSegment, Pending
 from policies.decisions.checkpointing import due as checkpoint_due
 from policies.decisions.stop import EpochSnapshot, StopDecision
 from policies.messages import ProgressRow
@@ -191,7 +192,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
         tot.stop_reason = decision.reason
         run.report.event("stop", reason=decision.reason)
         if not rolling_back:
-            return Finishing()
+            return after_epoch(True, seg, pending)
         pending.stopping = True  # the model from before the switch first (Running carries the rollback out), then the end
     else:
         phase_switch.consider(run, None, pending, epoch_end=True, metrics=judged)
@@ -201,7 +202,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     nxt = EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False)
     for exc in lost:
         lost_meanwhile(run, nxt, exc, pending)
-    return Running(nxt, pending)
+    return after_epoch(False, nxt, pending)
 
 
 def note_target(run: "RunContext", epoch: int, judged: dict[str, float], elapsed: float, **where) -> None:

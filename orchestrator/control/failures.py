@@ -8,7 +8,8 @@ import time
 from typing import TYPE_CHECKING
 
 from orchestrator.errors import MemberLost
-from orchestrator.control.states import EpochSegment, Pending, Running, State
+from orchestrator.control.decide import running
+from orchestrator.control.states import EpochSegment, Pending, State
 from policies.decisions.failure import DETECTED_BY, ReplicaFailure
 
 if TYPE_CHECKING:
@@ -52,4 +53,4 @@ def lost_meanwhile(run: "RunContext", seg: EpochSegment, lost: MemberLost, pendi
         detail, tb = lost.errors.get(rank, (f"{cause} while the driver waited on it ({lost.what})", ""))
         fail(run, seg, ReplicaFailure(rank, cause, detail, tb, replacement=rank in run.fleet.group.replacements))
     seg.t_first_failure = seg.t_first_failure or now
-    return Running(seg, pending)
+    return running(seg, pending)

@@ -143,3 +143,29 @@ def test_the_pause_is_the_states_and_ends_when_the_gate_opens():
     assert pending.pause == "grow"  # still pausing: the replicas have not all paused yet
     d.normal(pending, gate_closed=False)
     assert pending.pause is None  # the gate opened (the grow carried out, or lifted at the boundary)
+
+
+BUILT_HERE = {"Starting", "Running", "Reconfiguring", "Finishing", "Finished", "Errored", "Plan", "SwitchPlan",
+              "GrowPlan", "EvacuationPlan"}
+
+
+def test_states_and_plans_are_built_only_in_the_decision_module():
+    """Read the code: no module of the packages but states.py (where they are defined) and
+    decide.py calls a state's or a plan's class."""
+    mods = modules()
+    builders = {}
+    for mod, path in mods.items():
+        if mod in ("orchestrator.control.states", "orchestrator.control.decide"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = node.func.id if isinstance(node.func, ast.Name) else \
+                    node.func.attr if isinstance(node.func, ast.Attribute) else None
+                if name in BUILT_HERE:
+                    builders.setdefault(mod, []).append(f"{name} (line {node.lineno})")
+    assert builders == {}, builders
+    with open(mods["orchestrator.control.decide"], encoding="utf-8") as f:
+        built = {n.func.id for n in ast.walk(ast.parse(f.read())) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert BUILT_HERE <= built, BUILT_HERE - built

@@ -16,12 +16,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from orchestrator.control.decide import Drained
+from orchestrator.control.decide import Drained, repair_plan
 from orchestrator.control.reconfig import carrier
 from orchestrator.control.reconfig.repair import Repair, reconfigure, replan
 from orchestrator.fleet.model_state import whole_state
 from orchestrator.errors import MemberLost
-from orchestrator.control.states import EpochSegment, EvacuationPlan, Pending, Plan
+from orchestrator.control.states import EpochSegment, EvacuationPlan, Pending
 from orchestrator.fleet.drains import on_draining
 from policies.decisions.failure import Drop, Replace, ReplicaFailure
 
@@ -114,7 +114,7 @@ class Evacuate(Repair):
 
     def __init__(self, run: "RunContext", plan: EvacuationPlan) -> None:
         failures = [ReplicaFailure(r, "preempted", f"its node {n[:8]} is being drained") for r, n in plan.nodes.items()]
-        super().__init__(Plan(failures, decisions(run, plan), plan.t_notice_wall))
+        super().__init__(repair_plan(failures, decisions(run, plan), plan.t_notice_wall))
         self.evacuation = plan
         self.paused: list[int] = []
 

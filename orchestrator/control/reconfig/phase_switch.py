@@ -36,6 +36,7 @@ from dataclasses import replace
 import numpy as np
 from typing import TYPE_CHECKING, Any, Optional
 
+from orchestrator.control.decide import switch_plan
 from orchestrator.control.reconfig.carrier import Change
 from orchestrator.control.states import EpochSegment, Guard, Pending, SwitchPlan
 from policies.rules.registry import mode_spec
@@ -67,7 +68,7 @@ def consider(run: "RunContext", seg: Optional[EpochSegment], pending: Pending, e
     if sw is None:
         return
     mid = not epoch_end and seg is not None and seg.begun
-    pending.switch = SwitchPlan(sw, time.time(), time.perf_counter(), mid, from_mode=run.phase.spec.name)
+    pending.switch = switch_plan(sw, mid, run.phase.spec.name)
     to = f"{sw.mode} (phase {sw.phase})" if sw.mode == run.phase.spec.name else sw.mode  # e.g. allreduce with backups
     run.report.say(f"switch to {to} decided ({sw.rule}): {sw.reason}")
     if mid and run.fleet.pause.close():
@@ -104,8 +105,8 @@ def check_guard(run: "RunContext", pending: Pending, epoch: int, metrics: dict[s
             numbers["skipped_steps"] = skipped
         reason = (f"{name} {loss:.4f} in {run.phase.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
                   f"switch: back to {g.mode} with the model from before it; no further switch this run")
-        pending.switch = SwitchPlan(Switch(g.phase, g.mode, "rollback", reason, numbers), time.time(),
-                                        time.perf_counter(), False, from_mode=run.phase.spec.name, rollback=g.state)
+        pending.switch = switch_plan(Switch(g.phase, g.mode, "rollback", reason, numbers), False,
+                                            run.phase.spec.name, rollback=g.state)
         run.report.event("switch_rolled_back", epoch=epoch, mode=run.phase.spec.name, back_to=g.mode, **numbers)
         run.report.say(f"rolling the switch back: {reason}")
     elif g.checks <= 0:

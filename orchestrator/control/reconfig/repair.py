@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from orchestrator.errors import MemberLost, TrainingError
+from orchestrator.control.decide import repair_plan
 from orchestrator.control.reconfig.carrier import Change, carry_out as carry
 from orchestrator.control.states import EpochSegment, Plan
 from orchestrator.fleet.model_state import for_loading
@@ -80,7 +81,7 @@ def replan(run: "RunContext", plan: Plan, seg: EpochSegment, lost: MemberLost,
     failures = [f for f in plan.failures if f.rank not in lost.ranks] + new
     steps = {r: s for r, s in plan.steps_at_interrupt.items() if r not in lost.ranks}
     alive = {r: how for r, how in {**plan.made, **(made or {})}.items() if r not in lost.ranks}
-    return Plan(failures, kept + decisions, plan.t_detect_wall, steps, made=alive)
+    return repair_plan(failures, kept + decisions, plan.t_detect_wall, steps, made=alive)
 
 
 def carry_out(run: "RunContext", plan: Plan, seg: EpochSegment, paused: Optional[str] = None) -> EpochSegment:
