@@ -97,11 +97,11 @@ def reconfiguring(ctl: Any) -> Optional[str]:
     state = getattr(ctl, "state", None)
     if isinstance(state, Reconfiguring):
         return "switch" if isinstance(state.plan, SwitchPlan) else "repair"
-    pause = getattr(getattr(getattr(ctl, "context", None), "fleet", None), "pause", None)
-    reason = getattr(pause, "reason", None)
-    if reason == "checkpoint":
+    gate = getattr(getattr(getattr(ctl, "context", None), "fleet", None), "pause", None)
+    pause = state.pending.pause if isinstance(state, Running) and getattr(gate, "closed", False) else None
+    if pause == "checkpoint":
         return "checkpoint"
-    if reason == "switch" and isinstance(state, Running) and state.segment.paused_ranks():
+    if pause == "switch" and state.segment.paused_ranks():
         return "switch_pause"  # a replica has paused for it: the others are still on their way
     elastic = getattr(ctl, "elastic", None)
     if elastic is not None and getattr(elastic, "joining", None) is not None:
