@@ -17,6 +17,8 @@ from orchestrator.persistence.run_state import CHECKPOINT_FLUSH_S, UNSAVED, Posi
 
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
+    from orchestrator.persistence.run_state import Checkpointer
+    from orchestrator.reporting.reporter import Reporter
 
 
 
@@ -74,24 +76,24 @@ def take(run: "RunContext", tag: str, timeout_s: float, named: Optional[str] = N
         run.checkpoints.taken_s[(tag, step)] = round(time.perf_counter() - t, 4)  # the replicas waited this long
     for name, why in unsaved.items():
         run.report.say(f"checkpoint {tag} written without its {name} part: {why}")
-    report_written(run)
+    report_written(run.checkpoints, run.report)
     return Written(path, lost)
 
 
-def report_written(run: "RunContext") -> None:
+def report_written(checkpoints: "Checkpointer", report: "Reporter") -> None:
     """An event for each checkpoint write that came to an end since the last look: `checkpoint`
     (with `seconds` on the training path and `write_s` in the background), or
     `checkpoint_failed` (the store failed, or a newer checkpoint replaced it before it began)."""
-    for done in run.checkpoints.written():
+    for done in checkpoints.written():
         tag = done.pop("tag")
-        seconds = run.checkpoints.taken_s.pop((tag, done.get("step")), None)
+        seconds = checkpoints.taken_s.pop((tag, done.get("step")), None)
         if "failed" in done or "superseded_by" in done:
             reason = done.pop("failed", None) or f"superseded by {done.pop('superseded_by')} before it was written"
-            run.report.event("checkpoint_failed", tag=tag, reason=reason, **done)
-            run.report.say(f"checkpoint {tag} not written ({reason}); the previous one is kept")
+            report.event("checkpoint_failed", tag=tag, reason=reason, **done)
+            report.say(f"checkpoint {tag} not written ({reason}); the previous one is kept")
             continue
         if done.pop("flush_late"):
-            run.report.say(f"checkpoint {tag}: MLflow had not stored the run's metrics within {CHECKPOINT_FLUSH_S:g}s; "
+            report.say(f"checkpoint {tag}: MLflow had not stored the run's metrics within {CHECKPOINT_FLUSH_S:g}s; "
                             "the checkpoint was written anyway and they follow in the background")
         path, stored = done.pop("path"), done.pop("stored")
-        run.report.event("checkpoint", path=path, seconds=seconds, **done, **({"stored": stored} if stored != path else {}))
+        report.event("checkpoint", path=path, seconds=seconds, **done, **({"stored": stored} if stored != path else {}))

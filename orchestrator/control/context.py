@@ -182,7 +182,7 @@ class RunContext:
                                                     config.data.accumulate, config.scaling.replicas, config.stop.epochs,
                                                     config.stop.max_steps)
         self.fleet = Fleet(group, group.interrupts, needs_shards=self.phase.server_optimizer is not None)
-        self.fleet.pause = PauseGate(lambda: self.fleet.server)
+        self.fleet.pause = PauseGate()  # its server link is given when Starting starts the server
         self.checkpoints = Checkpointer(config.checkpoint.storage, config.checkpoint.keep, config.run.name,
                                         CHECKPOINT_FLUSH_S,
                                         config.checkpoint.in_memory_keep_s if config.checkpoint.in_memory else None)

@@ -56,7 +56,7 @@ from orchestrator.data.in_memory import Dataset
 from orchestrator.config import JobConfig
 from orchestrator.control.reconfig.elastic import Elasticity
 from orchestrator.control.reconfig.grow import Grow
-from orchestrator.control.epoch_end import watch_servers
+from orchestrator.control.epoch_end import ServerWatch
 from orchestrator.errors import Interrupts, MemberLost
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.persistence.run_state import RunTotals
@@ -99,7 +99,7 @@ class Controller:
         # while the driver waits on replicas (a repair, a switch, an evaluation): a dead shard or
         # partition server is still noticed and rebuilt, so a replica waiting for one is not left
         # waiting; True when one was (a replica that waited on it was not hung meanwhile)
-        ctx.fleet.group.on_wait = lambda: watch_servers(ctx, ctx.ledger.totals.epochs + 1)
+        ctx.fleet.group.on_wait = ServerWatch(ctx.fleet, ctx.report, ctx.checkpoints, ctx.ledger)
         self.state: State = decide.starting()
 
     def launch(self) -> None:

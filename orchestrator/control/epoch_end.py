@@ -21,35 +21,54 @@ from policies.decisions.stop import EpochSnapshot, StopDecision
 from policies.messages import ProgressRow
 
 if TYPE_CHECKING:
-    from orchestrator.control.context import RunContext
+    from orchestrator.control.context import Fleet, Ledger, RunContext
+    from orchestrator.persistence.run_state import Checkpointer
+    from orchestrator.reporting.reporter import Reporter
 
 MAX_PASSES = 8  # further passes over an epoch's unserved partitions before the run gives up
 
 
 def watch_servers(run: "RunContext", epoch: int) -> bool:
+    """The shards and the partition server (`watch`), from the Running loop."""
+    return watch(run.fleet, run.report, run.checkpoints, epoch)
+
+
+class ServerWatch:
+    """While the driver waits on replicas (a repair, a switch, an evaluation: the replica
+    group's `on_wait`), a dead shard or partition server is still noticed and rebuilt (`watch`),
+    so a replica waiting for one is not left waiting. It holds the parts it uses, not the run."""
+
+    def __init__(self, fleet: "Fleet", report: "Reporter", checkpoints: "Checkpointer", ledger: "Ledger") -> None:
+        self.fleet, self.report, self.checkpoints, self.ledger = fleet, report, checkpoints, ledger
+
+    def __call__(self) -> bool:
+        return watch(self.fleet, self.report, self.checkpoints, self.ledger.totals.epochs + 1)
+
+
+def watch(fleet: "Fleet", report: "Reporter", checkpoints: "Checkpointer", epoch: int) -> bool:
     """The shards and the partition server: a dead (or stopped) one is rebuilt, whatever else
     the driver is doing (never waits on a shard; a server's rebuild is waited for). True when
     one was rebuilt or a shard is being rebuilt: a replica may have waited on it."""
     repaired = False
-    if run.fleet.server is not None:
-        for event in run.fleet.server.poll():
+    if fleet.server is not None:
+        for event in fleet.server.poll():
             repaired = True
-            run.report.event(event.pop("kind"), **event)
-            run.report.say(f"partition server died ({event['detected_by']}); rebuilt from its journal in "
+            report.event(event.pop("kind"), **event)
+            report.say(f"partition server died ({event['detected_by']}); rebuilt from its journal in "
                            f"{event['recovery_s']:.2f}s, epoch {event['epoch']} with {event['partitions_done']} "
                            f"partitions served kept")
-    if run.fleet.shard_group is not None:
-        report_shard_events(run, run.fleet.shard_group.poll(), epoch)
-        repaired = repaired or run.fleet.shard_group.repairing
-    report_written(run)  # checkpoints stored in the background meanwhile: their events
+    if fleet.shard_group is not None:
+        report_shard_events(report, fleet.shard_group.poll(), epoch)
+        repaired = repaired or fleet.shard_group.repairing
+    report_written(checkpoints, report)  # checkpoints stored in the background meanwhile: their events
     return repaired
 
 
-def report_shard_events(run: "RunContext", events: list[dict], epoch: int) -> None:
+def report_shard_events(report: "Reporter", events: list[dict], epoch: int) -> None:
     for event in events:
         kind = event.pop("kind", "shard_rebuilt")
-        run.report.event(kind, epoch=epoch, **event)
-        run.report.say(f"shard {event.get('shard')} died and was rebuilt from its snapshot "
+        report.event(kind, epoch=epoch, **event)
+        report.say(f"shard {event.get('shard')} died and was rebuilt from its snapshot "
                        f"({event.get('lost_updates')} acknowledged updates lost)")
 
 

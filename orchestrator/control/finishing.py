@@ -24,7 +24,7 @@ def finish(run: "RunContext") -> None:
                                end_s=round(time.perf_counter() - run.ledger.train_started, 3),
                                ended_by="stop", **{f"{run.metric}_at_end": round(run.headline_value(run.ledger.totals.metrics), 4)})
     if run.fleet.shard_group is not None:  # a rebuild still waiting for replay is reported as it stands
-        report_shard_events(run, run.fleet.shard_group.settle_all(), run.ledger.totals.epochs)
+        report_shard_events(run.report, run.fleet.shard_group.settle_all(), run.ledger.totals.epochs)
     limit = run.cfg.stop.max_steps
     run.finish_epochs(whole=limit is None or run.ledger.totals.steps < limit)  # max_steps: ended inside it
     if run.cfg.validated:

@@ -80,6 +80,7 @@ def start(run: "RunContext") -> EpochSegment:
     run.fleet.server = ServerLink(*run.phase.lease_plan, run.phase.max_grant, placement=beside_driver(),
                              hang_s=cfg.fault_tolerance.hang_timeout_s / 2, timeout_s=cfg.strategy.timeout_s,
                              backups=run.phase.backups)
+    run.fleet.pause.server = run.fleet.server
     run.fleet.group.wait_ready()
     run.fleet.group.form()
     run.fleet.group.spare_pool.warm(run.fleet.data.sample)

@@ -14,12 +14,12 @@ when the gate was open.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 
 class PauseGate:
-    def __init__(self, server: Callable[[], Any]) -> None:
-        self._server = server  # the controller's ServerLink (it exists once the run has started)
+    def __init__(self, server: Any = None) -> None:
+        self.server = server  # the partition server's link (ServerLink), given once the run has started it
         self.closed = False
         self.closed_at = 0.0  # perf_counter when it last closed
 
@@ -27,7 +27,7 @@ class PauseGate:
         """Pause the replicas; False (nothing sent) when the gate is already closed."""
         if self.closed:
             return False
-        self._server().call("pause", True, **({"timeout_s": timeout_s} if timeout_s is not None else {}))
+        self.server.call("pause", True, **({"timeout_s": timeout_s} if timeout_s is not None else {}))
         self.closed, self.closed_at = True, time.perf_counter()
         return True
 
@@ -35,5 +35,5 @@ class PauseGate:
         """Let the replicas go on (and, given `share`, lease the rest of the epoch that way)."""
         if not self.closed and share is None:
             return
-        self._server().call("pause", False, **({"share": share} if share is not None else {}))
+        self.server.call("pause", False, **({"share": share} if share is not None else {}))
         self.closed = False

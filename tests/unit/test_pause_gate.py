@@ -12,7 +12,7 @@ class Server:
 
 def test_one_pause_holds_the_gate_and_opening_sends_once():
     server = Server()
-    gate = PauseGate(lambda: server)
+    gate = PauseGate(server)
     assert not gate.closed and gate.close() and gate.closed
     assert not gate.close()  # closed already (a switch waits for a grow's pause to end): nothing sent
     gate.open()

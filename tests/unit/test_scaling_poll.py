@@ -3,6 +3,7 @@ Ray: the run's real context and Elasticity, whose look at the cluster goes throu
 fails as told (test-only). Each distinct failure is said once, an event and a line; training goes
 on; a programming error of ours is raised, not swallowed."""
 import time
+import types
 
 import pytest
 
@@ -78,18 +79,30 @@ def test_a_programming_error_in_the_poll_is_raised_not_swallowed():
 
 
 def test_the_elasticity_holds_the_parts_it_uses_not_the_run():
-    """No field of the Elasticity, nor of what its fields hold (to depth 3), is the run's context:
-    it is given the scaling and data sections, the group, the pause gate, the drain watch, the
-    reporter and the progress dict."""
-    elastic, _, _ = elasticity()
+    """No field of the Elasticity, nor of what its fields hold (to depth 3, closures and callable
+    objects included: the group's on_wait, the pause gate's server), is the run's context: it is
+    given the scaling and data sections, the group, the pause gate, the drain watch, the reporter
+    and the progress dict."""
+    from orchestrator.control.controller import Controller
+    from orchestrator.reporting.tracking import Tracker
+
+    cfg = job_config()
+    ctl = Controller(cfg, load_source(cfg.data.source, cfg.data.seed), Tracker(None, "tests", None), time.perf_counter())
+    elastic = ctl.context.fleet.elastic  # as the controller wires it (the group's on_wait set)
+    assert elastic.group.on_wait is not None and elastic.pause is ctl.context.fleet.pause
 
     def reaches_run(obj, depth: int) -> list[str]:
         if isinstance(obj, RunContext):
             return [type(obj).__name__]
-        if depth == 0:
+        if depth == 0 or isinstance(obj, (type, types.ModuleType)):
             return []
-        values = (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set))
-                  else vars(obj).values() if hasattr(obj, "__dict__") and not callable(obj) else ())
+        if isinstance(obj, types.FunctionType):  # a closure: what its cells hold (the group's on_wait)
+            values = [c.cell_contents for c in obj.__closure__ or ()]
+        elif isinstance(obj, types.MethodType):
+            values = [obj.__self__]
+        else:
+            values = (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set))
+                      else vars(obj).values() if hasattr(obj, "__dict__") else ())
         return [path for v in list(values) for path in reaches_run(v, depth - 1)]
 
     assert not hasattr(elastic, "run")
