@@ -55,8 +55,7 @@ def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     if drained or asked or due_inside(steps, seconds, ck.every_steps, ck.every_s):
         run.fleet.drains.driver_pending = drained  # counted once written (`take`); its event says what it was for
         run.ledger.in_epoch.asked_by = run.report.requests.pop("checkpoint", None)
-        if run.fleet.pause.close():
-            pending.pause = PAUSE
+        pending.pause_for(run.fleet.pause, PAUSE)
 
 
 def driver_drained(run: "RunContext", seg: EpochSegment) -> bool:

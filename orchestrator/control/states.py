@@ -187,6 +187,14 @@ class Pending:
     # "grow", "evacuate", "checkpoint"), set with the gate's close; None while the gate is open
     pause: Optional[str] = None
 
+    def pause_for(self, gate: Any, why: str) -> bool:
+        """Close the pause gate (orchestrator/fleet/pause.py) for `why`; False, and nothing
+        changed, when it is closed already (one pause at a time)."""
+        if not gate.close():
+            return False
+        self.pause = why
+        return True
+
     def probation(self) -> Optional[dict[str, Any]]:
         """The guard still judging, as a checkpoint keeps it (`Guard.saved`), or None."""
         return self.guard.saved() if self.guard is not None else None

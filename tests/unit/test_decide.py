@@ -169,3 +169,15 @@ def test_states_and_plans_are_built_only_in_the_decision_module():
     with open(mods["orchestrator.control.decide"], encoding="utf-8") as f:
         built = {n.func.id for n in ast.walk(ast.parse(f.read())) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     assert BUILT_HERE <= built, BUILT_HERE - built
+
+
+def test_a_pause_is_set_by_the_one_close_that_took_the_gate():
+    from orchestrator.fleet.pause import PauseGate
+
+    class Server:
+        def call(self, *args, **kwargs):
+            pass
+
+    gate, pending = PauseGate(Server()), Pending()
+    assert pending.pause_for(gate, "checkpoint") and pending.pause == "checkpoint" and gate.closed
+    assert not pending.pause_for(gate, "switch") and pending.pause == "checkpoint"  # one pause at a time

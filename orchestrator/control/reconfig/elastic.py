@@ -306,16 +306,16 @@ class Elasticity:
             self.joining = None
         self.report.event("resize_abandoned", ranks=j.ranks, reason=reason, **fields)
 
-    def promote_joining(self, grow_paused: bool = False) -> list[int]:
+    def promote_joining(self, paused: Optional[str] = None) -> list[int]:
         """Every member is gone (a repair with nobody left) while replicas started for a grow are
         on their way: they become the members now (waited for, bounded by strategy.timeout_s);
         the repair gives them state and data as it does replacements. Their ranks ([] if none,
-        or if they died too)."""
+        or if they died too). `paused`: the Running state's Pending.pause (a grow's pause is lifted)."""
         j = self.joining
         if j is None or not j.ready:
             return []
         self.joining = None
-        self.stop_pausing("grow" if grow_paused else None)
+        self.stop_pausing(paused)
         group = self.group
         joined, failed = group.admit(dict(j.ready))
         if failed:

@@ -55,8 +55,7 @@ def notice(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     if drained is None:
         return
     pending.evacuation = plan = drained.plan()
-    if run.fleet.pause.close():
-        pending.pause = "evacuate"
+    pending.pause_for(run.fleet.pause, "evacuate")
     left = {r: round(d - time.time(), 1) if d else None for r, d in plan.deadlines.items()}
     run.report.say(f"node(s) {sorted({n[:8] for n in plan.nodes.values()})} being drained (seconds left: "
                    f"{left}): moving replica(s) {sorted(plan.nodes)} off at the next partition boundary")

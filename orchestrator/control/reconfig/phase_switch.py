@@ -71,8 +71,8 @@ def consider(run: "RunContext", seg: Optional[EpochSegment], pending: Pending, e
     pending.switch = switch_plan(sw, mid, run.phase.spec.name)
     to = f"{sw.mode} (phase {sw.phase})" if sw.mode == run.phase.spec.name else sw.mode  # e.g. allreduce with backups
     run.report.say(f"switch to {to} decided ({sw.rule}): {sw.reason}")
-    if mid and run.fleet.pause.close():
-        pending.pause = "switch"
+    if mid:
+        pending.pause_for(run.fleet.pause, "switch")
 
 
 def evaluate(run: "RunContext", split: Optional[str] = None) -> dict[str, float]:

@@ -131,7 +131,7 @@ class Repair(Change):
         self.survivors = [r for r in group.ranks if r not in self.replaced]
         # every member gone, none replaced, replicas on their way for a grow: they are the run now
         if not self.survivors and not self.replaced:
-            self.joined = run.fleet.elastic.promote_joining(grow_paused=self.pausing == "grow")
+            self.joined = run.fleet.elastic.promote_joining(self.pausing)
         self.newcomers = self.replaced + self.joined
         self.resized = bool(self.dropped)
         if not self.survivors and not self.newcomers:
