@@ -1,11 +1,12 @@
 """End to end on Ray's own autoscaler (orchestrator/testing/local_autoscaler.py: the fake multi-node
 provider, whose nodes are raylets on this machine that the autoscaler launches and terminates).
 A 0-CPU head and no worker node at the start; worker type `cpu_node` has 1 CPU, 0 to 2 of them.
-The CLI joins it with 1 replica and room for up to 2: it finds no room, asks the autoscaler and
-waits (scaling.wait_for_room_s) instead of failing; the autoscaler launches a node, the run
-starts, asks for room for a second replica, the autoscaler launches another node and the run
-grows to 2; at the end the request is withdrawn and the idle nodes are terminated
-(idle_timeout_minutes 0.2). The times measured are printed (`pytest -s` shows them):
+A driver process joins it through the Python API with 1 replica and room for up to 2: it finds
+no room, asks the autoscaler and waits (scaling.wait_for_room_s) instead of failing; the
+autoscaler launches a node, the run starts, asks for room for a second replica, the autoscaler
+launches another node and the run grows to 2; a callback asks the run to stop once it has grown
+(the epoch ends at 2 replicas: no fixed number of epochs has to outlast a slow node start); at
+the end the request is withdrawn and the idle nodes are terminated (idle_timeout_minutes 0.2). The times measured are printed (`pytest -s` shows them):
 
     flock /tmp/ray.lock python -m pytest -q -s tests/e2e/test_autoscaler_e2e.py
 """
@@ -54,6 +55,22 @@ def watch_nodes(cluster, stop: threading.Event, seen: list) -> None:
         stop.wait(1.0)
 
 
+DRIVER = """
+import json, sys
+from orchestrator import Action, ElasticTrainer, JobConfig
+
+class StopOnceGrown:
+    def on_event(self, event):
+        if event["kind"] == "resize" and event.get("direction") == "grow":
+            return Action.STOP
+
+config = JobConfig.from_yaml(sys.argv[1], sys.argv[3:])
+result = ElasticTrainer(config, show_progress=False, callbacks=[StopOnceGrown()]).fit()
+with open(sys.argv[2], "w") as f:
+    json.dump(result.to_dict(), f)
+"""
+
+
 def test_the_autoscaler_starts_the_run_from_zero_nodes_grows_it_and_releases_the_nodes(autoscaling_cluster, tmp_path):
     cluster = autoscaling_cluster
     assert cluster.worker_nodes() == 0
@@ -62,11 +79,12 @@ def test_the_autoscaler_starts_the_run_from_zero_nodes_grows_it_and_releases_the
     out = tmp_path / "result.json"
     sets = ["model.factory=examples.models:tiny_mlp", "data.source=builtin:synthetic", "data.batch_size=16",
             "scaling.replicas=1", "scaling.max_replicas=2", "scaling.cpus_per_replica=1", "scaling.poll_s=1",
-            "scaling.wait_for_room_s=240", "stop.epochs=20", "stop.target_accuracy=null",
-            "faults.slow_replicas={0: 0.006}",  # 208 steps of ~6 ms: epochs of ~1.3 s, the grow lands mid-run (20: room for a slow node start)
+            "scaling.wait_for_room_s=240", "stop.epochs=60", "stop.target_accuracy=null",
+            "faults.slow_replicas={0: 0.006}",  # 208 steps of ~6 ms: epochs of ~1.3 s, the grow lands mid-run
             f"checkpoint.storage={tmp_path / 'ck'}", f"tracking.tracking_uri=sqlite:///{tmp_path}/mlflow.db"]
-    cmd = [sys.executable, "-m", "orchestrator", "run", os.path.join(REPO, "examples", "mnist_allreduce.yaml"),
-           "--result-json", str(out), "--no-progress"] + [a for s in sets for a in ("--set", s)]
+    (tmp_path / "driver.py").write_text(DRIVER)
+    cmd = [sys.executable, str(tmp_path / "driver.py"), os.path.join(REPO, "examples", "mnist_allreduce.yaml"),
+           str(out)] + sets
     stop, seen = threading.Event(), []
     watcher = threading.Thread(target=watch_nodes, args=(cluster, stop, seen), daemon=True)
     watcher.start()
@@ -99,7 +117,8 @@ def test_the_autoscaler_starts_the_run_from_zero_nodes_grows_it_and_releases_the
     grow = grows[0]
     assert asks[0]["t_wall"] < grow["t_wall"]
     assert asks[-1]["withdrawn"] and asks[-1]["bundles"] == 0, asks  # taken back at the end
-    assert result["epochs"] == 20 and result["stop_reason"], (result["epochs"], result["stop_reason"])
+    assert result["epochs"] < 60 and "StopOnceGrown after resize" in result["stop_reason"], \
+        (result["epochs"], result["stop_reason"])
     sizes = [e["replicas"] for e in events if e["kind"] == "epoch_end"]
     assert sizes[0] == 1 and sizes[-1] == 2, sizes
     # the autoscaler launched the nodes: none at the start, two while the run grew
