@@ -255,6 +255,7 @@ class ElasticTrainer:
             ctl.shutdown()
             if tracker is not None and status == "FAILED":
                 tracker.event("ended", t0, status=status)
+                _log_decisions(tracker, ctl)
                 _log_plot(tracker, FAILED_PLOT_TIMEOUT_S)
                 tracker.finish(status)
             if started_ray:
@@ -268,6 +269,7 @@ class ElasticTrainer:
                              ("steady_samples_per_s", result.steady_samples_per_s, totals.steps)]
                             + [(f"state_s.{name}", seconds, totals.steps) for name, seconds in result.state_s.items()])
         tracker.log_text(result.to_json(), "result.json")
+        _log_decisions(tracker, ctl)
         _log_plot(tracker)
         tracker.finish("FINISHED")
         if self.show_progress:
@@ -280,6 +282,14 @@ class ElasticTrainer:
 INTERRUPT_RECORD_TIMEOUT_S = 1.0  # `ray job stop` sends SIGKILL 3 s after SIGTERM: the record goes first
 INTERRUPT_CHECKPOINT_TIMEOUT_S = 15.0
 FAILED_PLOT_TIMEOUT_S = 10.0  # a failed run's training.png: the store may be what failed
+
+
+def _log_decisions(tracker, ctl) -> None:
+    """The control loop's decisions (orchestrator/control/decide.py: DecisionLog), as the run's
+    `decisions.jsonl` artifact: `decide.replay` checks them again without the run."""
+    log = ctl.context.ledger.decisions
+    if log.records:
+        tracker.log_text(log.jsonl(), "decisions.jsonl")
 
 
 def _interrupts_handled(interrupts: "Interrupts"):

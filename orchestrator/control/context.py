@@ -31,6 +31,7 @@ from orchestrator.checks import one_line
 from orchestrator.config import JobConfig
 from orchestrator.data.in_memory import Dataset
 from orchestrator.errors import Interrupts, MemberLost, TrainingError
+from orchestrator.control.decide import DecisionLog
 from orchestrator.fleet.drains import DrainWatch
 from orchestrator.fleet.replica_group import ReplicaGroup
 from orchestrator.fleet.pause import PauseGate
@@ -109,6 +110,7 @@ class Ledger:
     t_train_wall: float = 0.0  # the same, wall clock (the replicas' throughput figures count from it)
     best_model: Optional[dict[str, Any]] = None  # keep_best: the best epoch's model (state dict)
     in_epoch: InEpoch = field(default_factory=InEpoch)  # a checkpoint's place inside its epoch (mid_epoch.py)
+    decisions: DecisionLog = field(default_factory=DecisionLog)  # Running's decisions (decide.py), in order
 
 
 @dataclass

@@ -26,14 +26,20 @@ The states these exits lead to are built here too (`enter`; `judged`: the failur
 answer as a repair plan, or the run's error), from the segment and what is pending; so are the
 other handlers' next states and the plans (the end of this module): no other module builds a
 state or a plan (tests/unit/test_decide.py reads the code for it).
+
+Every decision of a run is logged (`DecisionLog`: consecutive repeats counted, not stored) and
+written to the run's MLflow artifacts as `decisions.jsonl`; `replay` runs `decide` again on each
+recorded observation and names every exit that differs: a run's decisions can be tested, and
+today's `decide` checked against yesterday's runs, without Ray (tests/unit/test_decide.py replays
+a recorded run with a kill, a switch and a grow).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
-
+import json
 import time
-from typing import Any
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Optional, Union
 
 from orchestrator.control.states import (EpochSegment, Errored, EvacuationPlan, Finished, Finishing, GrowPlan, Pending,
                                          Plan, Reconfiguring, Running, Starting, State, SwitchPlan)
@@ -143,6 +149,8 @@ class Read:
 
 Exit = Union[Judge, CarrySwitch, Finish, Evacuate, CarryEvacuation, Grow, OpenEpoch, TakeCheckpoint, ClosePass,
              Interrupt, Read]
+EXITS = {cls.__name__: cls for cls in (Judge, CarrySwitch, Finish, Evacuate, CarryEvacuation, Grow, OpenEpoch,
+                                       TakeCheckpoint, ClosePass, Interrupt, Read)}
 LEAVING = (CarrySwitch, Finish, Evacuate, CarryEvacuation, Grow)  # exits `enter` turns into the next state
 
 
@@ -175,6 +183,70 @@ def decide(obs: Observation) -> Exit:
     if obs.interrupted:
         return Interrupt()
     return Read()
+
+
+# ---- the decision log: what a run decided, replayable without the run ---------------------------
+def record(obs: Observation, exit_: Exit, times: int = 1) -> dict[str, Any]:
+    """One decision as a JSON-able record: the observation, the exit named for it (by its class
+    name, with its fields) and how many ticks in a row it was the same."""
+    return {"observation": asdict(obs), "exit": {"kind": type(exit_).__name__, **asdict(exit_)}, "times": times}
+
+
+def _drained(d: Optional[dict[str, Any]]) -> Optional[Drained]:
+    return None if d is None else Drained(tuple(tuple(m) for m in d["members"]), d["seen_wall"])
+
+
+def from_record(rec: dict[str, Any]) -> tuple[Observation, Exit]:
+    """A record back as the observation and the exit it names (ValueError: not a decision record)."""
+    try:
+        o = dict(rec["observation"])
+        obs = Observation(**{**o, "drained": _drained(o.get("drained"))})
+        e = dict(rec["exit"])
+        cls = EXITS[e.pop("kind")]
+        if "drained" in e:
+            e["drained"] = _drained(e["drained"])
+        return obs, cls(**e)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not a decision record ({type(exc).__name__}: {exc}): {rec!r:.200}") from None
+
+
+def replay(records: Iterable[dict[str, Any]]) -> list[tuple[int, Exit, Exit]]:
+    """`decide` again on each recorded observation: (index, the exit recorded, the exit decided
+    now) for every record where they differ (none: today's `decide` makes the run's decisions)."""
+    out = []
+    for i, rec in enumerate(records):
+        obs, recorded = from_record(rec)
+        now = decide(obs)
+        if now != recorded:
+            out.append((i, recorded, now))
+    return out
+
+
+class DecisionLog:
+    """The decisions of one driver's run, in order (RunContext's ledger; MLflow's `decisions.jsonl`
+    at the run's end): a decision the same as the one before (a Read of an unchanged epoch, tick
+    after tick) adds to its `times` instead of a record; the last MAX_RECORDS are kept."""
+
+    MAX_RECORDS = 20_000
+
+    def __init__(self) -> None:
+        self.records: deque[dict[str, Any]] = deque(maxlen=self.MAX_RECORDS)
+        self._last: Optional[tuple[Observation, Exit]] = None
+
+    def note(self, obs: Observation, exit_: Exit) -> None:
+        if self._last == (obs, exit_) and self.records:
+            self.records[-1]["times"] += 1
+            return
+        self._last = (obs, exit_)
+        self.records.append(record(obs, exit_))
+
+    def jsonl(self) -> str:
+        return "".join(json.dumps(r) + "\n" for r in self.records)
+
+
+def read_jsonl(text: str) -> list[dict[str, Any]]:
+    """The records of a decisions.jsonl (blank lines skipped)."""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def enter(exit_: Exit, seg: EpochSegment, pending: Pending) -> State:

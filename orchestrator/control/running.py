@@ -55,7 +55,9 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "Stat
     and what they sent meanwhile waits unread; silence is measured from now."""
     restart_hang_clocks(seg)
     while True:
-        exit_ = decide(observe(run, seg, pending))
+        obs = observe(run, seg, pending)
+        exit_ = decide(obs)
+        run.ledger.decisions.note(obs, exit_)
         nxt = act(run, seg, pending, exit_)
         normal(pending, run.fleet.pause.closed)
         if nxt is not None:

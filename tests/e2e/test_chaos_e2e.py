@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
+from orchestrator.control.decide import read_jsonl, replay
 from orchestrator.testing.chaos import Fault, FaultInjector
 from orchestrator.config import JobConfig
 from orchestrator.trainer import ElasticTrainer
@@ -61,8 +62,13 @@ def test_replica_shard_and_server_kills_and_a_kill_during_a_repair_do_not_stop_t
         assert rebuilt["shard"] == 0 and rebuilt["replayed_updates"] + rebuilt["resent_updates"] > 0
         assert rebuilt["lost_updates"] == 0, (rebuilt, [(e["kind"], e.get("rank", e.get("ranks"))) for e in result.events])  # every acknowledged update replayed or re-sent
     # the mode's own figures reach MLflow
-    metrics = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(result.mlflow_run_id).data.metrics
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    metrics = client.get_run(result.mlflow_run_id).data.metrics
     assert {"allreduce": "test_accuracy", "downpour": "staleness_mean", "easgd": "elastic_distance"}[mode] in metrics, sorted(metrics)
+    # the control loop's decisions are in the run, and today's `decide` makes each of them again
+    with open(client.download_artifacts(result.mlflow_run_id, "decisions.jsonl", str(tmp_path))) as f:
+        decisions = read_jsonl(f.read())
+    assert [r["exit"]["kind"] for r in decisions].count("Judge") >= 2 and replay(decisions) == []
 
 
 def compound_config(tmp_path, mode, *overrides):
