@@ -30,7 +30,7 @@ from typing import Any, Optional
 from orchestrator.checks import one_line
 from orchestrator.config import JobConfig
 from orchestrator.data.in_memory import Dataset
-from orchestrator.errors import Interrupts, MemberLost, TrainingError
+from orchestrator.errors import Interrupts, TrainingError
 from orchestrator.control.decide import DecisionLog
 from orchestrator.fleet.drains import DrainWatch
 from orchestrator.fleet.replica_group import ReplicaGroup

@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable, Optional, Union
 
 from orchestrator.control.states import (EpochSegment, Errored, EvacuationPlan, Finished, Finishing, GrowPlan, Pending,
@@ -63,6 +63,16 @@ class Drained:
 
 
 @dataclass(frozen=True)
+class RankView:
+    """One member as the loop last heard it: its update index (the global step of its last report)
+    and its seconds per step then (compute and communication; None before its first row)."""
+
+    rank: int
+    update: int
+    step_s: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class Observation:
     """What Running's exits read, gathered once a tick (running.observe)."""
 
@@ -79,6 +89,10 @@ class Observation:
     drained: Optional[Drained] = None  # before the epoch opens: members on drained nodes
     grow_ready: bool = False  # before the epoch opens: replicas started for a grow are ready
     interrupted: bool = False  # a SIGTERM whose KeyboardInterrupt was swallowed where it landed
+    # every member's update index and step seconds, by rank (no exit reads them yet: what a fixed
+    # global batch and a goodput ledger build on); the decision log keeps them as first seen in a
+    # run of repeats
+    ranks: tuple[RankView, ...] = ()
 
     def __post_init__(self) -> None:
         if self.gate is not None and self.gate not in PAUSES:
@@ -200,7 +214,8 @@ def from_record(rec: dict[str, Any]) -> tuple[Observation, Exit]:
     """A record back as the observation and the exit it names (ValueError: not a decision record)."""
     try:
         o = dict(rec["observation"])
-        obs = Observation(**{**o, "drained": _drained(o.get("drained"))})
+        obs = Observation(**{**o, "drained": _drained(o.get("drained")),
+                             "ranks": tuple(RankView(**r) for r in o.get("ranks", ()))})
         e = dict(rec["exit"])
         cls = EXITS[e.pop("kind")]
         if "drained" in e:
@@ -234,10 +249,11 @@ class DecisionLog:
         self._last: Optional[tuple[Observation, Exit]] = None
 
     def note(self, obs: Observation, exit_: Exit) -> None:
-        if self._last == (obs, exit_) and self.records:
+        key = (replace(obs, ranks=()), exit_)  # a member's new step alone is no new decision
+        if self._last == key and self.records:
             self.records[-1]["times"] += 1
             return
-        self._last = (obs, exit_)
+        self._last = key
         self.records.append(record(obs, exit_))
 
     def jsonl(self) -> str:

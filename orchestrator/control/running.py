@@ -33,9 +33,9 @@ from orchestrator.control.failures import fail
 from orchestrator.fleet.outcomes import replica_failure
 from orchestrator.control.reconfig import repair
 from orchestrator.control.decide import (LEAVING, ClosePass, Exit, Grow, Interrupt, Judge, Observation, OpenEpoch,
-                                         TakeCheckpoint, decide, enter, judged, normal)
+                                         RankView, TakeCheckpoint, decide, enter, judged, normal)
 from orchestrator.control.states import EpochSegment, Pending, State
-from policies.messages import Evaluation, Progress, SegmentEnd, Stepping
+from policies.messages import Evaluation, Progress, ProgressRow, SegmentEnd, Stepping
 from policies.decisions.failure import ReplicaFailure, error_detail
 from policies.rules.modes import Diverged
 
@@ -76,7 +76,16 @@ def observe(run: "RunContext", seg: EpochSegment, pending: Pending) -> Observati
                        switch_pending=pending.switch is not None, evacuation_pending=pending.evacuation is not None,
                        stopping=pending.stopping, drained=drained,
                        grow_ready=boundary and drained is None and run.fleet.elastic.ready_to_join(),
-                       interrupted=run.fleet.interrupts.seen.is_set())
+                       interrupted=run.fleet.interrupts.seen.is_set(),
+                       ranks=rank_views(run.fleet.group.members, run.ledger.progress, run.ledger.signals))
+
+
+def rank_views(members: Any, progress: dict[int, int], signals: dict[int, ProgressRow]) -> tuple[RankView, ...]:
+    """Each member's update index and seconds per step (compute and communication, to the
+    millisecond), from its latest report."""
+    def step_s(row: Optional[ProgressRow]) -> Optional[float]:
+        return None if row is None or row.compute_s is None else round(row.compute_s + (row.comm_s or 0.0), 3)
+    return tuple(RankView(r, progress.get(r, 0), step_s(signals.get(r))) for r in sorted(members))
 
 
 def act(run: "RunContext", seg: EpochSegment, pending: Pending, exit_: Exit) -> "Optional[State]":

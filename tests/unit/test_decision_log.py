@@ -24,7 +24,8 @@ EVERY_EXIT = [d.Judge(True), d.CarrySwitch(), d.Finish(), d.Evacuate(DRAINED), d
 
 def test_every_exit_and_observation_round_trips_through_json():
     assert {type(e).__name__ for e in EVERY_EXIT} == set(d.EXITS)
-    obs = dataclasses.replace(RUNNING, begun=False, drained=DRAINED, grow_ready=True, interrupted=True)
+    obs = dataclasses.replace(RUNNING, begun=False, drained=DRAINED, grow_ready=True, interrupted=True,
+                              ranks=(d.RankView(0, 41, 0.012), d.RankView(2, 40, None)))
     for exit_ in EVERY_EXIT:
         back = d.from_record(json.loads(json.dumps(d.record(obs, exit_, times=3))))
         assert back == (obs, exit_)
@@ -37,8 +38,10 @@ def test_repeats_are_counted_not_stored_and_the_log_keeps_its_last_records():
         log.note(RUNNING, d.Read())
     log.note(dataclasses.replace(RUNNING, open_streams=1), d.Read())
     log.note(RUNNING, d.Read())
-    assert [r["times"] for r in log.records] == [5, 1, 1]
-    assert d.read_jsonl(log.jsonl()) == list(log.records)
+    log.note(dataclasses.replace(RUNNING, ranks=(d.RankView(0, 7, 0.01),)), d.Read())  # a member stepped: no new decision
+    assert [r["times"] for r in log.records] == [5, 1, 2]
+    assert log.records[-1]["observation"]["ranks"] == ()  # as first seen in the run of repeats
+    assert d.read_jsonl(log.jsonl()) == [json.loads(json.dumps(r)) for r in log.records]
     small = d.DecisionLog()
     small.records = type(small.records)(maxlen=3)
     for n in range(6):
@@ -77,7 +80,9 @@ drained = st.none() | st.builds(d.Drained, st.lists(st.tuples(st.integers(0, 7),
 observations = st.builds(d.Observation, begun=st.booleans(), failures=st.integers(0, 3), lock_step=st.booleans(),
                          open_streams=st.integers(0, 4), paused=st.booleans(), gate=st.sampled_from((None,) + d.PAUSES),
                          switch_pending=st.booleans(), evacuation_pending=st.booleans(), stopping=st.booleans(),
-                         drained=drained, grow_ready=st.booleans(), interrupted=st.booleans())
+                         drained=drained, grow_ready=st.booleans(), interrupted=st.booleans(),
+                         ranks=st.lists(st.builds(d.RankView, st.integers(0, 7), st.integers(0, 10**6),
+                                                  st.none() | st.floats(0, 10)), max_size=3).map(tuple))
 
 
 @settings(max_examples=400, deadline=None)
@@ -110,6 +115,7 @@ def test_any_sequence_of_decisions_logs_and_reads_back_as_it_was(seq):
     for obs, exit_ in seq:
         log.note(obs, exit_)
     back = [d.from_record(r) for r in d.read_jsonl(log.jsonl())]
-    collapsed = [pair for i, pair in enumerate(seq) if i == 0 or seq[i - 1] != pair]
+    key = [(dataclasses.replace(obs, ranks=()), exit_) for obs, exit_ in seq]
+    collapsed = [pair for i, pair in enumerate(seq) if i == 0 or key[i - 1] != key[i]]
     assert back == collapsed
     assert sum(r["times"] for r in log.records) == len(seq)
