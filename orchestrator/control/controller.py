@@ -33,6 +33,7 @@ generations; the PartitionServer is the one ledger of what each epoch served; th
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Optional
 
 from orchestrator.control import failures
@@ -101,6 +102,7 @@ class Controller:
         # waiting; True when one was (a replica that waited on it was not hung meanwhile)
         ctx.fleet.group.on_wait = ServerWatch(ctx.fleet, ctx.report, ctx.checkpoints, ctx.ledger)
         self.state: State = decide.starting()
+        self._reading: Optional[Any] = None  # the segment Running left only because what is pending changed
 
     def launch(self) -> None:
         """Ask Ray for the actors the mode needs and return at once (orchestrator/control/starting.py)."""
@@ -116,10 +118,15 @@ class Controller:
             if isinstance(state, Starting):
                 nxt = decide.running(starting.start(self.context), starting.resumed_pending(self.context))
             elif isinstance(state, Running):
+                fresh = self._reading is not state.segment  # entered from another state, or a new epoch
+                self._reading = None
                 try:
-                    nxt = running.run_segment(self.context, state.segment, state.pending)
+                    nxt = running.run_segment(self.context, state.segment, state.pending, fresh=fresh)
                 except MemberLost as lost:
-                    nxt = failures.lost_meanwhile(self.context, state.segment, lost, state.pending)
+                    nxt = failures.lost_meanwhile(self.context, state.segment, lost, decide.pending_at(lost, state))
+                else:
+                    if isinstance(nxt, Running) and nxt.segment is state.segment:
+                        self._reading = state.segment  # only what is pending changed: the same epoch read on
             elif isinstance(state, Reconfiguring):
                 nxt = self._reconfigure(state)
             elif isinstance(state, Finishing):
@@ -129,7 +136,7 @@ class Controller:
                 return state
         except BaseException as exc:  # what was pending stays readable (the interrupted checkpoint's probation)
             self._count(state, started)
-            self.state = decide.errored(exc, getattr(state, "pending", None))
+            self.state = decide.errored(exc, decide.pending_at(exc, state))
             self.context.report.state(state, self.state)
             raise
         self._count(state, started)
@@ -151,21 +158,27 @@ class Controller:
         and is carried out again after that repair, from the phase it recorded; a grow's
         newcomers are members by then and the repair sees to the lost one."""
         plan, seg, pending = state.plan, state.segment, state.pending
+        gate = self.context.fleet.pause  # the change opened the gate: its pause is over (decide.normal)
+        if isinstance(plan, Plan):
+            seg = repair.reconfigure(self.context, plan, seg, pending.pause)
+            return decide.running(seg, decide.normal(pending, gate.closed))
+        if isinstance(plan, EvacuationPlan):  # members off drained nodes (a lost one: folded into a repair)
+            seg = evacuate.carry_out(self.context, plan, seg, pending.pause)
+            return decide.running(seg, decide.normal(replace(pending, evacuation=None), gate.closed))
+        switching = isinstance(plan, SwitchPlan)
+        change = phase_switch.Switching(plan, pending) if switching else Grow(plan, self.context.fleet.elastic)
         try:
-            if isinstance(plan, Plan):
-                return decide.running(repair.reconfigure(self.context, plan, seg, pending.pause), pending)
-            if isinstance(plan, EvacuationPlan):  # members off drained nodes (a lost one: folded into a repair)
-                pending.evacuation = None
-                return decide.running(evacuate.carry_out(self.context, plan, seg, pending.pause), pending)
-            change = phase_switch.Switching(plan, pending) if isinstance(plan, SwitchPlan) else Grow(plan, self.context.fleet.elastic)
-            try:
-                return decide.running(carrier.carry_out(self.context, change, seg, pending.pause), pending)
-            except MemberLost as lost:
-                if isinstance(plan, SwitchPlan):
-                    pending.switch = plan
-                return failures.lost_meanwhile(self.context, seg, lost, pending)
-        finally:
-            decide.normal(pending, self.context.fleet.pause.closed)  # the change opened the gate: its pause is over
+            seg = carrier.carry_out(self.context, change, seg, pending.pause)
+            return decide.running(seg, decide.normal(change.pending if switching else pending, gate.closed))
+        except MemberLost as lost:
+            # a switch stays pending (with what it measured before its commit point) and is carried
+            # out again after the repair; its guard is pending from its commit point on
+            after = replace(change.pending, switch=change.plan) if switching else pending
+            return failures.lost_meanwhile(self.context, seg, lost, decide.normal(after, gate.closed))
+        except BaseException as exc:
+            if switching:
+                decide.holding(exc, change.pending)  # past the commit point: on probation in the new mode
+            raise
 
     def run(self) -> RunTotals:
         while not isinstance(self.step(), TERMINAL):

@@ -99,11 +99,10 @@ class Observation:
             raise ValueError(f"gate must be one of {PAUSES} or None, got {self.gate!r}")
 
 
-def normal(pending: Pending, gate_closed: bool) -> None:
+def normal(pending: Pending, gate_closed: bool) -> Pending:
     """Pending.pause is None whenever the gate is open: whoever opened it (a checkpoint taken, a
     change carried out, a grow's pause lifted at the boundary) ended the pause."""
-    if not gate_closed and pending.pause is not None:
-        pending.pause = None
+    return replace(pending, pause=None) if not gate_closed and pending.pause is not None else pending
 
 
 @dataclass(frozen=True)
@@ -197,6 +196,21 @@ def decide(obs: Observation) -> Exit:
     if obs.interrupted:
         return Interrupt()
     return Read()
+
+
+def holding(exc: BaseException, pending: Pending) -> None:
+    """Keep what was pending when `exc` went up on it (`pending_at`): a handler that changed what
+    is pending and is cut short (an interrupt inside an epoch's end after its guard was judged,
+    inside a switch past its commit point) leaves the controller's Errored state what was
+    pending then, not what was pending when the state it left was entered."""
+    if getattr(exc, "run_pending", None) is None:
+        exc.run_pending = pending  # type: ignore[attr-defined]
+
+
+def pending_at(exc: BaseException, left: Any) -> Optional[Pending]:
+    """What was pending when `exc` ended the state `left`: what a handler kept on it (`holding`),
+    else the state's own."""
+    return getattr(exc, "run_pending", None) or getattr(left, "pending", None)
 
 
 # ---- the decision log: what a run decided, replayable without the run ---------------------------

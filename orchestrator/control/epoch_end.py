@@ -5,9 +5,10 @@ shard whatever else the driver is doing."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
-from orchestrator.control.decide import after_epoch
+from orchestrator.control.decide import after_epoch, holding
 from orchestrator.control import checkpointing
 from orchestrator.control.checkpointing import report_written
 from orchestrator.control import starting
@@ -174,54 +175,58 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     if not seg.had_failure:
         run.policies.failure.epoch_without_failure()
 
-    phase_switch.check_guard(run, pending, epoch, metrics)  # a switch that hurt: rolled back before anything keeps this model
-    rolling_back = pending.switch is not None and pending.switch.rollback is not None
-    lost: list[MemberLost] = []
-    if not rolling_back:
-        loss = metrics.get(run.loss_metric)
-        why = run.policies.chance.observe(loss) if run.policies.chance is not None and loss is not None else None
-        if why is not None:
-            raise TrainingError(f"epoch {epoch}: training diverged: {why}; the last checkpoint is kept")
-        lost = adapt_batch(run, seg, figures.get("gradient_diversity"))  # before the checkpoint, which keeps it
-        ck = cfg.checkpoint
-        best = run.policies.best.observe(epoch, judged) and ck.keep_best  # the best epoch so far: kept as best.pt
-        if best or checkpoint_due(epoch, time.perf_counter(), max(run.checkpoints.last_s, run.ledger.train_started),
-                                  ck.every_epochs, ck.every_s):
-            try:
-                written = checkpointing.take(run, f"epoch_{epoch:04d}", cfg.strategy.timeout_s,
-                                             named="best.pt" if best else None,
-                                             wait=False,  # stored in the background while the next epoch trains
-                                             probation=pending.probation())
-                tot.checkpoint, lost = written.path, lost + written.lost
-                if best:
-                    run.ledger.best_model = run.last_saved.model
-                    watched = run.policies.best.metric
-                    run.report.event("best_checkpoint", epoch=epoch, metric=watched, value=judged[watched])
-            except TrainingError as exc:  # every member stopped or died meanwhile, or the store failed
-                lost = lost + ([exc] if isinstance(exc, MemberLost) else [])
-                run.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
-                run.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
-    decision = run.policies.stop.decide(EpochSnapshot(epoch, judged, time.perf_counter() - run.ledger.train_started,
-                                                      asked=run.report.requests.pop("stop", None), steps=tot.steps))
-    if converged is not None and not decision.stop:
-        decision = StopDecision(True, converged)
-    if not decision.stop and not rolling_back:
-        decision = run.policies.best.stop() or decision  # stop.early_stopping
-    if decision.stop:
-        tot.stop_reason = decision.reason
-        run.report.event("stop", reason=decision.reason)
+    pending = phase_switch.check_guard(run, pending, epoch, metrics)  # a switch that hurt: rolled back before anything keeps this model
+    try:  # an interrupt from here on leaves the guard as judged (a rollback decided: no checkpoint of this model)
+        rolling_back = pending.switch is not None and pending.switch.rollback is not None
+        lost: list[MemberLost] = []
         if not rolling_back:
-            return after_epoch(True, seg, pending)
-        pending.stopping = True  # the model from before the switch first (Running carries the rollback out), then the end
-    else:
-        phase_switch.consider(run, None, pending, epoch_end=True, metrics=judged)
-    # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
-    # it carries on timing a recovery whose newcomer had nothing left to do in this one. Members
-    # lost while the checkpoint was taken are its failures: repaired before it opens
-    nxt = EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False)
-    for exc in lost:
-        lost_meanwhile(run, nxt, exc, pending)
-    return after_epoch(False, nxt, pending)
+            loss = metrics.get(run.loss_metric)
+            why = run.policies.chance.observe(loss) if run.policies.chance is not None and loss is not None else None
+            if why is not None:
+                raise TrainingError(f"epoch {epoch}: training diverged: {why}; the last checkpoint is kept")
+            lost = adapt_batch(run, seg, figures.get("gradient_diversity"))  # before the checkpoint, which keeps it
+            ck = cfg.checkpoint
+            best = run.policies.best.observe(epoch, judged) and ck.keep_best  # the best epoch so far: kept as best.pt
+            if best or checkpoint_due(epoch, time.perf_counter(), max(run.checkpoints.last_s, run.ledger.train_started),
+                                      ck.every_epochs, ck.every_s):
+                try:
+                    written = checkpointing.take(run, f"epoch_{epoch:04d}", cfg.strategy.timeout_s,
+                                                 named="best.pt" if best else None,
+                                                 wait=False,  # stored in the background while the next epoch trains
+                                                 probation=pending.probation())
+                    tot.checkpoint, lost = written.path, lost + written.lost
+                    if best:
+                        run.ledger.best_model = run.last_saved.model
+                        watched = run.policies.best.metric
+                        run.report.event("best_checkpoint", epoch=epoch, metric=watched, value=judged[watched])
+                except TrainingError as exc:  # every member stopped or died meanwhile, or the store failed
+                    lost = lost + ([exc] if isinstance(exc, MemberLost) else [])
+                    run.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
+                    run.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
+        decision = run.policies.stop.decide(EpochSnapshot(epoch, judged, time.perf_counter() - run.ledger.train_started,
+                                                          asked=run.report.requests.pop("stop", None), steps=tot.steps))
+        if converged is not None and not decision.stop:
+            decision = StopDecision(True, converged)
+        if not decision.stop and not rolling_back:
+            decision = run.policies.best.stop() or decision  # stop.early_stopping
+        if decision.stop:
+            tot.stop_reason = decision.reason
+            run.report.event("stop", reason=decision.reason)
+            if not rolling_back:
+                return after_epoch(True, seg, pending)
+            pending = replace(pending, stopping=True)  # the model from before the switch first (Running carries the rollback out), then the end
+        else:
+            pending = phase_switch.consider(run, None, pending, epoch_end=True, metrics=judged)
+        # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
+        # it carries on timing a recovery whose newcomer had nothing left to do in this one. Members
+        # lost while the checkpoint was taken are its failures: repaired before it opens
+        nxt = EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False)
+        for exc in lost:
+            lost_meanwhile(run, nxt, exc, pending)
+        return after_epoch(False, nxt, pending)
+    except BaseException as exc:
+        holding(exc, pending)
+        raise
 
 
 def note_target(run: "RunContext", epoch: int, judged: dict[str, float], elapsed: float, **where) -> None:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 PAUSE = "checkpoint"  # Pending.pause while the replicas pause for one
 
 
-def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
+def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> Pending:
     """A checkpoint inside the epoch when one is due, or when the driver's own node is being
     drained (`driver_drained`): the gate closes. Not while another reconfiguration holds the gate
     or waits, failures wait for their decision, or a member has ended its pass (the epoch is
@@ -43,19 +43,20 @@ def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     drained = driver_drained(run, seg)
     asked = run.report.requests.get("checkpoint")  # a callback's Action.CHECKPOINT
     if run.phase.spec.coordinated:
-        return
+        return pending
     if not (ck.every_steps or ck.every_s or drained or asked) or not seg.begun or seg.failures or run.fleet.pause.closed:
-        return
+        return pending
     if pending.switch is not None or pending.evacuation is not None or pending.stopping:
-        return
+        return pending
     if set(seg.streams) != set(run.fleet.group.members) or seg.ended:
-        return
+        return pending
     steps = max(run.ledger.progress.values(), default=0) - run.checkpoints.last_step
     seconds = time.perf_counter() - max(run.checkpoints.last_s, run.ledger.train_started)
     if drained or asked or due_inside(steps, seconds, ck.every_steps, ck.every_s):
         run.fleet.drains.driver_pending = drained  # counted once written (`take`); its event says what it was for
         run.ledger.in_epoch.asked_by = run.report.requests.pop("checkpoint", None)
-        pending.pause_for(run.fleet.pause, PAUSE)
+        return pending.pause_for(run.fleet.pause, PAUSE)
+    return pending
 
 
 def driver_drained(run: "RunContext", seg: EpochSegment) -> bool:

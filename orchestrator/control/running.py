@@ -21,6 +21,7 @@ replacement joins.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional
 
 import ray
@@ -33,7 +34,7 @@ from orchestrator.control.failures import fail
 from orchestrator.fleet.outcomes import replica_failure
 from orchestrator.control.reconfig import repair
 from orchestrator.control.decide import (LEAVING, ClosePass, Exit, Grow, Interrupt, Judge, Observation, OpenEpoch,
-                                         RankView, TakeCheckpoint, decide, enter, judged, normal)
+                                         RankView, TakeCheckpoint, decide, enter, judged, normal, running)
 from orchestrator.control.states import EpochSegment, Pending, State
 from policies.messages import Evaluation, Progress, ProgressRow, SegmentEnd, Stepping
 from policies.decisions.failure import ReplicaFailure, error_detail
@@ -46,20 +47,26 @@ TICK_S = 0.5  # the loop's longest wait: shard snapshots, hang checks
 HANG_GRACE_S = 5.0
 
 
-def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending) -> "State":
+def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending, fresh: bool = True) -> "State":
     """Running(seg, pending): observe -> decide -> act, until the epoch ends or a failure, a
     switch, a grow or an evacuation needs a reconfiguration (each state after this carries
-    `pending` on). `decide` (orchestrator/control/decide.py) is pure: it names the exit; the
-    actions below carry it out. Every replica's hang clock starts again on entry: while another
-    state worked (a repair, its restart backoff, a switch) nobody read the survivors' streams,
-    and what they sent meanwhile waits unread; silence is measured from now."""
-    restart_hang_clocks(seg)
+    `pending` on), or what is pending changed (a switch decided, a pause begun or ended): then
+    Running(seg, the new pending), so the controller's state is what is pending (an interrupt's
+    checkpoint and the fault injector read it there). `decide` (orchestrator/control/decide.py)
+    is pure: it names the exit; the actions below carry it out. Every replica's hang clock
+    starts again on entry from another state (`fresh`): while that state worked (a repair, its
+    restart backoff, a switch) nobody read the survivors' streams, and what they sent meanwhile
+    waits unread; silence is measured from now."""
+    if fresh:
+        restart_hang_clocks(seg)
     while True:
+        now = normal(pending, run.fleet.pause.closed)  # the gate opened: the pause is over
+        if now != pending:
+            return running(seg, now)
         obs = observe(run, seg, pending)
         exit_ = decide(obs)
         run.ledger.decisions.note(obs, exit_)
         nxt = act(run, seg, pending, exit_)
-        normal(pending, run.fleet.pause.closed)
         if nxt is not None:
             return nxt
 
@@ -109,13 +116,16 @@ def act(run: "RunContext", seg: EpochSegment, pending: Pending, exit_: Exit) -> 
     elif isinstance(exit_, Interrupt):
         raise KeyboardInterrupt
     else:
-        read(run, seg, pending)
+        now = read(run, seg, pending)
+        if now != pending:
+            return running(seg, now)  # a switch decided, a pause begun: the controller's state says so
     return None
 
 
-def read(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
+def read(run: "RunContext", seg: EpochSegment, pending: Pending) -> Pending:
     """One tick: the items every ready stream sent, the servers and shards, the spares, the hang
-    clocks, a grow, a drain notice, a switch and a checkpoint due (each may close the gate)."""
+    clocks, a grow, a drain notice, a switch and a checkpoint due (each may close the gate);
+    what is pending after it."""
     ready = ready_streams(list(seg.streams.values()))
     for rank, stream in list(seg.streams.items()):
         if stream in ready:
@@ -125,14 +135,15 @@ def read(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     look_after_spares(run, seg.epoch)
     check_hangs(run, seg)
     if run.fleet.elastic.tick(seg, switching=pending.switch is not None):
-        pending.pause = "grow"  # a grow's replicas are ready: every replica pauses, then they join
-    evacuate.notice(run, seg, pending)  # a preemption notice: pause, then move off the node
+        pending = replace(pending, pause="grow")  # a grow's replicas are ready: every replica pauses, then they join
+    pending = evacuate.notice(run, seg, pending)  # a preemption notice: pause, then move off the node
     if seg.fresh_signals or run.policies.switch.until is not None:
         seg.fresh_signals = False
-        phase_switch.consider(run, seg, pending)  # before a checkpoint: one due at every tick never starves it
-    mid_epoch.consider(run, seg, pending)  # checkpoint.every_steps / every_s: pause, checkpoint, go on
+        pending = phase_switch.consider(run, seg, pending)  # before a checkpoint: one due at every tick never starves it
+    pending = mid_epoch.consider(run, seg, pending)  # checkpoint.every_steps / every_s: pause, checkpoint, go on
     if seg.failures and run.phase.lock_step and run.fleet.shard_group is not None:
         run.fleet.shard_group.abort_rounds(timeout_s=TICK_S)  # each tick: a survivor may reach the round after an abort
+    return pending
 
 
 def look_after_spares(run: "RunContext", epoch: int) -> None:

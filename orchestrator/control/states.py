@@ -119,7 +119,7 @@ class EpochSegment:
         return set().union(*(r.waiting for r in self.recoveries)) if self.recoveries else set()
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class SwitchPlan:
     """What Reconfiguring carries out for a phase switch (decided in orchestrator/control/reconfig/phase_switch.py):
     from which phase to which. The from-phase is recorded when the switch is decided, so a
@@ -137,7 +137,7 @@ class SwitchPlan:
     measured: Optional[tuple[float, Optional["Guard"]]] = None
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Guard:
     """A switch on probation (orchestrator/control/reconfig/phase_switch.py: check_guard): the phase, mode and model
     from before it, and the test loss at it."""
@@ -160,7 +160,7 @@ class Guard:
                                               saved.until)
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class EvacuationPlan:
     """What Reconfiguring carries out for a preemption notice (orchestrator/control/reconfig/evacuate.py):
     the members on nodes being drained, moved off them before the deadline."""
@@ -170,14 +170,17 @@ class EvacuationPlan:
     t_notice_wall: float  # when the run first saw the drain (evacuate_s counts from it)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Pending:
     """What Running carries from one epoch to the next besides the epoch itself, and
     Reconfiguring hands back to it: a phase switch decided and not carried out yet (at the next
     pause, or before the next epoch opens), the last switch on probation (its guard: rolled back
     if the loss rose), and a stop decided while a rollback was pending (the run finishes once it
     is carried out). A switch interrupted by a lost member stays here and is carried out again
-    after the repair, from the phase it recorded."""
+    after the repair, from the phase it recorded. A frozen value: whoever changes what is
+    pending returns a new one (`dataclasses.replace`), and Running hands it on in a new state at
+    once (orchestrator/control/running.py), so the controller's state is always what is pending.
+    Its plans and guard are compared and hashed by identity (they hold models and dicts)."""
 
     switch: Optional[SwitchPlan] = None
     guard: Optional[Guard] = None
@@ -187,13 +190,10 @@ class Pending:
     # "grow", "evacuate", "checkpoint"), set with the gate's close; None while the gate is open
     pause: Optional[str] = None
 
-    def pause_for(self, gate: Any, why: str) -> bool:
-        """Close the pause gate (orchestrator/fleet/pause.py) for `why`; False, and nothing
-        changed, when it is closed already (one pause at a time)."""
-        if not gate.close():
-            return False
-        self.pause = why
-        return True
+    def pause_for(self, gate: Any, why: str) -> "Pending":
+        """Close the pause gate (orchestrator/fleet/pause.py) for `why`: what is pending then;
+        this one, unchanged, when the gate is closed already (one pause at a time)."""
+        return replace(self, pause=why) if gate.close() else self
 
     def probation(self) -> Optional[dict[str, Any]]:
         """The guard still judging, as a checkpoint keeps it (`Guard.saved`), or None."""

@@ -60,8 +60,11 @@ class Reporter:
         self._call("on_metrics", rows)
 
     def state(self, previous: Any, entered: Any) -> None:
-        """The controller changed state: tell the callbacks that listen (on_state)."""
+        """The controller changed state: tell the callbacks that listen (on_state). Running
+        handing itself on with what is pending changed (the same epoch) is no change of state."""
         if entered is previous or not any(hasattr(cb, "on_state") for cb in self.callbacks):
+            return
+        if type(entered) is type(previous) and getattr(entered, "segment", None) is getattr(previous, "segment", 0):
             return
         seg = getattr(entered, "segment", None)
         plan = getattr(entered, "plan", None)

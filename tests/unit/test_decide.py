@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from orchestrator.control import decide as d
-from orchestrator.control.states import (EpochSegment, Errored, EvacuationPlan, Finishing, GrowPlan, Pending, Plan,
-                                         Reconfiguring, SwitchPlan)
+from orchestrator.control.states import (EpochSegment, Errored, EvacuationPlan, Finishing, Guard, GrowPlan, Pending,
+                                         Plan, Reconfiguring, Running, SwitchPlan)
 from policies.decisions.failure import Fail, Replace, ReplicaFailure
 from policies.decisions.switching import Switch
 from policies.messages import SegmentEnd
@@ -89,7 +89,7 @@ def test_enter_builds_each_leaving_state():
     assert isinstance(nxt, Reconfiguring) and nxt.plan is switch and nxt.segment is seg and nxt.pending is pending
     assert isinstance(d.enter(d.Finish(), seg, pending), Finishing)
     moved = d.enter(d.Evacuate(DRAINED), seg, Pending())
-    assert moved.plan == EvacuationPlan({1: "node-b"}, {1: 1234.0}, 1200.0)
+    assert dataclasses.astuple(moved.plan) == ({1: "node-b"}, {1: 1234.0}, 1200.0)  # plans compare by identity
     evac = EvacuationPlan({0: "node-a"}, {0: 0.0}, 5.0)
     assert d.enter(d.CarryEvacuation(), seg, Pending(evacuation=evac)).plan is evac
     assert d.enter(d.Grow(mid_epoch=True), seg, Pending()).plan == GrowPlan(mid_epoch=True)
@@ -139,10 +139,28 @@ def test_the_decision_module_brings_no_ray_in():
 
 def test_the_pause_is_the_states_and_ends_when_the_gate_opens():
     pending = Pending(pause="grow")
-    d.normal(pending, gate_closed=True)
-    assert pending.pause == "grow"  # still pausing: the replicas have not all paused yet
-    d.normal(pending, gate_closed=False)
-    assert pending.pause is None  # the gate opened (the grow carried out, or lifted at the boundary)
+    assert d.normal(pending, gate_closed=True) is pending  # still pausing: the replicas have not all paused yet
+    assert d.normal(pending, gate_closed=False) == Pending()  # the gate opened (the grow carried out, or lifted)
+    assert pending.pause == "grow"  # a value: what is pending is a new one
+
+
+def test_what_is_pending_is_a_frozen_hashable_value():
+    guard = Guard(1, "allreduce", {"w": [1.0]}, 0.5, checks=2)
+    pending = Pending(guard=guard, pause="switch")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pending.pause = None
+    assert hash(pending) == hash(dataclasses.replace(pending)) and pending == dataclasses.replace(pending)
+    assert dataclasses.replace(pending, stopping=True) != pending
+
+
+def test_an_interrupt_keeps_what_was_pending_when_it_went_up():
+    left = Running(EpochSegment(3, 0.0), Pending())
+    rolled = Pending(stopping=True)
+    exc = KeyboardInterrupt()
+    assert d.pending_at(exc, left) == Pending()  # nothing kept: the state's own
+    d.holding(exc, rolled)
+    d.holding(exc, Pending(pause="grow"))  # the innermost handler's is kept
+    assert d.pending_at(exc, left) is rolled and d.errored(exc, d.pending_at(exc, left)).pending is rolled
 
 
 BUILT_HERE = {"Starting", "Running", "Reconfiguring", "Finishing", "Finished", "Errored", "Plan", "SwitchPlan",
@@ -178,6 +196,7 @@ def test_a_pause_is_set_by_the_one_close_that_took_the_gate():
         def call(self, *args, **kwargs):
             pass
 
-    gate, pending = PauseGate(Server()), Pending()
-    assert pending.pause_for(gate, "checkpoint") and pending.pause == "checkpoint" and gate.closed
-    assert not pending.pause_for(gate, "switch") and pending.pause == "checkpoint"  # one pause at a time
+    gate = PauseGate(Server())
+    pending = Pending().pause_for(gate, "checkpoint")
+    assert pending.pause == "checkpoint" and gate.closed
+    assert pending.pause_for(gate, "switch") is pending  # one pause at a time: the gate was closed already

@@ -14,6 +14,7 @@ the move is done is a failure like any other (orchestrator/control/running.py)."
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from orchestrator.control.decide import Drained, repair_plan
@@ -45,20 +46,22 @@ def draining_members(run: "RunContext") -> Optional[Drained]:
     return Drained(tuple((r, n, draining[n]) for r, n in sorted(nodes.items())), seen)
 
 
-def notice(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
+def notice(run: "RunContext", seg: EpochSegment, pending: Pending) -> Pending:
     """Mid-epoch: members on a drained node -> the evacuation is pending and the gate closes, so
     every replica pauses at its next partition boundary. Not while failures wait for their
-    decision or another reconfiguration holds the gate (it is looked at again each tick)."""
+    decision or another reconfiguration holds the gate (it is looked at again each tick). What
+    is pending after it."""
     if pending.evacuation is not None or pending.switch is not None or seg.failures or run.fleet.pause.closed:
-        return
+        return pending
     drained = draining_members(run)
     if drained is None:
-        return
-    pending.evacuation = plan = drained.plan()
-    pending.pause_for(run.fleet.pause, "evacuate")
+        return pending
+    plan = drained.plan()
+    pending = replace(pending, evacuation=plan).pause_for(run.fleet.pause, "evacuate")
     left = {r: round(d - time.time(), 1) if d else None for r, d in plan.deadlines.items()}
     run.report.say(f"node(s) {sorted({n[:8] for n in plan.nodes.values()})} being drained (seconds left: "
                    f"{left}): moving replica(s) {sorted(plan.nodes)} off at the next partition boundary")
+    return pending
 
 
 def decisions(run: "RunContext", plan: EvacuationPlan) -> list[Any]:

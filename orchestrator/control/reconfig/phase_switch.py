@@ -59,20 +59,19 @@ def observe(run: "RunContext", epoch_end: bool, metrics: Optional[dict[str, floa
 
 
 def consider(run: "RunContext", seg: Optional[EpochSegment], pending: Pending, epoch_end: bool = False,
-             metrics: Optional[dict[str, float]] = None) -> None:
+             metrics: Optional[dict[str, float]] = None) -> Pending:
     """Ask the policy; a switch it decides is recorded as pending (and, mid-epoch, the partition
-    server starts pausing the replicas)."""
+    server starts pausing the replicas). What is pending after it."""
     if pending.switch is not None or len(run.policies.switch.plan) < 2 or run.fleet.pause.closed:
-        return
+        return pending
     sw = run.policies.switch.decide(observe(run, epoch_end, metrics))
     if sw is None:
-        return
+        return pending
     mid = not epoch_end and seg is not None and seg.begun
-    pending.switch = switch_plan(sw, mid, run.phase.spec.name)
+    pending = replace(pending, switch=switch_plan(sw, mid, run.phase.spec.name))
     to = f"{sw.mode} (phase {sw.phase})" if sw.mode == run.phase.spec.name else sw.mode  # e.g. allreduce with backups
     run.report.say(f"switch to {to} decided ({sw.rule}): {sw.reason}")
-    if mid:
-        pending.pause_for(run.fleet.pause, "switch")
+    return pending.pause_for(run.fleet.pause, "switch") if mid else pending
 
 
 def evaluate(run: "RunContext", split: Optional[str] = None) -> dict[str, float]:
@@ -84,7 +83,7 @@ def evaluate(run: "RunContext", split: Optional[str] = None) -> dict[str, float]
     return run.finish_evaluation(evals, split)
 
 
-def check_guard(run: "RunContext", pending: Pending, epoch: int, metrics: dict[str, float]) -> None:
+def check_guard(run: "RunContext", pending: Pending, epoch: int, metrics: dict[str, float]) -> Pending:
     """At an epoch's end after a switch (the first full epoch after it, and the rest of a
     mid-epoch switch's own epoch): a test loss above the loss at the switch by more than
     strategy.rollback_margin (relative), or not finite, rolls the switch back: the phase and mode
@@ -92,12 +91,11 @@ def check_guard(run: "RunContext", pending: Pending, epoch: int, metrics: dict[s
     rollback's own `mode_switch`), and no further switch this run."""
     g, margin = pending.guard, run.cfg.strategy.rollback_margin
     if g is None:
-        return
-    g.checks -= 1
+        return pending
+    g = replace(g, checks=g.checks - 1)
     name = run.loss_metric
     loss = metrics.get(name)
     if loss is not None and margin is not None and (not math.isfinite(loss) or loss > g.loss * (1 + margin)):
-        pending.guard = None
         run.policies.switch.roll_back(g.phase)  # the policy's place is the policy's to move; it decides no more
         numbers = {f"{name}_at_switch": round(g.loss, 4), f"{name}_now": round(loss, 4), "margin": margin}
         skipped = sum(s.skipped_steps or 0 for s in run.ledger.signals.values())  # on probation (and fp16 ones)
@@ -105,12 +103,12 @@ def check_guard(run: "RunContext", pending: Pending, epoch: int, metrics: dict[s
             numbers["skipped_steps"] = skipped
         reason = (f"{name} {loss:.4f} in {run.phase.spec.name} rose past {g.loss:.4f} x (1 + {margin:g}), the loss at the "
                   f"switch: back to {g.mode} with the model from before it; no further switch this run")
-        pending.switch = switch_plan(Switch(g.phase, g.mode, "rollback", reason, numbers), False,
-                                            run.phase.spec.name, rollback=g.state)
+        rollback = switch_plan(Switch(g.phase, g.mode, "rollback", reason, numbers), False, run.phase.spec.name,
+                               rollback=g.state)
         run.report.event("switch_rolled_back", epoch=epoch, mode=run.phase.spec.name, back_to=g.mode, **numbers)
         run.report.say(f"rolling the switch back: {reason}")
-    elif g.checks <= 0:
-        pending.guard = None
+        return replace(pending, guard=None, switch=rollback)
+    return replace(pending, guard=g if g.checks > 0 else None)
 
 
 class Switching(Change):
@@ -123,8 +121,10 @@ class Switching(Change):
     duration_key = "switch_s"
 
     def __init__(self, plan: SwitchPlan, pending: Pending) -> None:
-        """`pending`: the Running state's (the switch leaves it once carried out, its guard
-        enters it)."""
+        """`pending`: the Running state's; `self.pending` is what is pending as the switch goes
+        (its guard enters at the commit point, the switch leaves it once carried out), and
+        `self.plan` the plan with what it measured before the commit point (carried out again
+        after a loss, it measures nothing twice)."""
         super().__init__(plan.t_decide_wall)
         self.plan, self.pending = plan, pending
         self.paused: list[int] = []
@@ -153,7 +153,7 @@ class Switching(Change):
                 guard = Guard(run.phase.phases[-1]["phase"], self.old_mode,
                               group.call([ranks[0]], "state", what="state")[0], before[run.loss_metric],
                               checks=2 if seg.begun else 1)
-            self.plan.measured = (run.headline_value(before), guard)
+            self.plan = replace(self.plan, measured=(run.headline_value(before), guard))
         self.before, self.guard = self.plan.measured
         if self.new_spec.sharded and rollback is None:  # a rollback seeds the shards from the state it loads
             clocks = {r: step for r, step in zip(ranks, group.call(ranks, "current_step", what="steps"))}
@@ -175,8 +175,8 @@ class Switching(Change):
         # each step idempotent: set_mode on a replica in the new phase rebuilds the same worker)
         until = seg.epoch + self.guard.checks - 1 if self.guard is not None else -1  # the last epoch the guard judges
         if self.guard is not None:
-            self.guard.until = until
-        self.pending.guard = self.guard  # an interrupt from here on leaves a checkpoint of the new mode, on probation
+            self.guard = replace(self.guard, until=until)
+        self.pending = replace(self.pending, guard=self.guard)  # an interrupt from here on leaves a checkpoint of the new mode, on probation
         group.set_strategy(self.new_strategy, until)  # a replacement or a grow's replica joins on probation too
         run.phase.set(self.new_strategy)
         run.policies.switch.commit()  # a checkpoint from here on records the new phase (before: the old one)
@@ -227,7 +227,7 @@ class Switching(Change):
         sw, before, after = self.plan.switch, self.before, self.after
         step = max(run.ledger.progress.values(), default=0)
         run.record_phase(sw, step, before, after)
-        self.pending.switch = None  # its guard entered the pending at the commit point
+        self.pending = replace(self.pending, switch=None)  # its guard entered the pending at the commit point
         run.report.metrics([("mode", MODE_CODES[self.old_mode], max(step - 1, 0)),
                             ("mode", MODE_CODES[self.new_spec.name], step)])
         phases = (f" (phase {run.phase.phases[-2]['phase']} -> {sw.phase})"
