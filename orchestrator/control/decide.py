@@ -30,7 +30,7 @@ state or a plan (tests/unit/test_decide.py reads the code for it).
 Every decision of a run is logged (`DecisionLog`: consecutive repeats counted, not stored) and
 written to the run's MLflow artifacts as `decisions.jsonl`; `replay` runs `decide` again on each
 recorded observation and names every exit that differs: a run's decisions can be tested, and
-today's `decide` checked against yesterday's runs, without Ray (tests/unit/test_decide.py replays
+today's `decide` checked against yesterday's runs, without Ray (tests/unit/test_decision_log.py replays
 a recorded run with a kill, a switch and a grow).
 """
 from __future__ import annotations
