@@ -5,7 +5,7 @@ A progress row (`ProgressRow`) names the figures MLflow logs (docs/events.md).
 
 Below them, the other values that cross between the actors or the fleet and the controller,
 typed the same way: an epoch's counts, the partition server's status, a reader's place in its
-pass, the place inside an epoch a checkpoint holds, a keeper's move, a replica's answer to a mode
+pass, the place inside an epoch a checkpoint holds, what the fleet did on its own, a keeper's move, a replica's answer to a mode
 change, and typed views of a checkpoint's state and of a switch's guard it keeps (the file stays
 the plain dict it always was)."""
 from __future__ import annotations
@@ -166,6 +166,16 @@ class ServerStatus:
     done: dict[int, Any]
     redone: list[dict[str, Any]]
     generation: int
+
+
+@dataclass(frozen=True)
+class FleetEvent:
+    """Something the fleet did on its own (a partition server or a shard rebuilt,
+    orchestrator/fleet/): the run's event (`kind`, `fields`, docs/events.md) and the line that
+    tells the user."""
+    kind: str
+    fields: dict[str, Any]
+    line: str
 
 
 @dataclass(frozen=True)

@@ -85,15 +85,14 @@ def report_written(checkpoints: "Checkpointer", report: "Reporter") -> None:
     (with `seconds` on the training path and `write_s` in the background), or
     `checkpoint_failed` (the store failed, or a newer checkpoint replaced it before it began)."""
     for done in checkpoints.written():
-        tag = done.pop("tag")
-        seconds = checkpoints.taken_s.pop((tag, done.get("step")), None)
-        if "failed" in done or "superseded_by" in done:
-            reason = done.pop("failed", None) or f"superseded by {done.pop('superseded_by')} before it was written"
-            report.event("checkpoint_failed", tag=tag, reason=reason, **done)
-            report.say(f"checkpoint {tag} not written ({reason}); the previous one is kept")
+        seconds = checkpoints.taken_s.pop((done.tag, done.step), None)
+        if done.failed or done.superseded_by:
+            reason = done.failed or f"superseded by {done.superseded_by} before it was written"
+            report.event("checkpoint_failed", tag=done.tag, reason=reason, **done.fields)
+            report.say(f"checkpoint {done.tag} not written ({reason}); the previous one is kept")
             continue
-        if done.pop("flush_late"):
-            report.say(f"checkpoint {tag}: MLflow had not stored the run's metrics within {CHECKPOINT_FLUSH_S:g}s; "
+        if done.flush_late:
+            report.say(f"checkpoint {done.tag}: MLflow had not stored the run's metrics within {CHECKPOINT_FLUSH_S:g}s; "
                             "the checkpoint was written anyway and they follow in the background")
-        path, stored = done.pop("path"), done.pop("stored")
-        report.event("checkpoint", path=path, seconds=seconds, **done, **({"stored": stored} if stored != path else {}))
+        report.event("checkpoint", path=done.path, seconds=seconds, write_s=done.write_s, **done.fields,
+                     **({"stored": done.stored} if done.stored != done.path else {}))

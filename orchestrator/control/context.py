@@ -24,8 +24,8 @@ the control flow has pending (a switch, its probation, a stop) is the state's
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from orchestrator.checks import one_line
 from orchestrator.config import JobConfig
@@ -38,7 +38,9 @@ from orchestrator.fleet.pause import PauseGate
 from orchestrator.reporting.progress import ProgressDisplay
 from orchestrator.reporting.reporter import Reporter
 from orchestrator.persistence.run_state import CHECKPOINT_FLUSH_S, DRAIN_S, Checkpointer, InEpoch, Part, PartUnsaved, Position, RunTotals
+from orchestrator.control.epoch_record import EpochRecord
 from orchestrator.control.states import EpochSegment, RateBase
+from orchestrator.fleet.epoch_reader import EpochReader
 from orchestrator.reporting.tracking import Tracker
 from policies.decisions.failure import FailurePolicy
 from policies.decisions.leases import MAX_GRANT, first_grant_messages
@@ -50,6 +52,12 @@ from policies.decisions.switching import SwitchPolicy, make_switch_policy, repli
 from policies.messages import ProgressRow, SavedState, ServerStatus
 from policies.rules.tasks import split_metric, sum_stats
 
+if TYPE_CHECKING:  # the fleet's parts made in Starting and by the controller (names only: no import at run time)
+    from orchestrator.control.reconfig.elastic import Elasticity
+    from orchestrator.data.placement import StoredData, StreamedData
+    from orchestrator.fleet.server_link import ServerLink
+    from orchestrator.fleet.shard_group import ShardGroup
+
 SHARD_STATE_TIMEOUT_S = 10.0  # the shards' optimizer states for a checkpoint
 
 
@@ -59,12 +67,13 @@ class Fleet:
     group: ReplicaGroup
     interrupts: Interrupts
     needs_shards: bool  # any phase keeps its reference in shards
-    shard_group: Any = None  # ShardGroup (sharded modes), from Starting on
-    server: Any = None  # ServerLink to the PartitionServer, from Starting on
+    shard_group: Optional[ShardGroup] = None  # sharded modes, from Starting on
+    server: Optional[ServerLink] = None  # to the PartitionServer, from Starting on
     pause: Optional[PauseGate] = None  # holds the replicas at partition boundaries (why: the state's Pending.pause)
-    elastic: Any = None  # Elasticity (orchestrator/control/reconfig/elastic.py): growing and shrinking with the cluster
-    data: Any = None  # where the data lives (orchestrator/data/placement.py): in-memory refs kept alive here
+    elastic: Optional[Elasticity] = None  # growing and shrinking with the cluster (control/reconfig/elastic.py)
+    data: Union[StoredData, StreamedData, None] = None  # where the data lives (orchestrator/data/placement.py): in-memory refs kept alive here
     drains: DrainWatch = field(default_factory=DrainWatch)  # nodes being drained (preemption notices)
+    reader: EpochReader = field(default_factory=EpochReader)  # the epoch's open streams and their hang clocks
 
 
 @dataclass
@@ -111,6 +120,7 @@ class Ledger:
     best_model: Optional[dict[str, Any]] = None  # keep_best: the best epoch's model (state dict)
     in_epoch: InEpoch = field(default_factory=InEpoch)  # a checkpoint's place inside its epoch (mid_epoch.py)
     decisions: DecisionLog = field(default_factory=DecisionLog)  # Running's decisions (decide.py), in order
+    epoch: EpochRecord = field(default_factory=EpochRecord)  # what the epoch's streams said (epoch_record.py)
 
 
 @dataclass
@@ -318,15 +328,24 @@ class RunContext:
         self.fleet.group.call(members, "set_test_slice", what="test slices", per_rank=lambda r: where[r])
 
     # ---- Running: an epoch's streams -------------------------------------------------------
+    def fresh_epoch(self, epoch: int, begun: bool = True) -> EpochSegment:
+        """A new epoch's segment (`begun` False: its streams are opened when Running next runs);
+        the reader and the epoch's record start empty, but for a recovery still being timed (a
+        newcomer that had nothing left to do in the last epoch steps first in this one)."""
+        self.fleet.reader.clear()
+        self.ledger.epoch = EpochRecord(recoveries=self.ledger.epoch.recoveries)
+        return EpochSegment(epoch, time.perf_counter(), begun=begun)
+
     def begin_epoch(self, epoch: int, announce: frozenset = frozenset()) -> EpochSegment:
         """Start `epoch` on every member: the first grants (the same pure plan the server
         follows) go with the epoch call; the server call that starts the epoch, sent right
         after, also reports the last epoch's final completions."""
-        return self.open_epoch(EpochSegment(epoch, time.perf_counter()), announce)
+        return self.open_epoch(self.fresh_epoch(epoch, begun=False), announce)
 
     def open_epoch(self, seg: EpochSegment, announce: frozenset = frozenset()) -> EpochSegment:
+        """The segment's streams opened: the segment, begun now."""
         epoch = seg.epoch
-        seg.begun, seg.t_start = True, time.perf_counter()
+        seg = replace(seg, begun=True, t_start=time.perf_counter())
         ranks = self.fleet.group.ranks
         rows, n, seed, _, shuffle = self.phase.lease_plan
         self.phase.pinned = self.phase.spec.leases_pinned(self.phase.strategy, self.phase.batch_shares)
@@ -336,22 +355,21 @@ class RunContext:
             place = None
         resume = {"done": place.done, "skips": place.skips} if place is not None else None
         if place is not None:
-            seg.carried = place.counts
+            self.ledger.epoch.carried = place.counts
         first = first_grant_messages(*self.phase.lease_plan, epoch, ranks, self.phase.max_grant, resume, self.phase.backups)
         with self.fleet.interrupts.whole():
             for rank in ranks:
                 self.open_stream(seg, rank, first_grant=first.get(rank), announce=rank in announce)
-            seg.started = self.fleet.server.send("start_epoch", epoch, ranks, self.ledger.unreported, self.phase.pinned,
-                                                 resume=resume)
+            self.fleet.reader.started = self.fleet.server.send("start_epoch", epoch, ranks, self.ledger.unreported,
+                                                               self.phase.pinned, resume=resume)
         self.ledger.unreported = {}
         return seg
 
     def open_stream(self, seg: EpochSegment, rank: int, first_grant: Optional[dict] = None, resume: bool = False,
                     announce: bool = False) -> None:
         actor = self.fleet.group.members[rank]
-        seg.streams[rank] = actor.run_epoch.remote(seg.epoch, self.cfg.tracking.log_every_steps, self.trace_ids,
-                                                   first_grant, resume, announce)
-        seg.heard[rank] = time.perf_counter()
+        self.fleet.reader.open(rank, actor.run_epoch.remote(seg.epoch, self.cfg.tracking.log_every_steps, self.trace_ids,
+                                                            first_grant, resume, announce))
 
     def finish_epochs(self, whole: bool = True) -> ServerStatus:
         """Report the last epoch's final completions; the server's status, which must say the

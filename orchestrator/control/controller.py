@@ -116,7 +116,7 @@ class Controller:
         started = time.perf_counter()
         try:
             if isinstance(state, Starting):
-                nxt = decide.running(starting.start(self.context), starting.resumed_pending(self.context))
+                nxt = decide.running(starting.start(self.context), starting.resumed_pending(self.context.resumed))
             elif isinstance(state, Running):
                 fresh = self._reading is not state.segment  # entered from another state, or a new epoch
                 self._reading = None

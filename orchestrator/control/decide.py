@@ -38,14 +38,15 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Iterable, Optional, Union
+from dataclasses import asdict, dataclass, fields, is_dataclass, replace
+from typing import Any, Iterable, Optional, Union, get_args, get_origin, get_type_hints
 
 from orchestrator.control.states import (EpochSegment, Errored, EvacuationPlan, Finished, Finishing, GrowPlan, Pending,
                                          Plan, Reconfiguring, Running, Starting, State, SwitchPlan)
 from orchestrator.errors import TrainingError
 from policies.decisions.failure import Decision, Fail, ReplicaFailure
 from policies.decisions.switching import Switch
+from policies.messages import SegmentEnd
 
 PAUSES = ("switch", "grow", "evacuate", "checkpoint")  # why the replicas may be pausing (Pending.pause)
 
@@ -220,22 +221,28 @@ def record(obs: Observation, exit_: Exit, times: int = 1) -> dict[str, Any]:
     return {"observation": asdict(obs), "exit": {"kind": type(exit_).__name__, **asdict(exit_)}, "times": times}
 
 
-def _drained(d: Optional[dict[str, Any]]) -> Optional[Drained]:
-    return None if d is None else Drained(tuple(tuple(m) for m in d["members"]), d["seen_wall"])
+def _typed(tp: Any, value: Any) -> Any:
+    """`value` (a value's `asdict` form, read back from JSON) as the type `tp` declares: a frozen
+    value field by field as its class declares them, a tuple item by item."""
+    if value is None:
+        return None
+    args = get_args(tp)
+    if get_origin(tp) is Union:
+        return _typed(next(a for a in args if a is not type(None)), value)
+    if is_dataclass(tp):
+        hints = get_type_hints(tp)
+        return tp(**{f.name: _typed(hints[f.name], value[f.name]) for f in fields(tp) if f.name in value})
+    if get_origin(tp) is tuple:
+        return tuple(_typed(args[0] if args[-1] is Ellipsis else args[i], v) for i, v in enumerate(value))
+    return value
 
 
 def from_record(rec: dict[str, Any]) -> tuple[Observation, Exit]:
     """A record back as the observation and the exit it names (ValueError: not a decision record)."""
     try:
-        o = dict(rec["observation"])
-        obs = Observation(**{**o, "drained": _drained(o.get("drained")),
-                             "ranks": tuple(RankView(**r) for r in o.get("ranks", ()))})
         e = dict(rec["exit"])
-        cls = EXITS[e.pop("kind")]
-        if "drained" in e:
-            e["drained"] = _drained(e["drained"])
-        return obs, cls(**e)
-    except (KeyError, TypeError) as exc:
+        return _typed(Observation, rec["observation"]), _typed(EXITS[e.pop("kind")], e)
+    except (KeyError, TypeError, IndexError, StopIteration) as exc:
         raise ValueError(f"not a decision record ({type(exc).__name__}: {exc}): {rec!r:.200}") from None
 
 
@@ -297,13 +304,14 @@ def enter(exit_: Exit, seg: EpochSegment, pending: Pending) -> State:
 
 
 def judged(seg: EpochSegment, pending: Pending, failures: list[ReplicaFailure], decisions: Union[Fail, list[Decision]],
-           t_first_failure: float) -> State:
+           t_first_failure: float, ended: Optional[dict[int, SegmentEnd]] = None) -> State:
     """Judge's next state: the failure policy's `Fail` ends the run (Errored); else the repair
-    plan, with the lock-step survivors' steps at their interruption."""
+    plan, with the lock-step survivors' steps at their interruption (`ended`: each member's last
+    segment end this pass, the epoch's record's)."""
     if isinstance(decisions, Fail):
         return Errored(TrainingError(f"epoch {seg.epoch}: {decisions.reason}"))
     failed = {f.rank for f in failures}
-    steps = {r: item.step for r, item in seg.ended.items() if r not in failed and item.kind == "interrupted"}
+    steps = {r: item.step for r, item in (ended or {}).items() if r not in failed and item.kind == "interrupted"}
     return Reconfiguring(repair_plan(failures, decisions, t_first_failure, steps), seg, pending)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from orchestrator.control.decide import after_epoch, holding
+from orchestrator.control.decide import after_epoch, holding, running
 from orchestrator.control import checkpointing
 from orchestrator.control.checkpointing import report_written
 from orchestrator.control import starting
@@ -19,12 +19,14 @@ from orchestrator.control.passes import coordinate_pass
 from orchestrator.control.states import EpochSegment, Pending
 from policies.decisions.checkpointing import due as checkpoint_due
 from policies.decisions.stop import EpochSnapshot, StopDecision
-from policies.messages import ProgressRow
+from orchestrator.reporting.reporter import Action
+from policies.messages import FleetEvent, ProgressRow
 
 if TYPE_CHECKING:
     from orchestrator.control.context import Fleet, Ledger, RunContext
-    from orchestrator.persistence.run_state import Checkpointer
+    from orchestrator.persistence.run_state import Checkpointer, RunTotals
     from orchestrator.reporting.reporter import Reporter
+    from policies.decisions.stop import Target
 
 MAX_PASSES = 8  # further passes over an epoch's unserved partitions before the run gives up
 
@@ -52,12 +54,9 @@ def watch(fleet: "Fleet", report: "Reporter", checkpoints: "Checkpointer", epoch
     one was rebuilt or a shard is being rebuilt: a replica may have waited on it."""
     repaired = False
     if fleet.server is not None:
-        for event in fleet.server.poll():
+        for happened in fleet.server.poll():
             repaired = True
-            report.event(event.pop("kind"), **event)
-            report.say(f"partition server died ({event['detected_by']}); rebuilt from its journal in "
-                           f"{event['recovery_s']:.2f}s, epoch {event['epoch']} with {event['partitions_done']} "
-                           f"partitions served kept")
+            report_fleet_event(report, happened)
     if fleet.shard_group is not None:
         report_shard_events(report, fleet.shard_group.poll(), epoch)
         repaired = repaired or fleet.shard_group.repairing
@@ -65,44 +64,48 @@ def watch(fleet: "Fleet", report: "Reporter", checkpoints: "Checkpointer", epoch
     return repaired
 
 
-def report_shard_events(report: "Reporter", events: list[dict], epoch: int) -> None:
-    for event in events:
-        kind = event.pop("kind", "shard_rebuilt")
-        report.event(kind, epoch=epoch, **event)
-        report.say(f"shard {event.get('shard')} died and was rebuilt from its snapshot "
-                       f"({event.get('lost_updates')} acknowledged updates lost)")
+def report_fleet_event(report: "Reporter", happened: FleetEvent, **fields: Any) -> None:
+    report.event(happened.kind, **fields, **happened.fields)
+    report.say(happened.line)
+
+
+def report_shard_events(report: "Reporter", events: list[FleetEvent], epoch: int) -> None:
+    for happened in events:
+        report_fleet_event(report, happened, epoch=epoch)
 
 
 def close_pass(run: "RunContext", seg: EpochSegment, pending: Pending):
     """Every stream ended with no failure pending. An undisturbed epoch ends here (its last
     completions are reported with the next start_epoch); else ask the server's ledger whether
-    every partition was served, and start a further pass over what is left if not."""
-    if seg.started is not None:
-        run.fleet.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
-        seg.started = None
+    every partition was served, and start a further pass over what is left if not (Running on
+    the segment's next pass)."""
+    record = run.ledger.epoch
+    started = run.fleet.reader.take_started()
+    if started is not None:
+        run.fleet.server.result(started, f"partition server, start of epoch {seg.epoch}")
     # a replica still paused here (the change it paused for went without reopening it) starts
     # the further pass afresh: what it trained since its last grant request is reported now
-    completed = {r: item.unreported for r, item in seg.ended.items() if item.kind in ("epoch", "paused")}
-    if not seg.disturbed or at_max_steps(run, seg):  # stop.max_steps: the epoch ends where its updates did
+    completed = {r: item.unreported for r, item in record.ended.items() if item.kind in ("epoch", "paused")}
+    if not record.disturbed or at_max_steps(run.cfg.stop.max_steps, [item.step for item in record.ended.values()]):  # stop.max_steps: the epoch ends where its updates did
         run.ledger.unreported = completed
         return end_epoch(run, seg, pending)
     status = run.fleet.server.call("finish", completed)
-    seg.ended = {}
+    record.ended = {}
     if status.complete:
         run.ledger.redone += status.redone
         return end_epoch(run, seg, pending)
-    seg.passes += 1
+    seg = replace(seg, passes=seg.passes + 1)
     if seg.passes > MAX_PASSES:
         raise TrainingError(f"epoch {seg.epoch}: {status.remaining} partitions were never served")
     for rank in run.fleet.group.ranks:  # a further pass: every member asks the server for what is left
-        run.open_stream(seg, rank, announce=rank in seg.awaiting_steps())
-    return None
+        run.open_stream(seg, rank, announce=rank in record.awaiting_steps())
+    return running(seg, pending)
 
 
-def at_max_steps(run: "RunContext", seg: EpochSegment) -> bool:
-    """Every replica stopped at stop.max_steps' update: what the epoch left unserved stays so."""
-    limit = run.cfg.stop.max_steps
-    return limit is not None and bool(seg.ended) and min(item.step for item in seg.ended.values()) >= limit
+def at_max_steps(limit: Optional[int], steps: list[int]) -> bool:
+    """Every replica stopped at stop.max_steps' update (`limit`; `steps`: where each member's
+    last segment ended): what the epoch left unserved stays so."""
+    return limit is not None and bool(steps) and min(steps) >= limit
 
 
 def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
@@ -110,7 +113,8 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     decision. Running(next epoch, pending) or Finishing."""
     cfg, tot = run.cfg, run.ledger.totals
     epoch = seg.epoch
-    stats = seg.merged()
+    record = run.ledger.epoch
+    stats = record.merged()
     finals = [s for s in stats if s.eval is not None or s.mode is not None]
     converged, pass_figures = None, {}
     if run.phase.spec.coordinated:  # sandblaster: the pass's L-BFGS iteration moves x before it is evaluated
@@ -123,7 +127,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     metrics = run.finish_evaluation(evals)
 
     tot.epochs = epoch
-    counts = seg.counts(stats)  # with what was trained before a restart inside it (mid_epoch.py)
+    counts = record.counts(stats)  # with what was trained before a restart inside it (mid_epoch.py)
     tot.steps += counts.steps
     tot.samples += counts.samples
     tot.rows_per_epoch.append(counts.samples)
@@ -136,18 +140,18 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     tot.metrics = metrics
     judged = {**metrics, "train_loss": tot.train_loss}
     if run.trace_ids:
-        run.ledger.consumed.append(seg.consumed())
+        run.ledger.consumed.append(record.consumed())
     elapsed = time.perf_counter() - run.ledger.t0
-    note_target(run, epoch, judged, elapsed)
+    note_target(run.target, tot, run.report, epoch, judged, elapsed)
 
-    rows_out = [(key, p.figure(name), p.step) for p in seg.progress
+    rows_out = [(key, p.figure(name), p.step) for p in record.progress
                 for key, name in (("train_loss", "loss"), ("samples_per_s", "samples_per_s"), ("lr", "lr"),
                                   ("grad_norm", "grad_norm"), ("skipped_steps", "skipped_steps"))
                 if p.figure(name) is not None]
-    rows_out += step_metric_rows(seg.all_progress)
-    figures = step_figures(seg.all_progress)
+    rows_out += step_metric_rows(record.all_progress)
+    figures = step_figures(record.all_progress)
     if cfg.optimizer.schedule is not None:  # the rate by step for training.png (MLflow's `lr` holds every row)
-        rates = [[p.step, p.lr] for p in seg.progress if p.lr is not None]
+        rates = [[p.step, p.lr] for p in record.progress if p.lr is not None]
         figures["lr_by_step"] = rates[:: max(1, len(rates) // LR_POINTS)]
     rows_out += [(k, v, tot.steps) for k, v in metrics.items()]
     rows_out += [("epoch", epoch, tot.steps),
@@ -159,7 +163,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
     extra.update(pass_figures)
     rows_out += [(k, v, tot.steps) for k, v in extra.items()]
     for event in run.phase.spec.epoch_events(mine) if mine else []:
-        run.report.event(event.pop("kind"), epoch=epoch, **event)
+        run.report.event(epoch=epoch, **event)
     rows_out += [("epoch_rows", tot.rows_per_epoch[-1], tot.steps),
                  ("replicas_alive", len(run.fleet.group.members), tot.steps),
                  ("replica_restarts", tot.replica_restarts, tot.steps)]
@@ -172,7 +176,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
                       replicas=len(run.fleet.group.members), **{k: round(v, 4) for k, v in extra.items()}, **figures)
     shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != run.metric))
     run.report.say(f"epoch {epoch}: {shown}  train_loss {tot.train_loss:.4f}  ({elapsed:.1f}s)")
-    if not seg.had_failure:
+    if not record.had_failure:
         run.policies.failure.epoch_without_failure()
 
     pending = phase_switch.check_guard(run, pending, epoch, metrics)  # a switch that hurt: rolled back before anything keeps this model
@@ -204,7 +208,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
                     run.report.event("checkpoint_failed", epoch=epoch, reason=str(exc))
                     run.report.say(f"checkpoint after epoch {epoch} not written ({exc}); the previous one is kept")
         decision = run.policies.stop.decide(EpochSnapshot(epoch, judged, time.perf_counter() - run.ledger.train_started,
-                                                          asked=run.report.requests.pop("stop", None), steps=tot.steps))
+                                                          asked=run.report.requests.take(Action.STOP), steps=tot.steps))
         if converged is not None and not decision.stop:
             decision = StopDecision(True, converged)
         if not decision.stop and not rolling_back:
@@ -220,7 +224,7 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
         # the next epoch starts when Running next runs (a caller between steps sees this one's ledger);
         # it carries on timing a recovery whose newcomer had nothing left to do in this one. Members
         # lost while the checkpoint was taken are its failures: repaired before it opens
-        nxt = EpochSegment(epoch + 1, time.perf_counter(), recoveries=seg.recoveries, begun=False)
+        nxt = run.fresh_epoch(epoch + 1, begun=False)
         for exc in lost:
             lost_meanwhile(run, nxt, exc, pending)
         return after_epoch(False, nxt, pending)
@@ -229,13 +233,13 @@ def end_epoch(run: "RunContext", seg: EpochSegment, pending: Pending):
         raise
 
 
-def note_target(run: "RunContext", epoch: int, judged: dict[str, float], elapsed: float, **where) -> None:
+def note_target(target: "Optional[Target]", tot: "RunTotals", report: "Reporter", epoch: int,
+                judged: dict[str, float], elapsed: float, **where) -> None:
     """The first evaluation that reaches stop.target: time_to_target_s and a `target_reached`
     event (`where`: the step of an eval.every_steps evaluation)."""
-    target, tot = run.target, run.ledger.totals
     if target is not None and tot.time_to_target_s is None and target.reached(judged):
         tot.time_to_target_s = elapsed
-        run.report.event("target_reached", epoch=epoch, metric=target.metric, value=judged[target.metric],
+        report.event("target_reached", epoch=epoch, metric=target.metric, value=judged[target.metric],
                           target=target.value, goal=target.goal, **where, **{target.metric: judged[target.metric]})
 
 
@@ -244,19 +248,20 @@ def interval_evaluation(run: "RunContext", seg: EpochSegment, rank: int, item: d
     own for that step, the metrics: MLflow at that step, an `evaluation` event, a target
     reached. A step some member never reports (it left the group, or joined past it) is
     dropped at the epoch's end: a partial sum would be another split's figure."""
-    pending = seg.evaluations.setdefault(item.step, {})
+    pending = run.ledger.epoch.evaluations.setdefault(item.step, {})
     pending[rank] = item.sums
     members = sorted(run.fleet.group.members)
     if not set(members) <= set(pending):
         return
-    del seg.evaluations[item.step]
+    del run.ledger.epoch.evaluations[item.step]
     step = item.step
     metrics = run.finish_evaluation([pending[r] for r in members])
     run.report.metrics([(k, v, step) for k, v in metrics.items()])
     run.report.event("evaluation", epoch=seg.epoch, step=step, **{k: round(v, 6) for k, v in metrics.items()})
     shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(metrics.items(), key=lambda kv: kv[0] != run.metric))
     run.report.say(f"step {step} (epoch {seg.epoch}): {shown}")
-    note_target(run, seg.epoch, metrics, time.perf_counter() - run.ledger.t0, step=step)
+    note_target(run.target, run.ledger.totals, run.report, seg.epoch, metrics, time.perf_counter() - run.ledger.t0,
+                step=step)
 
 
 LR_POINTS = 200  # at most this many (step, lr) points per epoch_end event
@@ -272,7 +277,7 @@ def adapt_batch(run: "RunContext", seg: EpochSegment, diversity: Optional[float]
     if rule is None:
         return []
     members, before, at = len(run.fleet.group.ranks), elastic.batch.value, run.ledger.totals.steps
-    grown = None if seg.disturbed else rule.decide(diversity, members, before, run.cfg.data.accumulate)
+    grown = None if run.ledger.epoch.disturbed else rule.decide(diversity, members, before, run.cfg.data.accumulate)
     lost: list[MemberLost] = []
     if grown is not None:
         try:

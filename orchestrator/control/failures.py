@@ -1,4 +1,4 @@
-"""A failure seen, recorded in its segment: the stream stops being read, the event is reported,
+"""A failure seen, recorded in the epoch's record: the stream stops being read, the event is reported,
 nobody waits for the replica any more; the failure policy decides when Running judges the
 segment (orchestrator/control/running.py). Replicas lost while the driver waited on them outside a
 repair (a switch, an evaluation, a checkpoint) become failures the same way."""
@@ -18,14 +18,14 @@ if TYPE_CHECKING:
 
 def fail(run: "RunContext", seg: EpochSegment, failure: ReplicaFailure) -> None:
     """A failure seen: stop reading the replica, record it, and make sure nobody waits for it."""
-    seg.streams.pop(failure.rank, None)
-    seg.heard.pop(failure.rank, None)
+    run.fleet.reader.lost(failure.rank)
+    record = run.ledger.epoch
     now = time.time()
-    if seg.t_first_failure is None:
-        seg.t_first_failure = now
-    seg.failures.append(failure)
-    seg.had_failure = True
-    for rec in seg.recoveries:
+    if record.t_first_failure is None:
+        record.t_first_failure = now
+    record.failures.append(failure)
+    record.had_failure = True
+    for rec in record.recoveries:
         rec.waiting.discard(failure.rank)
     run.report.event("replica_failed", rank=failure.rank, epoch=seg.epoch, cause=failure.cause,
                      detected_by=DETECTED_BY[failure.cause], detail=failure.detail, t_wall=round(now, 3),
@@ -45,12 +45,12 @@ def lost_meanwhile(run: "RunContext", seg: EpochSegment, lost: MemberLost, pendi
     epoch's evaluation, a checkpoint): failures of the segment, judged like any other when
     Running(seg, pending) next runs."""
 
-    now = time.time()
+    now, record = time.time(), run.ledger.epoch
     for rank in lost.ranks:
-        if rank in seg.streams or any(f.rank == rank for f in seg.failures):
+        if rank in run.fleet.reader.streams or any(f.rank == rank for f in record.failures):
             continue  # its stream will say so, or it is already known
         cause = lost.causes[rank]
         detail, tb = lost.errors.get(rank, (f"{cause} while the driver waited on it ({lost.what})", ""))
         fail(run, seg, ReplicaFailure(rank, cause, detail, tb, replacement=rank in run.fleet.group.replacements))
-    seg.t_first_failure = seg.t_first_failure or now
+    record.t_first_failure = record.t_first_failure or now
     return running(seg, pending)

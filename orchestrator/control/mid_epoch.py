@@ -25,10 +25,13 @@ from orchestrator.control.failures import lost_meanwhile
 from orchestrator.control.states import EpochSegment, Pending
 from orchestrator.errors import MemberLost, TrainingError
 from policies.decisions.checkpointing import due_for_drain, due_inside
+from orchestrator.reporting.reporter import Action
 from policies.messages import InEpochPlace
 
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
+    from orchestrator.fleet.drains import DrainWatch
+    from orchestrator.reporting.reporter import Reporter
 
 PAUSE = "checkpoint"  # Pending.pause while the replicas pause for one
 
@@ -40,32 +43,32 @@ def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> Pending:
     closing: its end checkpoints); never in sandblaster (a pass's task sums are in no checkpoint:
     a run goes on from its last epoch end, the whole pass again)."""
     ck = run.cfg.checkpoint
-    drained = driver_drained(run, seg)
-    asked = run.report.requests.get("checkpoint")  # a callback's Action.CHECKPOINT
+    drained = driver_drained(run.fleet.drains, run.report, seg.epoch)
+    asked = run.report.requests.checkpoint  # who asked, through a callback's Action.CHECKPOINT
     if run.phase.spec.coordinated:
         return pending
-    if not (ck.every_steps or ck.every_s or drained or asked) or not seg.begun or seg.failures or run.fleet.pause.closed:
+    if not (ck.every_steps or ck.every_s or drained or asked) or not seg.begun or run.ledger.epoch.failures \
+            or run.fleet.pause.closed:
         return pending
     if pending.switch is not None or pending.evacuation is not None or pending.stopping:
         return pending
-    if set(seg.streams) != set(run.fleet.group.members) or seg.ended:
+    if set(run.fleet.reader.streams) != set(run.fleet.group.members) or run.ledger.epoch.ended:
         return pending
     steps = max(run.ledger.progress.values(), default=0) - run.checkpoints.last_step
     seconds = time.perf_counter() - max(run.checkpoints.last_s, run.ledger.train_started)
     if drained or asked or due_inside(steps, seconds, ck.every_steps, ck.every_s):
         run.fleet.drains.driver_pending = drained  # counted once written (`take`); its event says what it was for
-        run.ledger.in_epoch.asked_by = run.report.requests.pop("checkpoint", None)
+        run.ledger.in_epoch.asked_by = run.report.requests.take(Action.CHECKPOINT)
         return pending.pause_for(run.fleet.pause, PAUSE)
     return pending
 
 
-def driver_drained(run: "RunContext", seg: EpochSegment) -> bool:
+def driver_drained(drains: "DrainWatch", report: "Reporter", epoch: int) -> bool:
     """The node this driver (and the partition server and the shards beside it) runs on is being
     drained: nothing of the run can move off it, and the driver ends with it. A checkpoint inside
     the epoch is due at once and again shortly before the deadline
     (policies/decisions/checkpointing.py: due_for_drain): the same command or job started again
     goes on from it, inside the epoch. Reported once (`driver_node_draining`)."""
-    drains = run.fleet.drains
     drains.look()
     deadline = drains.driver_deadline()
     if deadline is None:
@@ -73,8 +76,8 @@ def driver_drained(run: "RunContext", seg: EpochSegment) -> bool:
     if not drains.driver_seen:
         drains.driver_seen = True
         left = round(deadline - time.time(), 1) if deadline else None
-        run.report.event("driver_node_draining", epoch=seg.epoch, node=drains.driver_node, deadline_left_s=left)
-        run.report.say(f"the driver's node {drains.driver_node[:8]} is being drained (seconds left: {left}): a "
+        report.event("driver_node_draining", epoch=epoch, node=drains.driver_node, deadline_left_s=left)
+        report.say(f"the driver's node {drains.driver_node[:8]} is being drained (seconds left: {left}): a "
                        "checkpoint inside the epoch now and shortly before the deadline; the same command (or "
                        "job, with the same --name) started again goes on from it")
     return due_for_drain(deadline, time.time(), drains.driver_checkpoints)
@@ -83,10 +86,11 @@ def driver_drained(run: "RunContext", seg: EpochSegment) -> bool:
 def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     """Every stream has ended with the gate closed for a checkpoint: write it with the epoch's
     place, open the gate, and let the paused replicas go on (module doc)."""
-    if seg.started is not None:
-        run.fleet.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
-        seg.started = None
-    ended = {r: item for r, item in seg.ended.items() if item.kind in ("paused", "epoch")}
+    record = run.ledger.epoch
+    started = run.fleet.reader.take_started()
+    if started is not None:
+        run.fleet.server.result(started, f"partition server, start of epoch {seg.epoch}")
+    ended = {r: item for r, item in record.ended.items() if item.kind in ("paused", "epoch")}
     paused = [r for r, item in ended.items() if item.kind == "paused"]
     # the completions said with a pause or a pass's end go to the ledger now (reported again
     # later by the replica or the epoch's end, they change nothing)
@@ -97,7 +101,7 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
         if item.position is not None:
             done.update(int(p) for p in item.position.full)
             skips.update({int(p): int(n) for p, n in item.position.partial.items()})
-    place = InEpochPlace(seg.epoch, sorted(done), {p: n for p, n in skips.items() if p not in done}, seg.counts(),
+    place = InEpochPlace(seg.epoch, sorted(done), {p: n for p, n in skips.items() if p not in done}, record.counts(),
                          {r: item.step for r, item in ended.items()})
     run.ledger.in_epoch.taking = place
     details = {"in_epoch": {"epoch": seg.epoch, "partitions_done": len(place.done),
@@ -126,8 +130,8 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
         run.ledger.in_epoch.taking = None
     run.fleet.pause.open()
     for rank in paused:
-        if rank in run.fleet.group.members and not any(f.rank == rank for f in seg.failures):
-            del seg.ended[rank]
+        if rank in run.fleet.group.members and not any(f.rank == rank for f in record.failures):
+            del record.ended[rank]
             run.open_stream(seg, rank, resume=True)
 
 
@@ -137,7 +141,7 @@ def give_up(run: "RunContext") -> None:
     run.fleet.pause.open()
     run.fleet.drains.driver_pending = False
     if run.ledger.in_epoch.asked_by:  # a callback's checkpoint: asked again, for the next pause
-        run.report.requests.setdefault("checkpoint", run.ledger.in_epoch.asked_by)
+        run.report.requests.ask(Action.CHECKPOINT, run.ledger.in_epoch.asked_by)
         run.ledger.in_epoch.asked_by = None
 
 
@@ -152,8 +156,9 @@ def abandon(run: "RunContext", seg: EpochSegment) -> None:
     run.report.say(f"checkpoint inside epoch {seg.epoch}: {why}")
     if run.phase.lock_step:
         return
-    failed = {f.rank for f in seg.failures}
-    for rank in seg.paused_ranks():
+    record = run.ledger.epoch
+    failed = {f.rank for f in record.failures}
+    for rank in record.paused_ranks():
         if rank in run.fleet.group.members and rank not in failed:
-            del seg.ended[rank]
+            del record.ended[rank]
             run.open_stream(seg, rank, resume=True)

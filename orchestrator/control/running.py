@@ -35,6 +35,7 @@ from orchestrator.fleet.outcomes import replica_failure
 from orchestrator.control.reconfig import repair
 from orchestrator.control.decide import (LEAVING, ClosePass, Exit, Grow, Interrupt, Judge, Observation, OpenEpoch,
                                          RankView, TakeCheckpoint, decide, enter, judged, normal, running)
+from orchestrator.control.epoch_record import Recovery
 from orchestrator.control.states import EpochSegment, Pending, State
 from policies.messages import Evaluation, Progress, ProgressRow, SegmentEnd, Stepping
 from policies.decisions.failure import ReplicaFailure, error_detail
@@ -42,6 +43,8 @@ from policies.rules.modes import Diverged
 
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
+    from orchestrator.fleet.shard_group import ShardGroup
+    from orchestrator.reporting.reporter import Reporter
 
 TICK_S = 0.5  # the loop's longest wait: shard snapshots, hang checks
 HANG_GRACE_S = 5.0
@@ -58,7 +61,7 @@ def run_segment(run: "RunContext", seg: EpochSegment, pending: Pending, fresh: b
     restart backoff, a switch) nobody read the survivors' streams, and what they sent meanwhile
     waits unread; silence is measured from now."""
     if fresh:
-        restart_hang_clocks(seg)
+        run.fleet.reader.restart_clocks()
     while True:
         now = normal(pending, run.fleet.pause.closed)  # the gate opened: the pause is over
         if now != pending:
@@ -75,10 +78,11 @@ def observe(run: "RunContext", seg: EpochSegment, pending: Pending) -> Observati
     """One observation of the epoch for `decide`. Before the epoch opens it also looks at the
     drains (members on a drained node move first) and at a grow's replicas (ready: they join);
     while it runs, the streams' items are read by the Read action, not here."""
-    boundary = not seg.begun and not seg.failures and pending.switch is None and not pending.stopping
+    record = run.ledger.epoch
+    boundary = not seg.begun and not record.failures and pending.switch is None and not pending.stopping
     drained = evacuate.draining_members(run) if boundary else None
-    return Observation(begun=seg.begun, failures=len(seg.failures), lock_step=run.phase.lock_step,
-                       open_streams=len(seg.streams), paused=bool(seg.paused_ranks()),
+    return Observation(begun=seg.begun, failures=len(record.failures), lock_step=run.phase.lock_step,
+                       open_streams=len(run.fleet.reader.streams), paused=bool(record.paused_ranks()),
                        gate=pending.pause if run.fleet.pause.closed else None,
                        switch_pending=pending.switch is not None, evacuation_pending=pending.evacuation is not None,
                        stopping=pending.stopping, drained=drained,
@@ -106,13 +110,13 @@ def act(run: "RunContext", seg: EpochSegment, pending: Pending, exit_: Exit) -> 
     if isinstance(exit_, LEAVING):
         return enter(exit_, seg, pending)
     if isinstance(exit_, OpenEpoch):
-        run.open_epoch(seg, frozenset(seg.awaiting_steps()))
-    elif isinstance(exit_, TakeCheckpoint):
+        return running(run.open_epoch(seg, frozenset(run.ledger.epoch.awaiting_steps())), pending)
+    if isinstance(exit_, TakeCheckpoint):
         mid_epoch.take(run, seg, pending)  # a checkpoint inside the epoch; then the paused replicas go on
     elif isinstance(exit_, ClosePass):
         if exit_.give_up_checkpoint:
             mid_epoch.give_up(run)  # every replica ended its pass first: the epoch's end checkpoints
-        return close_pass(run, seg, pending)  # None: a further pass of the epoch started
+        return close_pass(run, seg, pending)  # Running: a further pass of the epoch started
     elif isinstance(exit_, Interrupt):
         raise KeyboardInterrupt
     else:
@@ -126,22 +130,21 @@ def read(run: "RunContext", seg: EpochSegment, pending: Pending) -> Pending:
     """One tick: the items every ready stream sent, the servers and shards, the spares, the hang
     clocks, a grow, a drain notice, a switch and a checkpoint due (each may close the gate);
     what is pending after it."""
-    ready = ready_streams(list(seg.streams.values()))
-    for rank, stream in list(seg.streams.items()):
-        if stream in ready:
-            read_item(run, seg, rank, stream)
-    if watch_servers(run, seg.epoch) or shards_unconfirmed(run):  # time spent waiting on a server or
-        restart_hang_clocks(seg)  # shard being rebuilt, or not yet known to be stopped, is no hang
+    record = run.ledger.epoch
+    for rank, stream in run.fleet.reader.ready(TICK_S):
+        read_item(run, seg, rank, stream)
+    if watch_servers(run, seg.epoch) or shards_unconfirmed(run.fleet.shard_group):  # time spent waiting on a server or
+        run.fleet.reader.restart_clocks()  # shard being rebuilt, or not yet known to be stopped, is no hang
     look_after_spares(run, seg.epoch)
     check_hangs(run, seg)
-    if run.fleet.elastic.tick(seg, switching=pending.switch is not None):
+    if run.fleet.elastic.tick(seg.begun, judging=bool(record.failures), switching=pending.switch is not None):
         pending = replace(pending, pause="grow")  # a grow's replicas are ready: every replica pauses, then they join
     pending = evacuate.notice(run, seg, pending)  # a preemption notice: pause, then move off the node
-    if seg.fresh_signals or run.policies.switch.until is not None:
-        seg.fresh_signals = False
+    if record.fresh_signals or run.policies.switch.until is not None:
+        record.fresh_signals = False
         pending = phase_switch.consider(run, seg, pending)  # before a checkpoint: one due at every tick never starves it
     pending = mid_epoch.consider(run, seg, pending)  # checkpoint.every_steps / every_s: pause, checkpoint, go on
-    if seg.failures and run.phase.lock_step and run.fleet.shard_group is not None:
+    if record.failures and run.phase.lock_step and run.fleet.shard_group is not None:
         run.fleet.shard_group.abort_rounds(timeout_s=TICK_S)  # each tick: a survivor may reach the round after an abort
     return pending
 
@@ -170,21 +173,11 @@ def look_after_spares(run: "RunContext", epoch: int) -> None:
                              move_s=moved.move_s, bytes=moved.bytes, done_wall=moved.done_wall)
 
 
-def ready_streams(streams: list) -> set:
-    """Every stream with an item waiting: the first within TICK_S, then all others already
-    ready (not one per tick: a stream read later than another is not a quieter replica)."""
-    first, rest = ray.wait(streams, num_returns=1, timeout=TICK_S)
-    if first and rest:
-        more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-        first += more
-    return set(first)
-
-
 def read_item(run: "RunContext", seg: EpochSegment, rank: int, stream: Any) -> None:
     try:
         item = ray.get(next(stream), timeout=run.cfg.strategy.timeout_s)
     except StopIteration:
-        del seg.streams[rank]
+        run.fleet.reader.ended(rank)
         return
     except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:  # gone, or unreachable
         fail(run, seg, replica_failure(rank, exc, replacement=rank in run.fleet.group.replacements))
@@ -201,9 +194,10 @@ def read_item(run: "RunContext", seg: EpochSegment, rank: int, stream: Any) -> N
         fail(run, seg, ReplicaFailure(rank, "error", error_detail(type(cause).__name__, str(cause)), tb,
                                       replacement=rank in run.fleet.group.replacements))
         return
-    seg.heard[rank] = time.perf_counter()
+    run.fleet.reader.hear(rank)
+    record = run.ledger.epoch
     if isinstance(item, Stepping):
-        stepped(run, seg, rank, item.t_wall)
+        stepped(run.report, record.recoveries, rank, item.t_wall)
         return
     if isinstance(item, Evaluation):
         interval_evaluation(run, seg, rank, item)
@@ -211,72 +205,63 @@ def read_item(run: "RunContext", seg: EpochSegment, rank: int, stream: Any) -> N
     if isinstance(item, SegmentEnd) and item.kind == "paused" and not run.fleet.pause.closed:
         # a stale pause: the replica's grant request was answered while the last switch was
         # being decided, and it heard it only after resuming: it goes on at once
-        seg.items.append(item)
+        record.items.append(item)
         run.open_stream(seg, rank, resume=True)
     elif isinstance(item, SegmentEnd):
-        seg.items.append(item)
-        seg.ended[rank] = item
+        record.items.append(item)
+        record.ended[rank] = item
         run.ledger.progress[rank] = item.step
     rows = item.rows if isinstance(item, Progress) else item.progress
     if rows:
-        seg.all_progress += rows
+        record.all_progress += rows
         run.ledger.progress[rank] = max(run.ledger.progress.get(rank, 0), rows[-1].step)
         run.ledger.signals[rank] = rows[-1]
-        seg.fresh_signals = True
+        record.fresh_signals = True
         note_balance(run, seg)
     if rank == min(run.fleet.group.members, default=rank) and rows:
-        seg.progress += rows
+        record.progress += rows
         last = rows[-1]
         run.report.steps(seg.epoch, last.step_in_epoch, last.loss, run.ledger.steps_per_epoch)
 
 
-def shards_unconfirmed(run: "RunContext") -> bool:
+def shards_unconfirmed(group: "Optional[ShardGroup]") -> bool:
     """A shard has not answered a recent ping (ShardGroup.unconfirmed): after the driver was busy
     for seconds (a repair's membership step), a replica blocked on a stopped shard must not be
     taken for hung before the shard's own pings say it is stopped."""
-    group = run.fleet.shard_group
     return group is not None and group.unconfirmed()
-
-
-def restart_hang_clocks(seg: EpochSegment) -> None:
-    """Every replica's hang clock starts again now (a replica blocked on the partition server or
-    a shard makes no progress while it is rebuilt)."""
-    now = time.perf_counter()
-    for rank in seg.heard:
-        seg.heard[rank] = now
 
 
 def check_hangs(run: "RunContext", seg: EpochSegment) -> None:
     limit = run.cfg.fault_tolerance.hang_timeout_s + (HANG_GRACE_S if run.phase.lock_step else 0.0)
-    now = time.perf_counter()
-    for rank in [r for r, t in seg.heard.items() if now - t > limit and r in seg.streams]:
-        fail(run, seg, ReplicaFailure(rank, "hung", f"no progress for {now - seg.heard.get(rank, now):.0f}s",
+    for rank, silent_s in run.fleet.reader.silent(limit):
+        fail(run, seg, ReplicaFailure(rank, "hung", f"no progress for {silent_s:.0f}s",
                                       replacement=rank in run.fleet.group.replacements))
 
 
-def stepped(run: "RunContext", seg: EpochSegment, rank: int, t_wall: float) -> None:
+def stepped(report: "Reporter", recoveries: list[Recovery], rank: int, t_wall: float) -> None:
     """A member took its first step after a reconfiguration; the recovery's event once all have."""
-    for rec in list(seg.recoveries):
+    for rec in list(recoveries):
         if rank in rec.waiting:
             rec.waiting.discard(rank)
             rec.stepping_at = max(rec.stepping_at, t_wall)
             if not rec.waiting:
-                seg.recoveries.remove(rec)
+                recoveries.remove(rec)
                 took = rec.stepping_at - rec.t_detect_wall
-                run.report.event(rec.event.pop("kind"), **rec.event, stepping_at=round(rec.stepping_at, 3),
+                report.event(**rec.event, stepping_at=round(rec.stepping_at, 3),
                                  **{rec.duration_key: round(took, 3)})
                 what = {"recovery_s": "the failure was seen", "switch_s": "the switch was decided",
                         "resize_s": "the resize was decided", "evacuate_s": "the drain was seen"}[rec.duration_key]
-                run.report.say(f"every replica stepping {took:.2f}s after {what}")
+                report.say(f"every replica stepping {took:.2f}s after {what}")
 
 
 def judge(run: "RunContext", seg: EpochSegment, pending: Pending) -> "State":
     """The failure policy decides each failure; Fail ends the run, else Reconfiguring (the state
     built by decide.judged)."""
-    failures, seg.failures = seg.failures, []
+    record = run.ledger.epoch
+    failures, record.failures = record.failures, []
     decisions = repair.decide(run, failures, {f.rank for f in failures})
-    nxt = judged(seg, pending, failures, decisions, seg.t_first_failure or time.time())
-    seg.t_first_failure = None
+    nxt = judged(seg, pending, failures, decisions, record.t_first_failure or time.time(), record.ended)
+    record.t_first_failure = None
     return nxt
 
 

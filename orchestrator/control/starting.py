@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from orchestrator.control.reconfig import phase_switch
 from orchestrator.fleet.model_state import for_loading
@@ -108,12 +108,13 @@ def start(run: "RunContext") -> EpochSegment:
     return run.begin_epoch(run.ledger.totals.epochs + 1)
 
 
-def resumed_pending(run: "RunContext") -> Pending:
+def resumed_pending(resumed: Optional[SavedState]) -> Pending:
     """What the run carries into its first epoch: nothing pending, or (resumed from a checkpoint
     taken while a switch was on probation) that switch's guard, still judging: the epoch ends it
     has left roll the switch back if the loss rose, as they would have without the restart (the
-    replicas were started on probation until its last epoch: RunContext)."""
-    held = run.resumed.probation if run.resumed is not None else None
+    replicas were started on probation until its last epoch: RunContext). `resumed`: the
+    checkpoint the run goes on from, if any."""
+    held = resumed.probation if resumed is not None else None
     return Pending(guard=Guard.from_saved(Probation.of(resolve_probation(held))))
 
 

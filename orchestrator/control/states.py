@@ -11,10 +11,10 @@ orchestrator/control/controller.py maps each state to its handler.
              ... -> Finishing -> Finished
     any state -> Errored(error)
 
-`EpochSegment` is the driver's view of one epoch while it runs: the replicas' open epoch
-streams, what each sent, failures seen and not yet judged, and recoveries waiting for every
-member to step again. It holds no copy of which partitions were served: the PartitionServer
-is the one ledger of that.
+`EpochSegment` is the epoch in flight as a value (its number, when it began, whether its
+streams are open, its pass): every state is a frozen value and holds no stream or actor. The
+streams and their hang clocks are the fleet's reader's (orchestrator/fleet/epoch_reader.py);
+what they said, the epoch's record (orchestrator/control/epoch_record.py).
 """
 from __future__ import annotations
 
@@ -23,27 +23,13 @@ from typing import Any, Optional, Union
 
 from policies.decisions.failure import Decision, ReplicaFailure
 from policies.decisions.switching import Switch
-from policies.messages import EpochCounts, Probation, ProgressRow, SegmentEnd
+from policies.messages import Probation
 
 
-
-COUNTED = ("dropped_steps", "dropped_rows", "tasks_pushed", "tasks_counted", "tasks_superseded", "tasks_backup")  # mode figures that are counts: summed over an epoch's segments
-
-@dataclass
-class Recovery:
-    """A reconfiguration (a recovery or a phase switch) waiting for its members' first steps (to
-    time it)."""
-
-    event: dict[str, Any]  # the replica_replaced / replica_dropped event's fields so far
-    t_detect_wall: float  # when the first failure of the plan was seen
-    waiting: set[int]  # ranks that have not stepped since
-    stepping_at: float = 0.0
-    duration_key: str = "recovery_s"  # the event's name for the time until every member stepped
-
-
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Plan:
-    """What Reconfiguring carries out: the failures and the policy's decision for each."""
+    """What Reconfiguring carries out: the failures and the policy's decision for each (frozen,
+    compared by identity; `made` fills in as its replacements are made)."""
 
     failures: list[ReplicaFailure]
     decisions: list[Decision]
@@ -53,70 +39,18 @@ class Plan:
     made: dict[int, str] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EpochSegment:
+    """The epoch in flight, as a value: its number, when its streams were opened (or it was
+    made), whether they are open yet, and which pass over its partitions runs (a pass after
+    the first serves what a disturbed one left). The live half is the fleet's reader
+    (orchestrator/fleet/epoch_reader.py: the streams, their hang clocks); what the streams said,
+    the epoch's record (orchestrator/control/epoch_record.py)."""
+
     epoch: int
     t_start: float
-    streams: dict[int, Any] = field(default_factory=dict)  # rank -> its open run_epoch stream
-    heard: dict[int, float] = field(default_factory=dict)  # rank -> perf_counter of its last item
-    items: list[SegmentEnd] = field(default_factory=list)  # segment ends: "epoch" / "interrupted" / "paused"
-    ended: dict[int, SegmentEnd] = field(default_factory=dict)  # rank -> its last segment end this pass
-    progress: list[ProgressRow] = field(default_factory=list)  # the lowest rank's progress rows
-    all_progress: list[ProgressRow] = field(default_factory=list)  # every rank's (per-replica step figures)
-    failures: list[ReplicaFailure] = field(default_factory=list)  # seen, not yet judged
-    t_first_failure: Optional[float] = None
-    recoveries: list[Recovery] = field(default_factory=list)
-    started: Any = None  # the server's start_epoch call, checked once the replicas are done
-    disturbed: bool = False  # the membership changed: the end of the epoch asks the server's ledger
-    had_failure: bool = False
-    passes: int = 1
     begun: bool = True  # False: the epoch's streams are opened when Running next runs
-    fresh_signals: bool = False  # progress rows arrived since the switch policy last looked
-    evaluations: dict[int, dict[int, Any]] = field(default_factory=dict)  # eval.every_steps: step -> rank -> sums
-    carried: EpochCounts = field(default_factory=EpochCounts)  # what was trained before a restart inside it
-
-    def merged(self) -> list[SegmentEnd]:
-        """One totals row per rank (a rank runs several segments when the epoch was interrupted
-        or needed a second pass); evaluation, loss and mode figures from its last epoch end,
-        the mode's counts (`COUNTED`: backup replicas' drops) summed over the segments of
-        that mode (a segment paused for a grow reported its own)."""
-        merged: dict[int, SegmentEnd] = {}
-        counts: dict[int, dict[tuple[str, str], int]] = {}
-        for s in self.items:
-            for key in COUNTED:
-                if s.mode and key in s.mode:
-                    c = counts.setdefault(s.rank, {})
-                    c[(s.mode_name, key)] = c.get((s.mode_name, key), 0) + s.mode[key]
-            merged[s.rank] = merged[s.rank].then(s) if s.rank in merged else s
-        for rank, m in merged.items():
-            mine = {key: v for (name, key), v in counts.get(rank, {}).items() if name == m.mode_name}
-            if m.mode is not None and mine:
-                merged[rank] = replace(m, mode={**m.mode, **mine})
-        return [merged[r] for r in sorted(merged)]
-
-    def counts(self, stats: Optional[list[SegmentEnd]] = None) -> EpochCounts:
-        """The epoch's counts so far: steps (the furthest rank's), samples (all ranks'), train_s
-        and comm_s (the slowest rank's), over its segments (`stats`, default `merged()`) plus what
-        was trained before a restart inside it (`carried`)."""
-        stats = self.merged() if stats is None else stats
-        c = self.carried
-        return EpochCounts(c.steps + max((s.steps for s in stats), default=0),
-                           c.samples + sum(s.samples for s in stats),
-                           c.train_s + max((s.train_s for s in stats), default=0.0),
-                           c.comm_s + max((s.comm_s for s in stats), default=0.0))
-
-    def consumed(self) -> dict[int, list[list[int]]]:
-        out: dict[int, list[list[int]]] = {}
-        for s in self.items:
-            out.setdefault(s.rank, []).extend(s.consumed)
-        return out
-
-    def paused_ranks(self) -> list[int]:
-        """The replicas whose segment ended paused (for a switch or a grow) this pass."""
-        return [r for r, item in self.ended.items() if item.kind == "paused"] if self.begun else []
-
-    def awaiting_steps(self) -> set[int]:
-        return set().union(*(r.waiting for r in self.recoveries)) if self.recoveries else set()
+    passes: int = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -200,7 +134,7 @@ class Pending:
         return self.guard.saved() if self.guard is not None else None
 
 
-@dataclass
+@dataclass(frozen=True)
 class GrowPlan:
     """What Reconfiguring carries out for a grow: the replicas started for it that are ready join
     (orchestrator/control/reconfig/elastic.py holds who they are)."""
@@ -217,35 +151,35 @@ class RateBase:
     global_batch: bool
 
 
-@dataclass
+@dataclass(frozen=True)
 class Starting:
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class Running:
     segment: EpochSegment
     pending: Pending = field(default_factory=Pending)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Reconfiguring:
     plan: Union[Plan, SwitchPlan, GrowPlan, EvacuationPlan]  # failures to repair, a switch, a grow, an evacuation
     segment: EpochSegment
     pending: Pending = field(default_factory=Pending)  # then: Running(segment, pending) goes on with it
 
 
-@dataclass
+@dataclass(frozen=True)
 class Finishing:
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class Finished:
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class Errored:
     error: BaseException
     pending: Optional[Pending] = None  # the state's it left (an interrupt: its checkpoint keeps a switch's guard)

@@ -1,11 +1,12 @@
 """Connecting to Ray: an existing session, RAY_ADDRESS, or an embedded local cluster; and
-whether the connected cluster can hold the job's replicas."""
+whether the connected cluster can hold the job's replicas; its nodes as the run sees them."""
 from __future__ import annotations
 
 import logging
 import os
 import socket
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import ray
@@ -123,6 +124,28 @@ def _refusal(host: str, port: int, wait_s: float) -> Optional[str]:
         if time.monotonic() + RAY_ADDRESS_RETRY_S >= deadline:
             return why
         time.sleep(RAY_ADDRESS_RETRY_S)
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One node as Ray's GCS lists it: alive or not, its resources (total and free) and its
+    raylet's address."""
+    node_id: str
+    alive: bool
+    total: dict[str, float]
+    free: dict[str, float]
+    address: str = ""
+    port: int = 0
+
+
+def nodes() -> list[NodeView]:
+    """Every node Ray knows of, alive or dead, with what each has free (asks the GCS: call it
+    through a timeout, e.g. a Lane)."""
+    from ray._private.state import available_resources_per_node
+
+    listed, free = ray.nodes(), available_resources_per_node()
+    return [NodeView(n["NodeID"], bool(n.get("Alive")), dict(n.get("Resources") or {}), dict(free.get(n["NodeID"], {})),
+                     n.get("NodeManagerAddress", ""), int(n.get("NodeManagerPort") or 0)) for n in listed]
 
 
 def check_fits(replicas: int, cpus_per_replica: float, gpus_per_replica: float) -> None:

@@ -32,6 +32,7 @@ from ray.exceptions import RayActorError
 from actors.incarnation import incarnation_name
 from orchestrator.errors import TrainingError
 from orchestrator.fleet.outcomes import DIED, HUNG, RAISED, gather, outcome_of
+from policies.messages import FleetEvent
 
 START_TIMEOUT_S = 60.0  # a rebuilt server's process starts and reads its journal within this
 REBUILDS_PER_CALL = 5  # a call that meets this many dead or stopped incarnations in a row ends the run
@@ -119,7 +120,7 @@ class ServerLink:
         return self.result(self.send(method, *args, **kwargs), what, timeout_s)
 
     # ---- watching -----------------------------------------------------------------------------
-    def poll(self) -> list[dict]:
+    def poll(self) -> list[FleetEvent]:
         """Never waits: look at the last ping's answer (a dead server is rebuilt, one silent for
         hang_s is killed and rebuilt), send the next; the rebuilds' events since the last poll."""
         now = time.monotonic()
@@ -157,9 +158,12 @@ class ServerLink:
         status = started.value
         for call_id in sorted(self.pending):
             self._send(self.pending[call_id])
-        self.events.append({"kind": "server_rebuilt", "generation": self.generation, "detected_by": detected_by,
-                            "epoch": status.epoch, "partitions_done": len(status.done),
-                            "calls_resent": len(self.pending), "recovery_s": round(time.monotonic() - t0, 3)})
+        took = round(time.monotonic() - t0, 3)
+        self.events.append(FleetEvent("server_rebuilt", {
+            "generation": self.generation, "detected_by": detected_by, "epoch": status.epoch,
+            "partitions_done": len(status.done), "calls_resent": len(self.pending), "recovery_s": took},
+            f"partition server died ({detected_by}); rebuilt from its journal in {took:.2f}s, epoch {status.epoch} "
+            f"with {len(status.done)} partitions served kept"))
 
     def shutdown(self) -> None:
         try:

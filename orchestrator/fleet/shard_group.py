@@ -17,6 +17,7 @@ from actors.shards.client import ShardDirectory
 from orchestrator.fleet.shard_slots import Slot, rebuild_event
 from orchestrator.errors import TrainingError
 from orchestrator.fleet.outcomes import DIED, HUNG, RAISED, Outcome, describe, gather, outcome_of
+from policies.messages import FleetEvent
 
 ATTEMPTS = 3  # a call every shard must answer: asked again after a rebuild at most this many times
 REBUILD_WAIT_S = 60.0  # the least a rebuild is waited for: a new actor's process start, seconds to tens on a loaded host
@@ -40,7 +41,7 @@ class ShardGroup:
         self.rebuilds = 0
         self.placement: Any = None  # the scheduling strategy shards (and their rebuilds) are started with
         self.hang_s: Optional[float] = None  # a shard whose ping goes unanswered this long is killed and rebuilt
-        self._held: list[dict] = []  # events of rebuilds done while a control call waited: the next poll() reports them
+        self._held: list[FleetEvent] = []  # events of rebuilds done while a control call waited: the next poll() reports them
 
     @classmethod
     def create(cls, initial: np.ndarray, bounds: list[tuple[int, int]], optimizer: str, lr: float, momentum: float,
@@ -109,12 +110,12 @@ class ShardGroup:
         slot.handle.confirm_snapshot.remote(version)
 
     # ---- the controller's loop -----------------------------------------------------------
-    def poll(self, now: Optional[float] = None) -> list[dict]:
+    def poll(self, now: Optional[float] = None) -> list[FleetEvent]:
         """Snapshot shards that are due, notice dead ones, rebuild them, and report each rebuild
         once a client has reconnected and nothing the clients saw is missing (or `settle_s`
-        passed): one event per rebuild,
-        {"kind": "shard_rebuilt", "shard", "generation", "detected_by", "snapshot_version",
-        "version_at_death", "replayed_updates", "resent_updates", "lost_updates", "recovery_s"}.
+        passed): one `shard_rebuilt` event per rebuild (shard_slots.rebuild_event: its shard,
+        generation, detected_by, snapshot_version, version_at_death, replayed_updates,
+        resent_updates, lost_updates, recovery_s).
         lost_updates = the newest version the driver or a reconnecting client saw - (snapshot
         version + replayed), plus log entries clients had to drop; 0 when nothing acknowledged was
         lost. Never waits on a shard."""
@@ -148,7 +149,7 @@ class ShardGroup:
         now = time.monotonic() if now is None else now
         return any(s.state == "up" and now - s.answered_at > self.hang_s for s in self._slots)
 
-    def settle_all(self, timeout_s: float = 5.0) -> list[dict]:
+    def settle_all(self, timeout_s: float = 5.0) -> list[FleetEvent]:
         """The events of rebuilds still waiting for their clients' replay, as they stand now
         (the run is ending: no more replay will come), after any a control call's rebuild left."""
         events, self._held = self._held, []

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from policies.messages import FleetEvent
+
 
 @dataclass
 class Slot:
@@ -33,7 +35,7 @@ class Slot:
     info: Any = None  # pending recovery_info ref
 
 
-def rebuild_event(i: int, slot: Slot, info: dict[str, Any], now: float) -> Optional[dict]:
+def rebuild_event(i: int, slot: Slot, info: dict[str, Any], now: float) -> Optional[FleetEvent]:
     """Shard i's `shard_rebuilt` event from its new incarnation's recovery_info, or None while
     it should wait for its clients' replay (something is missing, or no client has reconnected
     yet, and `slot.settle_deadline` is not reached). lost_updates = the newest version the
@@ -47,7 +49,7 @@ def rebuild_event(i: int, slot: Slot, info: dict[str, Any], now: float) -> Optio
     # which can be as old as the snapshot: no client yet is no evidence that nothing is missing
     if (lost or not info.get("clients")) and now < slot.settle_deadline:
         return None
-    event = {"kind": "shard_rebuilt", "shard": i, "generation": slot.generation, "detected_by": slot.detected_by,
+    event = {"shard": i, "generation": slot.generation, "detected_by": slot.detected_by,
              "snapshot_version": slot.rebuilt_from, "version_at_death": seen if seen else slot.version_at_death,
              "replayed_updates": info["replayed"], "resent_updates": info["resent"], "lost_updates": lost,
              "recovery_s": round(slot.recovery_s, 3)}
@@ -55,4 +57,5 @@ def rebuild_event(i: int, slot: Slot, info: dict[str, Any], now: float) -> Optio
         event["lost_causes"] = {k: v for k, v in (
             ("dropped_from_full_log", info["dropped"]),
             ("not_replayed_within_settle_s", unreplayed)) if v}
-    return event
+    return FleetEvent("shard_rebuilt", event,
+                      f"shard {i} died and was rebuilt from its snapshot ({lost} acknowledged updates lost)")

@@ -193,6 +193,25 @@ CHECKPOINT_FLUSH_S = 10.0  # the MLflow writes asked for before a checkpoint, st
 DRAIN_S = 60.0  # a run that ends (or errs) waits this long for a checkpoint still being written
 
 
+@dataclass(frozen=True)
+class WriteOutcome:
+    """What one checkpoint write came to (`Checkpointer.written`): stored (`path`, `stored`: the
+    store's own path when a name was given too, `write_s`, `flush_late`: MLflow had not stored the
+    run's metrics in time), failed (`failed`: why) or superseded before it began (`superseded_by`:
+    the newer checkpoint's tag). `fields`: what its event carries besides (the caller's, and the
+    in-memory keeper's answer)."""
+
+    tag: str
+    step: int
+    fields: dict[str, Any]
+    path: str = ""
+    stored: str = ""
+    write_s: float = 0.0
+    flush_late: bool = False
+    failed: str = ""
+    superseded_by: str = ""
+
+
 class Checkpointer:
     """Writes a run's checkpoints (orchestrator/persistence/checkpoint.py) and remembers the newest.
 
@@ -225,7 +244,7 @@ class Checkpointer:
         self._cv = threading.Condition()
         self._waiting: Optional[WriteOrder] = None
         self._writing: Optional[WriteOrder] = None  # the order the background thread is storing
-        self._outcomes: list[dict[str, Any]] = []
+        self._outcomes: list[WriteOutcome] = []
         self._thread: Optional[threading.Thread] = None
         self.taken_s: dict[tuple[str, int], float] = {}  # (tag, step) -> seconds on the training path (its event's)
 
@@ -293,7 +312,8 @@ class Checkpointer:
             return path, stored
         with self._cv:
             if self._waiting is not None:
-                self._outcomes.append({"tag": self._waiting.tag, "superseded_by": tag, **self._waiting.fields})
+                self._outcomes.append(WriteOutcome(self._waiting.tag, self._waiting.step, self._waiting.fields,
+                                                   superseded_by=tag))
             self._waiting = order
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="checkpoint writer", daemon=True)
@@ -301,7 +321,7 @@ class Checkpointer:
             self._cv.notify_all()
         return path, stored
 
-    def _perform(self, order: WriteOrder, waited: bool = False) -> dict[str, Any]:
+    def _perform(self, order: WriteOrder, waited: bool = False) -> WriteOutcome:
         """Store the order (and hand it to the keeper, with checkpoint.in_memory: first for a
         background write, so a driver that dies meanwhile loses nothing; after storing for one the
         run waits on, the final or the interrupted one, which must reach storage first)."""
@@ -323,8 +343,8 @@ class Checkpointer:
         if order.named:
             save_checkpoint(order.store.storage, order.store.run_name, order.named, order.state)
         path = order.store.path_of(order.named) if order.named else stored
-        return {"tag": order.tag, "path": path, "stored": stored, "write_s": round(time.perf_counter() - t, 4),
-                "flush_late": late, **held, **order.fields}
+        return WriteOutcome(order.tag, order.step, {**held, **order.fields}, path, stored,
+                            round(time.perf_counter() - t, 4), late)
 
     def _loop(self) -> None:
         while True:
@@ -336,9 +356,9 @@ class Checkpointer:
             try:
                 outcome = self._perform(order)
             except Exception as exc:  # the store failed: said as the checkpoint's failure, the previous one kept
-                outcome = {"tag": order.tag, "failed": f"{type(exc).__name__}: {exc}", **order.fields}
+                outcome = WriteOutcome(order.tag, order.step, order.fields, failed=f"{type(exc).__name__}: {exc}")
             with self._cv:
-                if "failed" not in outcome:  # stored: the clocks count from it
+                if not outcome.failed:  # stored: the clocks count from it
                     self.stored = order.clock
                 self._outcomes.append(outcome)
                 self._writing = None
@@ -380,9 +400,8 @@ class Checkpointer:
         if self.memory is not None:
             self.memory.close()
 
-    def written(self) -> list[dict[str, Any]]:
-        """What each write since the last call came to: {"tag", "path", "stored", "write_s", "flush_late",
-        ...its fields}, {"tag", "failed": why, ...} or {"tag", "superseded_by": tag, ...}."""
+    def written(self) -> list[WriteOutcome]:
+        """What each write since the last call came to (stored, failed or superseded)."""
         with self._cv:
             out, self._outcomes = self._outcomes, []
         return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional
 
@@ -31,11 +32,30 @@ class Action(str, Enum):
     CHECKPOINT = "checkpoint"
 
 
+@dataclass
+class Requests:
+    """What the callbacks asked for that no policy has judged yet: for each action, who asked and
+    after which event (the first to ask; None: nobody)."""
+
+    stop: Optional[str] = None
+    checkpoint: Optional[str] = None
+
+    def ask(self, action: Action, who: str) -> None:
+        if getattr(self, action.name.lower()) is None:
+            setattr(self, action.name.lower(), who)
+
+    def take(self, action: Action) -> Optional[str]:
+        """Who asked for `action` (None: nobody), handed to the policy that judges it: asked no more."""
+        who = getattr(self, action.name.lower())
+        setattr(self, action.name.lower(), None)
+        return who
+
+
 class Reporter:
     def __init__(self, tracker: Optional[Tracker], display: Optional[ProgressDisplay], t0: float) -> None:
         self.tracker, self.display, self.t0 = tracker, display, t0
         self.callbacks: list[Any] = []
-        self.requests: dict[str, str] = {}  # an action asked for -> who asked, after which event
+        self.requests = Requests()
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Record an event (events.jsonl in MLflow, the result JSON); stamped with the wall time."""
@@ -51,7 +71,7 @@ class Reporter:
                       f"({', '.join(a.value for a in Action)} or None); dropped", file=sys.stderr, flush=True)
                 self.callbacks.remove(cb)
                 continue
-            self.requests.setdefault(action.value, f"{type(cb).__name__} after {kind}")
+            self.requests.ask(action, f"{type(cb).__name__} after {kind}")
         return event
 
     def metrics(self, rows: list[tuple[str, float, int]]) -> None:
@@ -61,12 +81,13 @@ class Reporter:
 
     def state(self, previous: Any, entered: Any) -> None:
         """The controller changed state: tell the callbacks that listen (on_state). Running
-        handing itself on with what is pending changed (the same epoch) is no change of state."""
+        handing itself on in the same epoch (what is pending changed, the epoch's streams opened,
+        a further pass began) is no change of state."""
         if entered is previous or not any(hasattr(cb, "on_state") for cb in self.callbacks):
             return
-        if type(entered) is type(previous) and getattr(entered, "segment", None) is getattr(previous, "segment", 0):
-            return
         seg = getattr(entered, "segment", None)
+        if type(entered) is type(previous) and seg is not None and seg.epoch == getattr(previous.segment, "epoch", None):
+            return  # Running handing itself on (what is pending changed, its streams opened, a further pass)
         plan = getattr(entered, "plan", None)
         self._call("on_state", {"from": type(previous).__name__, "to": type(entered).__name__,
                                 **({"plan": type(plan).__name__} if plan is not None else {}),

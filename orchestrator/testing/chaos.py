@@ -101,7 +101,8 @@ def reconfiguring(ctl: Any) -> Optional[str]:
     pause = state.pending.pause if isinstance(state, Running) and getattr(gate, "closed", False) else None
     if pause == "checkpoint":
         return "checkpoint"
-    if pause == "switch" and state.segment.paused_ranks():
+    record = getattr(getattr(getattr(ctl, "context", None), "ledger", None), "epoch", None)
+    if pause == "switch" and record is not None and record.paused_ranks():
         return "switch_pause"  # a replica has paused for it: the others are still on their way
     elastic = getattr(ctl, "elastic", None)
     if elastic is not None and getattr(elastic, "joining", None) is not None:

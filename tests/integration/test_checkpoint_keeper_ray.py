@@ -118,7 +118,7 @@ def test_a_named_run_finishing_without_in_memory_ends_the_keeper_an_earlier_driv
     ck = Checkpointer(str(tmp_path), keep=3, run_name="nightly")  # the same name, in_memory off
     ck.write({"step": 9, "model": {}, "finished": True}, "final", 9, 2, "mlflow-id", named="model.pt")
     [final] = ck.written()
-    assert final["in_memory_released"] and gone_within(name, 60), final
+    assert final.fields["in_memory_released"] and gone_within(name, 60), final
     again = Checkpointer(str(tmp_path), keep=3, run_name="nightly")
     again.write({"step": 10, "model": {}, "finished": True}, "final", 10, 2, "mlflow-id", named="model.pt")
-    assert "in_memory_released" not in again.written()[0]
+    assert "in_memory_released" not in again.written()[0].fields

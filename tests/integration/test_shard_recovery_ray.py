@@ -77,7 +77,7 @@ def poll_until(group, condition, timeout_s: float, events: list) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out; events so far: {events}"
         t0 = time.perf_counter()
-        events += group.poll()
+        events += [{"kind": e.kind, **e.fields} for e in group.poll()]  # as the run's events hold them
         POLL_S.append(time.perf_counter() - t0)
         time.sleep(0.1)
 

@@ -148,7 +148,7 @@ def test_a_new_generation_of_the_group_counts_in_its_own_store():
 
 
 def test_drops_of_a_segment_paused_for_a_grow_count_in_the_epoch():
-    from orchestrator.control.states import EpochSegment
+    from orchestrator.control.epoch_record import EpochRecord
 
     from policies.messages import SegmentEnd
 
@@ -156,10 +156,10 @@ def test_drops_of_a_segment_paused_for_a_grow_count_in_the_epoch():
         return SegmentEnd(kind, rank=1, epoch=3, steps=5, samples=40, train_s=1.0, comm_s=0.1, consumed=[], loss=0.5,
                           progress=[], step=0, mode_name=mode, mode={"dropped_steps": drops, "dropped_rows": 8 * drops})
 
-    segment = EpochSegment(epoch=3, t_start=0.0, items=[seg("paused", "allreduce", 2), seg("epoch", "allreduce", 3)])
-    [row] = segment.merged()
+    record = EpochRecord(items=[seg("paused", "allreduce", 2), seg("epoch", "allreduce", 3)])
+    [row] = record.merged()
     assert row.mode == {"dropped_steps": 5, "dropped_rows": 40} and row.steps == 10 and row.kind == "epoch"
-    other = EpochSegment(epoch=3, t_start=0.0, items=[seg("paused", "local_sgd", 2), seg("epoch", "allreduce", 3)])
+    other = EpochRecord(items=[seg("paused", "local_sgd", 2), seg("epoch", "allreduce", 3)])
     assert other.merged()[0].mode["dropped_steps"] == 3  # another mode's segment: not this mode's figure
     with pytest.raises(ValueError, match="segment ends as one of"):
         seg("finished", "allreduce", 0)

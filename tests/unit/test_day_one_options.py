@@ -94,7 +94,7 @@ def test_the_watched_metric_is_what_early_stopping_and_the_best_checkpoint_follo
 
 
 def test_a_callback_s_returned_action_is_held_for_the_policy_that_judges_it(capsys):
-    from orchestrator.reporting.reporter import Action, Reporter
+    from orchestrator.reporting.reporter import Action, Reporter, Requests
     from policies.decisions.stop import EpochSnapshot, StopPolicy
 
     class StopAtEpoch2:
@@ -112,14 +112,15 @@ def test_a_callback_s_returned_action_is_held_for_the_policy_that_judges_it(caps
     reporter = Reporter(None, None, 0.0)
     reporter.callbacks.extend([StopAtEpoch2(), AsksCheckpoint(), Confused()])
     reporter.event("epoch_end", epoch=1)
-    assert reporter.requests == {} and len(reporter.callbacks) == 2  # "pause" is no action: dropped
+    assert reporter.requests == Requests() and len(reporter.callbacks) == 2  # "pause" is no action: dropped
     assert "returned 'pause', not an action" in capsys.readouterr().err
     reporter.event("progress", step=5)
     reporter.event("epoch_end", epoch=2)
-    assert reporter.requests == {"checkpoint": "AsksCheckpoint after progress", "stop": "StopAtEpoch2 after epoch_end"}
+    assert reporter.requests == Requests(stop="StopAtEpoch2 after epoch_end", checkpoint="AsksCheckpoint after progress")
     policy = StopPolicy(epochs=10)
     assert not policy.decide(EpochSnapshot(2, {})).stop
-    decision = policy.decide(EpochSnapshot(2, {}, asked=reporter.requests.pop("stop")))
+    decision = policy.decide(EpochSnapshot(2, {}, asked=reporter.requests.take(Action.STOP)))
+    assert reporter.requests.stop is None  # handed on: asked no more
     assert decision.stop and decision.reason == "callback: StopAtEpoch2 after epoch_end asked to stop"
 
 

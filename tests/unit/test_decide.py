@@ -104,14 +104,14 @@ def ended_at(rank: int, step: int) -> SegmentEnd:
 
 def test_judged_is_a_repair_plan_or_the_runs_error():
     seg = EpochSegment(epoch=2, t_start=0.0)
-    seg.ended = {0: ended_at(0, 17), 1: ended_at(1, 9)}
+    ended = {0: ended_at(0, 17), 1: ended_at(1, 9)}
     failures = [ReplicaFailure(1, "died", "gone")]
-    nxt = d.judged(seg, Pending(), failures, [Replace(1, 0.0, "a new actor")], 99.0)
+    nxt = d.judged(seg, Pending(), failures, [Replace(1, 0.0, "a new actor")], 99.0, ended)
     assert isinstance(nxt, Reconfiguring) and isinstance(nxt.plan, Plan)
     assert nxt.plan.steps_at_interrupt == {0: 17}  # the survivors' steps, not the failed one's
     assert nxt.plan.t_detect_wall == 99.0 and nxt.plan.failures == failures
-    ended = d.judged(seg, Pending(), failures, Fail("no restarts left"), 99.0)
-    assert isinstance(ended, Errored) and "epoch 2: no restarts left" in str(ended.error)
+    over = d.judged(seg, Pending(), failures, Fail("no restarts left"), 99.0, ended)
+    assert isinstance(over, Errored) and "epoch 2: no restarts left" in str(over.error)
 
 
 def test_the_decision_module_brings_no_ray_in():
@@ -151,6 +151,23 @@ def test_what_is_pending_is_a_frozen_hashable_value():
         pending.pause = None
     assert hash(pending) == hash(dataclasses.replace(pending)) and pending == dataclasses.replace(pending)
     assert dataclasses.replace(pending, stopping=True) != pending
+
+
+def test_every_state_is_a_frozen_hashable_value_and_the_epoch_holds_no_stream():
+    """The states and the epoch in flight are values: frozen, hashable; the segment holds only
+    numbers and flags (the streams and their hang clocks are the fleet's EpochReader's)."""
+    seg = EpochSegment(3, 0.0)
+    assert {type(getattr(seg, f.name)) for f in dataclasses.fields(seg)} <= {int, float, bool}
+    states = [d.starting(), Running(seg, Pending()), d.enter(d.Grow(mid_epoch=True), seg, Pending()),
+              d.judged(seg, Pending(), [ReplicaFailure(1, "died", "gone")], [Replace(1, 0.0, "a new actor")], 9.0),
+              d.finished(), d.errored(KeyboardInterrupt(), Pending())]
+    for state in states:
+        hash(state)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(state, dataclasses.fields(state)[0].name if dataclasses.fields(state) else "x", None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        seg.begun = False
+    assert dataclasses.replace(seg, begun=False) != seg and hash(dataclasses.replace(seg)) == hash(seg)
 
 
 def test_an_interrupt_keeps_what_was_pending_when_it_went_up():

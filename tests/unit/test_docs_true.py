@@ -90,10 +90,14 @@ def strings_in(node: ast.AST) -> list[str]:
 def kinds_in(tree: ast.AST) -> set[str]:
     """The event kinds a module records: `<x>.event("kind", ...)` (the Reporter's one way out,
     orchestrator/reporting/reporter.py), and the kinds of event dicts handed to it later:
-    `{"kind": ...}`, `event["kind"] = ...`, `event.update(kind=...)`, `event.pop("kind", default)`
-    (the string constants of the value: `"a" if x else "b"` gives both)."""
+    `{"kind": ...}`, `event["kind"] = ...`, `event.update(kind=...)`, `event.pop("kind", default)`,
+    and what the fleet did on its own: `FleetEvent("kind", ...)` (the string constants of the
+    value: `"a" if x else "b"` gives both)."""
     found: set[str] = set()
     for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "FleetEvent"
+                and node.args):
+            found.update(strings_in(node.args[0]))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             if node.func.attr == "event" and node.args and isinstance(node.args[0], ast.Constant):
                 found.add(node.args[0].value)

@@ -79,11 +79,12 @@ def test_a_background_checkpoint_is_in_memory_before_it_is_stored_and_the_final_
                    ("release",)]
     assert ck.memory.directory == f"{tmp_path}/r"
     outcomes = ck.written()
-    assert outcomes[0]["in_memory"] == outcomes[1]["in_memory"] == "node-x" and "in_memory" not in outcomes[2]
+    assert outcomes[0].fields["in_memory"] == outcomes[1].fields["in_memory"] == "node-x"
+    assert "in_memory" not in outcomes[2].fields
     assert CheckpointStore(str(tmp_path), "r", keep=3).latest_good()[1]["step"] == 9  # stored as without memory
     plain = Checkpointer(str(tmp_path), keep=3, run_name="q")
     plain.write({"step": 1, "model": {}}, "epoch_0001", 1, 1, "mlflow-id")
-    assert plain.memory is None and "in_memory" not in plain.written()[0]
+    assert plain.memory is None and "in_memory" not in plain.written()[0].fields
 
 
 def test_a_run_goes_on_from_memory_only_from_its_own_run_at_least_as_new_as_storage(tmp_path, monkeypatch):

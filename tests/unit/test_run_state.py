@@ -124,11 +124,11 @@ def test_a_background_write_lets_the_caller_go_on_and_a_newer_one_replaces_one_s
     assert not ck.drain(timeout_s=0.2) and not [f for f in tmp_path.glob("bg/ckpt-*")]  # still held
     gate.set()
     assert ck.drain(timeout_s=30)
-    done = {o["tag"]: o for o in ck.written()}
-    assert done["e20"]["superseded_by"] == "e30" and "stored" not in done["e20"]
+    done = {o.tag: o for o in ck.written()}
+    assert done["e20"].superseded_by == "e30" and not done["e20"].stored
     assert {e.step for e in CheckpointStore(str(tmp_path), "bg", keep=5).list()} == {10, 30}
     path, state = CheckpointStore(str(tmp_path), "bg", keep=5).latest_good()
-    assert state["step"] == 30 and path == done["e30"]["stored"]
+    assert state["step"] == 30 and path == done["e30"].stored
 
 
 def test_a_write_that_waits_is_stored_before_it_returns_and_raises_when_the_store_fails(tmp_path):
@@ -137,7 +137,7 @@ def test_a_write_that_waits_is_stored_before_it_returns_and_raises_when_the_stor
     ck = Checkpointer(str(tmp_path), keep=2, run_name="now")
     path, stored = ck.write({"step": 1}, "final", 1, 1, "id", named="model.pt")
     assert path.endswith("now/model.pt") and (tmp_path / "now" / "model.pt").exists()
-    assert [o["path"] for o in ck.written()] == [path]
+    assert [o.path for o in ck.written()] == [path]
     (tmp_path / "now" / "ckpt-000000002-final.pt").mkdir()  # a directory where the file must go
     with pytest.raises(Exception):
         ck.write({"step": 2}, "final", 2, 1, "id")
@@ -146,7 +146,7 @@ def test_a_write_that_waits_is_stored_before_it_returns_and_raises_when_the_stor
     ck.write({"step": 4}, "bg", 4, 1, "id", wait=False)
     assert ck.drain(timeout_s=30)
     outcomes = ck.written()
-    assert any("failed" in o for o in outcomes), outcomes  # said, not raised on the writer's thread
+    assert any(o.failed for o in outcomes), outcomes  # said, not raised on the writer's thread
 
 
 def test_a_checkpoint_whose_write_failed_moves_no_clock_and_the_next_is_due_from_the_stored_one(tmp_path):
@@ -167,7 +167,7 @@ def test_a_checkpoint_whose_write_failed_moves_no_clock_and_the_next_is_due_from
     (tmp_path / "clk" / "ckpt-000000020-e2.pt").mkdir()  # a directory where the file must go: the store fails
     ck.write({"step": 20}, "e2", 20, 2, "id", wait=False)
     assert ck.drain(timeout_s=30)
-    assert "failed" in ck.written()[-1]
+    assert ck.written()[-1].failed
     assert (ck.last_step, ck.last_s) == (10, stored_s)
     assert ck.last_state["step"] == 20
     (tmp_path / "clk" / "ckpt-000000030-final.pt").mkdir()
@@ -200,8 +200,8 @@ def test_a_superseded_checkpoint_moves_no_clock_and_one_on_its_way_is_not_due_ag
         assert ck.last_step == step  # waiting: the newest on its way
     gate.set()
     assert ck.drain(timeout_s=30)
-    done = {o["tag"]: o for o in ck.written()}
-    assert "stored" in done["e10"] and done["e20"]["superseded_by"] == "e30" and "failed" in done["e30"]
+    done = {o.tag: o for o in ck.written()}
+    assert done["e10"].stored and done["e20"].superseded_by == "e30" and done["e30"].failed
     assert ck.last_step == 10  # the stored one: the next checkpoint is due from it
     assert ck.last_state["step"] == 30  # the newest taken, for a repair
 

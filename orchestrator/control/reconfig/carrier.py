@@ -30,7 +30,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from orchestrator.control.states import EpochSegment, Recovery
+from orchestrator.control.epoch_record import Recovery
+from orchestrator.control.states import EpochSegment
 
 if TYPE_CHECKING:
     from orchestrator.control.context import RunContext
@@ -97,10 +98,10 @@ def carry_out(run: "RunContext", change: Change, seg: EpochSegment, paused: Opti
     reopened = change.reopen(run, seg) if seg.begun else []
     t = time.perf_counter()
     for rank in reopened:
-        seg.ended.pop(rank, None)
+        run.ledger.epoch.ended.pop(rank, None)
         run.open_stream(seg, rank, resume=rank not in change.newcomers, announce=True)
     if seg.begun:
-        seg.disturbed = True  # the end of the epoch asks the server's ledger whether it was served whole
+        run.ledger.epoch.disturbed = True  # the end of the epoch asks the server's ledger whether it was served whole
     parts["reopen"] = time.perf_counter() - t
     event = change.event(run, seg, lr, reopened)
     if event is None:
@@ -109,9 +110,9 @@ def carry_out(run: "RunContext", change: Change, seg: EpochSegment, paused: Opti
                  reconfigure_parts_s={k: round(parts[k], 3) for k in STEPS if k in parts})
     waiting = change.waiting(run, seg, reopened)
     if waiting:
-        seg.recoveries.append(Recovery(event, change.t_wall, set(waiting), duration_key=change.duration_key))
+        run.ledger.epoch.recoveries.append(Recovery(event, change.t_wall, set(waiting), duration_key=change.duration_key))
     else:
-        run.report.event(event.pop("kind"), **event)
+        run.report.event(**event)
     return seg
 
 
@@ -125,10 +126,11 @@ def give_data(run: "RunContext", change: Change) -> None:
 def report_finished_passes(run: "RunContext", seg: EpochSegment, failed: set[int]) -> None:
     """Survivors that had ended their pass before the failure: their last completions go to the
     ledger now (their next stream starts a new pass and would overwrite them)."""
-    if seg.started is not None:
-        run.fleet.server.result(seg.started, f"partition server, start of epoch {seg.epoch}")
-        seg.started = None
-    done = {r: item.unreported for r, item in seg.ended.items() if item.kind == "epoch" and r not in failed}
+    record = run.ledger.epoch
+    started = run.fleet.reader.take_started()
+    if started is not None:
+        run.fleet.server.result(started, f"partition server, start of epoch {seg.epoch}")
+    done = {r: item.unreported for r, item in record.ended.items() if item.kind == "epoch" and r not in failed}
     # a failure seen after the pass closed (at the epoch's end): the completions it kept for the
     # next epoch's start go now, once (the same lists as the ended items': reported once)
     done.update(run.ledger.unreported)
@@ -138,4 +140,4 @@ def report_finished_passes(run: "RunContext", seg: EpochSegment, failed: set[int
     # survivors paused for a switch, a grow or an evacuation stay paused: the change still to
     # come reopens them (a replica reports what it trained since its last grant request itself
     # when it goes on); dropped here, nothing would ever reopen them
-    seg.ended = {r: item for r, item in seg.ended.items() if item.kind == "paused" and r not in failed}
+    record.ended = {r: item for r, item in record.ended.items() if item.kind == "paused" and r not in failed}

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import ray
 
 from orchestrator.checks import Lane, one_line
-from orchestrator.control.states import EpochSegment, RateBase
+from orchestrator.fleet.cluster import nodes as cluster_nodes
+from orchestrator.control.states import RateBase
 from policies.decisions.failure import ReplicaFailure
 from policies.decisions.lr_scaling import LrSchedule
 from policies.decisions.scaling import ClusterView, ScaleDecision, make_scaling_policy
@@ -140,16 +141,11 @@ class Elasticity:
     def view(self, exclude: frozenset = frozenset()) -> ClusterView:
         """The alive nodes' resources, total and free, without the nodes this run saw die, those
         being drained and `exclude`."""
-        from ray._private.state import available_resources_per_node
-
-        def look():
-            return ray.nodes(), available_resources_per_node()
-
-        nodes, free = self.lane.call(look, LOOK_TIMEOUT_S, "the Ray cluster's resources")
+        listed = self.lane.call(cluster_nodes, LOOK_TIMEOUT_S, "the Ray cluster's resources")
         gone = self.lost_nodes | set(self.drains.draining) | exclude  # a drained node takes nothing new
-        alive = [n for n in nodes if n.get("Alive") and n["NodeID"] not in gone]
-        total = {k: sum(n.get("Resources", {}).get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
-        available = {k: sum(free.get(n["NodeID"], {}).get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
+        alive = [n for n in listed if n.alive and n.node_id not in gone]
+        total = {k: sum(n.total.get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
+        available = {k: sum(n.free.get(k, 0.0) for n in alive) for k in ("CPU", "GPU")}
         return ClusterView.from_resources(total, available, len(alive))
 
     def room_outside(self, nodes: set[str]) -> int:
@@ -165,11 +161,12 @@ class Elasticity:
             return False
         if node_id in self.lost_nodes:
             return True
-        node = next((n for n in self.lane.call(ray.nodes, LOOK_TIMEOUT_S, "the Ray nodes") if n["NodeID"] == node_id), None)
-        lost = node is None or not node.get("Alive")
+        node = next((n for n in self.lane.call(cluster_nodes, LOOK_TIMEOUT_S, "the Ray nodes") if n.node_id == node_id),
+                    None)
+        lost = node is None or not node.alive
         if not lost:
             try:
-                socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]),
+                socket.create_connection((node.address, node.port),
                                          timeout=RAYLET_PROBE_TIMEOUT_S).close()
             except OSError:
                 lost = True
@@ -218,21 +215,22 @@ class Elasticity:
                 pass
 
     # ---- growing -----------------------------------------------------------------------------
-    def tick(self, seg: Optional[EpochSegment] = None, switching: bool = False) -> bool:
-        """`poll` (and, with the epoch in flight, `pause_for_ready`). A look at the cluster or a
-        request to the autoscaler that fails (no answer in time, a cluster or autoscaler that
+    def tick(self, begun: Optional[bool] = None, judging: bool = False, switching: bool = False) -> bool:
+        """`poll` (and, from Running, `pause_for_ready`: `begun`, the epoch's streams are open;
+        `judging`, failures wait for the failure policy). A look at the cluster or a request to
+        the autoscaler that fails (no answer in time, a cluster or autoscaler that
         refuses) is said, an event and a line, once for each distinct failure (`PollFailures`),
         and training goes on: the next poll looks again. A programming error here
         (PROGRAMMING_ERRORS) is raised: the run ends with its traceback rather than running on
         without elasticity, unsaid. Not while failures wait for the failure policy: a hung or
         raising replica is already out of the group, and the room it left is its replacement's,
         not a grow's. True when it closed the gate for a grow (the caller's Pending.pause)."""
-        if seg is not None and seg.failures:
+        if judging:  # failures wait for the failure policy
             return False
         try:
             self.poll()
-            if seg is not None:
-                return self.pause_for_ready(seg, switching)
+            if begun is not None:
+                return self.pause_for_ready(begun, switching)
         except PROGRAMMING_ERRORS:
             raise
         except Exception as exc:
@@ -275,13 +273,13 @@ class Elasticity:
         self._room_since = None
         self.report.say(f"growing {current} -> {decision.target}: {decision.reason}")
 
-    def pause_for_ready(self, seg: EpochSegment, switching: bool = False) -> bool:
+    def pause_for_ready(self, begun: bool, switching: bool = False) -> bool:
         """Mid-epoch, once a started replica is ready: the partition server pauses the replicas at
         their next partition boundary (allreduce: all after the same step), where it joins
         (Running -> Reconfiguring(GrowPlan): `Grow`). Not while a phase switch is pending (`switching`)
         or a failure is being handled. True when it closed the gate."""
         j = self.joining
-        if j is None or self.pause.closed or not seg.begun or switching or seg.failures:
+        if j is None or self.pause.closed or not begun or switching:
             return False
         done, _ = ray.wait(list(j.ready.values()), num_returns=len(j.ready), timeout=0)
         return bool(done) and self.pause.close()

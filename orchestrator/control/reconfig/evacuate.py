@@ -51,7 +51,8 @@ def notice(run: "RunContext", seg: EpochSegment, pending: Pending) -> Pending:
     every replica pauses at its next partition boundary. Not while failures wait for their
     decision or another reconfiguration holds the gate (it is looked at again each tick). What
     is pending after it."""
-    if pending.evacuation is not None or pending.switch is not None or seg.failures or run.fleet.pause.closed:
+    if pending.evacuation is not None or pending.switch is not None or run.ledger.epoch.failures \
+            or run.fleet.pause.closed:
         return pending
     drained = draining_members(run)
     if drained is None:
@@ -126,9 +127,9 @@ class Evacuate(Repair):
                                      run.cfg.strategy.timeout_s)
         # what the leaving replicas trained since their last grant request, said with their pause
         # or their pass's end (read now: the passes step clears the segment's ended items)
-        self.trained = {r: item.unreported for r, item in seg.ended.items()
+        self.trained = {r: item.unreported for r, item in run.ledger.epoch.ended.items()
                         if r in self.failed and item.kind in ("paused", "epoch") and item.unreported}
-        self.paused = [r for r in seg.paused_ranks() if r not in self.failed]  # they go on after the move
+        self.paused = [r for r in run.ledger.epoch.paused_ranks() if r not in self.failed]  # they go on after the move
         sg = run.fleet.shard_group
         if sg is not None:  # the leaving ranks' staleness clocks: a successor is welcomed at its step
             for rank in self.failed:

@@ -39,7 +39,7 @@ class Grow(Change):
         """Who may join: the started replicas that are ready (the rest later). They become
         members in the state step, once they hold the state (a grow's membership is committed
         last)."""
-        self.paused = seg.paused_ranks()
+        self.paused = run.ledger.epoch.paused_ranks()
         j, group = self.j, run.fleet.group
         self.ready: list[int] = []
         if j is None:

@@ -139,7 +139,7 @@ class Switching(Change):
         self.old_spec = mode_spec(self.old_mode)
         self.new_strategy = run.policies.switch.plan[self.plan.switch.phase]
         self.new_spec = mode_spec(self.new_strategy["mode"])
-        self.paused = seg.paused_ranks()
+        self.paused = run.ledger.epoch.paused_ranks()
 
     def hand_off(self, run: "RunContext", seg: EpochSegment) -> None:
         """The metric before; the shards seeded from the replicas or carried over; every replica's

@@ -142,7 +142,7 @@ class Repair(Change):
         for rank in self.replaced + self.dropped:
             to = [rank] if rank in self.replaced and run.phase.pinned else (self.survivors or self.newcomers)
             self.back[rank] = run.fleet.server.call("release", rank, to)
-        seg.disturbed = True
+        run.ledger.epoch.disturbed = True
 
     def hand_off(self, run: "RunContext", seg: EpochSegment) -> None:
         """Newcomers (and any survivor that applied a step the others did not) copy a survivor."""
@@ -150,7 +150,7 @@ class Repair(Change):
         if run.phase.spec.split_state:
             self.split_hand_off(run, seg)
             return
-        donor, self.donor_step = pick_donor(run, self.plan, self.survivors)
+        donor, self.donor_step = pick_donor(run.ledger.progress, self.plan, self.survivors)
         if donor is None and newcomers and not run.phase.spec.sharded:  # allreduce's state lived only in the replicas
             if run.last_state is None:
                 raise TrainingError(f"epoch {seg.epoch}: every replica holding the model died at once (replicas "
@@ -229,16 +229,17 @@ class Repair(Change):
         return event
 
 
-def pick_donor(run: "RunContext", plan: Plan, survivors: list[int]) -> tuple[Any, int]:
+def pick_donor(progress: dict[int, int], plan: Plan, survivors: list[int]) -> tuple[Any, int]:
     """The survivor every newcomer copies: in lock-step modes the one with the fewest steps
-    applied, so a step that some survivor applied and another did not is dropped everywhere."""
+    applied, so a step that some survivor applied and another did not is dropped everywhere
+    (`progress`: each member's last step reported)."""
     if not survivors:
-        return None, max(run.ledger.progress.values(), default=0)
+        return None, max(progress.values(), default=0)
     steps = {r: s for r, s in plan.steps_at_interrupt.items() if r in survivors}
     if steps:
         donor = min(steps, key=lambda r: (steps[r], r))
         return donor, steps[donor]
-    step = min(run.ledger.progress.get(r, 0) for r in survivors)
+    step = min(progress.get(r, 0) for r in survivors)
     return survivors[0], step
 
 
