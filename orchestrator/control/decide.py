@@ -46,7 +46,6 @@ from orchestrator.control.states import (EpochSegment, Errored, EvacuationPlan, 
 from orchestrator.errors import TrainingError
 from policies.decisions.failure import Decision, Fail, ReplicaFailure
 from policies.decisions.switching import Switch
-from policies.messages import SegmentEnd
 
 PAUSES = ("switch", "grow", "evacuate", "checkpoint")  # why the replicas may be pausing (Pending.pause)
 
@@ -103,7 +102,7 @@ class Observation:
 def normal(pending: Pending, gate_closed: bool) -> Pending:
     """Pending.pause is None whenever the gate is open: whoever opened it (a checkpoint taken, a
     change carried out, a grow's pause lifted at the boundary) ended the pause."""
-    return replace(pending, pause=None) if not gate_closed and pending.pause is not None else pending
+    return replace(pending, pause=None, checkpoint=None) if not gate_closed and pending.pause is not None else pending
 
 
 @dataclass(frozen=True)
@@ -304,14 +303,14 @@ def enter(exit_: Exit, seg: EpochSegment, pending: Pending) -> State:
 
 
 def judged(seg: EpochSegment, pending: Pending, failures: list[ReplicaFailure], decisions: Union[Fail, list[Decision]],
-           t_first_failure: float, ended: Optional[dict[int, SegmentEnd]] = None) -> State:
+           t_first_failure: float, interrupted: Optional[dict[int, int]] = None) -> State:
     """Judge's next state: the failure policy's `Fail` ends the run (Errored); else the repair
-    plan, with the lock-step survivors' steps at their interruption (`ended`: each member's last
-    segment end this pass, the epoch's record's)."""
+    plan, with the lock-step survivors' steps at their interruption (`interrupted`: rank -> step
+    of every member whose last segment this pass ended interrupted, the failed ones' dropped)."""
     if isinstance(decisions, Fail):
         return Errored(TrainingError(f"epoch {seg.epoch}: {decisions.reason}"))
     failed = {f.rank for f in failures}
-    steps = {r: item.step for r, item in (ended or {}).items() if r not in failed and item.kind == "interrupted"}
+    steps = {r: step for r, step in (interrupted or {}).items() if r not in failed}
     return Reconfiguring(repair_plan(failures, decisions, t_first_failure, steps), seg, pending)
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from orchestrator.control import checkpointing
 from orchestrator.control.failures import lost_meanwhile
-from orchestrator.control.states import EpochSegment, Pending
+from orchestrator.control.states import CheckpointPause, EpochSegment, Pending
 from orchestrator.errors import MemberLost, TrainingError
 from policies.decisions.checkpointing import due_for_drain, due_inside
 from orchestrator.reporting.reporter import Action
@@ -57,9 +57,8 @@ def consider(run: "RunContext", seg: EpochSegment, pending: Pending) -> Pending:
     steps = max(run.ledger.progress.values(), default=0) - run.checkpoints.last_step
     seconds = time.perf_counter() - max(run.checkpoints.last_s, run.ledger.train_started)
     if drained or asked or due_inside(steps, seconds, ck.every_steps, ck.every_s):
-        run.fleet.drains.driver_pending = drained  # counted once written (`take`); its event says what it was for
-        run.ledger.in_epoch.asked_by = run.report.requests.take(Action.CHECKPOINT)
-        return pending.pause_for(run.fleet.pause, PAUSE)
+        why = CheckpointPause(drained, run.report.requests.take(Action.CHECKPOINT))  # its event says what it was for
+        return pending.pause_for(run.fleet.pause, PAUSE, why)
     return pending
 
 
@@ -86,6 +85,7 @@ def driver_drained(drains: "DrainWatch", report: "Reporter", epoch: int) -> bool
 def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     """Every stream has ended with the gate closed for a checkpoint: write it with the epoch's
     place, open the gate, and let the paused replicas go on (module doc)."""
+    why = pending.checkpoint or CheckpointPause()
     record = run.ledger.epoch
     started = run.fleet.reader.take_started()
     if started is not None:
@@ -107,12 +107,10 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     details = {"in_epoch": {"epoch": seg.epoch, "partitions_done": len(place.done),
                             "partitions_begun": len(place.skips), "rows_trained": place.counts.samples,
                             "pause_s": round(time.perf_counter() - run.fleet.pause.closed_at, 4),
-                            **({"for": "driver_node_draining"} if run.fleet.drains.driver_pending else
-                               {"for": f"callback {run.ledger.in_epoch.asked_by}"} if run.ledger.in_epoch.asked_by
-                               else {})}}
-    run.ledger.in_epoch.asked_by = None
-    for_drain, run.fleet.drains.driver_pending = run.fleet.drains.driver_pending, False
-    run.fleet.drains.driver_checkpoints += for_drain
+                            **({"for": "driver_node_draining"} if why.for_drain else
+                               {"for": f"callback {why.asked_by}"} if why.asked_by else {})}}
+    for_drain = why.for_drain
+    run.fleet.drains.driver_checkpoints += for_drain  # counted once taken
     try:  # one for the driver's drained node is stored before the replicas go on: the node is going, and a
         # newer checkpoint must not replace it in the background before it was written
         written = checkpointing.take(run, f"in_epoch_{seg.epoch:04d}", run.cfg.strategy.timeout_s,
@@ -135,22 +133,23 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
             run.open_stream(seg, rank, resume=True)
 
 
-def give_up(run: "RunContext") -> None:
+def give_up(run: "RunContext", pending: Pending) -> None:
     """The gate opens without the checkpoint it was closed for (every replica ended its pass
-    first, or one failed): one due for the driver's drained node is due again (not counted)."""
+    first, or one failed): one due for the driver's drained node is due again (not counted), a
+    callback's is asked again, for the next pause (Running's next turn drops the pause's reasons
+    from what is pending: decide.normal)."""
     run.fleet.pause.open()
-    run.fleet.drains.driver_pending = False
-    if run.ledger.in_epoch.asked_by:  # a callback's checkpoint: asked again, for the next pause
-        run.report.requests.ask(Action.CHECKPOINT, run.ledger.in_epoch.asked_by)
-        run.ledger.in_epoch.asked_by = None
+    asked_by = pending.checkpoint.asked_by if pending.checkpoint is not None else None
+    if asked_by:
+        run.report.requests.ask(Action.CHECKPOINT, asked_by)
 
 
-def abandon(run: "RunContext", seg: EpochSegment) -> None:
+def abandon(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     """A failure while the gate is closed for a checkpoint: the checkpoint is given up and the
     gate opens before the repair. In the asynchronous modes the replicas that paused go on now
     (each reports what it trained with its next grant request); in the lock-step modes the
     repair reopens every member."""
-    give_up(run)
+    give_up(run, pending)
     why = "a replica failed while the replicas paused for it: given up, the next one comes when due"
     run.report.event("checkpoint_failed", epoch=seg.epoch, reason=why)
     run.report.say(f"checkpoint inside epoch {seg.epoch}: {why}")

@@ -103,7 +103,7 @@ def act(run: "RunContext", seg: EpochSegment, pending: Pending, exit_: Exit) -> 
     """Carry out one exit; the next state, or None to observe again."""
     if isinstance(exit_, Judge):
         if exit_.abandon_checkpoint:
-            mid_epoch.abandon(run, seg)  # a checkpoint inside the epoch waiting for the pause: given up
+            mid_epoch.abandon(run, seg, pending)  # a checkpoint inside the epoch waiting for the pause: given up
         return judge(run, seg, pending)
     if isinstance(exit_, OpenEpoch) or exit_ == Grow(mid_epoch=False):
         run.fleet.elastic.stop_pausing(pending.pause)  # an epoch boundary: a grow's pause nobody reached
@@ -115,7 +115,7 @@ def act(run: "RunContext", seg: EpochSegment, pending: Pending, exit_: Exit) -> 
         mid_epoch.take(run, seg, pending)  # a checkpoint inside the epoch; then the paused replicas go on
     elif isinstance(exit_, ClosePass):
         if exit_.give_up_checkpoint:
-            mid_epoch.give_up(run)  # every replica ended its pass first: the epoch's end checkpoints
+            mid_epoch.give_up(run, pending)  # every replica ended its pass first: the epoch's end checkpoints
         return close_pass(run, seg, pending)  # Running: a further pass of the epoch started
     elif isinstance(exit_, Interrupt):
         raise KeyboardInterrupt
@@ -260,7 +260,8 @@ def judge(run: "RunContext", seg: EpochSegment, pending: Pending) -> "State":
     record = run.ledger.epoch
     failures, record.failures = record.failures, []
     decisions = repair.decide(run, failures, {f.rank for f in failures})
-    nxt = judged(seg, pending, failures, decisions, record.t_first_failure or time.time(), record.ended)
+    interrupted = {r: item.step for r, item in record.ended.items() if item.kind == "interrupted"}
+    nxt = judged(seg, pending, failures, decisions, record.t_first_failure or time.time(), interrupted)
     record.t_first_failure = None
     return nxt
 

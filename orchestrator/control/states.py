@@ -105,6 +105,17 @@ class EvacuationPlan:
 
 
 @dataclass(frozen=True)
+class CheckpointPause:
+    """Why the replicas pause for a checkpoint inside the epoch besides its being due
+    (orchestrator/control/mid_epoch.py): the driver's own node is being drained (`for_drain`:
+    counted once written), or a callback's Action.CHECKPOINT asked (`asked_by`: who, after which
+    event; asked again if the checkpoint is given up)."""
+
+    for_drain: bool = False
+    asked_by: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class Pending:
     """What Running carries from one epoch to the next besides the epoch itself, and
     Reconfiguring hands back to it: a phase switch decided and not carried out yet (at the next
@@ -123,11 +134,12 @@ class Pending:
     # why the replicas are pausing at their next partition boundary (decide.PAUSES: "switch",
     # "grow", "evacuate", "checkpoint"), set with the gate's close; None while the gate is open
     pause: Optional[str] = None
+    checkpoint: Optional[CheckpointPause] = None  # pause "checkpoint": what it is for besides being due
 
-    def pause_for(self, gate: Any, why: str) -> "Pending":
+    def pause_for(self, gate: Any, why: str, checkpoint: Optional[CheckpointPause] = None) -> "Pending":
         """Close the pause gate (orchestrator/fleet/pause.py) for `why`: what is pending then;
         this one, unchanged, when the gate is closed already (one pause at a time)."""
-        return replace(self, pause=why) if gate.close() else self
+        return replace(self, pause=why, checkpoint=checkpoint) if gate.close() else self
 
     def probation(self) -> Optional[dict[str, Any]]:
         """The guard still judging, as a checkpoint keeps it (`Guard.saved`), or None."""

@@ -33,7 +33,6 @@ class DrainWatch:
         self.driver_node: Optional[str] = None  # the node this driver runs on (asked at the first need)
         self.driver_seen = False  # the drain of the driver's own node was reported
         self.driver_checkpoints = 0  # checkpoints taken for it (policies/decisions/checkpointing.py: due_for_drain)
-        self.driver_pending = False  # the gate is closed for one of them
 
     def look(self, now: Optional[float] = None) -> dict[str, float]:
         """The nodes being drained and their deadlines, looked at again once DRAIN_POLL_S has

@@ -78,7 +78,6 @@ class InEpoch:
     def __init__(self) -> None:
         self.taking: Optional[InEpochPlace] = None
         self.loaded: Optional[InEpochPlace] = None
-        self.asked_by: Optional[str] = None  # the callback whose Action.CHECKPOINT the one being taken answers
 
     def state_dict(self) -> Optional[dict[str, Any]]:
         """The place as a checkpoint holds it: a plain dict (InEpochPlace.saved), or None."""

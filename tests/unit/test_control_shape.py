@@ -180,7 +180,6 @@ STILL_BAGS: frozenset[str] = frozenset(f"orchestrator.control.{entry}" for entry
     "context:__init__(config)", "context:__init__(policies)", "context:make_policies(config)",
     "context:shards_optimizer(config)",
     "controller:__init__(config)", "controller:__init__(policies)", "controller:_reconfigure(state)",
-    "decide:judged(ended)",
     "epoch_end:__init__(fleet)", "epoch_end:__init__(ledger)", "epoch_end:adapt_batch(run)",
     "epoch_end:close_pass(run)", "epoch_end:end_epoch(run)", "epoch_end:interval_evaluation(run)",
     "epoch_end:watch(fleet)", "epoch_end:watch_servers(run)",

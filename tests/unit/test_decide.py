@@ -13,7 +13,6 @@ from orchestrator.control.states import (EpochSegment, Errored, EvacuationPlan, 
                                          Plan, Reconfiguring, Running, SwitchPlan)
 from policies.decisions.failure import Fail, Replace, ReplicaFailure
 from policies.decisions.switching import Switch
-from policies.messages import SegmentEnd
 from tests.unit.test_import_graph import import_graph, modules
 
 # an epoch running, two streams open, nothing pending: the loop reads
@@ -97,14 +96,9 @@ def test_enter_builds_each_leaving_state():
         d.enter(d.Read(), seg, pending)
 
 
-def ended_at(rank: int, step: int) -> SegmentEnd:
-    return SegmentEnd(kind="interrupted", rank=rank, epoch=2, steps=step, samples=0, train_s=0.0, comm_s=0.0,
-                      consumed=[], loss=0.0, progress=[], step=step, mode_name="allreduce")
-
-
 def test_judged_is_a_repair_plan_or_the_runs_error():
     seg = EpochSegment(epoch=2, t_start=0.0)
-    ended = {0: ended_at(0, 17), 1: ended_at(1, 9)}
+    ended = {0: 17, 1: 9}  # each member's step where its segment ended interrupted
     failures = [ReplicaFailure(1, "died", "gone")]
     nxt = d.judged(seg, Pending(), failures, [Replace(1, 0.0, "a new actor")], 99.0, ended)
     assert isinstance(nxt, Reconfiguring) and isinstance(nxt.plan, Plan)
@@ -142,6 +136,26 @@ def test_the_pause_is_the_states_and_ends_when_the_gate_opens():
     assert d.normal(pending, gate_closed=True) is pending  # still pausing: the replicas have not all paused yet
     assert d.normal(pending, gate_closed=False) == Pending()  # the gate opened (the grow carried out, or lifted)
     assert pending.pause == "grow"  # a value: what is pending is a new one
+
+
+def test_why_a_checkpoint_pauses_is_the_states_and_goes_with_the_pause():
+    """A checkpoint inside the epoch for the driver's drained node, or a callback's: the reason
+    rides on what is pending with the pause (not on the drain watch or the checkpoint part), and
+    is dropped with it once the gate opens."""
+    from orchestrator.control.states import CheckpointPause
+
+    class Gate:
+        closed = False
+
+        def close(self):
+            was, self.closed = self.closed, True
+            return not was
+
+    gate, why = Gate(), CheckpointPause(for_drain=True, asked_by="Saver after progress")
+    paused = Pending().pause_for(gate, "checkpoint", why)
+    assert (paused.pause, paused.checkpoint) == ("checkpoint", why)
+    assert paused.pause_for(gate, "grow") is paused  # one pause at a time: the gate was closed already
+    assert d.normal(paused, gate_closed=False) == Pending()
 
 
 def test_what_is_pending_is_a_frozen_hashable_value():
