@@ -80,13 +80,12 @@ def close_pass(run: "RunContext", seg: EpochSegment, pending: Pending):
     every partition was served, and start a further pass over what is left if not (Running on
     the segment's next pass)."""
     record = run.ledger.epoch
-    started = run.fleet.reader.take_started()
-    if started is not None:
-        run.fleet.server.result(started, f"partition server, start of epoch {seg.epoch}")
+    run.fleet.reader.check_started(run.fleet.server, seg.epoch)
     # a replica still paused here (the change it paused for went without reopening it) starts
     # the further pass afresh: what it trained since its last grant request is reported now
     completed = {r: item.unreported for r, item in record.ended.items() if item.kind in ("epoch", "paused")}
-    if not record.disturbed or at_max_steps(run.cfg.stop.max_steps, [item.step for item in record.ended.values()]):  # stop.max_steps: the epoch ends where its updates did
+    stopped_at = [item.step for item in record.ended.values()]  # stop.max_steps: the epoch ends where its updates did
+    if not record.disturbed or at_max_steps(run.cfg.stop.max_steps, stopped_at):
         run.ledger.unreported = completed
         return end_epoch(run, seg, pending)
     status = run.fleet.server.call("finish", completed)

@@ -15,6 +15,7 @@ from policies.messages import EpochCounts, ProgressRow, SegmentEnd
 
 COUNTED = ("dropped_steps", "dropped_rows", "tasks_pushed", "tasks_counted", "tasks_superseded", "tasks_backup")  # mode figures that are counts: summed over an epoch's segments
 
+
 @dataclass
 class Recovery:
     """A reconfiguration (a recovery or a phase switch) waiting for its members' first steps (to
@@ -29,6 +30,9 @@ class Recovery:
 
 @dataclass
 class EpochRecord:
+    """The current epoch's (module doc): changed in place as the streams are read, replaced whole
+    when the next epoch's segment is made."""
+
     items: list[SegmentEnd] = field(default_factory=list)  # segment ends: "epoch" / "interrupted" / "paused"
     ended: dict[int, SegmentEnd] = field(default_factory=dict)  # rank -> its last segment end this pass
     progress: list[ProgressRow] = field(default_factory=list)  # the lowest rank's progress rows

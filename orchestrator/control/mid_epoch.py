@@ -87,9 +87,7 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
     place, open the gate, and let the paused replicas go on (module doc)."""
     why = pending.checkpoint or CheckpointPause()
     record = run.ledger.epoch
-    started = run.fleet.reader.take_started()
-    if started is not None:
-        run.fleet.server.result(started, f"partition server, start of epoch {seg.epoch}")
+    run.fleet.reader.check_started(run.fleet.server, seg.epoch)
     ended = {r: item for r, item in record.ended.items() if item.kind in ("paused", "epoch")}
     paused = [r for r, item in ended.items() if item.kind == "paused"]
     # the completions said with a pause or a pass's end go to the ledger now (reported again
@@ -109,12 +107,11 @@ def take(run: "RunContext", seg: EpochSegment, pending: Pending) -> None:
                             "pause_s": round(time.perf_counter() - run.fleet.pause.closed_at, 4),
                             **({"for": "driver_node_draining"} if why.for_drain else
                                {"for": f"callback {why.asked_by}"} if why.asked_by else {})}}
-    for_drain = why.for_drain
-    run.fleet.drains.driver_checkpoints += for_drain  # counted once taken
+    run.fleet.drains.driver_checkpoints += why.for_drain  # counted once taken
     try:  # one for the driver's drained node is stored before the replicas go on: the node is going, and a
         # newer checkpoint must not replace it in the background before it was written
         written = checkpointing.take(run, f"in_epoch_{seg.epoch:04d}", run.cfg.strategy.timeout_s,
-                                     step=run.ledger.totals.steps + place.counts.steps, details=details, wait=for_drain,
+                                     step=run.ledger.totals.steps + place.counts.steps, details=details, wait=why.for_drain,
                                      probation=pending.probation())
         run.ledger.totals.checkpoint = written.path
         for exc in written.lost:

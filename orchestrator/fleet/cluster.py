@@ -159,10 +159,10 @@ def check_fits(replicas: int, cpus_per_replica: float, gpus_per_replica: float) 
 def shortfall(replicas: int, cpus_per_replica: float, gpus_per_replica: float) -> Optional[str]:
     """Why the connected cluster cannot hold the replicas now (the config error's line), or None."""
     def look() -> tuple[dict, list[dict]]:
-        return ray.cluster_resources(), [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        return ray.cluster_resources(), [n.total for n in nodes() if n.alive]
 
     try:
-        total, nodes = bounded(look, RESOURCES_TIMEOUT_S, "the Ray cluster's resources")
+        total, alive = bounded(look, RESOURCES_TIMEOUT_S, "the Ray cluster's resources")
     except TimeoutError as exc:
         raise TrainingError(str(exc)) from None
     for key, each in (("CPU", cpus_per_replica), ("GPU", gpus_per_replica)):
@@ -172,7 +172,7 @@ def shortfall(replicas: int, cpus_per_replica: float, gpus_per_replica: float) -
         if need > have + 1e-9:
             return (f"config error: scaling: {replicas} replicas x {each:g} {key} need {need:g} {key}, "
                     f"the cluster has {have:g}")
-        largest = max((n.get(key, 0.0) for n in nodes), default=have)
+        largest = max((n.get(key, 0.0) for n in alive), default=have)
         if each > largest + 1e-9:
             field = "cpus_per_replica" if key == "CPU" else "gpus_per_replica"
             return (f"config error: scaling.{field}: one replica needs {each:g} {key}, "
@@ -232,7 +232,7 @@ def node_local(path: str) -> Optional[str]:
     if "://" in path and not path.startswith("sqlite:"):
         return None
     try:
-        alive = [n for n in bounded(ray.nodes, RESOURCES_TIMEOUT_S, "the Ray cluster's nodes") if n.get("Alive")]
+        alive = [n for n in bounded(nodes, RESOURCES_TIMEOUT_S, "the Ray cluster's nodes") if n.alive]
     except TimeoutError:
         return None  # the cluster's view is not at hand: no warning rather than a wait
     if len(alive) < 2:

@@ -68,3 +68,10 @@ class EpochReader:
         """The server's start_epoch call (None: none outstanding), handed to be checked once."""
         started, self.started = self.started, None
         return started
+
+    def check_started(self, server: Any, epoch: int) -> None:
+        """The server's start_epoch call, if still outstanding, answered (its error raised): before
+        the driver reports what the epoch's members completed (`server`: the ServerLink)."""
+        started = self.take_started()
+        if started is not None:
+            server.result(started, f"partition server, start of epoch {epoch}")

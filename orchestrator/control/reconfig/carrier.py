@@ -127,9 +127,7 @@ def report_finished_passes(run: "RunContext", seg: EpochSegment, failed: set[int
     """Survivors that had ended their pass before the failure: their last completions go to the
     ledger now (their next stream starts a new pass and would overwrite them)."""
     record = run.ledger.epoch
-    started = run.fleet.reader.take_started()
-    if started is not None:
-        run.fleet.server.result(started, f"partition server, start of epoch {seg.epoch}")
+    run.fleet.reader.check_started(run.fleet.server, seg.epoch)
     done = {r: item.unreported for r, item in record.ended.items() if item.kind == "epoch" and r not in failed}
     # a failure seen after the pass closed (at the epoch's end): the completions it kept for the
     # next epoch's start go now, once (the same lists as the ended items': reported once)
